@@ -1,0 +1,136 @@
+"""Shared fixtures: a tokenizer trained in-process and tiny Llama/Qwen2 models built from config.
+
+Nothing here touches the network; every fixture is deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    'Answer in JSON: {"intent": "refund", "order_id": "A-1234", "priority": "high"}',
+    "user assistant system: please help me with my order, it has not arrived yet.",
+    "Hello world! How are you today? I am fine, thank you very much.",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 and punctuation , . ; : ! ? ' \" ( ) [ ] { } < > = + - * /",
+    "Instruction: translate to French. Input: cat. Output: chat.",
+]
+
+
+def build_tiny_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer (vocab 384) with ChatML special tokens and save it."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=384,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny_tokenizer")
+    build_tiny_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir: Path) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+
+
+def tiny_llama_config(vocab_size: int = 384) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
+def tiny_qwen2_config(vocab_size: int = 384) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
+def save_tiny_model(out_dir: Path, arch: str, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """Build a 2-layer model from config with fixed init and save it with the tiny tokenizer."""
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model: torch.nn.Module = LlamaForCausalLM(tiny_llama_config())
+    else:
+        model = Qwen2ForCausalLM(tiny_qwen2_config())
+    model.save_pretrained(out_dir)
+    PreTrainedTokenizerFast.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama", tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", tokenizer_dir)
+
+
+def write_jsonl(path: Path, rows: list[object]) -> Path:
+    """Write rows as JSON lines (strings are written verbatim, to make bad lines)."""
+    with path.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(row if isinstance(row, str) else json.dumps(row, ensure_ascii=False))
+            f.write("\n")
+    return path
