@@ -1,0 +1,231 @@
+"""Batched text generation for evaluation: sampling settings, stop tokens, prompt rendering.
+
+`generate_texts` is the one place that calls `model.generate`: it left-pads sorted batches, stops at
+every end-of-turn token the tokenizer and model know, and returns only the new text, in the order
+of the prompts. It works the same for a plain transformers model and a peft `PeftModel`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from peft import PeftModel
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+# End-of-turn markers of the common chat templates (ChatML/Qwen, Llama 3, Gemma, GPT-style).
+END_OF_TURN_TOKENS: tuple[str, ...] = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>")
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How to decode: greedy when `temperature` is 0, otherwise sampling."""
+
+    max_new_tokens: int = 256
+    """Most tokens generated per prompt (the stop tokens usually end it sooner)."""
+    temperature: float = 0.0
+    """Softmax temperature; 0 means greedy decoding (no sampling)."""
+    top_p: float = 0.9
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to top_p."""
+    top_k: int = 0
+    """Keep only the top_k most likely tokens when sampling; 0 turns the filter off."""
+    repetition_penalty: float = 1.2
+    """Penalises tokens already in the sequence; 1.0 turns the penalty off."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise ValueError(
+                f"SamplingSettings.max_new_tokens must be > 0, got {self.max_new_tokens}"
+            )
+        if self.temperature < 0:
+            raise ValueError(
+                f"SamplingSettings.temperature must be >= 0 (0 = greedy), got {self.temperature}"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingSettings.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingSettings.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(
+                f"SamplingSettings.repetition_penalty must be > 0 (1.0 = off), "
+                f"got {self.repetition_penalty}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        """True when these settings decode greedily (temperature 0)."""
+        return self.temperature == 0.0
+
+
+GREEDY = SamplingSettings(temperature=0.0, repetition_penalty=1.0)
+"""Plain greedy decoding, for deterministic evaluation."""
+
+
+def _as_id_list(ids: int | Iterable[int] | None) -> list[int]:
+    if ids is None:
+        return []
+    if isinstance(ids, int):
+        return [ids]
+    return [int(i) for i in ids]
+
+
+def stop_token_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    model_generation_config: GenerationConfig | None = None,
+) -> list[int]:
+    """Token ids that end a generated answer.
+
+    Args:
+        tokenizer: Tokenizer of the model.
+        model_generation_config: The model's `generation_config`, whose eos ids are added if given.
+
+    Returns:
+        The tokenizer's eos id, the ids of the end-of-turn tokens in `END_OF_TURN_TOKENS` that
+        exist in the vocabulary, and the generation config's eos ids, without duplicates, in that
+        order.
+    """
+    ids = _as_id_list(tokenizer.eos_token_id)
+    vocab = tokenizer.get_vocab()
+    ids += [vocab[token] for token in END_OF_TURN_TOKENS if token in vocab]
+    if model_generation_config is not None:
+        ids += _as_id_list(model_generation_config.eos_token_id)
+    return list(dict.fromkeys(ids))
+
+
+def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
+    """Render chat messages with the tokenizer's chat template, ending with the assistant cue.
+
+    Args:
+        tokenizer: Tokenizer with a chat template.
+        messages: `{"role": ..., "content": ...}` dicts, oldest first.
+
+    Returns:
+        The prompt text, special tokens included, ready for `generate_texts`.
+    """
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if not isinstance(rendered, str):
+        raise TypeError(f"apply_chat_template returned {type(rendered).__name__}, expected str")
+    return rendered
+
+
+def _decoding_kwargs(settings: SamplingSettings) -> dict[str, Any]:
+    # Every decoding knob is passed explicitly so that values from the model's
+    # generation_config.json (e.g. do_sample=True, top_k=20) cannot leak into the evaluation. Greedy
+    # omits the sampling-only knobs: transformers warns when they are set together with
+    # do_sample=False.
+    if settings.greedy:
+        return {"do_sample": False, "repetition_penalty": settings.repetition_penalty}
+    return {
+        "do_sample": True,
+        "temperature": settings.temperature,
+        "top_p": settings.top_p,
+        "top_k": settings.top_k,
+        "repetition_penalty": settings.repetition_penalty,
+    }
+
+
+def _left_pad(rows: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        attention_mask[i, width - len(row) :] = 1
+    return input_ids, attention_mask
+
+
+def _cut_at_stop(ids: list[int], stop_ids: set[int]) -> list[int]:
+    for position, token in enumerate(ids):
+        if token in stop_ids:
+            return ids[:position]
+    return ids
+
+
+def generate_texts(
+    model: PreTrainedModel | PeftModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    settings: SamplingSettings,
+    batch_size: int = 16,
+    seed: int | None = None,
+) -> list[str]:
+    """Generate a completion for every prompt, in batches, and return only the new text.
+
+    Prompts are sorted by token length (longest first) so that each batch holds similar lengths,
+    and left-padded, as decoder-only generation needs. The model is put in eval mode for the call
+    and its previous mode restored; the tokenizer is not modified.
+
+    Args:
+        model: A causal LM, plain or wrapped in a peft `PeftModel`.
+        tokenizer: Its tokenizer. Without a pad token, the eos token pads.
+        prompts: Fully rendered prompts (see `render_prompt`); they already hold the template's
+            special tokens, so none are added.
+        settings: Decoding settings; greedy when `settings.temperature` is 0.
+        batch_size: Prompts per `generate` call.
+        seed: Seeds sampling, for reproducible outputs with the same prompts and batch_size. The
+            caller's global RNG state is left untouched.
+
+    Returns:
+        One completion per prompt, in the order of `prompts`, cut at the first stop token,
+        decoded without special tokens and stripped.
+
+    Raises:
+        ValueError: If `batch_size` < 1, a prompt tokenizes to nothing, or the tokenizer has
+            neither a pad nor an eos token.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not prompts:
+        return []
+    stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
+    pad_id = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    )
+    if pad_id is None:
+        raise ValueError("the tokenizer has neither a pad token nor an eos token; set one of them")
+
+    encoded: list[list[int]] = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    for index, ids in enumerate(encoded):
+        if not ids:
+            raise ValueError(f"prompt {index} is empty after tokenization")
+    # Longest first: a batch that does not fit in memory fails at once, not at the end.
+    order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]), reverse=True)
+    device = next(model.parameters()).device
+    outputs: list[str] = [""] * len(prompts)
+    stop_set = set(stop_ids)
+
+    # transformers 5 no longer declares `generate` on PreTrainedModel (only on GenerationMixin
+    # subclasses), so the type checker sees it through nn.Module.__getattr__.
+    generate = cast(Callable[..., torch.Tensor], model.generate)
+    was_training = model.training
+    model.eval()
+    # A seeded call runs on a forked RNG so that the caller's random stream is left as it was;
+    # an unseeded call draws from (and advances) the global stream like any other sampling.
+    rng_devices = [device.index or 0] if device.type == "cuda" else []
+    rng = torch.random.fork_rng(devices=rng_devices) if seed is not None else nullcontext()
+    try:
+        with rng, torch.inference_mode():
+            if seed is not None:
+                torch.manual_seed(seed)
+            for start in range(0, len(order), batch_size):
+                batch = order[start : start + batch_size]
+                input_ids, attention_mask = _left_pad([encoded[i] for i in batch], pad_id)
+                generated = generate(
+                    input_ids=input_ids.to(device),
+                    attention_mask=attention_mask.to(device),
+                    max_new_tokens=settings.max_new_tokens,
+                    eos_token_id=stop_ids,
+                    pad_token_id=pad_id,
+                    use_cache=True,
+                    **_decoding_kwargs(settings),
+                )
+                new_tokens = generated[:, input_ids.shape[1] :].tolist()
+                for index, ids in zip(batch, new_tokens, strict=True):
+                    text = tokenizer.decode(_cut_at_stop(ids, stop_set), skip_special_tokens=True)
+                    outputs[index] = cast(str, text).strip()
+    finally:
+        model.train(was_training)
+    return outputs
