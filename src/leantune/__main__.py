@@ -1,0 +1,3 @@
+from leantune.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,75 @@
+"""From a JSONL file to training rows: read, validate, tokenise, length-check, pack."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from leantune.data.formats import BadLine, Record, read_jsonl
+from leantune.data.packing import Row, pack_examples, single_rows
+from leantune.data.tokenize import Example, encode_record
+
+
+class DataError(ValueError):
+    """The data cannot be trained on; the message says which file and lines and why."""
+
+
+@dataclass
+class PreparedData:
+    """Rows ready for the trainer plus what was rejected."""
+
+    rows: list[Row]
+    examples: list[Example]
+    records: list[Record]
+    bad: list[BadLine] = field(default_factory=list)
+    total_lines: int = 0
+
+    @property
+    def supervised_tokens(self) -> int:
+        return sum(e.num_supervised for e in self.examples)
+
+
+def prepare_file(
+    path: str | Path,
+    fmt: str,
+    tokenizer: PreTrainedTokenizerBase,
+    max_seq_len: int,
+    pack: bool,
+    system_prompt: str | None = None,
+    max_bad_fraction: float = 0.0,
+) -> PreparedData:
+    """Read, validate and tokenise `path`; pack when asked.
+
+    Raises:
+        DataError: more than `max_bad_fraction` of the lines are bad, or nothing is supervised.
+    """
+    records, bad = read_jsonl(path, fmt, system_prompt)
+    kept_records: list[Record] = []
+    examples: list[Example] = []
+    for rec in records:
+        ex = encode_record(tokenizer, rec)
+        if len(ex.input_ids) > max_seq_len:
+            reason = f"too long: {len(ex.input_ids)} tokens > data.max_seq_len={max_seq_len}"
+            bad.append(BadLine(rec.source, rec.line, reason))
+        elif ex.num_supervised == 0:
+            bad.append(BadLine(rec.source, rec.line, "no supervised tokens after tokenisation"))
+        else:
+            kept_records.append(rec)
+            examples.append(ex)
+    bad.sort(key=lambda b: b.line)
+    total = len(examples) + len(bad)
+    if total == 0:
+        raise DataError(f"{path}: no records (the file is empty)")
+    if bad and len(bad) / total > max_bad_fraction:
+        shown = "\n  ".join(str(b) for b in bad[:10])
+        more = f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else ""
+        raise DataError(
+            f"{path}: {len(bad)} of {total} lines are bad ({len(bad) / total:.1%} > "
+            f"data.max_bad_fraction={max_bad_fraction:g}):\n  {shown}{more}"
+        )
+    if not examples or sum(e.num_supervised for e in examples) == 0:
+        raise DataError(f"{path}: no supervised tokens; refusing to train on nothing")
+    rows = pack_examples(examples, max_seq_len) if pack else single_rows(examples)
+    return PreparedData(rows, examples, kept_records, bad, total)

@@ -1,0 +1,158 @@
+"""Read JSONL training data in the alpaca, chat or text format, validating every line.
+
+Every bad line is reported with its file, line number, field and reason; nothing is dropped
+silently. Alpaca records are normalised to chat messages so one tokeniser path serves both.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FORMATS = ("alpaca", "chat", "text")
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Record:
+    """One valid example: chat `messages` (chat and alpaca) or `text` (text format)."""
+
+    source: str
+    line: int
+    messages: tuple[dict[str, str], ...] | None = None
+    text: str | None = None
+
+
+@dataclass(frozen=True)
+class BadLine:
+    """A rejected line: where it is and why."""
+
+    file: str
+    line: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.reason}"
+
+
+class BadRecordError(ValueError):
+    """A record fails validation; the message names the field."""
+
+
+def _require_str(obj: dict[str, Any], key: str, allow_empty: bool = False) -> str:
+    if key not in obj:
+        raise BadRecordError(f"missing field '{key}'")
+    value = obj[key]
+    if not isinstance(value, str):
+        raise BadRecordError(f"field '{key}' must be a string, got {type(value).__name__}")
+    if not allow_empty and not value.strip():
+        raise BadRecordError(f"field '{key}' is empty")
+    return value
+
+
+def parse_alpaca(obj: dict[str, Any], system_prompt: str | None) -> list[dict[str, str]]:
+    """`instruction`, optional `input`, `output` -> system?/user/assistant messages."""
+    instruction = _require_str(obj, "instruction")
+    extra = obj.get("input", "")
+    if extra is None:
+        extra = ""
+    if not isinstance(extra, str):
+        raise BadRecordError(f"field 'input' must be a string, got {type(extra).__name__}")
+    output = _require_str(obj, "output")
+    user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return [*messages, {"role": "user", "content": user}, {"role": "assistant", "content": output}]
+
+
+def parse_chat(obj: dict[str, Any], system_prompt: str | None) -> list[dict[str, str]]:
+    """OpenAI-shaped `messages`; the last message must be a non-empty assistant answer."""
+    messages = obj.get("messages")
+    if messages is None:
+        raise BadRecordError("missing field 'messages'")
+    if not isinstance(messages, list) or not messages:
+        raise BadRecordError("field 'messages' must be a non-empty list")
+    out: list[dict[str, str]] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise BadRecordError(f"messages[{i}] must be an object")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise BadRecordError(
+                f"messages[{i}].role must be one of {'/'.join(ROLES)}, got {role!r}"
+            )
+        content = msg.get("content")
+        if not isinstance(content, str):
+            raise BadRecordError(f"messages[{i}].content must be a string")
+        out.append({"role": role, "content": content})
+    if out[-1]["role"] != "assistant":
+        raise BadRecordError("the last message must be from the assistant (the answer to learn)")
+    for i, msg in enumerate(out):
+        if msg["role"] == "assistant" and not msg["content"].strip():
+            raise BadRecordError(f"messages[{i}].content: empty assistant answer")
+    if system_prompt and out[0]["role"] != "system":
+        out.insert(0, {"role": "system", "content": system_prompt})
+    return out
+
+
+def parse_record(obj: Any, fmt: str, system_prompt: str | None = None) -> dict[str, Any]:
+    """Validate one decoded JSON value; returns `{"messages": ...}` or `{"text": ...}`.
+
+    Raises:
+        BadRecordError: naming the field and the problem.
+    """
+    if not isinstance(obj, dict):
+        raise BadRecordError(f"expected a JSON object, got {type(obj).__name__}")
+    if fmt == "text":
+        return {"text": _require_str(obj, "text")}
+    parsers: dict[str, Callable[[dict[str, Any], str | None], list[dict[str, str]]]] = {
+        "alpaca": parse_alpaca,
+        "chat": parse_chat,
+    }
+    return {"messages": parsers[fmt](obj, system_prompt)}
+
+
+def read_jsonl(
+    path: str | Path, fmt: str, system_prompt: str | None = None
+) -> tuple[list[Record], list[BadLine]]:
+    """Read and validate a JSONL file. Blank lines are skipped; every other bad line is reported.
+
+    Raises:
+        ValueError: unknown format. FileNotFoundError: missing file.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"data.format: {fmt!r} is not one of {' | '.join(FORMATS)}")
+    path = Path(path)
+    records: list[Record] = []
+    bad: list[BadLine] = []
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                bad.append(BadLine(str(path), lineno, f"not valid UTF-8 (byte {e.start})"))
+                continue
+            if not text.strip():
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                bad.append(BadLine(str(path), lineno, f"invalid JSON: {e.msg} at column {e.colno}"))
+                continue
+            try:
+                parsed = parse_record(obj, fmt, system_prompt)
+            except BadRecordError as e:
+                bad.append(BadLine(str(path), lineno, str(e)))
+                continue
+            messages = parsed.get("messages")
+            records.append(
+                Record(
+                    source=str(path),
+                    line=lineno,
+                    messages=tuple(messages) if messages is not None else None,
+                    text=parsed.get("text"),
+                )
+            )
+    return records, bad

@@ -1,0 +1,63 @@
+"""Deterministic micro-batches addressable by index, so resuming needs only one integer.
+
+Micro-batch `k` of a run is a pure function of (rows, micro_batch_size, seed, k): epoch
+`k // batches_per_epoch` uses its own seeded permutation. A checkpoint stores `k` and the resumed
+run sees exactly the batches the uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from leantune.data.packing import Row
+from leantune.data.tokenize import IGNORE_INDEX
+
+
+class BatchSchedule:
+    """Maps a global micro-batch index to the row indices it contains."""
+
+    def __init__(self, num_rows: int, micro_batch_size: int, seed: int, shuffle: bool = True):
+        if num_rows < 1:
+            raise ValueError("no training rows")
+        self.num_rows = num_rows
+        self.micro_batch_size = micro_batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.batches_per_epoch = -(-num_rows // micro_batch_size)
+        self._epoch = -1
+        self._perm: list[int] = []
+
+    def _permutation(self, epoch: int) -> list[int]:
+        if epoch != self._epoch:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                self._perm = torch.randperm(self.num_rows, generator=g).tolist()
+            else:
+                self._perm = list(range(self.num_rows))
+            self._epoch = epoch
+        return self._perm
+
+    def indices(self, k: int) -> list[int]:
+        """Row indices of global micro-batch `k`."""
+        epoch, j = divmod(k, self.batches_per_epoch)
+        perm = self._permutation(epoch)
+        return perm[j * self.micro_batch_size : (j + 1) * self.micro_batch_size]
+
+
+def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad rows into tensors. Padding gets its own restarting position ids and no labels.
+
+    No attention mask is returned: right padding is never attended by real tokens under a causal
+    mask, and restarting position ids keep packed examples apart.
+    """
+    width = max(len(r.input_ids) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    pos = torch.zeros((len(rows), width), dtype=torch.long)
+    for b, r in enumerate(rows):
+        n = len(r.input_ids)
+        ids[b, :n] = torch.tensor(r.input_ids)
+        labels[b, :n] = torch.tensor(r.labels)
+        pos[b, :n] = torch.tensor(r.position_ids)
+        pos[b, n:] = torch.arange(width - n)
+    return {"input_ids": ids, "labels": labels, "position_ids": pos}

@@ -1,0 +1,37 @@
+"""Held-out loss and perplexity."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from leantune.data.loader import collate
+from leantune.data.packing import Row
+from leantune.training.loss import count_supervised, token_loss_sum
+from leantune.training.precision import autocast
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: nn.Module,
+    rows: list[Row],
+    pad_id: int,
+    batch_size: int = 8,
+    precision: str = "fp32",
+    device: torch.device | None = None,
+) -> dict[str, float]:
+    """Mean token loss over all supervised tokens of `rows`, and its perplexity."""
+    device = device or next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(rows), batch_size):
+        batch = {k: v.to(device) for k, v in collate(rows[i : i + batch_size], pad_id).items()}
+        with autocast(device.type, precision):
+            total += float(token_loss_sum(model, batch))
+        count += count_supervised(batch["labels"])
+    model.train(was_training)
+    loss = total / max(1, count)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": float(count)}

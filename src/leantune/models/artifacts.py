@@ -1,0 +1,85 @@
+"""Save what a run produced and load it back for `eval` and `generate`.
+
+A full fine-tune saves an HF model directory. An adapter method saves peft's on-disk adapter
+format (loadable by `peft.PeftModel.from_pretrained`) plus `leantune_base.json`, which points at
+the base model so leantune can rebuild it without a hub lookup.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from peft import PeftModel
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from leantune.models.loading import ModelSource, load_model, load_tokenizer, resolve_model
+
+BASE_POINTER = "leantune_base.json"
+
+
+def save_final(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: Path,
+    base_path: str,
+    base_gguf_file: str | None = None,
+) -> Path:
+    """Write the trained model atomically: into a temporary sibling, then renamed into place.
+
+    `base_path` is the model path as the user gave it (a demo name stays a name, so the pointer
+    survives a move of the leantune cache); local paths should be absolute.
+    """
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)  # type: ignore[operator]
+    tokenizer.save_pretrained(tmp)
+    if isinstance(model, PeftModel):
+        pointer = {"base_model": base_path, "gguf_file": base_gguf_file}
+        (tmp / BASE_POINTER).write_text(json.dumps(pointer, indent=2) + "\n")
+    if out_dir.exists():
+        old = out_dir.with_name(f".old-{out_dir.name}-{os.getpid()}")
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)
+    return out_dir
+
+
+def is_adapter_dir(path: Path) -> bool:
+    """True for a peft adapter directory."""
+    return (path / "adapter_config.json").is_file()
+
+
+def load_for_inference(
+    path: str, dtype: str = "fp32", trust_remote_code: bool = False
+) -> tuple[PreTrainedModel | PeftModel, PreTrainedTokenizerBase]:
+    """Load a model directory, GGUF file, hub id, demo name, or adapter directory (with its base).
+
+    Raises:
+        FileNotFoundError: an adapter directory whose base model cannot be found.
+    """
+    p = Path(path)
+    if p.is_dir() and is_adapter_dir(p):
+        pointer = p / BASE_POINTER
+        if pointer.is_file():
+            info = json.loads(pointer.read_text())
+            base = resolve_model(info["base_model"], info.get("gguf_file"))
+        else:
+            cfg = json.loads((p / "adapter_config.json").read_text())
+            base = resolve_model(cfg["base_model_name_or_path"])
+        model = load_model(base, dtype, trust_remote_code)
+        peft_model = PeftModel.from_pretrained(model, p)
+        tok_source = ModelSource(str(p)) if (p / "tokenizer_config.json").is_file() else base
+        peft_model.eval()
+        return peft_model, load_tokenizer(tok_source, trust_remote_code)
+    source = resolve_model(path)
+    model = load_model(source, dtype, trust_remote_code)
+    model.eval()
+    return model, load_tokenizer(source, trust_remote_code)

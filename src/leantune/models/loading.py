@@ -1,0 +1,93 @@
+"""Load a causal LM and its tokenizer from a local directory, a hub id, or a GGUF file.
+
+The demo model name `smollm2-135m-instruct` resolves through `leantune.models.demo_model`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from leantune.models.demo_model import DEMO_MODEL_NAMES, ensure_demo_model
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model lives: a directory or hub id, plus a GGUF file name inside it if any."""
+
+    location: str
+    gguf_file: str | None = None
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """Raised when a model path is neither a directory, a GGUF file nor a cached hub id."""
+
+
+def resolve_model(path: str, gguf_file: str | None = None) -> ModelSource:
+    """Turn a user-facing model path into a loadable source.
+
+    Args:
+        path: a local directory, a `.gguf` file, a hub id (`org/name`, served from the local HF
+            cache when offline), or the demo model name `smollm2-135m-instruct`.
+        gguf_file: a GGUF file name inside `path`, when `path` is a directory.
+
+    Returns:
+        The resolved source.
+
+    Raises:
+        ModelNotFoundError: the path does not exist locally and does not look like a hub id.
+    """
+    if path.lower() in DEMO_MODEL_NAMES:
+        return ModelSource(str(ensure_demo_model()))
+    p = Path(path).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return ModelSource(str(p.parent), p.name)
+    if p.is_dir():
+        return ModelSource(str(p), gguf_file)
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if looks_like_hub_id:
+        return ModelSource(path, gguf_file)
+    raise ModelNotFoundError(
+        f"model.path={path!r}: no such directory or .gguf file, and not a hub id 'org/name'. "
+        f"Use a local HF model directory, a .gguf file, or '{sorted(DEMO_MODEL_NAMES)[0]}'."
+    )
+
+
+def load_tokenizer(source: ModelSource, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """Load the tokenizer and make sure it has a pad token (falls back to eos)."""
+    tok = AutoTokenizer.from_pretrained(
+        source.location, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code
+    )
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(
+    source: ModelSource,
+    dtype: str = "fp32",
+    trust_remote_code: bool = False,
+    attn_implementation: str = "sdpa",
+) -> PreTrainedModel:
+    """Load a causal LM with its frozen weights in `dtype` ("fp32", "bf16" or "fp16")."""
+    local_only = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    model = AutoModelForCausalLM.from_pretrained(
+        source.location,
+        gguf_file=source.gguf_file,
+        dtype=DTYPES[dtype],
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
+        local_files_only=local_only,
+    )
+    return model

@@ -1,0 +1,61 @@
+"""The arithmetic of the loss, in one place.
+
+Losses are sums over supervised tokens divided by the supervised-token count of the whole
+accumulation window, so accumulating k micro-batches equals one k-times larger batch
+(transformers#34191 is what happens otherwise).
+
+The output projection runs only on supervised positions: with answer-only loss most positions
+carry no label, and the vocab projection (49k x 576 for SmolLM2) is a large share of the step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from leantune.data.tokenize import IGNORE_INDEX
+
+
+def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """The transformer body and the output projection of an HF causal LM (also inside peft)."""
+    get_decoder = getattr(model, "get_decoder", None)
+    get_head = getattr(model, "get_output_embeddings", None)
+    if get_decoder is None or get_head is None:
+        return None
+    decoder, head = get_decoder(), get_head()
+    if not isinstance(decoder, nn.Module) or not isinstance(head, nn.Linear):
+        return None
+    return decoder, head
+
+
+def supervised_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Logits at the supervised positions of `batch`, shape (n_supervised, vocab).
+
+    `use_cache=False` is required: transformers only derives the per-example (packed) mask from
+    position ids when no KV cache is created.
+    """
+    mask = batch["labels"] != IGNORE_INDEX
+    parts = _decoder_and_head(model)
+    if parts is None:
+        logits = model(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+        ).logits
+        return logits[mask]
+    decoder, head = parts
+    hidden = decoder(
+        input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+    ).last_hidden_state
+    return head(hidden[mask])
+
+
+def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Sum of cross-entropy over the supervised positions (labels are already shifted), in fp32."""
+    logits = supervised_logits(model, batch)
+    targets = batch["labels"][batch["labels"] != IGNORE_INDEX]
+    return F.cross_entropy(logits.float(), targets, reduction="sum")
+
+
+def count_supervised(labels: torch.Tensor) -> int:
+    """Number of positions that carry a label."""
+    return int((labels != IGNORE_INDEX).sum())

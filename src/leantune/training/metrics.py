@@ -1,0 +1,59 @@
+"""What a run reports: metrics.jsonl (one object per optimizer step), a progress bar, memory."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory so far: CUDA allocator peak on GPU, process peak RSS on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+class MetricsLog:
+    """Appends one JSON object per step to `metrics.jsonl`; on resume, drops steps after `step`
+    so the file holds exactly one trajectory."""
+
+    def __init__(self, path: Path, resume_step: int = 0):
+        self.path = path
+        kept: list[str] = []
+        if resume_step > 0 and path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line).get("step", 0) <= resume_step:
+                        kept.append(line)
+                except json.JSONDecodeError:
+                    break  # a torn last line from a kill
+        path.write_text("".join(x + "\n" for x in kept))
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """All step records of a metrics.jsonl."""
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def progress_bar(total: int, initial: int, enabled: bool) -> tqdm:
+    """Step progress bar with ETA on stderr."""
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc="train",
+        unit="step",
+        disable=not enabled,
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )

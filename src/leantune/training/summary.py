@@ -1,0 +1,38 @@
+"""summary.json: what a finished run achieved."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from leantune.training.checkpoint import TrainingState
+
+
+def write_summary(
+    run_dir: Path,
+    state: TrainingState,
+    trainable_params: int,
+    total_params: int,
+    results: dict[str, Any],
+    log: Any = print,
+) -> dict[str, Any]:
+    """Write run_dir/summary.json and print the headline numbers."""
+    extra = state.extra
+    summary: dict[str, Any] = {
+        "steps": state.step,
+        "train_time_s": round(float(extra.get("train_time_s", 0.0)), 2),
+        "trainable_params": trainable_params,
+        "total_params": total_params,
+        "base_exact_match": extra.get("base_exact_match"),
+        **results,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    parts = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()]
+    log("summary: " + ", ".join(parts))
+    if summary.get("base_exact_match") is not None and "eval_exact_match" in summary:
+        log(
+            f"exact match on held-out set: before {summary['base_exact_match']:.1%} -> "
+            f"after {summary['eval_exact_match']:.1%}"
+        )
+    return summary
