@@ -239,6 +239,7 @@ def test_resume_after_sigkill_is_bit_exact(
     assert [m["step"] for m in b] == [1, 2, 3, 4, 5, 6]
     assert [m["loss"] for m in a] == [m["loss"] for m in b]
     assert [m["grad_norm"] for m in a] == [m["grad_norm"] for m in b]
+    assert [m["lr"] for m in a] == [m["lr"] for m in b]
     wa = load_file(tmp_path / "a" / "final" / "adapter_model.safetensors")
     wb = load_file(tmp_path / "b" / "final" / "adapter_model.safetensors")
     assert wa.keys() == wb.keys()
@@ -255,3 +256,22 @@ def test_resume_never_starts_over(tiny_llama_dir: Path, chat_files, tmp_path: Pa
     train(cfg, log=logs.append)
     assert not any("resumed" in line for line in logs)
     assert [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tokenizer, tiny_llama_dir, chat_files):
+    data = prepare_file(chat_files[0], "chat", tokenizer, 128, pack=True)
+    cfg = load_config(None, ["method.name=lora"])
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = apply_method(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), cfg.method)
+        if checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        model.train()
+        backward_window(model, [collate(data.rows[:2], 0)], torch.device("cpu"), "fp32")
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-7)

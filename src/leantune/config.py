@@ -99,7 +99,7 @@ class TrainConfig:
     eval_exact_match: bool = False
     """Measure exact match on the eval set before and after training (chat/alpaca)."""
     eval_limit: int | None = None
-    """Evaluate on at most this many eval examples."""
+    """Use only the first N eval examples (loss, perplexity and exact match)."""
     eval_batch_size: int = 16
     """Batch size for evaluation and generation."""
     max_new_tokens: int = 128

@@ -39,13 +39,18 @@ def prepare_file(
     pack: bool,
     system_prompt: str | None = None,
     max_bad_fraction: float = 0.0,
+    limit: int | None = None,
 ) -> PreparedData:
-    """Read, validate and tokenise `path`; pack when asked.
+    """Read, validate and tokenise `path` (its first `limit` records if given); pack when asked.
 
     Raises:
         DataError: more than `max_bad_fraction` of the lines are bad, or nothing is supervised.
     """
     records, bad = read_jsonl(path, fmt, system_prompt)
+    if limit is not None:  # the first `limit` valid records (and the bad lines among them)
+        records = records[:limit]
+        last = records[-1].line if records else 0
+        bad = [b for b in bad if b.line <= last]
     kept_records: list[Record] = []
     examples: list[Example] = []
     for rec in records:

@@ -25,11 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-SYSTEM_PROMPT = (
-    "You are a support-desk assistant. Read the customer message and reply with only a JSON "
-    "object with keys in this order: intent, order_id, email, product, priority. "
-    "Use null for missing values."
-)
+# Short on purpose: it is repeated in every example, and on CPU every token of it costs time.
+SYSTEM_PROMPT = "Reply with a JSON support ticket for the message."
 
 INTENTS: tuple[str, ...] = (
     "refund",

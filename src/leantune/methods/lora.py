@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from peft import LoraConfig, get_peft_model
@@ -46,4 +47,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         bias="none",
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config, autocast_adapter_dtype=True)  # type: ignore[arg-type]
+    with warnings.catch_warnings():
+        # peft 0.21 calls transformers' deprecated `is_gradient_checkpointing`; not actionable here.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        return get_peft_model(model, config, autocast_adapter_dtype=True)  # type: ignore[arg-type]

@@ -93,12 +93,19 @@ def load_datasets(
     d = cfg.data
     assert d.train is not None
     prepared = []
-    for path in (d.train, d.eval):
+    for path, limit in ((d.train, None), (d.eval, cfg.train.eval_limit)):
         if path is None:
             prepared.append(None)
             continue
         data = prepare_file(
-            path, d.format, tokenizer, d.max_seq_len, d.pack, d.system_prompt, d.max_bad_fraction
+            path,
+            d.format,
+            tokenizer,
+            d.max_seq_len,
+            d.pack,
+            d.system_prompt,
+            d.max_bad_fraction,
+            limit,
         )
         for bad in data.bad[:20]:
             log(f"bad line skipped: {bad}")
@@ -232,6 +239,7 @@ def train_step(
 
 def train(cfg: Config, log: Log = print) -> dict[str, Any]:
     """Run (or resume) a fine-tune described by `cfg`; returns the run summary."""
+    started = time.perf_counter()
     for warning in validate(cfg):
         log(f"warning: {warning}")
     t = cfg.train
@@ -283,8 +291,12 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
         restore(trainer, ckpt_dir, log)
     extra = trainer.state.extra
     if t.eval_exact_match and eval_data is not None and "base_exact_match" not in extra:
+        t0 = time.perf_counter()
         extra["base_exact_match"] = exact_match(trainer, tokenizer, eval_data, cfg)
-        log(f"exact match before training: {extra['base_exact_match']:.1%}")
+        log(
+            f"exact match before training: {extra['base_exact_match']:.1%} "
+            f"({len(eval_data.records)} examples, {time.perf_counter() - t0:.0f} s)"
+        )
 
     metrics = MetricsLog(run_dir / "metrics.jsonl", trainer.state.step)
     bar = progress_bar(t.max_steps, trainer.state.step, cfg.run.progress)
@@ -308,15 +320,15 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
         results.update(eval_loss=ev["loss"], eval_perplexity=ev["perplexity"])
         if t.eval_exact_match:
             results["eval_exact_match"] = exact_match(trainer, tokenizer, eval_data, cfg)
+    results["wall_time_s"] = round(time.perf_counter() - started, 2)  # this invocation
     return write_summary(run_dir, trainer.state, trainable, total, results, log)
 
 
 def exact_match(
     trainer: Trainer, tokenizer: PreTrainedTokenizerBase, data: PreparedData, cfg: Config
 ) -> float:
-    """Greedy exact match on (at most `train.eval_limit`) eval conversations."""
+    """Greedy exact match on the eval conversations."""
     convs = [list(r.messages) for r in data.records if r.messages is not None]
-    convs = convs[: cfg.train.eval_limit] if cfg.train.eval_limit else convs
     with autocast(trainer.device.type, cfg.train.precision):
         score, _ = evaluate_exact_match(
             trainer.model, tokenizer, convs, cfg.train.eval_batch_size, cfg.train.max_new_tokens

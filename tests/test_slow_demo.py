@@ -1,0 +1,76 @@
+"""The real demo end to end (marker `slow`: minutes on CPU) and CUDA-only paths (marker `gpu`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import write_jsonl
+
+from leantune.config import load_config
+from leantune.training.checkpoint import latest_checkpoint, load_checkpoint
+from leantune.training.recipe import train
+
+
+@pytest.mark.slow
+def test_demo_learns_the_support_desk_task(tmp_path: Path) -> None:
+    run_dir = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "leantune", "train", f"run.dir={run_dir}", "run.progress=false"],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["base_exact_match"] <= 0.1
+    assert summary["eval_exact_match"] >= 0.9
+    assert summary["train_time_s"] < 300
+    assert (run_dir / "final" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_demo_model_loads_from_the_wheel_gguf() -> None:
+    from leantune.models.demo_model import find_demo_gguf
+    from leantune.models.loading import load_model, load_tokenizer, resolve_model
+
+    assert find_demo_gguf().suffix == ".gguf"
+    source = resolve_model("smollm2-135m-instruct")
+    model = load_model(source)
+    tok = load_tokenizer(source)
+    assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
+    assert "<|im_start|>" in tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp16_with_grad_scaler_on_cuda(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    rows = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+        for i in range(8)
+    ]
+    data = write_jsonl(tmp_path / "t.jsonl", rows)
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_llama_dir}",
+            f"data.train={data}",
+            "data.eval=null",
+            "train.eval_exact_match=false",
+            "train.precision=fp16",
+            "train.device=cuda",
+            "train.max_steps=3",
+            f"run.dir={tmp_path / 'run'}",
+            "run.progress=false",
+        ],
+    )
+    summary = train(cfg, log=lambda _: None)
+    assert summary["steps"] == 3
+    ckpt = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    assert ckpt is not None and load_checkpoint(ckpt).scaler is not None
