@@ -135,10 +135,14 @@ def test_lora_run_trains_only_adapters_and_leaves_a_complete_run(
     assert sorted(p.name for p in run_dir.iterdir()) == [
         "checkpoints",
         "config.yaml",
+        "eval_predictions.jsonl",
         "final",
         "metrics.jsonl",
         "summary.json",
     ]
+    preds = [json.loads(x) for x in (run_dir / "eval_predictions.jsonl").read_text().splitlines()]
+    assert [p["line"] for p in preds] == [1, 2, 3, 4]
+    assert sum(p["match"] for p in preds) / 4 == summary["eval_exact_match"]
     metrics = read_metrics(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_bytes"):
@@ -275,3 +279,23 @@ def test_gradient_checkpointing_gives_the_same_gradients(tokenizer, tiny_llama_d
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-7)
+
+
+def test_merge_for_inference_keeps_logits(tiny_qwen2_dir: Path) -> None:
+    from leantune.methods.registry import merge_for_inference
+
+    cfg = load_config(None, ["method.name=lora"])
+    torch.manual_seed(0)
+    model = apply_method(AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir), cfg.method).eval()
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    ids = torch.arange(1, 20)[None]
+    plain = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir).eval()
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        merge_for_inference(model)
+        after = model(input_ids=ids).logits
+        base = plain(input_ids=ids).logits
+    assert (before - base).abs().max() > 1e-3  # the adapters matter
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)

@@ -59,3 +59,12 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
         if p.requires_grad:
             trainable += p.numel()
     return trainable, total
+
+
+def merge_for_inference(model: nn.Module) -> nn.Module:
+    """Fold adapter weights into the base in place where peft can (LoRA: W + BA), so evaluation
+    after training pays no adapter overhead. Call only after the trained model has been saved."""
+    merge = getattr(model, "merge_adapter", None)
+    if callable(merge):
+        merge()
+    return model

@@ -8,6 +8,7 @@ wrapped and which parameters train; the loop never branches on it.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -24,12 +25,13 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from leantune.config import Config, dump_config, validate
 from leantune.data.dataset import PreparedData, prepare_file
 from leantune.data.loader import BatchSchedule, collate
-from leantune.eval.exact_match import evaluate_exact_match
+from leantune.eval.exact_match import answers_match, evaluate_exact_match
 from leantune.eval.loss import evaluate_loss
 from leantune.methods.registry import (
     DEFAULT_LR,
     apply_method,
     count_parameters,
+    merge_for_inference,
     trainable_named_parameters,
 )
 from leantune.models.artifacts import save_final
@@ -261,6 +263,19 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
     model = load_model(
         source, cfg.model.dtype, cfg.model.trust_remote_code, cfg.model.attn_implementation
     )
+    model.to(device)
+    ckpt_dir = run_dir / "checkpoints"
+    base_exact_match = None
+    fresh = cfg.run.resume == "never" or latest_checkpoint(ckpt_dir) is None
+    if t.eval_exact_match and eval_data is not None and fresh:
+        # On the bare base model, before any adapter exists (an untrained adapter is a no-op
+        # that would only cost time).
+        t0 = time.perf_counter()
+        base_exact_match = exact_match(model, tokenizer, eval_data, cfg)
+        log(
+            f"exact match before training: {base_exact_match:.1%} "
+            f"({len(eval_data.records)} examples, {time.perf_counter() - t0:.0f} s)"
+        )
     seed_everything(t.seed)
     model = apply_method(model, cfg.method)
     if t.gradient_checkpointing:
@@ -286,17 +301,11 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
         device=device,
         state=TrainingState(step=0, micro_batches_seen=0, extra={}),
     )
-    ckpt_dir = run_dir / "checkpoints"
     if cfg.run.resume == "auto":
         restore(trainer, ckpt_dir, log)
     extra = trainer.state.extra
-    if t.eval_exact_match and eval_data is not None and "base_exact_match" not in extra:
-        t0 = time.perf_counter()
-        extra["base_exact_match"] = exact_match(trainer, tokenizer, eval_data, cfg)
-        log(
-            f"exact match before training: {extra['base_exact_match']:.1%} "
-            f"({len(eval_data.records)} examples, {time.perf_counter() - t0:.0f} s)"
-        )
+    if base_exact_match is not None and "base_exact_match" not in extra:
+        extra["base_exact_match"] = base_exact_match
 
     metrics = MetricsLog(run_dir / "metrics.jsonl", trainer.state.step)
     bar = progress_bar(t.max_steps, trainer.state.step, cfg.run.progress)
@@ -316,23 +325,38 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
     save_final(model, tokenizer, run_dir / "final", _base_path(cfg.model.path), cfg.model.gguf_file)
     results: dict[str, Any] = {"final_train_loss": extra.get("last_loss")}
     if eval_data is not None:
+        t0 = time.perf_counter()
+        merge_for_inference(model)
         ev = evaluate_loss(model, eval_data.rows, trainer.pad_id, t.eval_batch_size, t.precision)
         results.update(eval_loss=ev["loss"], eval_perplexity=ev["perplexity"])
         if t.eval_exact_match:
-            results["eval_exact_match"] = exact_match(trainer, tokenizer, eval_data, cfg)
+            preds_file = run_dir / "eval_predictions.jsonl"
+            results["eval_exact_match"] = exact_match(model, tokenizer, eval_data, cfg, preds_file)
     results["wall_time_s"] = round(time.perf_counter() - started, 2)  # this invocation
     return write_summary(run_dir, trainer.state, trainable, total, results, log)
 
 
 def exact_match(
-    trainer: Trainer, tokenizer: PreTrainedTokenizerBase, data: PreparedData, cfg: Config
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    data: PreparedData,
+    cfg: Config,
+    predictions_file: Path | None = None,
 ) -> float:
-    """Greedy exact match on the eval conversations."""
+    """Greedy exact match on the eval conversations; optionally writes every prediction."""
     convs = [list(r.messages) for r in data.records if r.messages is not None]
-    with autocast(trainer.device.type, cfg.train.precision):
-        score, _ = evaluate_exact_match(
-            trainer.model, tokenizer, convs, cfg.train.eval_batch_size, cfg.train.max_new_tokens
+    device = next(model.parameters()).device
+    with autocast(device.type, cfg.train.precision):
+        score, preds = evaluate_exact_match(
+            model, tokenizer, convs, cfg.train.eval_batch_size, cfg.train.max_new_tokens
         )
+    if predictions_file is not None:
+        with predictions_file.open("w", encoding="utf-8") as f:
+            for rec, conv, pred in zip(data.records, convs, preds, strict=True):
+                ref = conv[-1]["content"]
+                row = {"line": rec.line, "reference": ref, "prediction": pred}
+                row["match"] = answers_match(pred, ref)
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return score
 
 
