@@ -29,7 +29,6 @@ def test_demo_learns_the_support_desk_task(tmp_path: Path) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["base_exact_match"] <= 0.1
     assert summary["eval_exact_match"] >= 0.9
-    assert summary["train_time_s"] < 300
     assert (run_dir / "final" / "adapter_model.safetensors").is_file()
 
 

@@ -21,6 +21,7 @@ from leantune.data.dataset import prepare_file
 from leantune.data.loader import BatchSchedule, collate
 from leantune.methods.registry import apply_method, count_parameters
 from leantune.models.artifacts import load_for_inference
+from leantune.models.loading import enable_gradient_checkpointing
 from leantune.training.loss import count_supervised
 from leantune.training.metrics import read_metrics
 from leantune.training.optim import build_optimizer, warmup_cosine
@@ -270,9 +271,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tokenizer, tiny_llama_d
         torch.manual_seed(0)
         model = apply_method(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), cfg.method)
         if checkpointing:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+            enable_gradient_checkpointing(model)
         model.train()
         backward_window(model, [collate(data.rows[:2], 0)], torch.device("cpu"), "fp32")
         grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})

@@ -89,7 +89,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     data = prepare_file(path, fmt, tokenizer, args.max_seq_len, pack=False, max_bad_fraction=1.0)
     if args.limit:
         data.rows, data.records = data.rows[: args.limit], data.records[: args.limit]
-    pad = int(tokenizer.pad_token_id)  # type: ignore[arg-type]
+    pad = int(tokenizer.pad_token_id)
     result: dict[str, object] = {"model": args.model, "data": str(path), "format": fmt}
     result.update(evaluate_loss(model, data.rows, pad, args.batch_size))
     result["examples"] = len(data.rows)

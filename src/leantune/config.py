@@ -60,7 +60,7 @@ class MethodConfig:
     r=8, alpha=32, q_proj/v_proj, dropout 0.1 (explicit r/alpha/... fields still apply)."""
     r: int | None = None
     """LoRA rank (preset value when unset)."""
-    alpha: float | None = None
+    alpha: int | None = None
     """LoRA scaling numerator (preset value when unset)."""
     dropout: float | None = None
     """LoRA dropout (preset value when unset)."""
@@ -297,20 +297,20 @@ def validate(cfg: Config) -> list[str]:
         )
     if t.lr is not None and not 0 < t.lr < 1:
         raise ConfigError(f"train.lr: must be in (0, 1), got {t.lr}")
-    for key, value in {
+    for key, ratio in {
         "train.warmup_ratio": t.warmup_ratio,
         "train.min_lr_ratio": t.min_lr_ratio,
         "data.max_bad_fraction": d.max_bad_fraction,
     }.items():
-        if not 0 <= value <= 1:
-            raise ConfigError(f"{key}: must be in [0, 1], got {value}")
+        if not 0 <= ratio <= 1:
+            raise ConfigError(f"{key}: must be in [0, 1], got {ratio}")
     if t.weight_decay < 0 or t.max_grad_norm < 0:
         raise ConfigError("train.weight_decay and train.max_grad_norm must be >= 0")
     if d.train is None:
         raise ConfigError("data.train: required; set it to a JSONL file (data.train=path.jsonl)")
-    for key, value in (("data.train", d.train), ("data.eval", d.eval)):
-        if value is not None and not Path(value).is_file():
-            raise ConfigError(f"{key}: file {value} does not exist")
+    for key, file in (("data.train", d.train), ("data.eval", d.eval)):
+        if file is not None and not Path(file).is_file():
+            raise ConfigError(f"{key}: file {file} does not exist")
     if t.eval_exact_match and (d.eval is None or d.format == "text"):
         raise ConfigError(
             "train.eval_exact_match: needs data.eval and a chat or alpaca data.format"
@@ -352,7 +352,7 @@ def field_docs() -> dict[str, str]:
 
     docs: dict[str, str] = {}
     for section in dataclasses.fields(Config):
-        cls = section.default_factory  # type: ignore[misc]
+        cls = section.default_factory
         tree = ast.parse(inspect.getsource(cls))  # type: ignore[arg-type]
         body = tree.body[0].body  # type: ignore[attr-defined]
         for node, nxt in itertools.pairwise(body):

@@ -15,7 +15,7 @@ class LoraSettings:
 
     r: int = 16
     """Rank of the update."""
-    alpha: float = 32
+    alpha: int = 32
     """Scaling numerator: the update is scaled by alpha / r."""
     dropout: float = 0.0
     """Dropout on the adapter input. Off by default: it costs a copy of every adapted layer's
@@ -50,4 +50,4 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     with warnings.catch_warnings():
         # peft 0.21 calls transformers' deprecated `is_gradient_checkpointing`; not actionable here.
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-        return get_peft_model(model, config, autocast_adapter_dtype=True)  # type: ignore[arg-type]
+        return get_peft_model(model, config, autocast_adapter_dtype=True)

@@ -91,3 +91,15 @@ def load_model(
         local_files_only=local_only,
     )
     return model
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute activations in backward (non-reentrant, so frozen inputs need no grad hooks).
+
+    Raises:
+        ValueError: the model has no gradient-checkpointing support.
+    """
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if not callable(enable):
+        raise ValueError("train.gradient_checkpointing: this model does not support it")
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -16,10 +16,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.config import Config, dump_config, validate
@@ -35,7 +36,12 @@ from leantune.methods.registry import (
     trainable_named_parameters,
 )
 from leantune.models.artifacts import save_final
-from leantune.models.loading import load_model, load_tokenizer, resolve_model
+from leantune.models.loading import (
+    enable_gradient_checkpointing,
+    load_model,
+    load_tokenizer,
+    resolve_model,
+)
 from leantune.training.checkpoint import (
     TrainingState,
     capture_rng_state,
@@ -94,7 +100,7 @@ def load_datasets(
     """Validate and tokenise the train (and eval) files; bad lines are reported, not hidden."""
     d = cfg.data
     assert d.train is not None
-    prepared = []
+    prepared: list[PreparedData | None] = []
     for path, limit in ((d.train, None), (d.eval, cfg.train.eval_limit)):
         if path is None:
             prepared.append(None)
@@ -260,7 +266,7 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
     source = resolve_model(cfg.model.path, cfg.model.gguf_file)
     tokenizer = load_tokenizer(source, cfg.model.trust_remote_code)
     train_data, eval_data = load_datasets(cfg, tokenizer, log)
-    model = load_model(
+    model: nn.Module = load_model(
         source, cfg.model.dtype, cfg.model.trust_remote_code, cfg.model.attn_implementation
     )
     model.to(device)
@@ -279,8 +285,7 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
     seed_everything(t.seed)
     model = apply_method(model, cfg.method)
     if t.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.to(device)
+        enable_gradient_checkpointing(model)
     params = trainable_named_parameters(model)
     trainable, total = count_parameters(model)
     log(
@@ -297,7 +302,7 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
         scaler=make_grad_scaler(t.precision, device.type),
         schedule=BatchSchedule(len(train_data.rows), t.micro_batch_size, t.seed),
         data=train_data,
-        pad_id=int(tokenizer.pad_token_id),  # type: ignore[arg-type]
+        pad_id=int(tokenizer.pad_token_id),
         device=device,
         state=TrainingState(step=0, micro_batches_seen=0, extra={}),
     )
@@ -348,7 +353,11 @@ def exact_match(
     device = next(model.parameters()).device
     with autocast(device.type, cfg.train.precision):
         score, preds = evaluate_exact_match(
-            model, tokenizer, convs, cfg.train.eval_batch_size, cfg.train.max_new_tokens
+            cast(PreTrainedModel, model),
+            tokenizer,
+            convs,
+            cfg.train.eval_batch_size,
+            cfg.train.max_new_tokens,
         )
     if predictions_file is not None:
         with predictions_file.open("w", encoding="utf-8") as f:
