@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from peft import LoraConfig, get_peft_model
@@ -47,7 +49,14 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         bias="none",
         task_type="CAUSAL_LM",
     )
-    with warnings.catch_warnings():
-        # peft 0.21 calls transformers' deprecated `is_gradient_checkpointing`; not actionable here.
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+    with quiet_peft():
         return get_peft_model(model, config, autocast_adapter_dtype=True)
+
+
+@contextlib.contextmanager
+def quiet_peft() -> Iterator[None]:
+    """Silence peft 0.21's call of transformers' deprecated `is_gradient_checkpointing`: a
+    FutureWarning users can do nothing about."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        yield

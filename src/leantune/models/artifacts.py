@@ -17,6 +17,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from leantune.methods.lora import quiet_peft
 from leantune.models.loading import ModelSource, load_model, load_tokenizer, resolve_model
 
 BASE_POINTER = "leantune_base.json"
@@ -75,7 +76,8 @@ def load_for_inference(
             cfg = json.loads((p / "adapter_config.json").read_text())
             base = resolve_model(cfg["base_model_name_or_path"])
         model = load_model(base, dtype, trust_remote_code)
-        peft_model = PeftModel.from_pretrained(model, p)
+        with quiet_peft():
+            peft_model = PeftModel.from_pretrained(model, p)
         tok_source = ModelSource(str(p)) if (p / "tokenizer_config.json").is_file() else base
         peft_model.eval()
         return peft_model, load_tokenizer(tok_source, trust_remote_code)
