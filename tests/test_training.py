@@ -272,6 +272,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tokenizer, tiny_llama_d
         model = apply_method(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), cfg.method)
         if checkpointing:
             enable_gradient_checkpointing(model)
+            assert model.get_base_model().is_activation_checkpointing
         model.train()
         backward_window(model, [collate(data.rows[:2], 0)], torch.device("cpu"), "fp32")
         grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})

@@ -99,7 +99,13 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     Raises:
         ValueError: the model has no gradient-checkpointing support.
     """
+    kwargs = {"use_reentrant": False}
+    # transformers 5 renamed it; the old name warns and goes in v6.
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if callable(enable):
+        enable(activation_checkpointing_kwargs=kwargs)
+        return
     enable = getattr(model, "gradient_checkpointing_enable", None)
     if not callable(enable):
         raise ValueError("train.gradient_checkpointing: this model does not support it")
-    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable(gradient_checkpointing_kwargs=kwargs)
