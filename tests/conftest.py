@@ -73,36 +73,29 @@ def tokenizer(tokenizer_dir: Path) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
 
 
+def _tiny_dims(vocab_size: int) -> dict[str, int | None]:
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "bos_token_id": None,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
+
+
 def tiny_llama_config(vocab_size: int = 384) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    """2-layer Llama with GQA and tied embeddings."""
+    return LlamaConfig(**_tiny_dims(vocab_size), tie_word_embeddings=True)
 
 
 def tiny_qwen2_config(vocab_size: int = 384) -> Qwen2Config:
-    return Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    """2-layer Qwen2 (attention biases) with a separate output projection."""
+    return Qwen2Config(**_tiny_dims(vocab_size), tie_word_embeddings=False)
 
 
 def save_tiny_model(out_dir: Path, arch: str, tokenizer_dir: Path, seed: int = 0) -> Path:
