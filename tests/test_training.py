@@ -299,3 +299,20 @@ def test_merge_for_inference_keeps_logits(tiny_qwen2_dir: Path) -> None:
         base = plain(input_ids=ids).logits
     assert (before - base).abs().max() > 1e-3  # the adapters matter
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
+
+
+def test_frozen_weights_in_bf16_with_fp32_adapters(
+    tiny_llama_dir: Path, chat_files: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from leantune.models.loading import ModelSource, load_model
+
+    cfg = load_config(None, ["method.name=lora"])
+    model = apply_method(load_model(ModelSource(str(tiny_llama_dir)), dtype="bf16"), cfg.method)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert all(d == torch.float32 for n, d in dtypes.items() if "lora_" in n)
+    assert all(d == torch.bfloat16 for n, d in dtypes.items() if "lora_" not in n)
+    run = make_config(tiny_llama_dir, chat_files[0], tmp_path / "run", "model.dtype=bf16")
+    summary = train(run, log=lambda _: None)
+    losses = [m["loss"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    assert summary["steps"] == 4 and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0]
