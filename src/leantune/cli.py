@@ -87,6 +87,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     path = Path(args.data)
     fmt = args.format or _detect_format(path)
     data = prepare_file(path, fmt, tokenizer, args.max_seq_len, pack=False, max_bad_fraction=1.0)
+    for bad in data.bad:
+        print(f"bad line skipped: {bad}", file=sys.stderr)
     if args.limit:
         data.rows, data.records = data.rows[: args.limit], data.records[: args.limit]
     pad = int(tokenizer.pad_token_id)
