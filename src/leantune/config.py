@@ -53,8 +53,8 @@ class DataConfig:
 
 @dataclass
 class MethodConfig:
-    name: Literal["full", "lora"] = "lora"
-    """Fine-tuning method."""
+    name: Literal["full", "lora", "dora", "ia3"] = "lora"
+    """Fine-tuning method: full, lora, dora (weight-decomposed LoRA) or ia3 (learned rescaling)."""
     preset: Literal["default", "seed"] = "default"
     """LoRA preset: default = all linear layers, r=16, alpha=32; seed = the source articles'
     r=8, alpha=32, q_proj/v_proj, dropout 0.1 (explicit r/alpha/... fields still apply)."""
@@ -65,7 +65,8 @@ class MethodConfig:
     dropout: float | None = None
     """LoRA dropout (preset value when unset)."""
     target_modules: list[str] | None = None
-    """Module names to adapt, or ["all-linear"] (preset value when unset)."""
+    """Module names to adapt, or ["all-linear"] (lora/dora preset value, or peft's per-architecture
+    IA3 default, when unset)."""
 
 
 @dataclass
@@ -77,7 +78,7 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
     lr: float | None = None
-    """Peak learning rate (method default when unset: lora 2e-4, full 2e-5)."""
+    """Peak learning rate (method default when unset: full 2e-5, lora/dora 2e-4, ia3 3e-3)."""
     weight_decay: float = 0.01
     """AdamW weight decay (never applied to biases and norms)."""
     warmup_ratio: float = 0.1
@@ -327,7 +328,7 @@ def validate(cfg: Config) -> list[str]:
         warnings.append(
             f"train.lr={lr:g} is high for full fine-tuning; the usual range is 1e-5..5e-5"
         )
-    if m.name == "lora" and m.r is not None and m.r > 64:
+    if m.name in ("lora", "dora") and m.r is not None and m.r > 64:
         warnings.append(f"method.r={m.r}: LoRA ranks above 64 rarely help; 8..64 is usual")
     if t.max_steps >= 30 and 0 < t.warmup_ratio < 0.03:
         warnings.append(f"train.warmup_ratio={t.warmup_ratio:g} is short; 0.03..0.1 is usual")

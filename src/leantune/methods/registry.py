@@ -13,6 +13,7 @@ from torch import nn
 
 from leantune.config import MethodConfig
 from leantune.methods.full import apply_full
+from leantune.methods.ia3 import apply_ia3
 from leantune.methods.lora import LORA_PRESETS, LoraSettings, apply_lora
 
 
@@ -29,14 +30,23 @@ def _lora_settings(cfg: MethodConfig) -> LoraSettings:
     return s
 
 
+def _ia3(model: nn.Module, cfg: MethodConfig) -> nn.Module:
+    if cfg.target_modules is None:
+        return apply_ia3(model)
+    return apply_ia3(model, tuple(cfg.target_modules))
+
+
 METHODS: dict[str, Callable[[nn.Module, MethodConfig], nn.Module]] = {
     "full": lambda model, cfg: apply_full(model),
     "lora": lambda model, cfg: apply_lora(model, _lora_settings(cfg)),
+    "dora": lambda model, cfg: apply_lora(model, replace(_lora_settings(cfg), use_dora=True)),
+    "ia3": _ia3,
 }
 
 # Learning rates that follow the seeds' advice: LoRA ~3x a base 3e-5 rate or more for small
 # models, full fine-tuning ~0.1x the LoRA rate.
-DEFAULT_LR: dict[str, float] = {"full": 2e-5, "lora": 2e-4}
+# IA3 trains a few scale vectors and needs a larger rate (its paper used 3e-3).
+DEFAULT_LR: dict[str, float] = {"full": 2e-5, "lora": 2e-4, "dora": 2e-4, "ia3": 3e-3}
 
 
 def apply_method(model: nn.Module, cfg: MethodConfig) -> nn.Module:

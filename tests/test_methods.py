@@ -1,0 +1,70 @@
+"""Every method in the registry: trains only its own parameters, saves, reloads to equal logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import write_jsonl
+from transformers import AutoModelForCausalLM
+
+from leantune.config import load_config
+from leantune.data.dataset import prepare_file
+from leantune.data.loader import collate
+from leantune.methods.registry import METHODS, apply_method, trainable_named_parameters
+from leantune.models.artifacts import load_for_inference, save_final
+from leantune.training.optim import build_optimizer
+from leantune.training.recipe import backward_window
+
+# The parameter kinds each adapter method trains (peft names), and nothing else.
+EXPECTED_KINDS = {
+    "lora": {"lora_A", "lora_B"},
+    "dora": {"lora_A", "lora_B", "lora_magnitude_vector"},
+    "ia3": {"ia3_l"},
+}
+
+ROWS = [
+    {
+        "messages": [
+            {"role": "user", "content": f"q {i}"},
+            {"role": "assistant", "content": f"a {i}"},
+        ]
+    }
+    for i in range(8)
+]
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_method_trains_its_parameters_and_round_trips(
+    name: str, tokenizer, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    cfg = load_config(None, [f"method.name={name}"])
+    torch.manual_seed(0)
+    model = apply_method(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), cfg.method)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = trainable_named_parameters(model)
+    kinds = {next((c for c in n.split(".") if c.startswith(("lora_", "ia3_"))), n) for n in params}
+    if name == "full":
+        assert set(params) == set(before)
+    else:
+        assert kinds == EXPECTED_KINDS[name], kinds
+    data = prepare_file(write_jsonl(tmp_path / "d.jsonl", ROWS), "chat", tokenizer, 64, pack=True)
+    opt = build_optimizer(params, lr=1e-2, weight_decay=0.0)
+    model.train()
+    for _ in range(3):
+        backward_window(model, [collate(data.rows, 0)], torch.device("cpu"), "fp32")
+        opt.step()
+        opt.zero_grad()
+    for n, p in model.named_parameters():
+        moved = not torch.equal(p, before[n])
+        assert moved == (n in params), f"{name}: {n} moved={moved}"
+
+    save_final(model, tokenizer, tmp_path / "final", str(tiny_llama_dir))
+    reloaded, _ = load_for_inference(str(tmp_path / "final"))
+    ids = torch.tensor([[5, 17, 42, 7, 99, 3]])
+    model.eval()
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        got = reloaded(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
