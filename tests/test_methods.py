@@ -47,6 +47,9 @@ def test_method_trains_its_parameters_and_round_trips(
     kinds = {next((c for c in n.split(".") if c.startswith(("lora_", "ia3_"))), n) for n in params}
     if name == "full":
         assert set(params) == set(before)
+    elif name == "freeze":  # defaults: last 2 blocks (all of the tiny model's) and the norms
+        assert all(".layers." in n or "norm" in n for n in params)
+        assert not any("embed_tokens" in n for n in params)
     else:
         assert kinds == EXPECTED_KINDS[name], kinds
     data = prepare_file(write_jsonl(tmp_path / "d.jsonl", ROWS), "chat", tokenizer, 64, pack=True)
@@ -68,3 +71,18 @@ def test_method_trains_its_parameters_and_round_trips(
         expected = model(input_ids=ids).logits
         got = reloaded(input_ids=ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_freeze_trains_only_the_last_blocks_and_norms(tiny_qwen2_dir: Path) -> None:
+    from leantune.methods.freeze import apply_freeze
+
+    model = apply_freeze(AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir), 1, norms=True)
+    params = trainable_named_parameters(model)
+    assert any(n.startswith("model.layers.1.") for n in params)
+    assert not any(n.startswith("model.layers.0.") and "norm" not in n for n in params)
+    assert "model.norm.weight" in params and "model.layers.0.input_layernorm.weight" in params
+    assert "lm_head.weight" not in params and "model.embed_tokens.weight" not in params
+    only_blocks = apply_freeze(AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir), 1, False)
+    assert all(n.startswith("model.layers.1.") for n in trainable_named_parameters(only_blocks))
+    with pytest.raises(ValueError, match="only 2 blocks"):
+        apply_freeze(AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir), 3, True)

@@ -53,8 +53,9 @@ class DataConfig:
 
 @dataclass
 class MethodConfig:
-    name: Literal["full", "lora", "dora", "ia3"] = "lora"
-    """Fine-tuning method: full, lora, dora (weight-decomposed LoRA) or ia3 (learned rescaling)."""
+    name: Literal["full", "lora", "dora", "ia3", "freeze"] = "lora"
+    """Fine-tuning method: full, lora, dora (weight-decomposed LoRA), ia3 (learned rescaling) or
+    freeze (train only the last blocks and/or norms)."""
     preset: Literal["default", "seed"] = "default"
     """LoRA preset: default = all linear layers, r=16, alpha=32; seed = the source articles'
     r=8, alpha=32, q_proj/v_proj, dropout 0.1 (explicit r/alpha/... fields still apply)."""
@@ -64,6 +65,10 @@ class MethodConfig:
     """LoRA scaling numerator (preset value when unset)."""
     dropout: float | None = None
     """LoRA dropout (preset value when unset)."""
+    last_blocks: int = 2
+    """freeze: how many of the last transformer blocks train."""
+    norms: bool = True
+    """freeze: also train every norm layer."""
     target_modules: list[str] | None = None
     """Module names to adapt, or ["all-linear"] (lora/dora preset value, or peft's per-architecture
     IA3 default, when unset)."""
@@ -78,7 +83,7 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
     lr: float | None = None
-    """Peak learning rate (method default when unset: full 2e-5, lora/dora 2e-4, ia3 3e-3)."""
+    """Peak learning rate (default by method: full/freeze 2e-5, lora/dora 2e-4, ia3 3e-3)."""
     weight_decay: float = 0.01
     """AdamW weight decay (never applied to biases and norms)."""
     warmup_ratio: float = 0.1
@@ -318,6 +323,10 @@ def validate(cfg: Config) -> list[str]:
         )
     if t.precision == "fp16" and t.device == "cpu":
         raise ConfigError("train.precision=fp16 needs CUDA (GradScaler); use bf16 on CPU")
+    if m.last_blocks < 0:
+        raise ConfigError(f"method.last_blocks: must be >= 0, got {m.last_blocks}")
+    if m.name == "freeze" and m.last_blocks == 0 and not m.norms:
+        raise ConfigError("method.name=freeze trains nothing: set method.last_blocks or norms")
     if m.r is not None and m.r < 1:
         raise ConfigError(f"method.r: must be >= 1, got {m.r}")
     if m.dropout is not None and not 0 <= m.dropout < 1:

@@ -12,6 +12,7 @@ from dataclasses import replace
 from torch import nn
 
 from leantune.config import MethodConfig
+from leantune.methods.freeze import apply_freeze
 from leantune.methods.full import apply_full
 from leantune.methods.ia3 import apply_ia3
 from leantune.methods.lora import LORA_PRESETS, LoraSettings, apply_lora
@@ -41,12 +42,19 @@ METHODS: dict[str, Callable[[nn.Module, MethodConfig], nn.Module]] = {
     "lora": lambda model, cfg: apply_lora(model, _lora_settings(cfg)),
     "dora": lambda model, cfg: apply_lora(model, replace(_lora_settings(cfg), use_dora=True)),
     "ia3": _ia3,
+    "freeze": lambda model, cfg: apply_freeze(model, cfg.last_blocks, cfg.norms),
 }
 
 # Learning rates that follow the seeds' advice: LoRA ~3x a base 3e-5 rate or more for small
 # models, full fine-tuning ~0.1x the LoRA rate.
 # IA3 trains a few scale vectors and needs a larger rate (its paper used 3e-3).
-DEFAULT_LR: dict[str, float] = {"full": 2e-5, "lora": 2e-4, "dora": 2e-4, "ia3": 3e-3}
+DEFAULT_LR: dict[str, float] = {
+    "full": 2e-5,
+    "lora": 2e-4,
+    "dora": 2e-4,
+    "ia3": 3e-3,
+    "freeze": 2e-5,
+}
 
 
 def apply_method(model: nn.Module, cfg: MethodConfig) -> nn.Module:
