@@ -86,3 +86,37 @@ def test_freeze_trains_only_the_last_blocks_and_norms(tiny_qwen2_dir: Path) -> N
     assert all(n.startswith("model.layers.1.") for n in trainable_named_parameters(only_blocks))
     with pytest.raises(ValueError, match="only 2 blocks"):
         apply_freeze(AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir), 3, True)
+
+
+def test_kl_to_base_is_zero_at_init_and_exact_after_a_change(
+    tokenizer, tiny_qwen2_dir: Path, tmp_path: Path
+) -> None:
+    import torch.nn.functional as F
+
+    from leantune.training.loss import supervised_logits, token_loss_sum
+
+    cfg = load_config(None, ["method.name=lora"])
+    model = apply_method(AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir), cfg.method).eval()
+    data = prepare_file(write_jsonl(tmp_path / "d.jsonl", ROWS), "chat", tokenizer, 64, pack=True)
+    batch = collate(data.rows, 0)
+    with torch.no_grad():
+        # A fresh LoRA (B = 0) is the base model: the KL term is exactly zero.
+        assert torch.equal(token_loss_sum(model, batch, 0.5), token_loss_sum(model, batch))
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.1)
+        ce = token_loss_sum(model, batch)
+        with_kl = token_loss_sum(model, batch, 0.5)
+        log_p = F.log_softmax(supervised_logits(model, batch).float(), -1)
+        with model.disable_adapter():
+            log_q = F.log_softmax(supervised_logits(model, batch).float(), -1)
+        manual = (log_p.exp() * (log_p - log_q)).sum()
+    assert manual > 0
+    torch.testing.assert_close(with_kl - ce, 0.5 * manual, rtol=1e-4, atol=1e-5)
+
+
+def test_kl_needs_an_adapter_method() -> None:
+    from leantune.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train\.kl_coef needs an adapter method"):
+        load_config(None, ["method.name=full", "train.kl_coef=0.1"])

@@ -316,3 +316,10 @@ def test_frozen_weights_in_bf16_with_fp32_adapters(
     losses = [m["loss"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")]
     assert summary["steps"] == 4 and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0]
+
+
+def test_kl_regularised_run_completes(tiny_llama_dir: Path, chat_files, tmp_path: Path) -> None:
+    cfg = make_config(tiny_llama_dir, chat_files[0], tmp_path / "kl", "train.kl_coef=0.2")
+    assert train(cfg, log=lambda _: None)["steps"] == 4
+    losses = [m["loss"] for m in read_metrics(tmp_path / "kl" / "metrics.jsonl")]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]

@@ -100,6 +100,8 @@ class TrainConfig:
     """Write a checkpoint every N optimizer steps (0 = only at the end)."""
     keep_last: int = 2
     """Complete checkpoints to keep."""
+    kl_coef: float = 0.0
+    """Weight of KL(model || base model) added to the loss (adapter methods only; 0 = off)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     eval_exact_match: bool = False
@@ -310,6 +312,13 @@ def validate(cfg: Config) -> list[str]:
     }.items():
         if not 0 <= ratio <= 1:
             raise ConfigError(f"{key}: must be in [0, 1], got {ratio}")
+    if t.kl_coef < 0:
+        raise ConfigError(f"train.kl_coef: must be >= 0, got {t.kl_coef}")
+    if t.kl_coef > 0 and m.name in ("full", "freeze"):
+        raise ConfigError(
+            f"train.kl_coef needs an adapter method (lora, dora, ia3), not method.name={m.name}: "
+            "the base is the same model with its adapters disabled"
+        )
     if t.weight_decay < 0 or t.max_grad_norm < 0:
         raise ConfigError("train.weight_decay and train.max_grad_norm must be >= 0")
     if d.train is None:

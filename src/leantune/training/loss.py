@@ -49,11 +49,41 @@ def supervised_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch
     return head(hidden[mask])
 
 
-def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Sum of cross-entropy over the supervised positions (labels are already shifted), in fp32."""
+def token_loss_sum(
+    model: nn.Module, batch: dict[str, torch.Tensor], kl_coef: float = 0.0
+) -> torch.Tensor:
+    """Sum of cross-entropy over the supervised positions (labels are already shifted), in fp32.
+
+    With `kl_coef > 0`, adds `kl_coef * KL(model || base)` summed over the same positions: the
+    seeds' remedy for repetitive generations after fine-tuning. The base is the same model with
+    its adapters disabled, so this needs an adapter method (no second copy of the weights).
+    """
     logits = supervised_logits(model, batch)
     targets = batch["labels"][batch["labels"] != IGNORE_INDEX]
-    return F.cross_entropy(logits.float(), targets, reduction="sum")
+    loss = F.cross_entropy(logits.float(), targets, reduction="sum")
+    if kl_coef > 0:
+        loss = loss + kl_coef * kl_to_base(model, batch, logits)
+    return loss
+
+
+def kl_to_base(
+    model: nn.Module, batch: dict[str, torch.Tensor], logits: torch.Tensor
+) -> torch.Tensor:
+    """KL(model || base) summed over supervised positions; `logits` are the model's there.
+
+    Raises:
+        ValueError: the model has no adapters to disable (e.g. full fine-tuning).
+    """
+    disable = getattr(model, "disable_adapter", None)
+    if not callable(disable):
+        raise ValueError(
+            "train.kl_coef needs an adapter method (the base is the adapter-free model)"
+        )
+    with torch.no_grad(), disable():
+        base = supervised_logits(model, batch)
+    log_p = F.log_softmax(logits.float(), dim=-1)
+    log_q = F.log_softmax(base.float(), dim=-1)
+    return F.kl_div(log_q, log_p, log_target=True, reduction="sum")
 
 
 def count_supervised(labels: torch.Tensor) -> int:

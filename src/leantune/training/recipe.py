@@ -181,6 +181,7 @@ def backward_window(
     precision: str,
     scaler: torch.amp.GradScaler | None = None,
     first_micro_batch: int = 0,
+    kl_coef: float = 0.0,
 ) -> float:
     """Accumulate gradients over one optimizer step's micro-batches; returns the window's loss.
 
@@ -192,7 +193,7 @@ def backward_window(
     for k, batch in enumerate(batches):
         batch = {key: v.to(device) for key, v in batch.items()}
         with autocast(device.type, precision):
-            loss = token_loss_sum(model, batch) / n_supervised
+            loss = token_loss_sum(model, batch, kl_coef) / n_supervised
         (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum += loss.detach().double().cpu()
         _inject_fault(first_micro_batch + k)
@@ -200,7 +201,7 @@ def backward_window(
 
 
 def train_step(
-    tr: Trainer, grad_accum: int, precision: str, max_grad_norm: float
+    tr: Trainer, grad_accum: int, precision: str, max_grad_norm: float, kl_coef: float = 0.0
 ) -> dict[str, Any]:
     """One optimizer step over `grad_accum` micro-batches; returns the step's metrics."""
     start = time.perf_counter()
@@ -209,7 +210,7 @@ def train_step(
         [tr.data.rows[i] for i in tr.schedule.indices(k)] for k in range(first, first + grad_accum)
     ]
     batches = [collate(rows, tr.pad_id) for rows in window]
-    loss = backward_window(tr.model, batches, tr.device, precision, tr.scaler, first)
+    loss = backward_window(tr.model, batches, tr.device, precision, tr.scaler, first, kl_coef)
     tr.state.micro_batches_seen += grad_accum
     if tr.scaler is not None:
         tr.scaler.unscale_(tr.optimizer)
@@ -316,7 +317,7 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
     bar = progress_bar(t.max_steps, trainer.state.step, cfg.run.progress)
     model.train()
     while trainer.state.step < t.max_steps:
-        record = train_step(trainer, t.grad_accum, t.precision, t.max_grad_norm)
+        record = train_step(trainer, t.grad_accum, t.precision, t.max_grad_norm, t.kl_coef)
         extra["train_time_s"] = extra.get("train_time_s", 0.0) + record["step_time_s"]
         extra["last_loss"] = record["loss"]
         metrics.write(record)
