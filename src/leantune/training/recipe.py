@@ -253,7 +253,8 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
         log(f"warning: {warning}")
     t = cfg.train
     run_dir = cfg.run_dir
-    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, run_dir / "config.yaml")
     config_yaml = (run_dir / "config.yaml").read_text()
     seed_everything(t.seed)
@@ -271,7 +272,6 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
         source, cfg.model.dtype, cfg.model.trust_remote_code, cfg.model.attn_implementation
     )
     model.to(device)
-    ckpt_dir = run_dir / "checkpoints"
     base_exact_match = None
     fresh = cfg.run.resume == "never" or latest_checkpoint(ckpt_dir) is None
     if t.eval_exact_match and eval_data is not None and fresh:

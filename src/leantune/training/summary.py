@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ def write_summary(
     trainable_params: int,
     total_params: int,
     results: dict[str, Any],
-    log: Any = print,
+    log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Write run_dir/summary.json and print the headline numbers."""
     extra = state.extra
