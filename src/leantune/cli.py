@@ -4,6 +4,7 @@ leantune train [CONFIG.yaml] [section.key=value ...]
 leantune validate CONFIG.yaml [section.key=value ...]
 leantune eval --model PATH --data FILE [--limit N]
 leantune generate --model PATH --prompt TEXT [--chat] [sampling options]
+leantune bench methods [CONFIG.yaml] [--methods a,b] [--out DIR] [section.key=value ...]
 """
 
 from __future__ import annotations
@@ -148,6 +149,55 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = None
 
 
+def _parse_lrs(text: str | None) -> dict[str, float]:
+    lrs: dict[str, float] = {}
+    for item in (text or "").split(","):
+        if item.strip():
+            name, _, value = item.partition("=")
+            try:
+                lrs[name.strip()] = float(value)
+            except ValueError:
+                raise ValueError(f"--lr {item!r}: expected method=rate, e.g. lora=2e-4") from None
+    return lrs
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from leantune.bench.methods import machine_info, run_methods, write_outputs
+    from leantune.config import ConfigError, load_config
+    from leantune.methods.registry import DEFAULT_LR, METHODS
+
+    config, overrides = _split_config_args(args.args)
+    overrides = [*overrides, f"train.max_steps={args.steps}"] if args.steps else overrides
+    cfg = load_config(config, overrides)  # validate once, before any run starts
+    methods = [m.strip() for m in args.methods.split(",")] if args.methods else list(METHODS)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ConfigError(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
+    lrs = {m: DEFAULT_LR[m] for m in methods}
+    try:
+        given = _parse_lrs(args.lr)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    lrs.update({m: v for m, v in given.items() if m in lrs})
+    out = Path(args.out)
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    results, base = run_methods(config, methods, lrs, out, overrides, log)
+    meta = {
+        "benchmark": "methods",
+        "config": config or "demo",
+        "model": cfg.model.path,
+        "max_steps": cfg.train.max_steps,
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "max_seq_len": cfg.data.max_seq_len,
+        "machine": machine_info(),
+    }
+    payload = write_outputs(results, base, meta, out)
+    print((out / "methods.md").read_text())
+    print(f"wrote {out / 'methods.md'}, {out / 'methods.json'}, {out / 'methods.png'}")
+    print(json.dumps(payload))
+    return 0 if all(r.status == "ok" for r in results) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="leantune", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -183,6 +233,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmarks: `bench methods` compares fine-tuning methods")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bm = bsub.add_parser("methods", help="train each method on the same data and compare")
+    bm.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
+    bm.add_argument("--methods", default=None, help="comma-separated (default: all)")
+    bm.add_argument("--steps", type=int, default=None, help="override train.max_steps")
+    bm.add_argument("--lr", default=None, help="per-method rates, e.g. lora=2e-3,full=5e-5")
+    bm.add_argument("--out", default="runs/bench-methods", help="output folder")
+    bm.set_defaults(func=cmd_bench)
     return p
 
 

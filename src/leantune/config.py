@@ -106,6 +106,8 @@ class TrainConfig:
     """Recompute activations in backward to save memory."""
     eval_exact_match: bool = False
     """Measure exact match on the eval set before and after training (chat/alpaca)."""
+    eval_base: bool = True
+    """With eval_exact_match: also measure the base model before training."""
     eval_limit: int | None = None
     """Use only the first N eval examples (loss, perplexity and exact match)."""
     eval_batch_size: int = 16

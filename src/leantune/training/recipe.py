@@ -274,7 +274,7 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
     model.to(device)
     base_exact_match = None
     fresh = cfg.run.resume == "never" or latest_checkpoint(ckpt_dir) is None
-    if t.eval_exact_match and eval_data is not None and fresh:
+    if t.eval_exact_match and t.eval_base and eval_data is not None and fresh:
         # On the bare base model, before any adapter exists (an untrained adapter is a no-op
         # that would only cost time).
         t0 = time.perf_counter()

@@ -1,0 +1,225 @@
+"""`leantune bench methods`: the same model, data and steps under every method, side by side.
+
+Each method trains in its own `leantune train` subprocess, so its peak RSS is its own and one
+method's failure (say, qlora without a CUDA device) is a row of the table, not the end of the
+benchmark. The numbers come from each run's own summary.json and metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from leantune.training.metrics import read_metrics
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class MethodResult:
+    """One method's row of the benchmark."""
+
+    method: str
+    lr: float
+    status: str  # "ok" or "failed"
+    trainable_params: int | None = None
+    total_params: int | None = None
+    trainable_pct: float | None = None
+    peak_rss_gib: float | None = None
+    tokens_per_s: float | None = None
+    train_time_s: float | None = None
+    eval_loss: float | None = None
+    exact_match: float | None = None
+    retention: float | None = None
+    error: str | None = None
+
+
+def train_command(
+    config: str | None, method: str, lr: float, run_dir: Path, overrides: list[str], base: bool
+) -> list[str]:
+    """The `leantune train` command line for one method's run."""
+    cmd = [sys.executable, "-m", "leantune", "train"]
+    if config is not None:
+        cmd.append(config)
+    return [
+        *cmd,
+        *overrides,
+        f"method.name={method}",
+        f"train.lr={lr!r}",
+        f"run.dir={run_dir}",
+        "run.resume=never",
+        "run.progress=false",
+        f"train.eval_base={str(base).lower()}",
+    ]
+
+
+def read_run(method: str, lr: float, run_dir: Path) -> MethodResult:
+    """Collect one finished run's row from its summary.json and metrics.jsonl."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    tokens = sum(r["tokens"] for r in rows)
+    step_time = sum(r["step_time_s"] for r in rows)
+    peak = max(r["peak_mem_bytes"] for r in rows)
+    trainable, total = summary["trainable_params"], summary["total_params"]
+    return MethodResult(
+        method=method,
+        lr=lr,
+        status="ok",
+        trainable_params=trainable,
+        total_params=total,
+        trainable_pct=100.0 * trainable / total,
+        peak_rss_gib=peak / 2**30,
+        tokens_per_s=tokens / step_time if step_time > 0 else None,
+        train_time_s=summary["train_time_s"],
+        eval_loss=summary.get("eval_loss"),
+        exact_match=summary.get("eval_exact_match"),
+    )
+
+
+def run_methods(
+    config: str | None,
+    methods: list[str],
+    lrs: dict[str, float],
+    out_dir: Path,
+    overrides: list[str],
+    log: Log = print,
+) -> tuple[list[MethodResult], float | None]:
+    """Train each method in turn; returns the rows and the base model's exact match."""
+    results: list[MethodResult] = []
+    base_exact_match: float | None = None
+    for i, method in enumerate(methods):
+        run_dir = out_dir / method
+        cmd = train_command(config, method, lrs[method], run_dir, overrides, base=i == 0)
+        log(f"[{i + 1}/{len(methods)}] {method} (lr {lrs[method]:g}) -> {run_dir}")
+        t0 = time.perf_counter()
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        (out_dir / f"{method}.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            lines = [x for x in proc.stderr.strip().splitlines() if x.strip()]
+            reason = lines[-1] if lines else f"exit code {proc.returncode}"
+            log(f"    failed: {reason}")
+            results.append(MethodResult(method, lrs[method], "failed", error=reason))
+            continue
+        row = read_run(method, lrs[method], run_dir)
+        if i == 0:
+            summary = json.loads((run_dir / "summary.json").read_text())
+            base_exact_match = summary.get("base_exact_match")
+        log(f"    done in {time.perf_counter() - t0:.0f} s")
+        results.append(row)
+    add_retention(results)
+    return results, base_exact_match
+
+
+def add_retention(results: list[MethodResult]) -> None:
+    """Quality retention: each method's task metric as a share of full fine-tuning's."""
+    full = next((r for r in results if r.method == "full" and r.status == "ok"), None)
+    if full is None or not full.exact_match:
+        return
+    for r in results:
+        if r.exact_match is not None:
+            r.retention = r.exact_match / full.exact_match
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def markdown_table(results: list[MethodResult], base_exact_match: float | None) -> str:
+    """The benchmark as a Markdown table (retention relative to `full`)."""
+    head = (
+        "| method | lr | trainable params | trainable % | peak RSS (GiB) | tokens/s "
+        "| train time (s) | eval loss | exact match | retention vs full |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in results:
+        if r.status != "ok":
+            error = (r.error or "").replace("|", "/")
+            lines.append(f"| {r.method} | {r.lr:g} | failed: {error} |" + " |" * 7)
+            continue
+        lines.append(
+            f"| {r.method} | {r.lr:g} | {_fmt(r.trainable_params, ',')} "
+            f"| {_fmt(r.trainable_pct, '.3f')} "
+            f"| {_fmt(r.peak_rss_gib, '.2f')} | {_fmt(r.tokens_per_s, '.0f')} "
+            f"| {_fmt(r.train_time_s, '.1f')} | {_fmt(r.eval_loss, '.4f')} "
+            f"| {_fmt(r.exact_match, '.1%')} | {_fmt(r.retention, '.0%')} |"
+        )
+    foot = ""
+    if base_exact_match is not None:
+        foot = f"\nExact match of the base model before training: {base_exact_match:.1%}.\n"
+    return head + "\n".join(lines) + "\n" + foot
+
+
+def plot(results: list[MethodResult], path: Path) -> None:
+    """Bar charts of trainable %, peak memory, throughput and exact match per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if r.status == "ok"]
+    panels = [
+        ("trainable params (%)", [r.trainable_pct for r in ok]),
+        ("peak RSS (GiB)", [r.peak_rss_gib for r in ok]),
+        ("tokens/s", [r.tokens_per_s for r in ok]),
+        ("exact match", [r.exact_match for r in ok]),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))
+    names = [r.method for r in ok]
+    for ax, (title, values) in zip(axes, panels, strict=True):
+        ax.bar(names, [0.0 if v is None else v for v in values], color="#4C72B0")
+        ax.set_title(title)
+        ax.tick_params(axis="x", rotation=60)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(
+    results: list[MethodResult], base_exact_match: float | None, meta: dict[str, Any], out: Path
+) -> dict[str, Any]:
+    """Write methods.md, methods.json and methods.png under `out`; returns the JSON payload."""
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {
+        **meta,
+        "base_exact_match": base_exact_match,
+        "results": [asdict(r) for r in results],
+    }
+    (out / "methods.md").write_text(markdown_table(results, base_exact_match))
+    (out / "methods.json").write_text(json.dumps(payload, indent=2) + "\n")
+    if any(r.status == "ok" for r in results):
+        plot(results, out / "methods.png")
+    return payload
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import platform
+
+    import torch
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((x.split(":", 1)[1].strip() for x in f if x.startswith("model name")), "")
+        if model:
+            info["cpu"] = model
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
