@@ -33,6 +33,7 @@ exit), ``rollback`` (reload the last checkpoint, lower the LR, skip the data sin
 DetectorAction = Literal["off", "warn", "skip", "pause", "rollback"]
 NonfiniteAction = Literal["skip", "pause", "rollback"]
 
+_SEVERITY: tuple[Action, ...] = ("step", "warn", "skip", "pause", "rollback", "stop")
 _MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 _TINY = 1e-12
 
@@ -138,8 +139,9 @@ def decide(
         settings: Actions and thresholds.
 
     Returns:
-        ``step`` when nothing is wrong; otherwise the configured action of the first detector
-        that fired (non-finite, then loss spike, then gradient norm). A skip that would be the
+        ``step`` when nothing is wrong; otherwise the configured action of the detector that
+        fired (non-finite first; when both the loss and the gradient-norm detectors fire, the
+        severer action: warn < skip < pause < rollback). A skip that would be the
         ``max_consecutive_skips``-th in a row becomes ``stop``.
     """
     decision = _detect(history, loss, grad_norm, settings)
@@ -166,14 +168,18 @@ def _detect(
         ("grad_norm", "gradient norm", grad_norm, history.grad_norms, settings.grad_norm,
          settings.grad_sigmas, settings.grad_min_ratio),
     )  # fmt: skip
+    hits: list[Decision] = []
     for detector, label, value, past, action, sigmas, min_ratio in checks:
         if action == "off" or len(past) < settings.warmup:
             continue
         hit = _outlier(label, value, past[-settings.window :], sigmas, min_ratio)
         if hit is not None:
-            reason, details = hit
-            return Decision(action, detector, reason, details)
-    return Decision("step")
+            hits.append(Decision(action, detector, *hit))
+    if not hits:
+        return Decision("step")
+    # Both may fire (a spike in the loss scales the gradients too): the severest action wins.
+    worst = max(hits, key=lambda d: _SEVERITY.index(d.action))
+    return replace(worst, reason="; ".join(d.reason for d in hits))
 
 
 def remember(
