@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_training import chat_files, make_config  # noqa: F401  (chat_files is a fixture)
+from conftest import write_jsonl
+from test_training import chat_rows, make_config
 
 from leantune.cli import main
 from leantune.data.loader import SampleStream
@@ -27,6 +28,15 @@ from leantune.training.faults import LOSS_SCALE_ENV
 from leantune.training.guard import Decision, GuardHistory, GuardSettings, decide, remember
 from leantune.training.metrics import read_metrics
 from leantune.training.optim import warmup_cosine
+
+
+@pytest.fixture()
+def chat_files(tmp_path: Path) -> tuple[Path, Path]:
+    return (
+        write_jsonl(tmp_path / "train.jsonl", chat_rows(24)),
+        write_jsonl(tmp_path / "eval.jsonl", chat_rows(4, offset=100)),
+    )
+
 
 DATA = Path(__file__).parent / "data"
 
@@ -201,7 +211,7 @@ def test_nan_gradient_skips_the_update_without_advancing_the_schedule(
     chat_files,
     tmp_path: Path,
     monkeypatch,
-    spy_steps,  # noqa: F811
+    spy_steps,
 ) -> None:
     nan_grad_on_backwards(monkeypatch, {3})
     run = tmp_path / "run"
@@ -233,14 +243,15 @@ def test_consecutive_nan_stops_with_a_checkpoint_and_exit_code(
     chat_files,
     tmp_path: Path,
     monkeypatch,
-    capsys,  # noqa: F811
+    capsys,
 ) -> None:
     nan_grad_on_backwards(monkeypatch, None)
     run = tmp_path / "run"
     args = [
         f"model.path={tiny_llama_dir}", f"data.train={chat_files[0]}", "data.eval=null",
         "data.max_seq_len=128", "train.eval_exact_match=false", "train.micro_batch_size=2",
-        "train.max_steps=6", "guard.max_consecutive_skips=3", f"run.dir={run}", "run.progress=false",
+        "train.max_steps=6", "guard.max_consecutive_skips=3", f"run.dir={run}",
+        "run.progress=false",
     ]  # fmt: skip
     assert main(["train", *args]) == EXIT_GUARD_STOPPED
     assert "3 consecutive steps skipped" in capsys.readouterr().err
@@ -266,7 +277,7 @@ def test_loss_spike_rollback_restores_the_checkpoint_exactly(
     tiny_llama_dir: Path,
     chat_files,
     tmp_path: Path,
-    monkeypatch,  # noqa: F811
+    monkeypatch,
 ) -> None:
     monkeypatch.setenv(LOSS_SCALE_ENV, "6:50")
     rolled: list[tuple[dict, dict]] = []
@@ -332,7 +343,7 @@ def test_pause_exits_with_a_marker_and_the_same_command_resumes(
     chat_files,
     tmp_path: Path,
     monkeypatch,
-    capsys,  # noqa: F811
+    capsys,
 ) -> None:
     run = tmp_path / "run"
     args = [
@@ -364,7 +375,7 @@ def test_pause_exits_with_a_marker_and_the_same_command_resumes(
 def test_a_clean_run_records_no_guard_event(
     tiny_llama_dir: Path,
     chat_files,
-    tmp_path: Path,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     run = tmp_path / "run"
     cfg = make_config(

@@ -78,7 +78,7 @@ def halved(micro_batch_size: int) -> int:
     return max(1, micro_batch_size // 2)
 
 
-def levers_message(step: int, max_seq_len: int, gradient_checkpointing: bool, method: str) -> str:
+def levers_message(max_seq_len: int, gradient_checkpointing: bool, method: str) -> str:
     """What to change when a single sequence does not fit, in the order worth trying."""
     levers = []
     if not gradient_checkpointing:
@@ -89,10 +89,7 @@ def levers_message(step: int, max_seq_len: int, gradient_checkpointing: bool, me
     else:
         levers.append("a lighter method or model: qlora (4-bit base) where available")
     levers.append("a larger train.memory_budget or a bigger device")
-    return (
-        f"out of memory at step {step} with train.micro_batch_size=1: one sequence does not fit. "
-        "Next levers: " + "; ".join(levers) + "."
-    )
+    return "Next levers: " + "; ".join(levers) + "."
 
 
 def retry_on_oom(

@@ -307,7 +307,10 @@ def accumulate(
         free_memory(tr.device)
         old = tr.micro_batch_size
         if old == 1:
-            raise OutOfMemoryAtMinimum(f"{tr.levers}\n({error})")
+            raise OutOfMemoryAtMinimum(
+                f"out of memory at step {step} with train.micro_batch_size=1: one sequence does "
+                f"not fit ({error}). {tr.levers}"
+            )
         tr.micro_batch_size = halved(old)
         restore_rng_state(rng)
         tr.events.emit(
@@ -540,7 +543,7 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
         guard=guard_settings(cfg.guard),
         budget=MemoryBudget(budget),
         faults=faults,
-        levers=levers_message(0, cfg.data.max_seq_len, t.gradient_checkpointing, cfg.method.name),
+        levers=levers_message(cfg.data.max_seq_len, t.gradient_checkpointing, cfg.method.name),
     )
     if cfg.run.resume == "auto":
         restore(trainer, ckpt_dir, log)
@@ -589,9 +592,8 @@ def run_loop(tr: Trainer, cfg: Config, files: RunFiles, log: Log) -> None:
                 result = train_step(tr, t.precision, t.max_grad_norm, t.kl_coef, log)
             except OutOfMemoryAtMinimum as exc:
                 path = checkpoint(tr, files.ckpt_dir, t.keep_last, files.config_yaml)
-                message = str(exc).replace("at step 0", f"at step {tr.state.step + 1}")
-                tr.events.emit("oom", tr.state.step + 1, f"{message}; checkpoint {path}")
-                raise OutOfMemoryAtMinimum(message) from exc
+                tr.events.emit("oom", tr.state.step + 1, f"{exc} Checkpoint {path}.")
+                raise
             extra["train_time_s"] = extra.get("train_time_s", 0.0) + result.record["step_time_s"]
             if result.decision.action != "step" and act_on_guard(tr, result, files, cfg.guard):
                 metrics = MetricsLog(files.run_dir / "metrics.jsonl", tr.state.step)
