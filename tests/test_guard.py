@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from conftest import write_jsonl
 from test_training import chat_rows, make_config
 
 from leantune.cli import main
+from leantune.config import GuardConfig
 from leantune.data.loader import SampleStream
 from leantune.training import recipe
 from leantune.training.checkpoint import latest_checkpoint, load_checkpoint
@@ -41,14 +43,19 @@ def chat_files(tmp_path: Path) -> tuple[Path, Path]:
 DATA = Path(__file__).parent / "data"
 
 
-def feed(series: list[tuple[float, float]], settings: GuardSettings) -> list[tuple[int, Decision]]:
+def settings(**changes: Any) -> GuardSettings:
+    """The configured defaults (config.GuardConfig) with some fields changed."""
+    return replace(recipe.guard_settings(GuardConfig()), **changes)
+
+
+def feed(series: list[tuple[float, float]], s: GuardSettings) -> list[tuple[int, Decision]]:
     """Run the guard over (loss, grad_norm) pairs; the flagged steps and their decisions."""
     history, flagged = GuardHistory(), []
     for i, (loss, norm) in enumerate(series):
-        d = decide(history, loss, norm, settings)
+        d = decide(history, loss, norm, s)
         if d.action != "step":
             flagged.append((i, d))
-        history = remember(history, loss, norm, d, settings.window)
+        history = remember(history, loss, norm, d, s.window)
     return flagged
 
 
@@ -65,13 +72,13 @@ def steady(n: int, seed: int = 0, noise: float = 0.1) -> list[tuple[float, float
 
 @pytest.mark.parametrize("loss,norm", [(math.nan, 1.0), (1.0, math.inf), (math.inf, math.nan)])
 def test_nonfinite_is_caught_from_the_first_step(loss: float, norm: float) -> None:
-    d = decide(GuardHistory(), loss, norm, GuardSettings())
+    d = decide(GuardHistory(), loss, norm, settings())
     assert (d.action, d.detector) == ("skip", "nonfinite")
-    assert decide(GuardHistory(), loss, norm, GuardSettings(nonfinite="pause")).action == "pause"
+    assert decide(GuardHistory(), loss, norm, settings(nonfinite="pause")).action == "pause"
 
 
 def test_consecutive_skips_turn_into_stop_at_the_limit() -> None:
-    s = GuardSettings(max_consecutive_skips=3)
+    s = settings(max_consecutive_skips=3)
     h = GuardHistory()
     actions = []
     for _ in range(3):
@@ -86,7 +93,7 @@ def test_consecutive_skips_turn_into_stop_at_the_limit() -> None:
 
 
 def test_spike_detectors_wait_for_the_warmup() -> None:
-    s = GuardSettings(warmup=20, loss_spike="skip")
+    s = settings(warmup=20, loss_spike="skip")
     before = feed([*steady(19), (50.0, 0.5)], s)
     after = feed([*steady(20), (50.0, 0.5)], s)
     assert before == []
@@ -95,7 +102,7 @@ def test_spike_detectors_wait_for_the_warmup() -> None:
 
 
 def test_loss_spike_threshold_is_sigmas_above_the_median_with_a_ratio_floor() -> None:
-    s = GuardSettings(loss_spike="warn", grad_norm="off")
+    s = settings(loss_spike="warn", grad_norm="off")
     calm = steady(40, noise=0.01)  # MAD tiny: the 3x floor decides
     assert feed([*calm, (2.9, 0.5)], s) == []
     assert [i for i, _ in feed([*calm, (3.1, 0.5)], s)] == [40]
@@ -106,9 +113,9 @@ def test_loss_spike_threshold_is_sigmas_above_the_median_with_a_ratio_floor() ->
 
 def test_grad_norm_anomaly_has_its_own_action_and_off_means_off() -> None:
     series = [*steady(30), (1.0, 40.0)]
-    hit = feed(series, GuardSettings(grad_norm="rollback"))
+    hit = feed(series, settings(grad_norm="rollback"))
     assert [(i, d.action, d.detector) for i, d in hit] == [(30, "rollback", "grad_norm")]
-    assert feed(series, GuardSettings(grad_norm="off")) == []
+    assert feed(series, settings(grad_norm="off")) == []
 
 
 def test_falling_loss_and_noisy_normal_series_raise_nothing() -> None:
@@ -118,9 +125,9 @@ def test_falling_loss_and_noisy_normal_series_raise_nothing() -> None:
         loss = (0.05 + 3 * math.exp(-t / 40)) * math.exp(rng.gauss(0, 0.3))
         norm = (0.2 + 0.5 * t / 2000) * math.exp(rng.gauss(0, 0.3))
         series.append((loss, norm))
-    assert feed(series, GuardSettings(warmup=10)) == []
+    assert feed(series, settings(warmup=10)) == []
     halving = [(2.0 * 0.5**t, 1.0) for t in range(60)]
-    assert feed(halving, GuardSettings(warmup=5)) == []
+    assert feed(halving, settings(warmup=5)) == []
 
 
 def test_real_demo_trajectories_raise_nothing() -> None:
@@ -130,11 +137,11 @@ def test_real_demo_trajectories_raise_nothing() -> None:
         series = list(zip(run["loss"], run["grad_norm"], strict=True))
         assert len(series) >= 80
         for warmup in (5, 20):  # also with a short warm-up, while the loss still falls fast
-            assert feed(series, GuardSettings(warmup=warmup)) == [], run["name"]
+            assert feed(series, settings(warmup=warmup)) == [], run["name"]
 
 
 def test_history_is_a_bounded_window_and_round_trips_through_json() -> None:
-    s = GuardSettings(window=4)
+    s = settings(window=4)
     h = GuardHistory()
     for i, (loss, norm) in enumerate(steady(10)):
         h = remember(h, loss, norm, Decision("warn" if i == 3 else "step"), s.window)
@@ -389,9 +396,9 @@ def test_a_clean_run_records_no_guard_event(
 
 def test_when_both_detectors_fire_the_severer_action_wins() -> None:
     series = [*steady(30), (50.0, 40.0)]
-    s = GuardSettings(loss_spike="warn", grad_norm="pause")
+    s = settings(loss_spike="warn", grad_norm="pause")
     ((i, d),) = feed(series, s)
     assert (i, d.action, d.detector) == (30, "pause", "grad_norm")
     assert "loss 50" in d.reason and "gradient norm 40" in d.reason
-    ((_, d),) = feed(series, GuardSettings(loss_spike="rollback", grad_norm="skip"))
+    ((_, d),) = feed(series, settings(loss_spike="rollback", grad_norm="skip"))
     assert (d.action, d.detector) == ("rollback", "loss_spike")

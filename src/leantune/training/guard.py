@@ -40,18 +40,18 @@ _TINY = 1e-12
 
 @dataclass(frozen=True)
 class GuardSettings:
-    """The guard's knobs (from the ``guard`` config section)."""
+    """The guard's knobs; the defaults live in ``config.GuardConfig``, documented per field."""
 
-    nonfinite: NonfiniteAction = "skip"
-    loss_spike: DetectorAction = "warn"
-    grad_norm: DetectorAction = "warn"
-    loss_sigmas: float = 6.0
-    loss_min_ratio: float = 3.0
-    grad_sigmas: float = 6.0
-    grad_min_ratio: float = 4.0
-    window: int = 128
-    warmup: int = 20
-    max_consecutive_skips: int = 10
+    nonfinite: NonfiniteAction
+    loss_spike: DetectorAction
+    grad_norm: DetectorAction
+    loss_sigmas: float
+    loss_min_ratio: float
+    grad_sigmas: float
+    grad_min_ratio: float
+    window: int
+    warmup: int
+    max_consecutive_skips: int
 
 
 @dataclass(frozen=True)

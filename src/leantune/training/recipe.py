@@ -107,7 +107,7 @@ class Trainer:
     global_batch: int
     micro_batch_size: int
     events: EventLog
-    guard: GuardSettings = field(default_factory=GuardSettings)
+    guard: GuardSettings
     history: GuardHistory = field(default_factory=GuardHistory)
     samples_seen: int = 0
     budget: MemoryBudget = field(default_factory=lambda: MemoryBudget(None))
@@ -206,12 +206,13 @@ def load_into(trainer: Trainer, ckpt: Checkpoint) -> None:
     restore_rng_state(ckpt.rng)
     trainer.state = ckpt.state
     extra = ckpt.state.extra
-    batching = extra.get("batching", {})
-    if batching.get("global_batch") == trainer.global_batch:
-        trainer.micro_batch_size = int(batching["micro_batch_size"])
-        trainer.samples_seen = int(batching["samples_seen"])
-    else:  # written before sample positions, or with another global batch: the config wins
+    batching = extra.get("batching")
+    if batching is None:  # written before the data position was kept in samples
         trainer.samples_seen = ckpt.state.micro_batches_seen * trainer.micro_batch_size
+    else:
+        trainer.samples_seen = int(batching["samples_seen"])
+        if batching["global_batch"] == trainer.global_batch:  # a shrink after an OOM holds
+            trainer.micro_batch_size = min(trainer.micro_batch_size, batching["micro_batch_size"])
     trainer.history = GuardHistory.from_json(extra.get("guard"))
 
 
