@@ -197,7 +197,9 @@ def test_eval_oom_shrinks_only_the_eval_batch(
     squeezed = run("oom")
     assert squeezed["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5)
     events = read_events(tmp_path / "oom" / "events.jsonl")
-    assert [(e["kind"], e["eval_batch_size"]) for e in events] == [("oom_eval", 2), ("oom_eval", 1)]
+    assert [(e["kind"], e["step"], e["eval_batch_size"]) for e in events] == [
+        ("oom_eval", 2, 2), ("oom_eval", 2, 1)
+    ]  # fmt: skip
     strip = lambda ms: [{k: v for k, v in m.items() if k not in VOLATILE[:3]} for m in ms]  # noqa: E731
     assert strip(read_metrics(tmp_path / "oom" / "metrics.jsonl")) == strip(
         read_metrics(tmp_path / "plain" / "metrics.jsonl")

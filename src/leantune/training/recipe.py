@@ -2,8 +2,14 @@
 
 `train(cfg)` builds components in dependency order (tokenizer -> data -> model -> method ->
 optimizer -> schedule -> checkpoint state), then runs the step: forward -> loss -> backward ->
-accumulate -> unscale -> clip -> step -> log -> save. The method only decides how the model is
-wrapped and which parameters train; the loop never branches on it.
+accumulate -> unscale -> clip (measuring the norm) -> guard -> step or skip -> log -> save. The
+method only decides how the model is wrapped and which parameters train; the loop never
+branches on it.
+
+Two things can interrupt a step. An out-of-memory error halves the micro-batch and replays the
+same window of samples (`accumulate`). The stability guard (`training.guard.decide`, called once
+in `train_step`) may skip the update, pause the run, roll back to the last checkpoint or stop;
+`act_on_guard` carries that out. Every such decision is an event in `events.jsonl`.
 """
 
 from __future__ import annotations
@@ -270,7 +276,7 @@ def backward_window(
 
 
 def accumulate(
-    tr: Trainer, window: list[int], precision: str, kl_coef: float, log: Log
+    tr: Trainer, window: list[int], precision: str, kl_coef: float
 ) -> tuple[float, list[dict[str, torch.Tensor]]]:
     """Forward and backward over `window`; on OOM halve the micro-batch and replay it.
 
@@ -323,13 +329,13 @@ def accumulate(
 
 
 def train_step(
-    tr: Trainer, precision: str, max_grad_norm: float, kl_coef: float = 0.0, log: Log = print
+    tr: Trainer, precision: str, max_grad_norm: float, kl_coef: float = 0.0
 ) -> StepResult:
     """One window: backward -> unscale -> clip (measure) -> guard -> step or skip."""
     start = time.perf_counter()
     step = tr.state.step + 1
     window = tr.stream.rows(tr.samples_seen, tr.global_batch)
-    loss, batches = accumulate(tr, window, precision, kl_coef, log)
+    loss, batches = accumulate(tr, window, precision, kl_coef)
     loss = tr.faults.spike(step, loss, tr.params.values())
     if tr.scaler is not None:
         tr.scaler.unscale_(tr.optimizer)
@@ -407,14 +413,15 @@ def act_on_guard(tr: Trainer, result: StepResult, files: RunFiles, g: GuardConfi
     if action == "warn":
         tr.events.emit(kind, step, f"{reason}; update applied (guard.{kind}=warn)", **info)
         return False
+    info.update(rows=result.rows, lines=source_lines(tr.data, result.rows))
     if action == "skip":
-        tr.events.emit(kind, step, f"{reason}; update skipped", **info, rows=result.rows)
+        tr.events.emit(kind, step, f"{reason}; update skipped", **info)
         return False
     if action == "rollback":
         tr.events.emit(kind, step, f"{reason}; rolling back", **info)
         rollback(tr, result.end, files, g.lr_factor)
         return True
-    tr.events.emit(kind, step, f"{reason}; update skipped", **info, rows=result.rows)
+    tr.events.emit(kind, step, f"{reason}; update skipped", **info)
     path = checkpoint(tr, files.ckpt_dir, files.keep_last, files.config_yaml)
     if action == "pause":
         marker = {"reason": reason, "detector": kind, "step": step, "checkpoint": str(path)}
@@ -524,10 +531,50 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
         f"method {cfg.method.name}: {trainable:,} of {total:,} parameters train "
         f"({100 * trainable / total:.3f}%)"
     )
+    pad_id = int(tokenizer.pad_token_id)
+    trainer = build_trainer(cfg, model, params, train_data, pad_id, device, events, faults)
+    start_state(trainer, cfg, files, log)
+    extra = trainer.state.extra
+    if base_exact_match is not None and "base_exact_match" not in extra:
+        extra["base_exact_match"] = base_exact_match
+
+    run_loop(trainer, cfg, files, log)
+
+    save_final(model, tokenizer, run_dir / "final", _base_path(cfg.model.path), cfg.model.gguf_file)
+    results: dict[str, Any] = {"final_train_loss": extra.get("last_loss")}
+    if eval_data is not None:
+        merge_for_inference(model)
+        ev = evaluate_retrying(
+            lambda bs: evaluate_loss(model, eval_data.rows, pad_id, bs, t.precision),
+            t.eval_batch_size, events, faults, device, trainer.state.step,
+        )  # fmt: skip
+        results.update(eval_loss=ev["loss"], eval_perplexity=ev["perplexity"])
+        if t.eval_exact_match:
+            preds_file = run_dir / "eval_predictions.jsonl"
+            results["eval_exact_match"] = evaluate_retrying(
+                lambda bs: exact_match(model, tokenizer, eval_data, cfg, preds_file, bs),
+                t.eval_batch_size, events, faults, device, trainer.state.step,
+            )  # fmt: skip
+    results["wall_time_s"] = round(time.perf_counter() - started, 2)  # this invocation
+    return write_summary(run_dir, trainer.state, trainable, total, results, log)
+
+
+def build_trainer(
+    cfg: Config,
+    model: nn.Module,
+    params: dict[str, nn.Parameter],
+    train_data: PreparedData,
+    pad_id: int,
+    device: torch.device,
+    events: EventLog,
+    faults: FaultHooks,
+) -> Trainer:
+    """Optimizer, schedule, scaler, sample stream and guard around the wrapped model."""
+    t = cfg.train
     lr = t.lr if t.lr is not None else DEFAULT_LR[cfg.method.name]
     optimizer = build_optimizer(params, lr, t.weight_decay)
     budget = parse_memory_size(t.memory_budget, "train.memory_budget") if t.memory_budget else None
-    trainer = Trainer(
+    return Trainer(
         model=model,
         params=params,
         optimizer=optimizer,
@@ -535,7 +582,7 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
         scaler=make_grad_scaler(t.precision, device.type),
         stream=SampleStream(len(train_data.rows), t.seed),
         data=train_data,
-        pad_id=int(tokenizer.pad_token_id),
+        pad_id=pad_id,
         device=device,
         state=TrainingState(step=0, micro_batches_seen=0, extra={}),
         global_batch=t.micro_batch_size * t.grad_accum,
@@ -546,38 +593,21 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
         faults=faults,
         levers=levers_message(cfg.data.max_seq_len, t.gradient_checkpointing, cfg.method.name),
     )
+
+
+def start_state(tr: Trainer, cfg: Config, files: RunFiles, log: Log) -> None:
+    """Resume if asked, lift a pause, and make sure a rollback has a checkpoint to go to."""
     if cfg.run.resume == "auto":
-        restore(trainer, ckpt_dir, log)
-    clear_pause_marker(run_dir, trainer, events)
-    extra = trainer.state.extra
-    if base_exact_match is not None and "base_exact_match" not in extra:
-        extra["base_exact_match"] = base_exact_match
+        restore(tr, files.ckpt_dir, log)
+    marker = files.run_dir / PAUSED_MARKER
+    if marker.is_file():
+        reason = json.loads(marker.read_text()).get("reason", "")
+        marker.unlink()
+        tr.events.emit("resume", tr.state.step + 1, f"resuming a paused run (paused for: {reason})")
     g = cfg.guard
-    if (
-        "rollback" in (g.nonfinite, g.loss_spike, g.grad_norm)
-        and latest_checkpoint(ckpt_dir) is None
-    ):
-        checkpoint(trainer, ckpt_dir, t.keep_last, files.config_yaml)
-
-    run_loop(trainer, cfg, files, log)
-
-    save_final(model, tokenizer, run_dir / "final", _base_path(cfg.model.path), cfg.model.gguf_file)
-    results: dict[str, Any] = {"final_train_loss": extra.get("last_loss")}
-    if eval_data is not None:
-        merge_for_inference(model)
-        ev = evaluate_retrying(
-            lambda bs: evaluate_loss(model, eval_data.rows, trainer.pad_id, bs, t.precision),
-            t.eval_batch_size, events, faults, device,
-        )  # fmt: skip
-        results.update(eval_loss=ev["loss"], eval_perplexity=ev["perplexity"])
-        if t.eval_exact_match:
-            preds_file = run_dir / "eval_predictions.jsonl"
-            results["eval_exact_match"] = evaluate_retrying(
-                lambda bs: exact_match(model, tokenizer, eval_data, cfg, preds_file, bs),
-                t.eval_batch_size, events, faults, device,
-            )  # fmt: skip
-    results["wall_time_s"] = round(time.perf_counter() - started, 2)  # this invocation
-    return write_summary(run_dir, trainer.state, trainable, total, results, log)
+    rollback_on = "rollback" in (g.nonfinite, g.loss_spike, g.grad_norm)
+    if rollback_on and latest_checkpoint(files.ckpt_dir) is None:
+        checkpoint(tr, files.ckpt_dir, files.keep_last, files.config_yaml)
 
 
 def run_loop(tr: Trainer, cfg: Config, files: RunFiles, log: Log) -> None:
@@ -590,7 +620,7 @@ def run_loop(tr: Trainer, cfg: Config, files: RunFiles, log: Log) -> None:
     try:
         while tr.state.step < t.max_steps:
             try:
-                result = train_step(tr, t.precision, t.max_grad_norm, t.kl_coef, log)
+                result = train_step(tr, t.precision, t.max_grad_norm, t.kl_coef)
             except OutOfMemoryAtMinimum as exc:
                 path = checkpoint(tr, files.ckpt_dir, t.keep_last, files.config_yaml)
                 tr.events.emit("oom", tr.state.step + 1, f"{exc} Checkpoint {path}.")
@@ -631,26 +661,22 @@ def guard_settings(g: GuardConfig) -> GuardSettings:
     )
 
 
-def clear_pause_marker(run_dir: Path, tr: Trainer, events: EventLog) -> None:
-    """A paused run continues when trained again: drop the marker, say so."""
-    marker = run_dir / PAUSED_MARKER
-    if marker.is_file():
-        reason = json.loads(marker.read_text()).get("reason", "")
-        marker.unlink()
-        events.emit("resume", tr.state.step + 1, f"resuming a paused run (paused for: {reason})")
-
-
 def evaluate_retrying(
     fn: Callable[[int], T],
     batch_size: int,
     events: EventLog,
     faults: FaultHooks,
     device: torch.device,
+    step: int = 0,
 ) -> T:
-    """Run evaluation, halving only the eval batch on OOM (the training batch never changes)."""
+    """Run evaluation, halving only the eval batch on OOM (the training batch never changes).
+
+    `step` is the number of training steps done, for the event.
+    """
 
     def on_retry(old: int, new: int, error: str) -> None:
-        events.emit("oom_eval", 0, f"{error}; eval batch {old} -> {new}", eval_batch_size=new)
+        message = f"{error}; eval batch {old} -> {new} (training micro-batch unchanged)"
+        events.emit("oom_eval", step, message, eval_batch_size=new)
 
     return retry_on_oom(fn, batch_size, on_retry, device, faults.eval_oom)
 
