@@ -402,3 +402,37 @@ def test_when_both_detectors_fire_the_severer_action_wins() -> None:
     assert "loss 50" in d.reason and "gradient norm 40" in d.reason
     ((_, d),) = feed(series, settings(loss_spike="rollback", grad_norm="skip"))
     assert (d.action, d.detector) == ("rollback", "loss_spike")
+
+
+def test_loss_scaler_overflow_is_not_a_guard_event_but_a_nonfinite_loss_is(
+    tiny_llama_dir: Path, chat_files, tmp_path: Path, monkeypatch, spy_steps
+) -> None:
+    # The fp16 path on CPU: a real GradScaler (CUDA-only in make_grad_scaler) over fp32 math.
+    scalers: list[torch.amp.GradScaler] = []
+
+    def cpu_scaler(precision: str, device_type: str) -> torch.amp.GradScaler:
+        scalers.append(torch.amp.GradScaler("cpu", init_scale=1024.0))
+        return scalers[-1]
+
+    monkeypatch.setattr(recipe, "make_grad_scaler", cpu_scaler)
+    nan_grad_on_backwards(monkeypatch, {3})  # finite loss, NaN gradient: a scaler overflow
+    monkeypatch.setenv(LOSS_SCALE_ENV, "4:inf")  # non-finite loss: the guard's business
+    run = tmp_path / "run"
+    cfg = make_config(tiny_llama_dir, chat_files[0], run, "data.pack=false", "train.max_steps=5")
+    recipe.train(cfg, log=lambda _: None)
+    decisions = [
+        (r.record["step"], r.decision.action, r.record["optimizer_stepped"]) for *_, r in spy_steps
+    ]
+    assert decisions == [
+        (1, "step", True), (2, "step", True), (3, "step", False),  # the scaler skipped step 3
+        (4, "skip", False), (4, "step", True), (5, "step", True),
+    ]  # fmt: skip
+    assert same(*spy_steps[2][:2]) and same(*spy_steps[3][:2])  # neither moved the weights
+    # Halved by the overflow, and again by the skipped step's update(): its gradients were
+    # infinite too, and update() must close every unscale_ for the next step to run.
+    assert scalers[0].get_scale() == 256.0
+    events = read_events(run / "events.jsonl")
+    assert [(e["kind"], e["action"], e["step"]) for e in events] == [("nonfinite", "skip", 4)]
+    assert [m["optimizer_stepped"] for m in read_metrics(run / "metrics.jsonl")] == [
+        True, True, False, True, True
+    ]  # fmt: skip
