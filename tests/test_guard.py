@@ -436,3 +436,17 @@ def test_loss_scaler_overflow_is_not_a_guard_event_but_a_nonfinite_loss_is(
     assert [m["optimizer_stepped"] for m in read_metrics(run / "metrics.jsonl")] == [
         True, True, False, True, True
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_rows_name_their_examples_so_events_can_cite_source_lines(
+    tokenizer, chat_files, pack: bool
+) -> None:
+    from leantune.data.dataset import prepare_file
+
+    data = prepare_file(chat_files[0], "chat", tokenizer, 128, pack=pack)
+    assert len(data.rows) < 24 if pack else len(data.rows) == 24
+    for row in data.rows:
+        assert row.input_ids == [t for e in row.examples for t in data.examples[e].input_ids]
+    lines = recipe.source_lines(data, list(range(len(data.rows))))
+    assert sorted(lines) == list(range(1, 25))  # every line exactly once
