@@ -30,6 +30,8 @@ def test_demo_learns_the_support_desk_task(tmp_path: Path) -> None:
     assert summary["base_exact_match"] <= 0.1
     assert summary["eval_exact_match"] >= 0.9
     assert (run_dir / "final" / "adapter_model.safetensors").is_file()
+    events = run_dir / "events.jsonl"  # no guard false positive, no OOM on a normal run
+    assert not events.exists(), events.read_text()
 
 
 @pytest.mark.slow
@@ -73,3 +75,45 @@ def test_fp16_with_grad_scaler_on_cuda(tmp_path: Path, tiny_llama_dir: Path) -> 
     assert summary["steps"] == 3
     ckpt = latest_checkpoint(tmp_path / "run" / "checkpoints")
     assert ckpt is not None and load_checkpoint(ckpt).scaler is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_oom_replay_with_fp16_on_cuda(
+    tmp_path: Path, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from leantune.training.events import read_events
+    from leantune.training.faults import OOM_STEP_ENV
+    from leantune.training.metrics import read_metrics
+
+    rows = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+        for i in range(16)
+    ]
+    data = write_jsonl(tmp_path / "t.jsonl", rows)
+    monkeypatch.setenv(OOM_STEP_ENV, "2")
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_llama_dir}",
+            f"data.train={data}",
+            "data.eval=null",
+            "data.pack=false",
+            "train.eval_exact_match=false",
+            "train.precision=fp16",
+            "train.device=cuda",
+            "train.micro_batch_size=4",
+            "train.max_steps=3",
+            f"run.dir={tmp_path / 'run'}",
+            "run.progress=false",
+        ],
+    )
+    assert train(cfg, log=lambda _: None)["steps"] == 3
+    metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [(m["step"], m["micro_batch_size"], m["grad_accum"]) for m in metrics] == [
+        (1, 4, 1),
+        (2, 2, 2),
+        (3, 2, 2),
+    ]
+    events = read_events(tmp_path / "run" / "events.jsonl")
+    assert [(e["kind"], e["step"]) for e in events] == [("oom", 2)]

@@ -5,6 +5,11 @@ leantune validate CONFIG.yaml [section.key=value ...]
 leantune eval --model PATH --data FILE [--limit N]
 leantune generate --model PATH --prompt TEXT [--chat] [sampling options]
 leantune bench methods [CONFIG.yaml] [--methods a,b] [--out DIR] [section.key=value ...]
+
+Exit codes of `leantune train`: 0 done; 2 invalid config or data; 3 paused by the stability
+guard (a PAUSED marker in the run dir; run the same command again to resume); 4 stopped by the
+guard (too many consecutive skipped steps or rollbacks; a checkpoint was saved); 5 out of memory
+even at micro-batch size 1 (the message names the next levers).
 """
 
 from __future__ import annotations
@@ -37,12 +42,17 @@ def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from leantune.config import load_config
+    from leantune.training.events import TrainingHalted
     from leantune.training.recipe import train
 
     config, overrides = _split_config_args(args.args)
     cfg = load_config(config, overrides)
     _quiet_libraries()
-    train(cfg, log=lambda m: print(m, flush=True))
+    try:
+        train(cfg, log=lambda m: print(m, flush=True))
+    except TrainingHalted as e:
+        print(f"error: {e}" if e.exit_code != 3 else str(e), file=sys.stderr)
+        return e.exit_code
     return 0
 
 
@@ -201,7 +211,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="leantune", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="fine-tune (no CONFIG: the built-in demo)")
+    t = sub.add_parser(
+        "train",
+        help="fine-tune (no CONFIG: the built-in demo)",
+        epilog=__doc__.split("\n\n")[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     t.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
     t.set_defaults(func=cmd_train)
     v = sub.add_parser("validate", help="check a config without loading a model")

@@ -116,6 +116,37 @@ class TrainConfig:
     """Generation length limit for exact match."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train."""
+    memory_budget: str | None = None
+    """Process memory limit such as "20GiB": on CPU a micro-batch whose resident memory goes
+    above it counts as out of memory (halve the micro-batch, replay the step); None = no limit."""
+
+
+@dataclass
+class GuardConfig:
+    nonfinite: Literal["skip", "pause", "rollback"] = "skip"
+    """Action on a NaN/inf loss or gradient: skip the update, pause the run, or roll back."""
+    loss_spike: Literal["off", "warn", "skip", "pause", "rollback"] = "warn"
+    """Action when the loss jumps far above its recent median."""
+    grad_norm: Literal["off", "warn", "skip", "pause", "rollback"] = "warn"
+    """Action when the pre-clipping gradient norm jumps far above its recent median."""
+    loss_sigmas: float = 6.0
+    """Loss spike: robust sigmas (1.4826 x MAD of log loss) above the median that count."""
+    loss_min_ratio: float = 3.0
+    """Loss spike: never flag a loss below this multiple of the recent median."""
+    grad_sigmas: float = 6.0
+    """Gradient-norm anomaly: robust sigmas (of log norm) above the median that count."""
+    grad_min_ratio: float = 4.0
+    """Gradient-norm anomaly: never flag a norm below this multiple of the recent median."""
+    window: int = 128
+    """Steps of history the robust statistics use."""
+    warmup: int = 20
+    """Accepted steps before the spike and norm detectors act (non-finite is always on)."""
+    max_consecutive_skips: int = 10
+    """Stop (with a checkpoint) when this many steps in a row are skipped."""
+    lr_factor: float = 0.5
+    """Rollback multiplies the learning rate by this (kept on resume)."""
+    max_rollbacks: int = 3
+    """Stop instead of rolling back once this many rollbacks happened in the run."""
 
 
 @dataclass
@@ -136,6 +167,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     method: MethodConfig = field(default_factory=MethodConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     @property
@@ -342,6 +374,9 @@ def validate(cfg: Config) -> list[str]:
         raise ConfigError(f"method.r: must be >= 1, got {m.r}")
     if m.dropout is not None and not 0 <= m.dropout < 1:
         raise ConfigError(f"method.dropout: must be in [0, 1), got {m.dropout}")
+    if t.memory_budget is not None:
+        parse_memory_size(t.memory_budget, "train.memory_budget")
+    _validate_guard(cfg.guard)
     warnings: list[str] = []
     lr = t.lr
     if m.name == "full" and lr is not None and lr >= 1e-4:
@@ -353,6 +388,53 @@ def validate(cfg: Config) -> list[str]:
     if t.max_steps >= 30 and 0 < t.warmup_ratio < 0.03:
         warnings.append(f"train.warmup_ratio={t.warmup_ratio:g} is short; 0.03..0.1 is usual")
     return warnings
+
+
+def _validate_guard(g: GuardConfig) -> None:
+    for key, value in {
+        "guard.loss_sigmas": g.loss_sigmas,
+        "guard.grad_sigmas": g.grad_sigmas,
+    }.items():
+        if value <= 0:
+            raise ConfigError(f"{key}: must be > 0, got {value}")
+    for key, value in {
+        "guard.loss_min_ratio": g.loss_min_ratio,
+        "guard.grad_min_ratio": g.grad_min_ratio,
+    }.items():
+        if value < 1:
+            raise ConfigError(f"{key}: must be >= 1 (a multiple of the median), got {value}")
+    if not 2 <= g.warmup <= g.window:
+        raise ConfigError(
+            f"guard.warmup={g.warmup}, guard.window={g.window}: need 2 <= warmup <= window"
+        )
+    if g.max_consecutive_skips < 1 or g.max_rollbacks < 0:
+        raise ConfigError("guard.max_consecutive_skips must be >= 1 and guard.max_rollbacks >= 0")
+    if not 0 < g.lr_factor < 1:
+        raise ConfigError(f"guard.lr_factor: must be in (0, 1), got {g.lr_factor}")
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_SIZE_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def parse_memory_size(text: str, key: str = "memory size") -> int:
+    """Bytes in a size such as "20GiB", "512 MiB", "1.5GB" or "1000000" (binary and SI units).
+
+    Raises:
+        ConfigError: not a positive size, naming `key`.
+    """
+    raw = text.strip().lower().replace(" ", "")
+    number = raw.rstrip("kmgtib")
+    unit = raw[len(number) :]
+    try:
+        value = float(number) * _SIZE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise ConfigError(
+            f"{key}: {text!r} is not a memory size; write e.g. 20GiB, 512MiB or 1.5GB"
+        ) from None
+    if value < 1:
+        raise ConfigError(f"{key}: must be positive, got {text!r}")
+    return int(value)
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -44,6 +44,40 @@ class BatchSchedule:
         return perm[j * self.micro_batch_size : (j + 1) * self.micro_batch_size]
 
 
+class SampleStream:
+    """The run's sample order: seeded per-epoch permutations of the rows, back to back.
+
+    Position `p` of the stream is a pure function of (num_rows, seed, p), so a step's window of
+    samples can be split into micro-batches of any size without changing which samples it holds
+    or their order (OOM recovery halves the micro-batch and replays the same window). For
+    micro-batch sizes that divide `num_rows`, micro-batch `k` of `BatchSchedule` is the stream's
+    positions `[k * size, (k + 1) * size)`.
+    """
+
+    def __init__(self, num_rows: int, seed: int, shuffle: bool = True):
+        self._order = BatchSchedule(num_rows, num_rows, seed, shuffle)
+
+    @property
+    def num_rows(self) -> int:
+        return self._order.num_rows
+
+    def rows(self, start: int, count: int) -> list[int]:
+        """Row indices at stream positions `[start, start + count)` (may cross epochs)."""
+        out: list[int] = []
+        n = self._order.num_rows
+        for epoch in range(start // n, (start + count - 1) // n + 1):
+            perm = self._order._permutation(epoch)
+            lo = max(start, epoch * n) - epoch * n
+            hi = min(start + count, (epoch + 1) * n) - epoch * n
+            out += perm[lo:hi]
+        return out
+
+
+def split_window(indices: list[int], micro_batch_size: int) -> list[list[int]]:
+    """Consecutive micro-batches of at most `micro_batch_size` (the last may be shorter)."""
+    return [indices[i : i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
+
+
 def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad rows into tensors. Padding gets its own restarting position ids and no labels.
 

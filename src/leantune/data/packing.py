@@ -18,11 +18,16 @@ class Row:
     input_ids: list[int]
     labels: list[int]
     position_ids: list[int]
+    examples: tuple[int, ...] = ()
+    """Indices of the examples packed into this row (to name skipped samples by source line)."""
 
 
 def single_rows(examples: list[Example]) -> list[Row]:
     """One example per row (no packing)."""
-    return [Row(e.input_ids, e.labels, list(range(len(e.input_ids)))) for e in examples]
+    return [
+        Row(e.input_ids, e.labels, list(range(len(e.input_ids))), (i,))
+        for i, e in enumerate(examples)
+    ]
 
 
 def pack_examples(examples: list[Example], seq_len: int) -> list[Row]:
@@ -59,7 +64,7 @@ def pack_examples(examples: list[Example], seq_len: int) -> list[Row]:
             ids += ex.input_ids
             labels += ex.labels
             pos += range(len(ex.input_ids))
-        rows.append(Row(ids, labels, pos))
+        rows.append(Row(ids, labels, pos, tuple(members)))
     return rows
 
 

@@ -2,30 +2,35 @@
 
 `train(cfg)` builds components in dependency order (tokenizer -> data -> model -> method ->
 optimizer -> schedule -> checkpoint state), then runs the step: forward -> loss -> backward ->
-accumulate -> unscale -> clip -> step -> log -> save. The method only decides how the model is
-wrapped and which parameters train; the loop never branches on it.
+accumulate -> unscale -> clip (measuring the norm) -> guard -> step or skip -> log -> save. The
+method only decides how the model is wrapped and which parameters train; the loop never
+branches on it.
+
+Two things can interrupt a step. An out-of-memory error halves the micro-batch and replays the
+same window of samples (`accumulate`). The stability guard (`training.guard.decide`, called once
+in `train_step`) may skip the update, pause the run, roll back to the last checkpoint or stop;
+`act_on_guard` carries that out. Every such decision is an event in `events.jsonl`.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import math
 import random
-import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from leantune.config import Config, dump_config, validate
+from leantune.config import Config, GuardConfig, dump_config, parse_memory_size, validate
 from leantune.data.dataset import PreparedData, prepare_file
-from leantune.data.loader import BatchSchedule, collate
+from leantune.data.loader import SampleStream, collate, split_window
 from leantune.eval.exact_match import answers_match, evaluate_exact_match
 from leantune.eval.loss import evaluate_loss
 from leantune.methods.registry import (
@@ -43,6 +48,7 @@ from leantune.models.loading import (
     resolve_model,
 )
 from leantune.training.checkpoint import (
+    Checkpoint,
     TrainingState,
     capture_rng_state,
     latest_checkpoint,
@@ -50,8 +56,26 @@ from leantune.training.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
+from leantune.training.events import (
+    EVENTS_FILE,
+    PAUSED_MARKER,
+    EventLog,
+    OutOfMemoryAtMinimum,
+    TrainingPaused,
+    TrainingStopped,
+)
+from leantune.training.faults import KILL_ENV, FaultHooks, kill_after
+from leantune.training.guard import Decision, GuardHistory, GuardSettings, decide, remember
 from leantune.training.loss import count_supervised, token_loss_sum
 from leantune.training.metrics import MetricsLog, peak_memory_bytes, progress_bar
+from leantune.training.oom import (
+    MemoryBudget,
+    free_memory,
+    halved,
+    is_out_of_memory,
+    levers_message,
+    retry_on_oom,
+)
 from leantune.training.optim import build_optimizer, build_scheduler
 from leantune.training.precision import (
     autocast,
@@ -62,24 +86,56 @@ from leantune.training.precision import (
 from leantune.training.summary import write_summary
 
 Log = Callable[[str], None]
+T = TypeVar("T")
 # Test hook: SIGKILL this process right after the backward of this global micro-batch index.
-FAULT_ENV = "LEANTUNE_KILL_AFTER_MICRO_BATCH"
+FAULT_ENV = KILL_ENV
 
 
 @dataclass
 class Trainer:
-    """Everything the step needs, built once by `train`."""
+    """Everything the step needs, built once by `train`.
+
+    The data position is `samples_seen`, a position in the sample stream: a step consumes the
+    next `global_batch` samples, split into micro-batches of `micro_batch_size` (which an OOM
+    halves; the window, and so the global batch and the LR schedule, stay the same).
+    """
 
     model: nn.Module
     params: dict[str, nn.Parameter]
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     scaler: torch.amp.GradScaler | None
-    schedule: BatchSchedule
+    stream: SampleStream
     data: PreparedData
     pad_id: int
     device: torch.device
     state: TrainingState
+    global_batch: int
+    micro_batch_size: int
+    events: EventLog
+    guard: GuardSettings
+    history: GuardHistory = field(default_factory=GuardHistory)
+    samples_seen: int = 0
+    budget: MemoryBudget = field(default_factory=lambda: MemoryBudget(None))
+    faults: FaultHooks = field(default_factory=FaultHooks)
+    levers: str = ""
+    """What to try when one sequence does not fit (the OOM-at-minimum message)."""
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per optimizer step at the current micro-batch size."""
+        return -(-self.global_batch // self.micro_batch_size)
+
+
+@dataclass
+class StepResult:
+    """One window's outcome: its metrics record, the guard's decision, the rows it held."""
+
+    record: dict[str, Any]
+    decision: Decision
+    rows: list[int]
+    end: int
+    """Stream position just after this window."""
 
 
 def seed_everything(seed: int) -> None:
@@ -135,10 +191,15 @@ def restore(trainer: Trainer, ckpt_dir: Path, log: Log) -> None:
     path = latest_checkpoint(ckpt_dir)
     if path is None:
         return
-    ckpt = load_checkpoint(path)
+    load_into(trainer, load_checkpoint(path))
+    log(f"resumed from {path} at step {trainer.state.step}")
+
+
+def load_into(trainer: Trainer, ckpt: Checkpoint) -> None:
+    """Put a checkpoint's exact state into the trainer (also what a rollback does)."""
     if set(ckpt.weights) != set(trainer.params):
         raise RuntimeError(
-            f"{path}: checkpoint weights do not match the model's trainable parameters "
+            f"{ckpt.path}: checkpoint weights do not match the model's trainable parameters "
             f"(was it written with another method or model?)"
         )
     with torch.no_grad():
@@ -150,11 +211,25 @@ def restore(trainer: Trainer, ckpt_dir: Path, log: Log) -> None:
         trainer.scaler.load_state_dict(ckpt.scaler)
     restore_rng_state(ckpt.rng)
     trainer.state = ckpt.state
-    log(f"resumed from {path} at step {ckpt.state.step}")
+    extra = ckpt.state.extra
+    batching = extra.get("batching")
+    if batching is None:  # written before the data position was kept in samples
+        trainer.samples_seen = ckpt.state.micro_batches_seen * trainer.micro_batch_size
+    else:
+        trainer.samples_seen = int(batching["samples_seen"])
+        if batching["global_batch"] == trainer.global_batch:  # a shrink after an OOM holds
+            trainer.micro_batch_size = min(trainer.micro_batch_size, batching["micro_batch_size"])
+    trainer.history = GuardHistory.from_json(extra.get("guard"))
 
 
 def checkpoint(trainer: Trainer, ckpt_dir: Path, keep_last: int, config_yaml: str) -> Path:
     """Write a checkpoint of the current state (atomic; see training.checkpoint)."""
+    trainer.state.extra["batching"] = {
+        "global_batch": trainer.global_batch,
+        "micro_batch_size": trainer.micro_batch_size,
+        "samples_seen": trainer.samples_seen,
+    }
+    trainer.state.extra["guard"] = trainer.history.to_json()
     return save_checkpoint(
         ckpt_dir,
         trainer.state,
@@ -168,12 +243,6 @@ def checkpoint(trainer: Trainer, ckpt_dir: Path, keep_last: int, config_yaml: st
     )
 
 
-def _inject_fault(micro_batch: int) -> None:
-    target = os.environ.get(FAULT_ENV)
-    if target is not None and int(target) == micro_batch:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def backward_window(
     model: nn.Module,
     batches: list[dict[str, torch.Tensor]],
@@ -182,11 +251,13 @@ def backward_window(
     scaler: torch.amp.GradScaler | None = None,
     first_micro_batch: int = 0,
     kl_coef: float = 0.0,
+    memory_check: Callable[[int], None] | None = None,
 ) -> float:
     """Accumulate gradients over one optimizer step's micro-batches; returns the window's loss.
 
     Each micro-batch's summed token loss is divided by the supervised tokens of the whole
     window, so k micro-batches give the same gradient as one k-times larger batch.
+    `memory_check(k)` runs after micro-batch k's forward (its activation peak) and backward.
     """
     n_supervised = max(1, sum(count_supervised(b["labels"]) for b in batches))
     loss_sum = torch.zeros((), dtype=torch.float64)
@@ -194,46 +265,111 @@ def backward_window(
         batch = {key: v.to(device) for key, v in batch.items()}
         with autocast(device.type, precision):
             loss = token_loss_sum(model, batch, kl_coef) / n_supervised
+        if memory_check is not None:
+            memory_check(k)
         (scaler.scale(loss) if scaler is not None else loss).backward()
+        if memory_check is not None:
+            memory_check(k)
         loss_sum += loss.detach().double().cpu()
-        _inject_fault(first_micro_batch + k)
+        kill_after(first_micro_batch + k)
     return float(loss_sum)
 
 
+def accumulate(
+    tr: Trainer, window: list[int], precision: str, kl_coef: float
+) -> tuple[float, list[dict[str, torch.Tensor]]]:
+    """Forward and backward over `window`; on OOM halve the micro-batch and replay it.
+
+    The replay sees the same samples in the same order with zeroed gradients and the RNG as it
+    was before the failed attempt, so it equals a run that used the smaller micro-batch from
+    the start (up to float rounding of the different split).
+
+    Raises:
+        OutOfMemoryAtMinimum: one sequence per micro-batch still does not fit.
+    """
+    step = tr.state.step + 1
+    rng = capture_rng_state()
+    while True:
+        micro = split_window(window, tr.micro_batch_size)
+        batches = [collate([tr.data.rows[i] for i in m], tr.pad_id) for m in micro]
+
+        def check(k: int, count: int = len(batches)) -> None:
+            tr.budget.check()
+            tr.faults.train_oom(step, k, count)
+
+        error = ""
+        try:
+            loss = backward_window(
+                tr.model, batches, tr.device, precision, tr.scaler,
+                tr.state.micro_batches_seen, kl_coef, check,
+            )  # fmt: skip
+            return loss, batches
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            if not is_out_of_memory(exc):
+                raise
+            error = str(exc).splitlines()[0]
+        # Outside the except block, so the traceback no longer pins the attempt's activations.
+        del batches
+        tr.optimizer.zero_grad(set_to_none=True)
+        free_memory(tr.device)
+        old = tr.micro_batch_size
+        if old == 1:
+            raise OutOfMemoryAtMinimum(
+                f"out of memory at step {step} with train.micro_batch_size=1: one sequence does "
+                f"not fit ({error}). {tr.levers}"
+            )
+        tr.micro_batch_size = halved(old)
+        restore_rng_state(rng)
+        tr.events.emit(
+            "oom", step,
+            f"{error}; micro-batch {old} -> {tr.micro_batch_size}, grad accumulation "
+            f"-> {tr.grad_accum} (global batch {tr.global_batch} kept), replaying the step",
+            micro_batch_size=tr.micro_batch_size, grad_accum=tr.grad_accum, error=error,
+        )  # fmt: skip
+
+
 def train_step(
-    tr: Trainer, grad_accum: int, precision: str, max_grad_norm: float, kl_coef: float = 0.0
-) -> dict[str, Any]:
-    """One optimizer step over `grad_accum` micro-batches; returns the step's metrics."""
+    tr: Trainer, precision: str, max_grad_norm: float, kl_coef: float = 0.0
+) -> StepResult:
+    """One window: backward -> unscale -> clip (measure) -> guard -> step or skip."""
     start = time.perf_counter()
-    first = tr.state.micro_batches_seen
-    window = [
-        [tr.data.rows[i] for i in tr.schedule.indices(k)] for k in range(first, first + grad_accum)
-    ]
-    batches = [collate(rows, tr.pad_id) for rows in window]
-    loss = backward_window(tr.model, batches, tr.device, precision, tr.scaler, first, kl_coef)
-    tr.state.micro_batches_seen += grad_accum
+    step = tr.state.step + 1
+    window = tr.stream.rows(tr.samples_seen, tr.global_batch)
+    loss, batches = accumulate(tr, window, precision, kl_coef)
+    loss = tr.faults.spike(step, loss, tr.params.values())
     if tr.scaler is not None:
         tr.scaler.unscale_(tr.optimizer)
-    grads = list(tr.params.values())
     clip_to = max_grad_norm if max_grad_norm > 0 else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, clip_to))
-    lr = tr.scheduler.get_last_lr()[0]
-    stepped = True
-    if tr.scaler is not None:
-        scale_before = tr.scaler.get_scale()
-        tr.scaler.step(tr.optimizer)
-        tr.scaler.update()
-        stepped = tr.scaler.get_scale() >= scale_before  # a skipped step lowers the scale
-    else:
-        tr.optimizer.step()
-    if stepped:
-        tr.scheduler.step()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(list(tr.params.values()), clip_to))
+    lr = tr.optimizer.param_groups[0]["lr"]
+    # An fp16 overflow (finite loss, inf gradients) is the scaler's business: it skips the
+    # update and lowers the scale. Everything else goes through the guard, here and only here.
+    overflow = tr.scaler is not None and math.isfinite(loss) and not math.isfinite(grad_norm)
+    decision = Decision("step") if overflow else decide(tr.history, loss, grad_norm, tr.guard)
+    if not overflow:
+        tr.history = remember(tr.history, loss, grad_norm, decision, tr.guard.window)
+    stepped = False
+    if decision.applies_update:
+        if tr.scaler is not None:
+            scale_before = tr.scaler.get_scale()
+            tr.scaler.step(tr.optimizer)
+            tr.scaler.update()
+            stepped = tr.scaler.get_scale() >= scale_before  # a skipped step lowers the scale
+        else:
+            tr.optimizer.step()
+            stepped = True
+        if stepped:
+            tr.scheduler.step()
+        tr.state.step += 1
+    elif tr.scaler is not None:
+        tr.scaler.update()  # closes this iteration's unscale_ without stepping
     tr.optimizer.zero_grad(set_to_none=True)
-    tr.state.step += 1
+    tr.samples_seen += len(window)
+    tr.state.micro_batches_seen += len(batches)
     elapsed = time.perf_counter() - start
-    tokens = sum(len(r.input_ids) for rows in window for r in rows)
-    return {
-        "step": tr.state.step,
+    tokens = sum(len(tr.data.rows[i].input_ids) for i in window)
+    record = {
+        "step": step,
         "loss": loss,
         "lr": lr,
         "grad_norm": grad_norm,
@@ -243,11 +379,108 @@ def train_step(
         "step_time_s": elapsed,
         "peak_mem_bytes": peak_memory_bytes(tr.device),
         "optimizer_stepped": stepped,
+        "micro_batch_size": tr.micro_batch_size,
+        "grad_accum": tr.grad_accum,
     }
+    return StepResult(record, decision, window, tr.samples_seen)
+
+
+@dataclass
+class RunFiles:
+    """Where a run writes, and what every checkpoint carries."""
+
+    run_dir: Path
+    ckpt_dir: Path
+    keep_last: int
+    config_yaml: str
+
+
+def act_on_guard(tr: Trainer, result: StepResult, files: RunFiles, g: GuardConfig) -> bool:
+    """Carry out a guard decision other than a clean step; True when the state was rolled back.
+
+    Raises:
+        TrainingPaused: action pause (after a checkpoint and the PAUSED marker).
+        TrainingStopped: action stop, or a rollback beyond `guard.max_rollbacks`.
+    """
+    d = result.decision
+    step, action, reason = result.record["step"], d.action, d.reason
+    rollbacks = int(tr.state.extra.get("rollbacks", 0))
+    if action == "rollback" and rollbacks >= g.max_rollbacks:
+        action, reason = "stop", f"{reason}; guard.max_rollbacks={g.max_rollbacks} reached"
+    kind = d.detector or "guard"
+    info = {"action": action, "loss": result.record["loss"], **d.details}
+    info["grad_norm"] = result.record["grad_norm"]
+    if action == "warn":
+        tr.events.emit(kind, step, f"{reason}; update applied (guard.{kind}=warn)", **info)
+        return False
+    info.update(rows=result.rows, lines=source_lines(tr.data, result.rows))
+    if action == "skip":
+        tr.events.emit(kind, step, f"{reason}; update skipped", **info)
+        return False
+    if action == "rollback":
+        tr.events.emit(kind, step, f"{reason}; rolling back", **info)
+        rollback(tr, result.end, files, g.lr_factor)
+        return True
+    tr.events.emit(kind, step, f"{reason}; update skipped", **info)
+    path = checkpoint(tr, files.ckpt_dir, files.keep_last, files.config_yaml)
+    if action == "pause":
+        marker = {"reason": reason, "detector": kind, "step": step, "checkpoint": str(path)}
+        (files.run_dir / PAUSED_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        tr.events.emit("pause", step, f"paused; checkpoint {path}", checkpoint=str(path))
+        raise TrainingPaused(
+            f"training paused at step {step}: {reason}. Checkpoint {path}; the offending window "
+            f"was skipped. Inspect it, then run `leantune train` with run.dir={files.run_dir} "
+            "to resume."
+        )
+    tr.events.emit("stop", step, f"stopped; checkpoint {path}", checkpoint=str(path))
+    raise TrainingStopped(
+        f"training stopped at step {step}: {reason}. Checkpoint {path}. A lower train.lr, "
+        "train.max_grad_norm or a data check usually helps; `leantune train` resumes."
+    )
+
+
+def rollback(tr: Trainer, bad_end: int, files: RunFiles, lr_factor: float) -> None:
+    """Reload the last checkpoint exactly, scale the LR by `lr_factor` and skip the data from
+    that checkpoint up to and including the bad window (`bad_end` is the position after it)."""
+    path = latest_checkpoint(files.ckpt_dir)
+    assert path is not None, "train() writes a step-0 checkpoint when rollback is configured"
+    extra = tr.state.extra
+    keep: dict[str, Any] = {k: extra[k] for k in ("train_time_s", "base_exact_match") if k in extra}
+    scale = float(extra.get("lr_scale", 1.0)) * lr_factor
+    rollbacks = int(extra.get("rollbacks", 0)) + 1
+    micro_batch_size = tr.micro_batch_size  # an OOM since the checkpoint still applies
+    ckpt = load_checkpoint(path)
+    load_into(tr, ckpt)
+    tr.micro_batch_size = min(micro_batch_size, tr.micro_batch_size)
+    ratio = scale / float(ckpt.state.extra.get("lr_scale", 1.0))
+    for group in tr.optimizer.param_groups:
+        group["lr"] *= ratio
+    # The scheduler's base LRs are checkpointed, so a resumed run keeps the lower LR.
+    tr.scheduler.base_lrs = [lr * ratio for lr in tr.scheduler.base_lrs]
+    skipped = tr.stream.rows(tr.samples_seen, bad_end - tr.samples_seen)
+    tr.samples_seen = bad_end
+    tr.state.extra.update(keep, lr_scale=scale, rollbacks=rollbacks)
+    tr.events.emit(
+        "rollback", tr.state.step + 1,
+        f"restored {path.name} (step {tr.state.step}), learning rate x{scale:g}, skipped "
+        f"{len(skipped)} samples: rows {skipped}, lines {source_lines(tr.data, skipped)}",
+        checkpoint=str(path), lr_scale=scale, skipped_rows=skipped,
+        skipped_lines=source_lines(tr.data, skipped), source=tr.data.records[0].source,
+    )  # fmt: skip
+
+
+def source_lines(data: PreparedData, rows: list[int]) -> list[int]:
+    """The source-file lines of the examples in `rows`, in order."""
+    return [data.records[e].line for r in rows for e in data.rows[r].examples]
 
 
 def train(cfg: Config, log: Log = print) -> dict[str, Any]:
-    """Run (or resume) a fine-tune described by `cfg`; returns the run summary."""
+    """Run (or resume) a fine-tune described by `cfg`; returns the run summary.
+
+    Raises:
+        TrainingHalted: the guard paused or stopped the run, or one sequence does not fit in
+            memory; its `exit_code` is what the CLI returns.
+    """
     started = time.perf_counter()
     for warning in validate(cfg):
         log(f"warning: {warning}")
@@ -256,7 +489,9 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
     ckpt_dir = run_dir / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, run_dir / "config.yaml")
-    config_yaml = (run_dir / "config.yaml").read_text()
+    files = RunFiles(run_dir, ckpt_dir, t.keep_last, (run_dir / "config.yaml").read_text())
+    events = EventLog(run_dir / EVENTS_FILE, log)
+    faults = FaultHooks()
     seed_everything(t.seed)
     device = pick_device(t.device)
     if device.type == "cpu" and t.precision == "bf16" and (slow := bf16_slowdown_on_cpu()) > 4:
@@ -278,7 +513,10 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
         # On the bare base model, before any adapter exists (an untrained adapter is a no-op
         # that would only cost time).
         t0 = time.perf_counter()
-        base_exact_match = exact_match(model, tokenizer, eval_data, cfg)
+        base_exact_match = evaluate_retrying(
+            lambda bs: exact_match(model, tokenizer, eval_data, cfg, batch_size=bs),
+            t.eval_batch_size, events, faults, device,
+        )  # fmt: skip
         log(
             f"exact match before training: {base_exact_match:.1%} "
             f"({len(eval_data.records)} examples, {time.perf_counter() - t0:.0f} s)"
@@ -293,53 +531,154 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
         f"method {cfg.method.name}: {trainable:,} of {total:,} parameters train "
         f"({100 * trainable / total:.3f}%)"
     )
+    pad_id = int(tokenizer.pad_token_id)
+    trainer = build_trainer(cfg, model, params, train_data, pad_id, device, events, faults)
+    start_state(trainer, cfg, files, log)
+    extra = trainer.state.extra
+    if base_exact_match is not None and "base_exact_match" not in extra:
+        extra["base_exact_match"] = base_exact_match
+
+    run_loop(trainer, cfg, files, log)
+
+    save_final(model, tokenizer, run_dir / "final", _base_path(cfg.model.path), cfg.model.gguf_file)
+    results: dict[str, Any] = {"final_train_loss": extra.get("last_loss")}
+    if eval_data is not None:
+        merge_for_inference(model)
+        ev = evaluate_retrying(
+            lambda bs: evaluate_loss(model, eval_data.rows, pad_id, bs, t.precision),
+            t.eval_batch_size, events, faults, device, trainer.state.step,
+        )  # fmt: skip
+        results.update(eval_loss=ev["loss"], eval_perplexity=ev["perplexity"])
+        if t.eval_exact_match:
+            preds_file = run_dir / "eval_predictions.jsonl"
+            results["eval_exact_match"] = evaluate_retrying(
+                lambda bs: exact_match(model, tokenizer, eval_data, cfg, preds_file, bs),
+                t.eval_batch_size, events, faults, device, trainer.state.step,
+            )  # fmt: skip
+    results["wall_time_s"] = round(time.perf_counter() - started, 2)  # this invocation
+    return write_summary(run_dir, trainer.state, trainable, total, results, log)
+
+
+def build_trainer(
+    cfg: Config,
+    model: nn.Module,
+    params: dict[str, nn.Parameter],
+    train_data: PreparedData,
+    pad_id: int,
+    device: torch.device,
+    events: EventLog,
+    faults: FaultHooks,
+) -> Trainer:
+    """Optimizer, schedule, scaler, sample stream and guard around the wrapped model."""
+    t = cfg.train
     lr = t.lr if t.lr is not None else DEFAULT_LR[cfg.method.name]
     optimizer = build_optimizer(params, lr, t.weight_decay)
-    trainer = Trainer(
+    budget = parse_memory_size(t.memory_budget, "train.memory_budget") if t.memory_budget else None
+    return Trainer(
         model=model,
         params=params,
         optimizer=optimizer,
         scheduler=build_scheduler(optimizer, t.max_steps, t.warmup_ratio, t.min_lr_ratio),
         scaler=make_grad_scaler(t.precision, device.type),
-        schedule=BatchSchedule(len(train_data.rows), t.micro_batch_size, t.seed),
+        stream=SampleStream(len(train_data.rows), t.seed),
         data=train_data,
-        pad_id=int(tokenizer.pad_token_id),
+        pad_id=pad_id,
         device=device,
         state=TrainingState(step=0, micro_batches_seen=0, extra={}),
+        global_batch=t.micro_batch_size * t.grad_accum,
+        micro_batch_size=t.micro_batch_size,
+        events=events,
+        guard=guard_settings(cfg.guard),
+        budget=MemoryBudget(budget),
+        faults=faults,
+        levers=levers_message(cfg.data.max_seq_len, t.gradient_checkpointing, cfg.method.name),
     )
+
+
+def start_state(tr: Trainer, cfg: Config, files: RunFiles, log: Log) -> None:
+    """Resume if asked, lift a pause, and make sure a rollback has a checkpoint to go to."""
     if cfg.run.resume == "auto":
-        restore(trainer, ckpt_dir, log)
-    extra = trainer.state.extra
-    if base_exact_match is not None and "base_exact_match" not in extra:
-        extra["base_exact_match"] = base_exact_match
+        restore(tr, files.ckpt_dir, log)
+    marker = files.run_dir / PAUSED_MARKER
+    if marker.is_file():
+        reason = json.loads(marker.read_text()).get("reason", "")
+        marker.unlink()
+        tr.events.emit("resume", tr.state.step + 1, f"resuming a paused run (paused for: {reason})")
+    g = cfg.guard
+    rollback_on = "rollback" in (g.nonfinite, g.loss_spike, g.grad_norm)
+    if rollback_on and latest_checkpoint(files.ckpt_dir) is None:
+        checkpoint(tr, files.ckpt_dir, files.keep_last, files.config_yaml)
 
-    metrics = MetricsLog(run_dir / "metrics.jsonl", trainer.state.step)
-    bar = progress_bar(t.max_steps, trainer.state.step, cfg.run.progress)
-    model.train()
-    while trainer.state.step < t.max_steps:
-        record = train_step(trainer, t.grad_accum, t.precision, t.max_grad_norm, t.kl_coef)
-        extra["train_time_s"] = extra.get("train_time_s", 0.0) + record["step_time_s"]
-        extra["last_loss"] = record["loss"]
-        metrics.write(record)
-        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-        bar.update(1)
-        step = trainer.state.step
-        if (t.save_every and step % t.save_every == 0) or step == t.max_steps:
-            checkpoint(trainer, ckpt_dir, t.keep_last, config_yaml)
-    bar.close()
 
-    save_final(model, tokenizer, run_dir / "final", _base_path(cfg.model.path), cfg.model.gguf_file)
-    results: dict[str, Any] = {"final_train_loss": extra.get("last_loss")}
-    if eval_data is not None:
-        t0 = time.perf_counter()
-        merge_for_inference(model)
-        ev = evaluate_loss(model, eval_data.rows, trainer.pad_id, t.eval_batch_size, t.precision)
-        results.update(eval_loss=ev["loss"], eval_perplexity=ev["perplexity"])
-        if t.eval_exact_match:
-            preds_file = run_dir / "eval_predictions.jsonl"
-            results["eval_exact_match"] = exact_match(model, tokenizer, eval_data, cfg, preds_file)
-    results["wall_time_s"] = round(time.perf_counter() - started, 2)  # this invocation
-    return write_summary(run_dir, trainer.state, trainable, total, results, log)
+def run_loop(tr: Trainer, cfg: Config, files: RunFiles, log: Log) -> None:
+    """Steps until `train.max_steps` updates are applied; checkpoints as configured."""
+    t = cfg.train
+    extra = tr.state.extra
+    metrics = MetricsLog(files.run_dir / "metrics.jsonl", tr.state.step)
+    bar = progress_bar(t.max_steps, tr.state.step, cfg.run.progress)
+    tr.model.train()
+    try:
+        while tr.state.step < t.max_steps:
+            try:
+                result = train_step(tr, t.precision, t.max_grad_norm, t.kl_coef)
+            except OutOfMemoryAtMinimum as exc:
+                path = checkpoint(tr, files.ckpt_dir, t.keep_last, files.config_yaml)
+                tr.events.emit("oom", tr.state.step + 1, f"{exc} Checkpoint {path}.")
+                raise
+            extra["train_time_s"] = extra.get("train_time_s", 0.0) + result.record["step_time_s"]
+            if result.decision.action != "step" and act_on_guard(tr, result, files, cfg.guard):
+                metrics = MetricsLog(files.run_dir / "metrics.jsonl", tr.state.step)
+                bar.n = tr.state.step
+                bar.refresh()
+                continue
+            if not result.decision.applies_update:
+                continue
+            record = result.record
+            extra["last_loss"] = record["loss"]
+            metrics.write(record)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            bar.update(1)
+            step = tr.state.step
+            if (t.save_every and step % t.save_every == 0) or step == t.max_steps:
+                checkpoint(tr, files.ckpt_dir, t.keep_last, files.config_yaml)
+    finally:
+        bar.close()
+
+
+def guard_settings(g: GuardConfig) -> GuardSettings:
+    """The guard's settings from its config section."""
+    return GuardSettings(
+        nonfinite=g.nonfinite,
+        loss_spike=g.loss_spike,
+        grad_norm=g.grad_norm,
+        loss_sigmas=g.loss_sigmas,
+        loss_min_ratio=g.loss_min_ratio,
+        grad_sigmas=g.grad_sigmas,
+        grad_min_ratio=g.grad_min_ratio,
+        window=g.window,
+        warmup=g.warmup,
+        max_consecutive_skips=g.max_consecutive_skips,
+    )
+
+
+def evaluate_retrying(
+    fn: Callable[[int], T],
+    batch_size: int,
+    events: EventLog,
+    faults: FaultHooks,
+    device: torch.device,
+    step: int = 0,
+) -> T:
+    """Run evaluation, halving only the eval batch on OOM (the training batch never changes).
+
+    `step` is the number of training steps done, for the event.
+    """
+
+    def on_retry(old: int, new: int, error: str) -> None:
+        message = f"{error}; eval batch {old} -> {new} (training micro-batch unchanged)"
+        events.emit("oom_eval", step, message, eval_batch_size=new)
+
+    return retry_on_oom(fn, batch_size, on_retry, device, faults.eval_oom)
 
 
 def exact_match(
@@ -348,6 +687,7 @@ def exact_match(
     data: PreparedData,
     cfg: Config,
     predictions_file: Path | None = None,
+    batch_size: int | None = None,
 ) -> float:
     """Greedy exact match on the eval conversations; optionally writes every prediction."""
     convs = [list(r.messages) for r in data.records if r.messages is not None]
@@ -357,7 +697,7 @@ def exact_match(
             cast(PreTrainedModel, model),
             tokenizer,
             convs,
-            cfg.train.eval_batch_size,
+            batch_size or cfg.train.eval_batch_size,
             cfg.train.max_new_tokens,
         )
     if predictions_file is not None:

@@ -1,0 +1,81 @@
+"""What the guard and the OOM recovery decided: ``events.jsonl``, the console, and exit codes.
+
+Every decision is one JSON object appended to ``run_dir/events.jsonl`` (never truncated, so it
+also keeps the decisions of attempts that were later rolled back or resumed over) and one line
+on the console. A run that has to stop raises a :class:`TrainingHalted` subclass whose
+``exit_code`` the CLI returns.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+EVENTS_FILE = "events.jsonl"
+PAUSED_MARKER = "PAUSED"
+
+EXIT_PAUSED = 3
+"""The guard paused the run (``PAUSED`` marker in the run dir); ``leantune train`` resumes it."""
+EXIT_GUARD_STOPPED = 4
+"""The guard stopped the run: too many consecutive skips or rollbacks (a checkpoint was saved)."""
+EXIT_OUT_OF_MEMORY = 5
+"""Out of memory at micro-batch size 1: the run needs another lever (see the message)."""
+
+
+class TrainingHalted(RuntimeError):
+    """Training stopped on purpose; the message says why and what to do next."""
+
+    exit_code = 1
+
+
+class TrainingPaused(TrainingHalted):
+    """The guard paused the run after saving a checkpoint."""
+
+    exit_code = EXIT_PAUSED
+
+
+class TrainingStopped(TrainingHalted):
+    """The guard gave up on the run after saving a checkpoint."""
+
+    exit_code = EXIT_GUARD_STOPPED
+
+
+class OutOfMemoryAtMinimum(TrainingHalted):
+    """A micro-batch of one sequence does not fit."""
+
+    exit_code = EXIT_OUT_OF_MEMORY
+
+
+class EventLog:
+    """Appends events to ``events.jsonl`` and echoes them to the console."""
+
+    def __init__(self, path: Path, log: Callable[[str], None]):
+        self.path = path
+        self.log = log
+
+    def emit(self, kind: str, step: int, message: str, **fields: Any) -> dict[str, Any]:
+        """Record one event.
+
+        Args:
+            kind: What happened (``nonfinite``, ``loss_spike``, ``grad_norm``, ``oom``,
+                ``oom_eval``, ``rollback``, ``pause``, ``stop``, ``resume``).
+            step: The optimizer step it concerns (1-based; the step being computed).
+            message: One sentence for the console.
+            **fields: JSON-serialisable details.
+        """
+        event = {"time": round(time.time(), 3), "step": step, "kind": kind, "message": message}
+        event.update(fields)
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(event) + "\n")
+        self.log(f"[{kind}] step {step}: {message}")
+        return event
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """All events of an ``events.jsonl`` (none when the file does not exist)."""
+    if not path.is_file():
+        return []
+    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]

@@ -1,0 +1,67 @@
+"""Test fault hooks, read from the environment once per run; all off unless set.
+
+- ``LEANTUNE_KILL_AFTER_MICRO_BATCH=k``: SIGKILL right after the backward of global micro-batch k.
+- ``LEANTUNE_OOM_AT_STEP=k``: a simulated ``torch.OutOfMemoryError`` in the last micro-batch of
+  step k (first attempt only, so the replay with a smaller micro-batch succeeds).
+- ``LEANTUNE_OOM_IN_EVAL=n``: the first n evaluation attempts run out of memory.
+- ``LEANTUNE_LOSS_SCALE_AT_STEP=k:f``: multiply step k's loss and gradients by f (a spike).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+KILL_ENV = "LEANTUNE_KILL_AFTER_MICRO_BATCH"
+OOM_STEP_ENV = "LEANTUNE_OOM_AT_STEP"
+OOM_EVAL_ENV = "LEANTUNE_OOM_IN_EVAL"
+LOSS_SCALE_ENV = "LEANTUNE_LOSS_SCALE_AT_STEP"
+
+
+def kill_after(micro_batch: int) -> None:
+    """SIGKILL this process if ``LEANTUNE_KILL_AFTER_MICRO_BATCH`` names this micro-batch."""
+    target = os.environ.get(KILL_ENV)
+    if target is not None and int(target) == micro_batch:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class FaultHooks:
+    """The OOM and loss-spike hooks of one run (each fires at most once)."""
+
+    def __init__(self) -> None:
+        oom_step = os.environ.get(OOM_STEP_ENV)
+        self.oom_step = int(oom_step) if oom_step else None
+        self.eval_ooms = int(os.environ.get(OOM_EVAL_ENV) or 0)
+        scale = os.environ.get(LOSS_SCALE_ENV)
+        self.scale_step: int | None = None
+        self.scale = 1.0
+        if scale:
+            step, factor = scale.split(":")
+            self.scale_step, self.scale = int(step), float(factor)
+
+    def train_oom(self, step: int, micro_batch: int, count: int) -> None:
+        """Raise the simulated OOM in the last micro-batch of the configured step, once."""
+        if self.oom_step == step and micro_batch == count - 1:
+            self.oom_step = None
+            raise torch.OutOfMemoryError(f"simulated out of memory ({OOM_STEP_ENV}={step})")
+
+    def eval_oom(self) -> None:
+        """Raise the simulated OOM for the next evaluation attempt while any are left."""
+        if self.eval_ooms > 0:
+            self.eval_ooms -= 1
+            raise torch.OutOfMemoryError(f"simulated out of memory in evaluation ({OOM_EVAL_ENV})")
+
+    def spike(self, step: int, loss: float, params: Iterable[nn.Parameter]) -> float:
+        """Scale the loss and gradients of the configured step (as if the loss were scaled)."""
+        if self.scale_step != step:
+            return loss
+        self.scale_step = None
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(self.scale)
+        return loss * self.scale
