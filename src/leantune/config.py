@@ -106,6 +106,11 @@ class TrainConfig:
     """Recompute activations in backward to save memory."""
     eval_exact_match: bool = False
     """Measure exact match on the eval set before and after training (chat/alpaca)."""
+    eval_every: int = 0
+    """Evaluate every N optimizer steps into eval.jsonl (0 = only at the end): eval loss, and for
+    chat/alpaca data exact match on the first `eval_every_sample` eval examples."""
+    eval_every_sample: int = 20
+    """How many eval examples the periodic exact match decodes (0 = loss only)."""
     eval_base: bool = True
     """With eval_exact_match: also measure the base model before training."""
     eval_limit: int | None = None
@@ -333,6 +338,10 @@ def validate(cfg: Config) -> list[str]:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key}: must be >= 1, got {value}")
+    if t.eval_every < 0 or t.eval_every_sample < 0:
+        raise ConfigError("train.eval_every and train.eval_every_sample must be >= 0")
+    if t.eval_every and d.eval is None:
+        raise ConfigError("train.eval_every: needs data.eval (a held-out file)")
     if t.save_every < 0:
         raise ConfigError(
             f"train.save_every: must be >= 0 (0 = only at the end), got {t.save_every}"

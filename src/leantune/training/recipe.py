@@ -21,17 +21,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.config import Config, GuardConfig, dump_config, parse_memory_size, validate
 from leantune.data.dataset import PreparedData, prepare_file
 from leantune.data.loader import SampleStream, collate, split_window
-from leantune.eval.exact_match import answers_match, evaluate_exact_match
 from leantune.eval.loss import evaluate_loss
 from leantune.methods.registry import (
     DEFAULT_LR,
@@ -56,6 +54,7 @@ from leantune.training.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
+from leantune.training.evaluation import PeriodicEval, evaluate_retrying, exact_match
 from leantune.training.events import (
     EVENTS_FILE,
     PAUSED_MARKER,
@@ -74,7 +73,6 @@ from leantune.training.oom import (
     halved,
     is_out_of_memory,
     levers_message,
-    retry_on_oom,
 )
 from leantune.training.optim import build_optimizer, build_scheduler
 from leantune.training.precision import (
@@ -514,7 +512,9 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
         # that would only cost time).
         t0 = time.perf_counter()
         base_exact_match = evaluate_retrying(
-            lambda bs: exact_match(model, tokenizer, eval_data, cfg, batch_size=bs),
+            lambda bs: exact_match(
+                model, tokenizer, eval_data.records, t.precision, bs, t.max_new_tokens
+            ),
             t.eval_batch_size, events, faults, device,
         )  # fmt: skip
         log(
@@ -538,7 +538,14 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
     if base_exact_match is not None and "base_exact_match" not in extra:
         extra["base_exact_match"] = base_exact_match
 
-    run_loop(trainer, cfg, files, log)
+    evaluator = None
+    if t.eval_every and eval_data is not None:
+        sample = t.eval_every_sample if cfg.data.format != "text" else 0
+        evaluator = PeriodicEval(
+            model, tokenizer, eval_data, pad_id, t.precision, t.eval_batch_size,
+            t.max_new_tokens, sample, events, faults,
+        )  # fmt: skip
+    run_loop(trainer, cfg, files, log, evaluator)
 
     save_final(model, tokenizer, run_dir / "final", _base_path(cfg.model.path), cfg.model.gguf_file)
     results: dict[str, Any] = {"final_train_loss": extra.get("last_loss")}
@@ -552,7 +559,10 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
         if t.eval_exact_match:
             preds_file = run_dir / "eval_predictions.jsonl"
             results["eval_exact_match"] = evaluate_retrying(
-                lambda bs: exact_match(model, tokenizer, eval_data, cfg, preds_file, bs),
+                lambda bs: exact_match(
+                    model, tokenizer, eval_data.records, t.precision, bs, t.max_new_tokens,
+                    preds_file,
+                ),
                 t.eval_batch_size, events, faults, device, trainer.state.step,
             )  # fmt: skip
     results["wall_time_s"] = round(time.perf_counter() - started, 2)  # this invocation
@@ -610,11 +620,15 @@ def start_state(tr: Trainer, cfg: Config, files: RunFiles, log: Log) -> None:
         checkpoint(tr, files.ckpt_dir, files.keep_last, files.config_yaml)
 
 
-def run_loop(tr: Trainer, cfg: Config, files: RunFiles, log: Log) -> None:
-    """Steps until `train.max_steps` updates are applied; checkpoints as configured."""
+def run_loop(
+    tr: Trainer, cfg: Config, files: RunFiles, log: Log, evaluator: PeriodicEval | None = None
+) -> None:
+    """Steps until `train.max_steps` updates are applied; evaluates and checkpoints as
+    configured."""
     t = cfg.train
     extra = tr.state.extra
     metrics = MetricsLog(files.run_dir / "metrics.jsonl", tr.state.step)
+    eval_log = MetricsLog(files.run_dir / "eval.jsonl", tr.state.step)
     bar = progress_bar(t.max_steps, tr.state.step, cfg.run.progress)
     tr.model.train()
     try:
@@ -628,6 +642,7 @@ def run_loop(tr: Trainer, cfg: Config, files: RunFiles, log: Log) -> None:
             extra["train_time_s"] = extra.get("train_time_s", 0.0) + result.record["step_time_s"]
             if result.decision.action != "step" and act_on_guard(tr, result, files, cfg.guard):
                 metrics = MetricsLog(files.run_dir / "metrics.jsonl", tr.state.step)
+                eval_log = MetricsLog(files.run_dir / "eval.jsonl", tr.state.step)
                 bar.n = tr.state.step
                 bar.refresh()
                 continue
@@ -639,6 +654,10 @@ def run_loop(tr: Trainer, cfg: Config, files: RunFiles, log: Log) -> None:
             bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update(1)
             step = tr.state.step
+            if evaluator is not None and step % t.eval_every == 0:
+                row = evaluator(step)
+                eval_log.write(row)
+                log(", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)))
             if (t.save_every and step % t.save_every == 0) or step == t.max_steps:
                 checkpoint(tr, files.ckpt_dir, t.keep_last, files.config_yaml)
     finally:
@@ -659,55 +678,6 @@ def guard_settings(g: GuardConfig) -> GuardSettings:
         warmup=g.warmup,
         max_consecutive_skips=g.max_consecutive_skips,
     )
-
-
-def evaluate_retrying(
-    fn: Callable[[int], T],
-    batch_size: int,
-    events: EventLog,
-    faults: FaultHooks,
-    device: torch.device,
-    step: int = 0,
-) -> T:
-    """Run evaluation, halving only the eval batch on OOM (the training batch never changes).
-
-    `step` is the number of training steps done, for the event.
-    """
-
-    def on_retry(old: int, new: int, error: str) -> None:
-        message = f"{error}; eval batch {old} -> {new} (training micro-batch unchanged)"
-        events.emit("oom_eval", step, message, eval_batch_size=new)
-
-    return retry_on_oom(fn, batch_size, on_retry, device, faults.eval_oom)
-
-
-def exact_match(
-    model: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    data: PreparedData,
-    cfg: Config,
-    predictions_file: Path | None = None,
-    batch_size: int | None = None,
-) -> float:
-    """Greedy exact match on the eval conversations; optionally writes every prediction."""
-    convs = [list(r.messages) for r in data.records if r.messages is not None]
-    device = next(model.parameters()).device
-    with autocast(device.type, cfg.train.precision):
-        score, preds = evaluate_exact_match(
-            cast(PreTrainedModel, model),
-            tokenizer,
-            convs,
-            batch_size or cfg.train.eval_batch_size,
-            cfg.train.max_new_tokens,
-        )
-    if predictions_file is not None:
-        with predictions_file.open("w", encoding="utf-8") as f:
-            for rec, conv, pred in zip(data.records, convs, preds, strict=True):
-                ref = conv[-1]["content"]
-                row = {"line": rec.line, "reference": ref, "prediction": pred}
-                row["match"] = answers_match(pred, ref)
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    return score
 
 
 def _base_path(path: str) -> str:

@@ -1,0 +1,126 @@
+"""Evaluation inside a training run: before training, every `train.eval_every` steps, at the end.
+
+Held-out loss and perplexity on the eval rows, and greedy exact match on chat/alpaca
+conversations. Evaluation never perturbs training: the model's train/eval mode and every RNG
+are restored afterwards, and an out-of-memory error halves only the eval batch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from leantune.data.dataset import PreparedData
+from leantune.data.formats import Record
+from leantune.eval.exact_match import answers_match, evaluate_exact_match
+from leantune.eval.loss import evaluate_loss
+from leantune.training.checkpoint import capture_rng_state, restore_rng_state
+from leantune.training.events import EventLog
+from leantune.training.faults import FaultHooks
+from leantune.training.oom import retry_on_oom
+from leantune.training.precision import autocast
+
+T = TypeVar("T")
+
+
+def evaluate_retrying(
+    fn: Callable[[int], T],
+    batch_size: int,
+    events: EventLog,
+    faults: FaultHooks,
+    device: torch.device,
+    step: int = 0,
+) -> T:
+    """Run evaluation, halving only the eval batch on OOM (the training batch never changes).
+
+    `step` is the number of training steps done, for the event.
+    """
+
+    def on_retry(old: int, new: int, error: str) -> None:
+        message = f"{error}; eval batch {old} -> {new} (training micro-batch unchanged)"
+        events.emit("oom_eval", step, message, eval_batch_size=new)
+
+    return retry_on_oom(fn, batch_size, on_retry, device, faults.eval_oom)
+
+
+def exact_match(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    records: list[Record],
+    precision: str,
+    batch_size: int,
+    max_new_tokens: int,
+    predictions_file: Path | None = None,
+) -> float:
+    """Greedy exact match on the records' conversations; optionally writes every prediction."""
+    records = [r for r in records if r.messages is not None]
+    convs = [list(r.messages) for r in records if r.messages is not None]
+    device = next(model.parameters()).device
+    with autocast(device.type, precision):
+        score, preds = evaluate_exact_match(
+            cast(PreTrainedModel, model), tokenizer, convs, batch_size, max_new_tokens
+        )
+    if predictions_file is not None:
+        with predictions_file.open("w", encoding="utf-8") as f:
+            for rec, conv, pred in zip(records, convs, preds, strict=True):
+                ref = conv[-1]["content"]
+                row = {"line": rec.line, "reference": ref, "prediction": pred}
+                row["match"] = answers_match(pred, ref)
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return score
+
+
+@dataclass
+class PeriodicEval:
+    """`train.eval_every`: eval loss on the eval rows and exact match on a fixed sample."""
+
+    model: nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    data: PreparedData
+    pad_id: int
+    precision: str
+    batch_size: int
+    max_new_tokens: int
+    exact_match_sample: int
+    events: EventLog
+    faults: FaultHooks
+
+    def __call__(self, step: int) -> dict[str, Any]:
+        """Evaluate after `step` updates; returns one row for eval.jsonl."""
+        device = next(self.model.parameters()).device
+        rng = capture_rng_state()
+        was_training = self.model.training
+        try:
+            rows, pad_id, precision = self.data.rows, self.pad_id, self.precision
+            ev = evaluate_retrying(
+                lambda bs: evaluate_loss(self.model, rows, pad_id, bs, precision),
+                self.batch_size, self.events, self.faults, device, step,
+            )  # fmt: skip
+            row: dict[str, Any] = {
+                "step": step,
+                "eval_loss": ev["loss"],
+                "eval_perplexity": ev["perplexity"],
+            }
+            sample = [r for r in self.data.records if r.messages is not None]
+            sample = sample[: self.exact_match_sample]
+            if sample:
+                row["eval_exact_match"] = evaluate_retrying(
+                    lambda bs: exact_match(
+                        self.model, self.tokenizer, sample, self.precision, bs,
+                        self.max_new_tokens,
+                    ),
+                    self.batch_size, self.events, self.faults, device, step,
+                )  # fmt: skip
+                row["eval_exact_match_examples"] = len(sample)
+        finally:
+            self.model.train(was_training)
+            restore_rng_state(rng)
+        return row
