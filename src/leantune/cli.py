@@ -4,6 +4,7 @@ leantune train [CONFIG.yaml] [section.key=value ...]
 leantune validate CONFIG.yaml [section.key=value ...]
 leantune eval --model PATH --data FILE [--limit N]
 leantune generate --model PATH --prompt TEXT [--chat] [sampling options]
+leantune export RUN_OR_MODEL --format hf|adapter|gguf|torchscript|int8 --out DIR
 """
 
 from __future__ import annotations
@@ -148,6 +149,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = None
 
 
+EXPORT_FORMATS = ("hf", "adapter", "gguf", "torchscript", "int8")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    _quiet_libraries()
+    from leantune.export.parity import ParityError
+    from leantune.export.run import export_model
+    from leantune.export.source import ExportError
+
+    data = Path(args.data) if args.data else None
+    try:
+        report = export_model(
+            args.model, args.format, Path(args.out), args.gguf_type, data, args.samples
+        )
+    except (ExportError, ParityError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="leantune", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -183,6 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     g.set_defaults(func=cmd_generate)
+
+    x = sub.add_parser("export", help="export a model, then check parity with the source")
+    x.add_argument("model", metavar="RUN_OR_MODEL", help="run dir (exports final/) or model dir")
+    x.add_argument("--format", required=True, choices=EXPORT_FORMATS)
+    x.add_argument("--out", required=True, help="output directory (new or an earlier export)")
+    x.add_argument("--gguf-type", choices=["f16", "bf16", "q8_0"], default="f16")
+    x.add_argument("--data", default=None, help="held-out JSONL for the parity check")
+    x.add_argument("--samples", type=int, default=4, help="held-out samples for the parity check")
+    x.set_defaults(func=cmd_export)
     return p
 
 
