@@ -92,7 +92,7 @@ def write_int8(
         "int8_forward_ms": int8_ms,
         "speedup": fp32_ms / int8_ms,
         "int8_layers": len(int8_layer_names(model)),
-        "float32_layers": [n for n, m in model.named_modules() if n.endswith(FLOAT_LAYERS)],
+        "float32_layers": list(FLOAT_LAYERS),
         "torch_threads": torch.get_num_threads(),
         "usage": 'torch.jit.load("model.pt")(input_ids) -> logits [batch, seq, vocab]',
     }
