@@ -261,6 +261,8 @@ def test_export_uses_held_out_data_and_refuses_a_foreign_out_dir(
     (foreign / "keep.txt").write_text("x")
     with pytest.raises(ExportError, match="not an earlier export"):
         export_model(str(llama_dir), "hf", foreign)
+    with pytest.raises(ExportError, match="--samples 0"):
+        export_model(str(llama_dir), "hf", tmp_path / "none", num_samples=0)
 
 
 def test_cli_export_exit_codes(lora_run: Path, llama_dir: Path, tmp_path: Path) -> None:
