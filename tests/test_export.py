@@ -361,3 +361,13 @@ def test_generate_chat_runs_on_an_exported_hf_model(
             history.append({"role": "user", "content": nxt})
     assert lines == [f"assistant> {w}" for w in want]
     assert len(lines) == 2 and all(len(w) > 0 for w in want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fmt", "gguf_type"), [("gguf", "q8_0"), ("int8", "f16")])
+def test_demo_model_exports_pass_parity(fmt: str, gguf_type: str, tmp_path: Path) -> None:
+    """SmolLM2-135M, the model the lossy formats' thresholds were measured on (about 2 min each)."""
+    data = Path(__file__).parents[1] / "src/leantune/demo/data/support_eval.jsonl"
+    report = export_model("smollm2-135m-instruct", fmt, tmp_path / fmt, gguf_type, data)
+    assert report["passed"]
+    assert 10.0 < report["parity"]["ppl_source"] < 40.0  # a trained model, not a random one
