@@ -2,9 +2,10 @@
 
 leantune train [CONFIG.yaml] [section.key=value ...]
 leantune validate CONFIG.yaml [section.key=value ...]
-leantune eval --model PATH --data FILE [--limit N]
+leantune eval --model PATH --data FILE [--limit N] [--lm-eval TASKS [--lm-eval-limit N]]
 leantune generate --model PATH --prompt TEXT [--chat] [sampling options]
 leantune bench methods [CONFIG.yaml] [--methods a,b] [--out DIR] [section.key=value ...]
+leantune export RUN_OR_MODEL --format hf|adapter|gguf|torchscript|int8 --out DIR
 
 Exit codes of `leantune train`: 0 done; 2 invalid config or data; 3 paused by the stability
 guard (a PAUSED marker in the run dir; run the same command again to resume); 4 stopped by the
@@ -19,6 +20,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def _quiet_libraries() -> None:
@@ -84,7 +86,25 @@ def _detect_format(path: Path) -> str:
     return "text"
 
 
+def _lm_eval(args: argparse.Namespace, model: Any, tokenizer: Any) -> dict[str, dict[str, float]]:
+    from leantune.eval.harness import run_lm_eval, summarize
+
+    tasks = [t.strip() for t in args.lm_eval.split(",") if t.strip()]
+    out = run_lm_eval(
+        model,
+        tokenizer,
+        tasks,
+        limit=args.lm_eval_limit,
+        include_path=args.lm_eval_include,
+        batch_size=args.batch_size,
+    )
+    return summarize(out)
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
+    if args.data is None and not args.lm_eval:
+        print("error: eval needs --data FILE and/or --lm-eval TASKS", file=sys.stderr)
+        return 2
     _quiet_libraries()
     import torch
 
@@ -95,6 +115,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     torch.manual_seed(0)
     model, tokenizer = load_for_inference(args.model, args.dtype)
+    if args.data is None:
+        lm_eval = _lm_eval(args, model, tokenizer)
+        print(json.dumps({"model": args.model, "lm_eval": lm_eval}, indent=2))
+        return 0
     path = Path(args.data)
     fmt = args.format or _detect_format(path)
     data = prepare_file(path, fmt, tokenizer, args.max_seq_len, pack=False, max_bad_fraction=1.0)
@@ -113,6 +137,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             model, tokenizer, convs, args.batch_size, args.max_new_tokens
         )
         result["exact_match"] = score
+    if args.lm_eval:
+        result["lm_eval"] = _lm_eval(args, model, tokenizer)
     print(json.dumps(result, indent=2))
     return 0
 
@@ -208,6 +234,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if all(r.status == "ok" for r in results) else 1
 
 
+EXPORT_FORMATS = ("hf", "adapter", "gguf", "torchscript", "int8")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    _quiet_libraries()
+    from leantune.export.parity import ParityError
+    from leantune.export.run import export_model
+    from leantune.export.source import ExportError
+
+    data = Path(args.data) if args.data else None
+    try:
+        report = export_model(
+            args.model, args.format, Path(args.out), args.gguf_type, data, args.samples
+        )
+    except (ExportError, ParityError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="leantune", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -225,13 +272,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="loss, perplexity and exact match of a model on a JSONL file")
     e.add_argument("--model", required=True, help="model dir, run final/ dir, .gguf or demo name")
-    e.add_argument("--data", required=True, help="JSONL file (alpaca, chat or text)")
+    e.add_argument("--data", default=None, help="JSONL file (alpaca, chat or text)")
     e.add_argument("--format", choices=["alpaca", "chat", "text"], help="default: detected")
     e.add_argument("--limit", type=int, default=None, help="evaluate the first N examples")
     e.add_argument("--batch-size", type=int, default=16)
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--max-seq-len", type=int, default=4096)
     e.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    e.add_argument(
+        "--lm-eval", default=None, metavar="TASKS", help="lm-eval tasks, comma-separated"
+    )
+    e.add_argument("--lm-eval-limit", type=int, default=None, help="first N documents per task")
+    e.add_argument("--lm-eval-include", default=None, help="directory of custom task YAML files")
     e.set_defaults(func=cmd_eval)
 
     g = sub.add_parser("generate", help="generate a reply (or chat with --chat)")
@@ -258,6 +310,14 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--lr", default=None, help="per-method rates, e.g. lora=2e-3,full=5e-5")
     bm.add_argument("--out", default="runs/bench-methods", help="output folder")
     bm.set_defaults(func=cmd_bench)
+    x = sub.add_parser("export", help="export a model, then check parity with the source")
+    x.add_argument("model", metavar="RUN_OR_MODEL", help="run dir (exports final/) or model dir")
+    x.add_argument("--format", required=True, choices=EXPORT_FORMATS)
+    x.add_argument("--out", required=True, help="output directory (new or an earlier export)")
+    x.add_argument("--gguf-type", choices=["f16", "bf16", "q8_0"], default="f16")
+    x.add_argument("--data", default=None, help="held-out JSONL for the parity check")
+    x.add_argument("--samples", type=int, default=4, help="held-out samples for the parity check")
+    x.set_defaults(func=cmd_export)
     return p
 
 

@@ -1,0 +1,77 @@
+"""EleutherAI lm-evaluation-harness (`lm-eval`, optional extra `eval`) on an in-memory model.
+
+The model is handed to the harness's HF backend (`HFLM`) as a loaded object, so any model leantune
+can load (a run's adapter, a merged export, a GGUF) is evaluated the same way. Tasks are the
+harness's own names; `include_path` adds a directory of custom task YAML files, e.g. a local task
+whose data is a JSONL file (`dataset_path: json`, `dataset_kwargs: {data_files: ...}`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from peft import PeftModel
+from torch import nn
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+
+def run_lm_eval(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    tasks: list[str],
+    limit: int | None = None,
+    include_path: str | None = None,
+    include_defaults: bool | None = None,
+    batch_size: int = 8,
+    log_samples: bool = False,
+) -> dict[str, Any]:
+    """Run harness `tasks` on `model` and return the harness's output (`results` per task, and
+    `samples` when `log_samples`).
+
+    Args:
+        model: a loaded causal LM; a peft model is merged first (the harness needs a plain one).
+        tokenizer: its tokenizer.
+        tasks: harness task names.
+        limit: evaluate only the first `limit` documents of each task.
+        include_path: a directory of extra task YAML files.
+        include_defaults: also index the harness's built-in tasks. None: only when some task is
+            not found in `include_path` (indexing the built-in tasks takes about a minute).
+        batch_size: documents per forward pass.
+        log_samples: keep per-document requests and responses in the output.
+
+    Raises:
+        ImportError: lm-eval is not installed, with the command that installs it.
+    """
+    try:
+        from lm_eval import simple_evaluate
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.tasks import TaskManager
+    except ImportError as e:
+        raise ImportError("--lm-eval needs lm-eval: pip install 'leantune[eval]'") from e
+    if isinstance(model, PeftModel):
+        model = model.merge_and_unload()
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    if include_defaults is None:
+        include_defaults = include_path is None or not set(tasks) <= set(
+            TaskManager(include_path=include_path, include_defaults=False).all_tasks
+        )
+    manager = TaskManager(include_path=include_path, include_defaults=include_defaults)
+    out = simple_evaluate(
+        model=lm, tasks=tasks, limit=limit, task_manager=manager, log_samples=log_samples
+    )
+    if out is None:
+        raise RuntimeError("lm-eval returned no results")
+    return dict(out)
+
+
+def summarize(output: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Numeric metrics per task, from the harness output (`acc,none` -> `acc`)."""
+    summary: dict[str, dict[str, float]] = {}
+    for task, metrics in output.get("results", {}).items():
+        summary[task] = {}
+        for key, value in metrics.items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            name, _, filter_name = key.partition(",")
+            summary[task][name if filter_name in ("", "none") else key] = float(value)
+    return summary

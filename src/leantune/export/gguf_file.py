@@ -1,0 +1,254 @@
+"""`gguf`: `model.gguf` for llama.cpp / Ollama, written with `gguf.GGUFWriter`.
+
+Tensor names, the Llama Q/K row permutation and the tokenizer metadata follow llama.cpp's
+`convert_hf_to_gguf.py`. Supported: Llama and Qwen2 architectures with a byte-level BPE tokenizer
+(GPT-2 style, as SmolLM2, Qwen2 and Llama 3 use). Tensor types follow llama.cpp: 1-D tensors
+(norms, biases) stay float32; the others are f16, bf16 or q8_0 (a q8_0 tensor whose rows are not
+a multiple of the 32-value block falls back to f16).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from leantune.export.parity import LogitsFn, Samples
+from leantune.export.source import ExportError, model_logits_fn
+
+MODEL_FILE = "model.gguf"
+
+GGUF_TYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
+    "f16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "bf16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
+    "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+}
+
+ARCHITECTURES: dict[str, gguf.MODEL_ARCH] = {
+    "llama": gguf.MODEL_ARCH.LLAMA,
+    "qwen2": gguf.MODEL_ARCH.QWEN2,
+}
+
+# Split regexes of byte-level tokenizers and the llama.cpp pre-tokenizer name for each.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZER_NAMES = {_QWEN2_SPLIT: "qwen2", _LLAMA3_SPLIT: "llama-bpe"}
+
+
+def permute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Reorder the rows of a Llama q/k projection from HF's rotate-half layout to llama.cpp's
+    interleaved one (llama.cpp `LlamaModel.permute`; transformers undoes it on load)."""
+    return (
+        weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def _rope_theta(config: Any) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default":
+        raise ExportError(f"--format gguf: rope_type {rope_type!r} is not supported (only default)")
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise ExportError("--format gguf: the model config has no rope_theta")
+    return float(theta)
+
+
+def _write_hparams(w: gguf.GGUFWriter, config: Any, name: str, ftype: gguf.LlamaFileType) -> None:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    w.add_name(name)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_rope_freq_base(_rope_theta(config))
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(config.vocab_size)
+    w.add_file_type(ftype)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _encode(array: np.ndarray, qtype: gguf.GGMLQuantizationType) -> tuple[np.ndarray, Any]:
+    """Array to store and its raw GGML type (None: numpy dtype decides)."""
+    if array.ndim < 2:
+        return array.astype(np.float32), None
+    if qtype == gguf.GGMLQuantizationType.F16:
+        return array.astype(np.float16), None
+    if qtype == gguf.GGMLQuantizationType.Q8_0 and array.shape[-1] % 32 != 0:
+        return array.astype(np.float16), None
+    return gguf.quants.quantize(array.astype(np.float32), qtype), qtype
+
+
+def _write_tensors(
+    w: gguf.GGUFWriter,
+    model: PreTrainedModel,
+    arch: gguf.MODEL_ARCH,
+    qtype: gguf.GGMLQuantizationType,
+) -> int:
+    config = model.config
+    name_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    count = 0
+    for hf_name, tensor in model.state_dict().items():
+        if tied and hf_name == "lm_head.weight":
+            continue  # a GGUF without output.weight means tied embeddings
+        base, _, suffix = hf_name.rpartition(".")
+        gguf_name = name_map.get_name(base)
+        if gguf_name is None:
+            raise ExportError(f"--format gguf: no GGUF name for tensor {hf_name}")
+        array = tensor.detach().to(torch.float32).cpu().numpy()
+        if arch == gguf.MODEL_ARCH.LLAMA and base.endswith("self_attn.q_proj"):
+            array = permute_qk(array, config.num_attention_heads)
+        elif arch == gguf.MODEL_ARCH.LLAMA and base.endswith("self_attn.k_proj"):
+            array = permute_qk(array, config.num_key_value_heads)
+        data, raw_dtype = _encode(array, qtype)
+        w.add_tensor(f"{gguf_name}.{suffix}", data, raw_dtype=raw_dtype)
+        count += 1
+    return count
+
+
+def _pre_tokenizer_name(tok_json: dict[str, Any]) -> str:
+    pre = tok_json.get("pre_tokenizer") or {}
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "gpt-2"
+    if pre.get("type") == "Sequence":
+        for p in pre.get("pretokenizers", []):
+            pattern = (p.get("pattern") or {}).get("Regex")
+            if p.get("type") == "Split" and pattern in PRE_TOKENIZER_NAMES:
+                return PRE_TOKENIZER_NAMES[pattern]
+    raise ExportError(
+        f"--format gguf: pre-tokenizer {json.dumps(pre)[:200]} is not supported "
+        "(supported: GPT-2 byte level, Qwen2 and Llama 3 splits)"
+    )
+
+
+def _merges(tok_json: dict[str, Any]) -> list[str]:
+    merges = tok_json["model"].get("merges") or []
+    if merges and isinstance(merges[0], list):
+        # llama.cpp spells a space inside a merge part as chr(ord(' ') + 256) (convert_hf_to_gguf).
+        return [
+            " ".join("".join(chr(ord(c) + 256) if c == " " else c for c in part) for part in pair)
+            for pair in merges
+        ]
+    return list(merges)
+
+
+def _write_tokenizer(w: gguf.GGUFWriter, tokenizer: PreTrainedTokenizerBase, n_vocab: int) -> None:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ExportError("--format gguf needs a fast (tokenizers) tokenizer")
+    tok_json = json.loads(backend.to_str())
+    if (
+        tok_json["model"].get("type") != "BPE"
+        or (tok_json.get("decoder") or {}).get("type") != "ByteLevel"
+    ):
+        raise ExportError("--format gguf: only byte-level BPE tokenizers are supported")
+    by_id = {i: t for t, i in tokenizer.get_vocab().items()}
+    added = tokenizer.added_tokens_decoder
+    tokens: list[str] = []
+    types: list[int] = []
+    for i in range(n_vocab):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif i in added:
+            tokens.append(by_id[i])
+            special = added[i].special
+            types.append(gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.NORMAL)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(_pre_tokenizer_name(tok_json))
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(_merges(tok_json))
+    for kind in ("bos", "eos", "unk", "pad"):
+        token_id = getattr(tokenizer, f"{kind}_token_id", None)
+        if token_id is not None and token_id < n_vocab:
+            getattr(w, f"add_{kind}_token_id")(int(token_id))
+    bos = tokenizer.bos_token_id
+    adds_bos = bos is not None and tokenizer("a", add_special_tokens=True)["input_ids"][:1] == [bos]
+    w.add_add_bos_token(bool(adds_bos))
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str):
+        w.add_chat_template(template)
+
+
+def write_gguf(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path, gguf_type: str
+) -> dict[str, Any]:
+    """Write `out/model.gguf` in `gguf_type` ("f16", "bf16" or "q8_0").
+
+    Raises:
+        ExportError: the architecture, rope scaling or tokenizer is not supported.
+    """
+    model_type = model.config.model_type
+    if model_type not in ARCHITECTURES:
+        raise ExportError(
+            f"--format gguf: architecture {model_type!r} is not supported "
+            f"(supported: {', '.join(sorted(ARCHITECTURES))}); export --format hf and convert "
+            "with llama.cpp's convert_hf_to_gguf.py"
+        )
+    if gguf_type not in GGUF_TYPES:
+        raise ExportError(f"--gguf-type {gguf_type!r}: choose one of {sorted(GGUF_TYPES)}")
+    arch = ARCHITECTURES[model_type]
+    qtype, ftype = GGUF_TYPES[gguf_type]
+    path = out / MODEL_FILE
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    _write_hparams(w, model.config, out.name or "model", ftype)
+    _write_tokenizer(w, tokenizer, model.config.vocab_size)
+    n = _write_tensors(w, model, arch, qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {"gguf_type": gguf_type, "tensors": n, "bytes": path.stat().st_size}
+
+
+def load_gguf(out: Path) -> LogitsFn:
+    """Load `model.gguf` back with transformers (dequantised to float32)."""
+    model = AutoModelForCausalLM.from_pretrained(out, gguf_file=MODEL_FILE, dtype=torch.float32)
+    return model_logits_fn(model.eval())
+
+
+def check_gguf_tokenizer(
+    out: Path, source: PreTrainedTokenizerBase, samples: Samples
+) -> tuple[dict[str, Any], list[str]]:
+    """Rebuild the tokenizer from the GGUF metadata (transformers' GGUF conversion) and compare
+    token ids of every sample and the chat template with the source tokenizer."""
+    loaded = AutoTokenizer.from_pretrained(out, gguf_file=MODEL_FILE)
+    mismatched = [
+        i
+        for i, text in enumerate(samples.texts)
+        if list(loaded(text, add_special_tokens=True)["input_ids"])[: len(samples.ids[i])]
+        != samples.ids[i]
+    ]
+    same_template = getattr(loaded, "chat_template", None) == getattr(source, "chat_template", None)
+    failures = []
+    if mismatched:
+        failures.append(f"tokenizer loaded from GGUF encodes samples {mismatched} differently")
+    if not same_template:
+        failures.append("chat template loaded from GGUF differs from the source's")
+    info = {
+        "tokenizer_samples_matched": len(samples.texts) - len(mismatched),
+        "chat_template_ok": same_template,
+    }
+    return info, failures

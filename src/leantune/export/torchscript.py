@@ -1,0 +1,88 @@
+"""`torchscript`: `model.pt`, a traced module mapping input ids to logits, for C++/`torch.jit` use.
+
+    logits = torch.jit.load("model.pt")(input_ids)   # [batch, seq] int64 -> [batch, seq, vocab]
+
+The trace is made with `example_input.pt` (saved beside it). transformers builds its attention
+mask with shape-dependent Python code that a trace freezes, so the wrapper passes an explicit
+causal mask and position ids computed with tensor ops; the parity check then runs other batch
+sizes and lengths than the example's.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from leantune.export.parity import LogitsFn
+
+MODEL_FILE = "model.pt"
+EXAMPLE_FILE = "example_input.pt"
+EXAMPLE_LEN = 8
+
+
+class LogitsModule(nn.Module):
+    """`input_ids -> logits` over a causal LM, traceable for any batch size and length."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        batch, length = input_ids.shape[0], input_ids.shape[1]
+        positions = torch.arange(length, device=input_ids.device).unsqueeze(0).expand(batch, -1)
+        keep = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
+        mask = torch.zeros(length, length, device=input_ids.device)
+        mask = mask.masked_fill(~keep, torch.finfo(torch.float32).min)
+        mask = mask[None, None].expand(batch, 1, length, length)
+        out = self.model(
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False
+        )
+        return out.logits
+
+
+def trace_logits(model: nn.Module, example: torch.Tensor) -> torch.jit.ScriptModule:
+    """Trace `LogitsModule(model)` on `example` (float32 weights)."""
+    with warnings.catch_warnings():
+        # Tracer and deprecation warnings are expected here; parity on other shapes is the check.
+        warnings.simplefilter("ignore")
+        with torch.no_grad():
+            traced = torch.jit.trace(LogitsModule(model).eval(), example, check_trace=False)
+    return traced
+
+
+def example_input(first_sample: list[int]) -> torch.Tensor:
+    """The trace's example: the first `EXAMPLE_LEN` tokens of the first held-out sample."""
+    return torch.tensor([first_sample[:EXAMPLE_LEN]])
+
+
+def write_torchscript(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path, example: torch.Tensor
+) -> dict[str, Any]:
+    """Trace and save `model.pt`, `example_input.pt`, and the tokenizer and config beside them."""
+    traced = trace_logits(model, example)
+    torch.jit.save(traced, str(out / MODEL_FILE))
+    torch.save(example, out / EXAMPLE_FILE)
+    model.config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return {"example_input_shape": list(example.shape), "usage": _USAGE}
+
+
+def load_torchscript(out: Path) -> LogitsFn:
+    """Load `model.pt` with `torch.jit.load`; no transformers code runs."""
+    module = torch.jit.load(str(out / MODEL_FILE))
+    module.eval()
+
+    def fn(input_ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return module(input_ids).float()
+
+    return fn
+
+
+_USAGE = 'torch.jit.load("model.pt")(input_ids) -> logits [batch, seq, vocab]'
