@@ -14,8 +14,9 @@ cannot be merged into the base weights; inference runs them as they are.
 On-disk layout (a directory, next to the tokenizer files and `leantune_base.json`):
 - `bottleneck_adapter.json`: `{"method": "bottleneck_adapter", "placement": "houlsby"|"pfeiffer",
   "reduction_factor": int, "activation": "relu", "hidden_size": int, "num_layers": int}`
-- `bottleneck_adapter.safetensors`: fp32 tensors named `layers.{i}.{attn|mlp}.{down|up}.{weight|bias}`
-  (`i` = block index; `down.weight` is (bottleneck, hidden), `up.weight` is (hidden, bottleneck)).
+- `bottleneck_adapter.safetensors`: fp32 tensors named
+  `layers.{i}.{attn|mlp}.{down|up}.{weight|bias}` (`i` = block index; `down.weight` is
+  (bottleneck, hidden), `up.weight` is (hidden, bottleneck)).
 """
 
 from __future__ import annotations
@@ -85,13 +86,18 @@ def _after_sublayer(adapter: BottleneckAdapter) -> Any:
     return hook
 
 
+def _hidden_size(model: nn.Module) -> int:
+    config: Any = getattr(model, "config", None)
+    return int(config.hidden_size)
+
+
 def apply_adapter(model: nn.Module, settings: AdapterSettings) -> nn.Module:
     """Add bottleneck adapters to every block of `model` in place; only they train.
 
     Raises:
         ValueError: a bad reduction factor, or blocks without the expected sub-layers.
     """
-    hidden = int(model.config.hidden_size)  # type: ignore[union-attr]
+    hidden = _hidden_size(model)
     if settings.reduction_factor < 1 or hidden // settings.reduction_factor < 1:
         raise ValueError(
             f"method.adapter_reduction={settings.reduction_factor}: must be in 1..{hidden} "
@@ -102,6 +108,8 @@ def apply_adapter(model: nn.Module, settings: AdapterSettings) -> nn.Module:
     device = next(model.parameters()).device
     # Adapters train in fp32 like peft's adapter weights, whatever the base dtype.
     adapter_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    for p in model.parameters():
+        p.requires_grad_(False)
     for block in decoder_layers(model):
         sites = nn.ModuleDict()
         for site in PLACEMENTS[settings.placement]:
@@ -166,7 +174,7 @@ def save_adapter(model: nn.Module, out_dir: Path) -> None:
     info = {
         "method": "bottleneck_adapter",
         **asdict(settings),
-        "hidden_size": int(model.config.hidden_size),  # type: ignore[union-attr]
+        "hidden_size": _hidden_size(model),
         "num_layers": len(decoder_layers(model)),
     }
     (out_dir / CONFIG_FILE).write_text(json.dumps(info, indent=2) + "\n")

@@ -20,7 +20,7 @@ tuning ignores left padding).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from peft import (
@@ -61,7 +61,7 @@ def apply_prefix(
         encoder_hidden_size=encoder_hidden_size,  # type: ignore[arg-type]
     )
     with quiet_peft():
-        return get_peft_model(model, config)  # type: ignore[arg-type]
+        return get_peft_model(model, config)
 
 
 def apply_prompt_tuning(
@@ -90,7 +90,7 @@ def apply_prompt_tuning(
     else:
         config = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=num_virtual_tokens)
     with quiet_peft():
-        return get_peft_model(model, config)  # type: ignore[arg-type]
+        return get_peft_model(model, config)
 
 
 def prompt_learning_type(model: nn.Module) -> PeftType | None:
@@ -137,8 +137,8 @@ def prompt_learning_hidden(
             cache=_prefix_cache(model, batch_size),
             use_cache=False,
         )
-        return out.last_hidden_state  # type: ignore[no-any-return]
-    embeds = model.word_embeddings(input_ids)
+        return out.last_hidden_state
+    embeds = cast(nn.Module, model.word_embeddings)(input_ids)
     prompts = model.get_prompt(batch_size).to(embeds.dtype)
     virtual = torch.arange(n_virtual, device=input_ids.device).expand(batch_size, -1)
     out = decoder(
@@ -146,7 +146,7 @@ def prompt_learning_hidden(
         position_ids=torch.cat([virtual, position_ids + n_virtual], dim=1),
         use_cache=False,
     )
-    return out.last_hidden_state[:, n_virtual:]  # type: ignore[no-any-return]
+    return out.last_hidden_state[:, n_virtual:]
 
 
 def prompt_learning_generate_inputs(
@@ -174,7 +174,7 @@ def prompt_learning_generate_inputs(
     if kind == PeftType.PREFIX_TUNING:
         inputs["cache"] = _prefix_cache(model, batch_size)
     else:
-        embeds = model.word_embeddings(input_ids)
+        embeds = cast(nn.Module, model.word_embeddings)(input_ids)
         prompts = model.get_prompt(batch_size).to(embeds.dtype)
         inputs["inputs_embeds"] = torch.cat([prompts, embeds], dim=1)
     return model.get_base_model(), inputs

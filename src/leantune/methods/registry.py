@@ -40,7 +40,9 @@ def _ia3(model: nn.Module, cfg: MethodConfig) -> nn.Module:
 
 
 def _adapter(model: nn.Module, cfg: MethodConfig) -> nn.Module:
-    settings = AdapterSettings(placement=cfg.adapter_placement, reduction_factor=cfg.adapter_reduction)
+    settings = AdapterSettings(
+        placement=cfg.adapter_placement, reduction_factor=cfg.adapter_reduction
+    )
     return apply_adapter(model, settings)
 
 
