@@ -23,6 +23,7 @@ from leantune.eval.generation import GREEDY, generate_texts, stop_token_ids
 from leantune.eval.loss import evaluate_loss
 from leantune.methods.registry import apply_method, trainable_named_parameters
 from leantune.models.artifacts import load_for_inference
+from leantune.models.loading import enable_gradient_checkpointing
 from leantune.training.loss import supervised_logits
 from leantune.training.recipe import train
 
@@ -54,9 +55,11 @@ def test_loss_path_equals_the_peft_forward(name: str, tokenizer, tiny_qwen2_dir:
         warnings.simplefilter("ignore")  # peft's own forward: deprecated kwargs in transformers 5
         ours = supervised_logits(model, batch)
         reference = model(input_ids=ids).logits[:, -width:][labels != -100]  # prompt: P in front
-        with model.disable_adapter():  # type: ignore[operator]
-            base = supervised_logits(model, batch)
+        with model.disable_adapter():  # type: ignore[operator]  # what the KL term compares to
+            disabled = supervised_logits(model, batch)
+        base = supervised_logits(model.get_base_model(), batch)  # type: ignore[operator]
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+    assert torch.equal(disabled, base)
     assert (ours - base).abs().max() > 1e-2  # the virtual tokens are in effect
 
 
@@ -116,6 +119,28 @@ def test_packed_rows_are_refused_because_they_compute_something_else(
         alone_a, alone_b = logits(a, [0, 1, 2, 3, 4]), logits(b, [0, 1, 2, 3])
     torch.testing.assert_close(packed[:5], alone_a, rtol=1e-5, atol=1e-5)
     assert (packed[5:] - alone_b).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", ["prefix", "ptuning_v2"])
+def test_prefix_methods_refuse_gradient_checkpointing(name: str, tiny_qwen2_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=rf"gradient_checkpointing does not work with .*{name}"):
+        load_config(
+            None, [f"method.name={name}", "data.pack=false", "train.gradient_checkpointing=true"]
+        )
+    # Why: a checkpointed block runs without the cache that holds the prefix.
+    model = _perturbed(tiny_qwen2_dir, name)
+    enable_gradient_checkpointing(model)
+    model.train()
+    ids = torch.tensor([[5, 17, 42, 7]])
+    batch = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(4)[None]}
+    with pytest.raises(RuntimeError, match="size of tensor"):
+        supervised_logits(model, batch)
+
+
+@pytest.mark.parametrize("field", ["adapter_reduction", "num_virtual_tokens", "prefix_hidden_size"])
+def test_method_sizes_must_be_positive(field: str) -> None:
+    with pytest.raises(ConfigError, match=rf"method.{field}: must be >= 1, got 0"):
+        load_config(None, ["method.name=prefix", "data.pack=false", f"method.{field}=0"])
 
 
 def test_prefix_projection_is_the_switch_between_prefix_and_ptuning_v2(

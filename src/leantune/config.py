@@ -361,10 +361,15 @@ def validate(cfg: Config) -> list[str]:
     for key, value in {
         "method.adapter_reduction": m.adapter_reduction,
         "method.num_virtual_tokens": m.num_virtual_tokens,
-        "method.prefix_hidden_size": m.prefix_hidden_size or 1,
+        "method.prefix_hidden_size": m.prefix_hidden_size,
     }.items():
-        if value < 1:
+        if value is not None and value < 1:
             raise ConfigError(f"{key}: must be >= 1, got {value}")
+    if m.name in ("prefix", "ptuning_v2") and t.gradient_checkpointing:
+        raise ConfigError(
+            f"train.gradient_checkpointing does not work with method.name={m.name}: transformers "
+            "drops the KV cache, which holds the prefix, in checkpointed blocks; set it to false"
+        )
     if m.name in ("prefix", "ptuning_v2", "prompt") and d.pack:
         # Packed rows keep examples apart through restarting position ids without a mask or KV
         # cache; virtual tokens (a prefix cache, or prepended embeddings) defeat that.
