@@ -358,13 +358,14 @@ def validate(cfg: Config) -> list[str]:
         raise ConfigError(f"method.r: must be >= 1, got {m.r}")
     if m.dropout is not None and not 0 <= m.dropout < 1:
         raise ConfigError(f"method.dropout: must be in [0, 1), got {m.dropout}")
-    for key, value in {
+    sizes: dict[str, int | None] = {
         "method.adapter_reduction": m.adapter_reduction,
         "method.num_virtual_tokens": m.num_virtual_tokens,
         "method.prefix_hidden_size": m.prefix_hidden_size,
-    }.items():
-        if value is not None and value < 1:
-            raise ConfigError(f"{key}: must be >= 1, got {value}")
+    }
+    for key, size in sizes.items():
+        if size is not None and size < 1:
+            raise ConfigError(f"{key}: must be >= 1, got {size}")
     if m.name in ("prefix", "ptuning_v2") and t.gradient_checkpointing:
         raise ConfigError(
             f"train.gradient_checkpointing does not work with method.name={m.name}: transformers "
