@@ -87,7 +87,9 @@ def test_greedy_generate_equals_an_argmax_forward_loop(
     model = _perturbed(model_dir, name, "method.num_virtual_tokens=16")
     stop = set(stop_token_ids(tokenizer))
     expected = [
-        tokenizer.decode(_argmax_loop(model, tokenizer(p)["input_ids"], 8, stop)).strip()
+        tokenizer.decode(
+            _argmax_loop(model, tokenizer(p)["input_ids"], 8, stop), skip_special_tokens=True
+        ).strip()
         for p in PROMPTS
     ]
     # One left-padded batch with a KV cache, as `leantune generate` and exact match run it.
@@ -227,6 +229,14 @@ def test_real_loop_trains_and_the_artefact_reloads_to_the_same_eval_loss(
     reloaded = evaluate_loss(model, data.rows, int(tok.pad_token_id))
     assert reloaded["loss"] == pytest.approx(summary["eval_loss"], rel=1e-5)
     assert 0 <= summary["eval_exact_match"] <= 1
+    # `leantune generate` on the reloaded artefact (peft inference mode) decodes exactly too.
+    stop = set(stop_token_ids(tok))
+    expected = [
+        tok.decode(_argmax_loop(model, tok(p)["input_ids"], 6, stop), skip_special_tokens=True)
+        for p in PROMPTS
+    ]
+    got = generate_texts(model, tok, PROMPTS, replace(GREEDY, max_new_tokens=6), 3)
+    assert got == [e.strip() for e in expected]
 
 
 def test_collate_of_unpacked_rows_feeds_the_prompt_path(
