@@ -12,6 +12,8 @@ from transformers import AutoModelForCausalLM
 from leantune.config import load_config
 from leantune.data.dataset import prepare_file
 from leantune.data.loader import collate
+from leantune.methods.adapter import BLOCK_ATTR
+from leantune.methods.prompt import PROMPT_LEARNING_METHODS
 from leantune.methods.registry import METHODS, apply_method, trainable_named_parameters
 from leantune.models.artifacts import load_for_inference, save_final
 from leantune.training.optim import build_optimizer
@@ -22,7 +24,12 @@ EXPECTED_KINDS = {
     "lora": {"lora_A", "lora_B"},
     "dora": {"lora_A", "lora_B", "lora_magnitude_vector"},
     "ia3": {"ia3_l"},
+    "adapter": {BLOCK_ATTR},
+    "prefix": {"prompt_encoder"},
+    "ptuning_v2": {"prompt_encoder"},
+    "prompt": {"prompt_encoder"},
 }
+KIND_MARKERS = ("prompt_encoder", BLOCK_ATTR)
 
 ROWS = [
     {
@@ -39,12 +46,16 @@ ROWS = [
 def test_method_trains_its_parameters_and_round_trips(
     name: str, tokenizer, tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    cfg = load_config(None, [f"method.name={name}"])
+    pack = name not in PROMPT_LEARNING_METHODS  # virtual tokens need unpacked rows
+    cfg = load_config(None, [f"method.name={name}", f"data.pack={str(pack).lower()}"])
     torch.manual_seed(0)
     model = apply_method(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), cfg.method)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     params = trainable_named_parameters(model)
-    kinds = {next((c for c in n.split(".") if c.startswith(("lora_", "ia3_"))), n) for n in params}
+    kinds = {
+        next((c for c in n.split(".") if c.startswith(("lora_", "ia3_")) or c in KIND_MARKERS), n)
+        for n in params
+    }
     if name == "full":
         assert set(params) == set(before)
     elif name == "freeze":  # defaults: last 2 blocks (all of the tiny model's) and the norms
@@ -52,7 +63,7 @@ def test_method_trains_its_parameters_and_round_trips(
         assert not any("embed_tokens" in n for n in params)
     else:
         assert kinds == EXPECTED_KINDS[name], kinds
-    data = prepare_file(write_jsonl(tmp_path / "d.jsonl", ROWS), "chat", tokenizer, 64, pack=True)
+    data = prepare_file(write_jsonl(tmp_path / "d.jsonl", ROWS), "chat", tokenizer, 64, pack=pack)
     opt = build_optimizer(params, lr=1e-2, weight_decay=0.0)
     model.train()
     for _ in range(3):

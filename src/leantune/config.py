@@ -53,9 +53,12 @@ class DataConfig:
 
 @dataclass
 class MethodConfig:
-    name: Literal["full", "lora", "dora", "ia3", "freeze"] = "lora"
-    """Fine-tuning method: full, lora, dora (weight-decomposed LoRA), ia3 (learned rescaling) or
-    freeze (train only the last blocks and/or norms)."""
+    name: Literal[
+        "full", "lora", "dora", "ia3", "freeze", "adapter", "prefix", "ptuning_v2", "prompt"
+    ] = "lora"
+    """Fine-tuning method: full, lora, dora (weight-decomposed LoRA), ia3 (learned rescaling),
+    freeze (train only the last blocks and/or norms), adapter (bottleneck adapters), prefix
+    (prefix tuning), ptuning_v2 (deep prompt tuning on every layer) or prompt (prompt tuning)."""
     preset: Literal["default", "seed"] = "default"
     """LoRA preset: default = all linear layers, r=16, alpha=32; seed = the source articles'
     r=8, alpha=32, q_proj/v_proj, dropout 0.1 (explicit r/alpha/... fields still apply)."""
@@ -72,6 +75,19 @@ class MethodConfig:
     target_modules: list[str] | None = None
     """Module names to adapt, or ["all-linear"] (lora/dora preset value, or peft's per-architecture
     IA3 default, when unset)."""
+    adapter_placement: Literal["houlsby", "pfeiffer"] = "pfeiffer"
+    """adapter: houlsby = after attention and MLP of every block; pfeiffer = after the MLP only."""
+    adapter_reduction: int = 16
+    """adapter: reduction factor, hidden size / bottleneck size."""
+    num_virtual_tokens: int = 20
+    """prefix/ptuning_v2/prompt: number of virtual tokens (prefix length)."""
+    prefix_projection: bool | None = None
+    """prefix/ptuning_v2: train the prefixes through a two-layer MLP (reparameterisation);
+    unset = method default (prefix: on, ptuning_v2: off)."""
+    prefix_hidden_size: int | None = None
+    """prefix/ptuning_v2: hidden width of that MLP (unset = the model's key/value width)."""
+    prompt_init_text: str | None = None
+    """prompt: initialise the virtual tokens from this text's embeddings (random when unset)."""
 
 
 @dataclass
@@ -83,7 +99,8 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
     lr: float | None = None
-    """Peak learning rate (default by method: full/freeze 2e-5, lora/dora 2e-4, ia3 3e-3)."""
+    """Peak learning rate (default by method: full/freeze 2e-5, lora/dora 2e-4, adapter 5e-4,
+    ia3 3e-3, prefix/ptuning_v2 5e-3, prompt 3e-2)."""
     weight_decay: float = 0.01
     """AdamW weight decay (never applied to biases and norms)."""
     warmup_ratio: float = 0.1
@@ -359,7 +376,8 @@ def validate(cfg: Config) -> list[str]:
         raise ConfigError(f"train.kl_coef: must be >= 0, got {t.kl_coef}")
     if t.kl_coef > 0 and m.name in ("full", "freeze"):
         raise ConfigError(
-            f"train.kl_coef needs an adapter method (lora, dora, ia3), not method.name={m.name}: "
+            f"train.kl_coef needs an adapter method (lora, dora, ia3, adapter, prefix, "
+            f"ptuning_v2, prompt), not method.name={m.name}: "
             "the base is the same model with its adapters disabled"
         )
     if t.weight_decay < 0 or t.max_grad_norm < 0:
@@ -386,6 +404,26 @@ def validate(cfg: Config) -> list[str]:
     if t.memory_budget is not None:
         parse_memory_size(t.memory_budget, "train.memory_budget")
     _validate_guard(cfg.guard)
+    sizes: dict[str, int | None] = {
+        "method.adapter_reduction": m.adapter_reduction,
+        "method.num_virtual_tokens": m.num_virtual_tokens,
+        "method.prefix_hidden_size": m.prefix_hidden_size,
+    }
+    for key, size in sizes.items():
+        if size is not None and size < 1:
+            raise ConfigError(f"{key}: must be >= 1, got {size}")
+    if m.name in ("prefix", "ptuning_v2") and t.gradient_checkpointing:
+        raise ConfigError(
+            f"train.gradient_checkpointing does not work with method.name={m.name}: transformers "
+            "drops the KV cache, which holds the prefix, in checkpointed blocks; set it to false"
+        )
+    if m.name in ("prefix", "ptuning_v2", "prompt") and d.pack:
+        # Packed rows keep examples apart through restarting position ids without a mask or KV
+        # cache; virtual tokens (a prefix cache, or prepended embeddings) defeat that.
+        raise ConfigError(
+            f"method.name={m.name} needs data.pack=false: in a packed row every example after "
+            "the first would be computed differently from the same example alone"
+        )
     warnings: list[str] = []
     lr = t.lr
     if m.name == "full" and lr is not None and lr >= 1e-4:

@@ -2,7 +2,9 @@
 
 `generate_texts` is the one place that calls `model.generate`: it left-pads sorted batches, stops at
 every end-of-turn token the tokenizer and model know, and returns only the new text, in the order
-of the prompts. It works the same for a plain transformers model and a peft `PeftModel`.
+of the prompts. It works the same for a plain transformers model and a peft `PeftModel`; the
+virtual tokens of prompt-learning adapters are added by `methods.prompt`, which peft's own
+generate gets wrong under transformers 5.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any, cast
 import torch
 from peft import PeftModel
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from leantune.methods.prompt import prompt_learning_generate_inputs
 
 # End-of-turn markers of the common chat templates (ChatML/Qwen, Llama 3, Gemma, GPT-style).
 END_OF_TURN_TOKENS: tuple[str, ...] = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>")
@@ -197,9 +201,6 @@ def generate_texts(
     outputs: list[str] = [""] * len(prompts)
     stop_set = set(stop_ids)
 
-    # transformers 5 no longer declares `generate` on PreTrainedModel (only on GenerationMixin
-    # subclasses), so the type checker sees it through nn.Module.__getattr__.
-    generate = cast(Callable[..., torch.Tensor], model.generate)
     was_training = model.training
     model.eval()
     # A seeded call runs on a forked RNG so that the caller's random stream is left as it was;
@@ -213,9 +214,15 @@ def generate_texts(
             for start in range(0, len(order), batch_size):
                 batch = order[start : start + batch_size]
                 input_ids, attention_mask = _left_pad([encoded[i] for i in batch], pad_id)
+                input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+                runner, inputs = prompt_learning_generate_inputs(
+                    model, input_ids, attention_mask
+                ) or (model, {"input_ids": input_ids, "attention_mask": attention_mask})
+                # transformers 5 no longer declares `generate` on PreTrainedModel (only on
+                # GenerationMixin subclasses), so the type checker sees it through __getattr__.
+                generate = cast(Callable[..., torch.Tensor], runner.generate)
                 generated = generate(
-                    input_ids=input_ids.to(device),
-                    attention_mask=attention_mask.to(device),
+                    **inputs,
                     max_new_tokens=settings.max_new_tokens,
                     eos_token_id=stop_ids,
                     pad_token_id=pad_id,

@@ -12,10 +12,12 @@ from dataclasses import replace
 from torch import nn
 
 from leantune.config import MethodConfig
+from leantune.methods.adapter import AdapterSettings, apply_adapter
 from leantune.methods.freeze import apply_freeze
 from leantune.methods.full import apply_full
 from leantune.methods.ia3 import apply_ia3
 from leantune.methods.lora import LORA_PRESETS, LoraSettings, apply_lora
+from leantune.methods.prompt import apply_prefix, apply_prompt_tuning
 
 
 def _lora_settings(cfg: MethodConfig) -> LoraSettings:
@@ -37,12 +39,36 @@ def _ia3(model: nn.Module, cfg: MethodConfig) -> nn.Module:
     return apply_ia3(model, tuple(cfg.target_modules))
 
 
+def _adapter(model: nn.Module, cfg: MethodConfig) -> nn.Module:
+    settings = AdapterSettings(
+        placement=cfg.adapter_placement, reduction_factor=cfg.adapter_reduction
+    )
+    return apply_adapter(model, settings)
+
+
+def _prefix(model: nn.Module, cfg: MethodConfig, projection_default: bool) -> nn.Module:
+    projection = projection_default if cfg.prefix_projection is None else cfg.prefix_projection
+    return apply_prefix(model, cfg.num_virtual_tokens, projection, cfg.prefix_hidden_size)
+
+
+def _prompt(model: nn.Module, cfg: MethodConfig) -> nn.Module:
+    # The text is tokenised with the tokenizer saved next to the model weights.
+    tokenizer_path = getattr(model, "name_or_path", None) if cfg.prompt_init_text else None
+    return apply_prompt_tuning(model, cfg.num_virtual_tokens, cfg.prompt_init_text, tokenizer_path)
+
+
 METHODS: dict[str, Callable[[nn.Module, MethodConfig], nn.Module]] = {
     "full": lambda model, cfg: apply_full(model),
     "lora": lambda model, cfg: apply_lora(model, _lora_settings(cfg)),
     "dora": lambda model, cfg: apply_lora(model, replace(_lora_settings(cfg), use_dora=True)),
     "ia3": _ia3,
     "freeze": lambda model, cfg: apply_freeze(model, cfg.last_blocks, cfg.norms),
+    "adapter": _adapter,
+    # Li & Liang 2021 train prefixes through an MLP; P-Tuning v2's reference code defaults to
+    # training them directly. Both are peft prefix tuning (see methods/prompt.py).
+    "prefix": lambda model, cfg: _prefix(model, cfg, projection_default=True),
+    "ptuning_v2": lambda model, cfg: _prefix(model, cfg, projection_default=False),
+    "prompt": _prompt,
 }
 
 # Learning rates that follow the seeds' advice: LoRA ~3x a base 3e-5 rate or more for small
@@ -54,6 +80,16 @@ DEFAULT_LR: dict[str, float] = {
     "dora": 2e-4,
     "ia3": 3e-3,
     "freeze": 2e-5,
+    # Adapters start as identities and train a few % of the weights; Houlsby et al. and
+    # AdapterHub use 1e-4..1e-3.
+    "adapter": 5e-4,
+    # Prefix tuning: Li & Liang used 5e-5..8e-5 through the MLP on GPT-2 for many epochs;
+    # P-Tuning v2 used 5e-3..1e-2 on the raw prefixes. Short runs need the upper range.
+    "prefix": 5e-3,
+    "ptuning_v2": 5e-3,
+    # Prompt tuning trains only P input embeddings: Lester et al. used 0.3 (Adafactor);
+    # AdamW setups (peft examples) use 1e-2..3e-2.
+    "prompt": 3e-2,
 }
 
 

@@ -1,8 +1,9 @@
 """Save what a run produced and load it back for `eval` and `generate`.
 
-A full fine-tune saves an HF model directory. An adapter method saves peft's on-disk adapter
-format (loadable by `peft.PeftModel.from_pretrained`) plus `leantune_base.json`, which points at
-the base model so leantune can rebuild it without a hub lookup.
+A full fine-tune saves an HF model directory. A peft method saves peft's on-disk adapter format
+(loadable by `peft.PeftModel.from_pretrained`), bottleneck adapters their own documented layout
+(see `methods.adapter`); both add `leantune_base.json`, which points at the base model so leantune
+can rebuild it without a hub lookup.
 """
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from leantune.methods.adapter import (
+    adapter_settings,
+    is_bottleneck_adapter_dir,
+    load_adapter,
+    save_adapter,
+)
 from leantune.methods.lora import quiet_peft
 from leantune.models.loading import ModelSource, load_model, load_tokenizer, resolve_model
 
@@ -38,9 +45,13 @@ def save_final(
     tmp = out_dir.with_name(f".tmp-{out_dir.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)  # type: ignore[operator]
+    bottleneck = adapter_settings(model) is not None
+    if bottleneck:
+        save_adapter(model, tmp)
+    else:
+        model.save_pretrained(tmp)  # type: ignore[operator]
     tokenizer.save_pretrained(tmp)
-    if isinstance(model, PeftModel):
+    if isinstance(model, PeftModel) or bottleneck:
         pointer = {"base_model": base_path, "gguf_file": base_gguf_file}
         (tmp / BASE_POINTER).write_text(json.dumps(pointer, indent=2) + "\n")
     if out_dir.exists():
@@ -58,6 +69,17 @@ def is_adapter_dir(path: Path) -> bool:
     return (path / "adapter_config.json").is_file()
 
 
+def _base_of(adapter_dir: Path) -> ModelSource:
+    pointer = adapter_dir / BASE_POINTER
+    if pointer.is_file():
+        info = json.loads(pointer.read_text())
+        return resolve_model(info["base_model"], info.get("gguf_file"))
+    if not is_adapter_dir(adapter_dir):
+        raise FileNotFoundError(f"{adapter_dir}: no {BASE_POINTER} naming the base model")
+    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
+    return resolve_model(cfg["base_model_name_or_path"])
+
+
 def load_for_inference(
     path: str, dtype: str = "fp32", trust_remote_code: bool = False
 ) -> tuple[PreTrainedModel | PeftModel, PreTrainedTokenizerBase]:
@@ -67,20 +89,18 @@ def load_for_inference(
         FileNotFoundError: an adapter directory whose base model cannot be found.
     """
     p = Path(path)
-    if p.is_dir() and is_adapter_dir(p):
-        pointer = p / BASE_POINTER
-        if pointer.is_file():
-            info = json.loads(pointer.read_text())
-            base = resolve_model(info["base_model"], info.get("gguf_file"))
-        else:
-            cfg = json.loads((p / "adapter_config.json").read_text())
-            base = resolve_model(cfg["base_model_name_or_path"])
+    if p.is_dir() and (is_adapter_dir(p) or is_bottleneck_adapter_dir(p)):
+        base = _base_of(p)
         model = load_model(base, dtype, trust_remote_code)
-        with quiet_peft():
-            peft_model = PeftModel.from_pretrained(model, p)
+        adapted: PreTrainedModel | PeftModel
+        if is_bottleneck_adapter_dir(p):
+            adapted = load_adapter(model, p)  # type: ignore[assignment]
+        else:
+            with quiet_peft():
+                adapted = PeftModel.from_pretrained(model, p)
         tok_source = ModelSource(str(p)) if (p / "tokenizer_config.json").is_file() else base
-        peft_model.eval()
-        return peft_model, load_tokenizer(tok_source, trust_remote_code)
+        adapted.eval()
+        return adapted, load_tokenizer(tok_source, trust_remote_code)
     source = resolve_model(path)
     model = load_model(source, dtype, trust_remote_code)
     model.eval()

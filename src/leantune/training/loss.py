@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from leantune.data.tokenize import IGNORE_INDEX
+from leantune.methods.prompt import prompt_learning_hidden
 
 
 def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
@@ -43,9 +44,12 @@ def supervised_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch
         ).logits
         return logits[mask]
     decoder, head = parts
-    hidden = decoder(
-        input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
-    ).last_hidden_state
+    # Prompt-learning adapters (prefix, prompt tuning) live outside the decoder's modules.
+    hidden = prompt_learning_hidden(model, decoder, batch["input_ids"], batch["position_ids"])
+    if hidden is None:
+        hidden = decoder(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+        ).last_hidden_state
     return head(hidden[mask])
 
 

@@ -1,0 +1,180 @@
+"""Prompt-learning methods through peft: prompt tuning, prefix tuning and P-Tuning v2.
+
+- `prompt`: learned virtual-token embeddings prepended to the input (Lester et al. 2021; peft
+  `PromptTuningConfig`).
+- `prefix`: learned key/value prefixes on every layer, reparameterised through a two-layer MLP
+  during training as in Li & Liang 2021 (peft `PrefixTuningConfig(prefix_projection=True)`).
+- `ptuning_v2`: deep prompt tuning on every layer (Liu et al. 2022). It is the same mechanism as
+  prefix tuning - peft has no separate type - with the reparameterisation off by default, as in
+  the paper's reference code (`prefix_projection=False`); `method.prefix_projection` switches it.
+
+Both prefix variants save in peft's format; with the MLP on, peft saves the computed key/value
+prefixes (not the MLP), which is all inference needs.
+
+The helpers below compute what peft's forward and generate compute, from peft's public
+`get_prompt`, for the two places that cannot use peft's own path: the loss (which runs the output
+projection only on supervised positions) and generation (peft 0.21.2's generation hooks predate
+transformers 5's `cache` argument: prefix tuning decodes wrong tokens with a KV cache, prompt
+tuning ignores left padding).
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from peft import (
+    PeftModel,
+    PrefixTuningConfig,
+    PromptTuningConfig,
+    PromptTuningInit,
+    get_peft_model,
+)
+from peft.utils import PeftType
+from torch import nn
+from transformers import DynamicCache
+
+from leantune.methods.lora import quiet_peft
+
+PROMPT_LEARNING_METHODS = ("prefix", "ptuning_v2", "prompt")
+"""Methods that add virtual tokens; they need unpacked rows (see `config.validate`)."""
+
+
+def apply_prefix(
+    model: nn.Module,
+    num_virtual_tokens: int,
+    prefix_projection: bool,
+    encoder_hidden_size: int | None = None,
+) -> nn.Module:
+    """Wrap `model` in peft prefix tuning: `num_virtual_tokens` learned keys/values per layer.
+
+    Args:
+        model: A causal LM.
+        num_virtual_tokens: Prefix length.
+        prefix_projection: Train the prefixes through a two-layer tanh MLP (reparameterisation).
+        encoder_hidden_size: Hidden width of that MLP (peft default: the model's key/value width).
+    """
+    config = PrefixTuningConfig(
+        task_type="CAUSAL_LM",
+        num_virtual_tokens=num_virtual_tokens,
+        prefix_projection=prefix_projection,
+        encoder_hidden_size=encoder_hidden_size,  # type: ignore[arg-type]
+    )
+    with quiet_peft():
+        return get_peft_model(model, config)
+
+
+def apply_prompt_tuning(
+    model: nn.Module,
+    num_virtual_tokens: int,
+    init_text: str | None = None,
+    tokenizer_path: str | None = None,
+) -> nn.Module:
+    """Wrap `model` in peft prompt tuning: `num_virtual_tokens` learned input embeddings.
+
+    Args:
+        model: A causal LM.
+        num_virtual_tokens: Number of virtual tokens.
+        init_text: Initialise the virtual tokens from the embeddings of this text (repeated or cut
+            to `num_virtual_tokens`); random when None.
+        tokenizer_path: Where the tokenizer for `init_text` lives (a local directory).
+    """
+    if init_text is not None:
+        config = PromptTuningConfig(
+            task_type="CAUSAL_LM",
+            num_virtual_tokens=num_virtual_tokens,
+            prompt_tuning_init=PromptTuningInit.TEXT,
+            prompt_tuning_init_text=init_text,
+            tokenizer_name_or_path=tokenizer_path,
+        )
+    else:
+        config = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=num_virtual_tokens)
+    with quiet_peft():
+        return get_peft_model(model, config)
+
+
+def prompt_learning_type(model: nn.Module) -> PeftType | None:
+    """peft's type of an active, enabled prompt-learning adapter on `model`, else None."""
+    if not isinstance(model, PeftModel):
+        return None
+    config = model.active_peft_config
+    # peft's `disable_adapter` context (used for the KL term) sets this flag.
+    if not config.is_prompt_learning or getattr(model, "_adapters_disabled", False):
+        return None
+    kind = PeftType(config.peft_type)
+    if kind not in (PeftType.PREFIX_TUNING, PeftType.PROMPT_TUNING):
+        raise ValueError(f"leantune does not support the prompt-learning type {kind}")
+    return kind
+
+
+def _prefix_cache(model: PeftModel, batch_size: int) -> DynamicCache:
+    cache = model.get_prompt(batch_size)
+    if not isinstance(cache, DynamicCache):
+        raise TypeError(f"peft returned {type(cache).__name__} for the prefix, expected a cache")
+    return cache
+
+
+def prompt_learning_hidden(
+    model: nn.Module, decoder: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor
+) -> torch.Tensor | None:
+    """Last hidden states at the input positions, with the virtual tokens in effect.
+
+    Matches peft's forward for unpadded or right-padded rows: prompt tuning prepends the virtual
+    tokens (positions 0..P-1, the input follows at P..); prefix tuning puts the prefix in the KV
+    cache and offsets the input positions by P. Returns None when `model` has no active
+    prompt-learning adapter.
+    """
+    kind = prompt_learning_type(model)
+    if kind is None:
+        return None
+    assert isinstance(model, PeftModel)
+    n_virtual = model.active_peft_config.num_virtual_tokens
+    batch_size = input_ids.shape[0]
+    if kind == PeftType.PREFIX_TUNING:
+        out = decoder(
+            input_ids=input_ids,
+            position_ids=position_ids + n_virtual,
+            cache=_prefix_cache(model, batch_size),
+            use_cache=False,
+        )
+        return out.last_hidden_state
+    embeds = cast(nn.Module, model.word_embeddings)(input_ids)
+    prompts = model.get_prompt(batch_size).to(embeds.dtype)
+    virtual = torch.arange(n_virtual, device=input_ids.device).expand(batch_size, -1)
+    out = decoder(
+        inputs_embeds=torch.cat([prompts, embeds], dim=1),
+        position_ids=torch.cat([virtual, position_ids + n_virtual], dim=1),
+        use_cache=False,
+    )
+    return out.last_hidden_state[:, n_virtual:]
+
+
+def prompt_learning_generate_inputs(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[nn.Module, dict[str, Any]] | None:
+    """The base model and `generate` inputs that decode `model`'s prompt-learning adapter exactly.
+
+    The virtual tokens are added once, before decoding: prompt tuning as input embeddings in front
+    of the (left-padded) prompt, prefix tuning as a pre-filled KV cache; the attention mask gains
+    P ones in front, so transformers derives the same positions as training used, with a KV cache.
+    `input_ids` stay the running sequence, so repetition penalties see the prompt as usual and
+    the returned sequences start with `input_ids`. Returns None without such an adapter.
+    """
+    kind = prompt_learning_type(model)
+    if kind is None:
+        return None
+    assert isinstance(model, PeftModel)
+    n_virtual = model.active_peft_config.num_virtual_tokens
+    batch_size = input_ids.shape[0]
+    ones = attention_mask.new_ones((batch_size, n_virtual))
+    inputs: dict[str, Any] = {
+        "input_ids": input_ids,
+        "attention_mask": torch.cat([ones, attention_mask], dim=1),
+    }
+    if kind == PeftType.PREFIX_TUNING:
+        inputs["cache"] = _prefix_cache(model, batch_size)
+    else:
+        embeds = cast(nn.Module, model.word_embeddings)(input_ids)
+        prompts = model.get_prompt(batch_size).to(embeds.dtype)
+        inputs["inputs_embeds"] = torch.cat([prompts, embeds], dim=1)
+    return model.get_base_model(), inputs
