@@ -1,8 +1,8 @@
 """Bottleneck adapters (Houlsby et al. 2019; Pfeiffer et al. 2020), our own small module.
 
 peft 0.21 has no bottleneck adapter (huggingface/peft#244 is still open, #2657 was closed
-unmerged) and adapter-hub's `adapters` does not support transformers 5, so leantune carries these
-~200 lines.
+unmerged) and adapter-hub's `adapters` (1.3.0, the newest on PyPI) pins transformers ~=4.57.6
+while leantune runs on transformers 5, so leantune carries these ~200 lines.
 
 Each adapter is `x + up(act(down(x)))` with `down: hidden -> hidden / reduction_factor` and `up`
 initialised to zero, so a fresh adapter is an exact identity and the wrapped model starts as the
