@@ -31,6 +31,7 @@ from leantune.eval.loss import evaluate_loss
 from leantune.methods.registry import (
     DEFAULT_LR,
     apply_method,
+    base_quantization,
     count_parameters,
     merge_for_inference,
     trainable_named_parameters,
@@ -268,8 +269,15 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
     source = resolve_model(cfg.model.path, cfg.model.gguf_file)
     tokenizer = load_tokenizer(source, cfg.model.trust_remote_code)
     train_data, eval_data = load_datasets(cfg, tokenizer, log)
+    quantization = base_quantization(cfg.method, t.precision)
     model: nn.Module = load_model(
-        source, cfg.model.dtype, cfg.model.trust_remote_code, cfg.model.attn_implementation
+        source,
+        cfg.model.dtype,
+        cfg.model.trust_remote_code,
+        cfg.model.attn_implementation,
+        cfg.model.rope_scaling,
+        quantization,
+        device,
     )
     model.to(device)
     base_exact_match = None
@@ -294,7 +302,7 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
         f"({100 * trainable / total:.3f}%)"
     )
     lr = t.lr if t.lr is not None else DEFAULT_LR[cfg.method.name]
-    optimizer = build_optimizer(params, lr, t.weight_decay)
+    optimizer = build_optimizer(params, lr, t.weight_decay, t.optimizer, device.type)
     trainer = Trainer(
         model=model,
         params=params,
@@ -328,7 +336,15 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
             checkpoint(trainer, ckpt_dir, t.keep_last, config_yaml)
     bar.close()
 
-    save_final(model, tokenizer, run_dir / "final", _base_path(cfg.model.path), cfg.model.gguf_file)
+    save_final(
+        model,
+        tokenizer,
+        run_dir / "final",
+        _base_path(cfg.model.path),
+        cfg.model.gguf_file,
+        cfg.model.rope_scaling,
+        quantization,
+    )
     results: dict[str, Any] = {"final_train_loss": extra.get("last_loss")}
     if eval_data is not None:
         t0 = time.perf_counter()
