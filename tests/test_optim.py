@@ -166,7 +166,7 @@ def test_unavailable_optimizer_fails_before_training(monkeypatch: pytest.MonkeyP
     train_file.write_text('{"text": "x"}\n')
     with pytest.raises(ConfigError, match=r"train\.optimizer=adamw_8bit needs bitsandbytes or"):
         load_config(None, [f"data.train={train_file}", "train.optimizer=adamw_8bit"])
-    with pytest.raises(ConfigError, match="train.optimizer: 'sgd' is not one of"):
+    with pytest.raises(ConfigError, match=r"train\.optimizer: 'sgd' is not one of"):
         load_config(None, [f"data.train={train_file}", "train.optimizer=sgd"])
 
 
