@@ -179,6 +179,15 @@ def test_compute_dtype_follows_precision_unless_set() -> None:
     assert base_quantization(cfg.method, "fp32") is None
 
 
+def test_validate_warns_about_low_precision_4bit_matmuls_on_cpu() -> None:
+    from leantune.config import validate
+
+    cfg = load_config(None, ["method.name=qlora", "method.compute_dtype=bf16", "train.device=cpu"])
+    assert any("method.compute_dtype=bf16" in w and "fp32 is faster" in w for w in validate(cfg))
+    cfg = load_config(None, ["method.name=qlora", "train.device=cpu"])
+    assert validate(cfg) == []
+
+
 def test_recipe_trains_qlora_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None:
     from leantune.training.metrics import read_metrics
     from leantune.training.recipe import train

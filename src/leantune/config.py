@@ -411,23 +411,30 @@ def _check_quantized_training(cfg: Config) -> list[str]:
     if m.name == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError(
             "method.name=qlora needs bitsandbytes for the 4-bit base: pip install "
-            "'bitsandbytes>=0.49' (CUDA and CPU), or use method.name=lora"
+            "'bitsandbytes>=0.50' (CUDA and CPU), or use method.name=lora"
         )
     if m.name == "qlora" and m.compute_dtype == "fp16" and t.precision == "bf16":
         raise ConfigError("method.compute_dtype=fp16 with train.precision=bf16: use bf16 or auto")
-    if t.optimizer == "adamw":
+    low_compute = m.compute_dtype in ("bf16", "fp16")
+    if t.optimizer == "adamw" and not (m.name == "qlora" and low_compute):
         return []
-    # Imported only here: the check needs torch (is CUDA there?) and the default needs nothing.
+    # Imported only here: the checks need torch (is CUDA there?) and the defaults need nothing.
     import torch
 
     from leantune.training.optim import OptimizerUnavailable, resolve_optimizer
 
     cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+    warnings: list[str] = []
+    if m.name == "qlora" and low_compute and not cuda:
+        warnings.append(
+            f"method.compute_dtype={m.compute_dtype}: 4-bit matmuls in {m.compute_dtype} are "
+            "emulated (slow) on most CPUs; method.compute_dtype=fp32 is faster there"
+        )
     try:
         backend = resolve_optimizer(t.optimizer, "cuda" if cuda else "cpu")
     except OptimizerUnavailable as e:
         raise ConfigError(str(e)) from e
-    return [backend.note] if backend.note else []
+    return [*warnings, backend.note] if backend.note else warnings
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

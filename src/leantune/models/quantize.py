@@ -56,7 +56,7 @@ def require_bitsandbytes() -> None:
     if importlib.util.find_spec("bitsandbytes") is None:
         raise QuantizationUnavailable(
             "method.name=qlora needs bitsandbytes for the 4-bit base: pip install "
-            "'bitsandbytes>=0.49' (it runs on CUDA and CPU), or use method.name=lora"
+            "'bitsandbytes>=0.50' (it runs on CUDA and CPU), or use method.name=lora"
         )
 
 

@@ -105,8 +105,8 @@ OPTIMIZER_BACKENDS: dict[str, dict[str, list[Backend]]] = {
 }
 
 _INSTALL = {
-    "bitsandbytes": "pip install 'bitsandbytes>=0.49'",
-    "torchao": "pip install --no-deps 'torchao>=0.17' (it must match your torch version)",
+    "bitsandbytes": "pip install 'bitsandbytes>=0.50'",
+    "torchao": "pip install --no-deps 'torchao>=0.18' (it must match your torch version)",
 }
 
 
