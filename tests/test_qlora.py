@@ -165,6 +165,13 @@ def test_missing_bitsandbytes_fails_before_loading(monkeypatch: pytest.MonkeyPat
         load_config(None, ["method.name=qlora"])
 
 
+def test_gguf_base_is_refused_before_loading(tmp_path: Path) -> None:
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"")
+    with pytest.raises(ConfigError, match="qlora cannot start from a GGUF model"):
+        load_config(None, ["method.name=qlora", f"model.path={gguf}"])
+
+
 def test_compute_dtype_follows_precision_unless_set() -> None:
     def quant(*overrides: str) -> Quantization | None:
         cfg = load_config(None, ["method.name=qlora", *overrides])

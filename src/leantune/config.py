@@ -413,6 +413,11 @@ def _check_quantized_training(cfg: Config) -> list[str]:
             "method.name=qlora needs bitsandbytes for the 4-bit base: pip install "
             "'bitsandbytes>=0.50' (CUDA and CPU), or use method.name=lora"
         )
+    if m.name == "qlora" and (cfg.model.gguf_file or cfg.model.path.lower().endswith(".gguf")):
+        raise ConfigError(
+            "method.name=qlora cannot start from a GGUF model: transformers refuses to quantise "
+            "GGUF weights with bitsandbytes; use an HF safetensors directory or method.name=lora"
+        )
     if m.name == "qlora" and m.compute_dtype == "fp16" and t.precision == "bf16":
         raise ConfigError("method.compute_dtype=fp16 with train.precision=bf16: use bf16 or auto")
     low_compute = m.compute_dtype in ("bf16", "fp16")
