@@ -267,3 +267,35 @@ def _tensors(obj: object) -> list[torch.Tensor]:
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in _tensors(v)]
     return []
+
+
+@pytest.mark.skipif(not HAS_TORCHAO, reason="torchao is not installed")
+def test_recipe_runs_a_torchao_optimizer(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """torchao keeps each group's lr as a tensor; the recipe must still log plain numbers."""
+    from conftest import write_jsonl
+
+    from leantune.training.metrics import read_metrics
+    from leantune.training.recipe import train
+
+    rows = [{"text": f"order {i} shipped on day {i % 7}"} for i in range(8)]
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_llama_dir}",
+            f"data.train={write_jsonl(tmp_path / 'train.jsonl', rows)}",
+            "data.format=text",
+            f"run.dir={tmp_path / 'run'}",
+            "run.progress=false",
+            "train.optimizer=adamw_4bit",
+            "train.max_steps=2",
+            "train.warmup_ratio=0",
+            "train.lr=1e-3",
+            "data.eval=null",
+            "train.eval_exact_match=false",
+        ],
+    )
+    train(cfg, log=lambda _: None)
+    metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert all(type(m["lr"]) is float for m in metrics)
+    # Cosine over 2 steps without warmup: 1.0, then 0.1 + 0.9 * 0.5; float32 tensors underneath.
+    assert [m["lr"] for m in metrics] == [pytest.approx(1e-3), pytest.approx(5.5e-4)]

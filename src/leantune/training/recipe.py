@@ -218,7 +218,7 @@ def train_step(
     grads = list(tr.params.values())
     clip_to = max_grad_norm if max_grad_norm > 0 else float("inf")
     grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, clip_to))
-    lr = tr.scheduler.get_last_lr()[0]
+    lr = float(tr.scheduler.get_last_lr()[0])  # a tensor for torchao optimizers
     stepped = True
     if tr.scaler is not None:
         scale_before = tr.scaler.get_scale()
