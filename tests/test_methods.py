@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,15 @@ from leantune.data.dataset import prepare_file
 from leantune.data.loader import collate
 from leantune.methods.adapter import BLOCK_ATTR
 from leantune.methods.prompt import PROMPT_LEARNING_METHODS
-from leantune.methods.registry import METHODS, apply_method, trainable_named_parameters
+from leantune.methods.registry import (
+    BASE_QUANTIZATION,
+    METHODS,
+    apply_method,
+    base_quantization,
+    trainable_named_parameters,
+)
 from leantune.models.artifacts import load_for_inference, save_final
+from leantune.models.loading import ModelSource, load_model
 from leantune.training.optim import build_optimizer
 from leantune.training.recipe import backward_window
 
@@ -23,6 +31,7 @@ from leantune.training.recipe import backward_window
 EXPECTED_KINDS = {
     "lora": {"lora_A", "lora_B"},
     "dora": {"lora_A", "lora_B", "lora_magnitude_vector"},
+    "qlora": {"lora_A", "lora_B"},
     "ia3": {"ia3_l"},
     "adapter": {BLOCK_ATTR},
     "prefix": {"prompt_encoder"},
@@ -49,7 +58,13 @@ def test_method_trains_its_parameters_and_round_trips(
     pack = name not in PROMPT_LEARNING_METHODS  # virtual tokens need unpacked rows
     cfg = load_config(None, [f"method.name={name}", f"data.pack={str(pack).lower()}"])
     torch.manual_seed(0)
-    model = apply_method(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), cfg.method)
+    if name in BASE_QUANTIZATION and importlib.util.find_spec("bitsandbytes") is None:
+        pytest.skip(f"{name} needs bitsandbytes")
+    # Loaded as the recipe loads it (qlora quantises the base while loading).
+    quant = base_quantization(cfg.method, cfg.train.precision)
+    model = apply_method(
+        load_model(ModelSource(str(tiny_llama_dir)), quantization=quant), cfg.method
+    )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     params = trainable_named_parameters(model)
     kinds = {
@@ -74,7 +89,7 @@ def test_method_trains_its_parameters_and_round_trips(
         moved = not torch.equal(p, before[n])
         assert moved == (n in params), f"{name}: {n} moved={moved}"
 
-    save_final(model, tokenizer, tmp_path / "final", str(tiny_llama_dir))
+    save_final(model, tokenizer, tmp_path / "final", str(tiny_llama_dir), quantization=quant)
     reloaded, _ = load_for_inference(str(tmp_path / "final"))
     ids = torch.tensor([[5, 17, 42, 7, 99, 3]])
     model.eval()

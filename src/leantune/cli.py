@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -29,6 +30,14 @@ def _quiet_libraries() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+
+
+def _quiet_import_noise() -> None:
+    """peft imports torchao when it is installed; on a CPU build torchao logs a warning per
+    CUDA-only extension it cannot load, and torch one per pytree registration: nothing a user
+    can act on. Set before any command imports peft."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -327,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     from leantune.data.dataset import DataError
 
     args = build_parser().parse_args(argv)
+    _quiet_import_noise()
     try:
         return int(args.func(args))
     except (ConfigError, DataError, FileNotFoundError) as e:

@@ -20,6 +20,16 @@ DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 
 
 @dataclass
+class RopeScalingConfig:
+    type: Literal["linear", "dynamic", "yarn"]
+    """linear (position interpolation), dynamic (NTK-aware, grows with the input) or yarn."""
+    factor: float
+    """Context extension factor (> 1): the new context is factor x the original one."""
+    original_max_position_embeddings: int | None = None
+    """The context the model was pretrained with (default: the model's max_position_embeddings)."""
+
+
+@dataclass
 class ModelConfig:
     path: str = "smollm2-135m-instruct"
     """Local HF directory, .gguf file, hub id (offline from the HF cache) or the demo model name."""
@@ -31,6 +41,9 @@ class ModelConfig:
     """Allow model code from the model directory (off unless you trust it)."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """Attention kernel."""
+    rope_scaling: RopeScalingConfig | None = None
+    """RoPE scaling to train beyond the model's context, e.g. {type: yarn, factor: 4}; keys: type
+    (linear | dynamic | yarn), factor, original_max_position_embeddings (optional)."""
 
 
 @dataclass
@@ -54,11 +67,21 @@ class DataConfig:
 @dataclass
 class MethodConfig:
     name: Literal[
-        "full", "lora", "dora", "ia3", "freeze", "adapter", "prefix", "ptuning_v2", "prompt"
+        "full",
+        "lora",
+        "dora",
+        "qlora",
+        "ia3",
+        "freeze",
+        "adapter",
+        "prefix",
+        "ptuning_v2",
+        "prompt",
     ] = "lora"
-    """Fine-tuning method: full, lora, dora (weight-decomposed LoRA), ia3 (learned rescaling),
-    freeze (train only the last blocks and/or norms), adapter (bottleneck adapters), prefix
-    (prefix tuning), ptuning_v2 (deep prompt tuning on every layer) or prompt (prompt tuning)."""
+    """Fine-tuning method: full, lora, dora (weight-decomposed LoRA), qlora (LoRA on a 4-bit NF4
+    base, needs bitsandbytes), ia3 (learned rescaling), freeze (train only the last blocks and/or
+    norms), adapter (bottleneck adapters), prefix (prefix tuning), ptuning_v2 (deep prompt tuning
+    on every layer) or prompt (prompt tuning)."""
     preset: Literal["default", "seed"] = "default"
     """LoRA preset: default = all linear layers, r=16, alpha=32; seed = the source articles'
     r=8, alpha=32, q_proj/v_proj, dropout 0.1 (explicit r/alpha/... fields still apply)."""
@@ -88,6 +111,10 @@ class MethodConfig:
     """prefix/ptuning_v2: hidden width of that MLP (unset = the model's key/value width)."""
     prompt_init_text: str | None = None
     """prompt: initialise the virtual tokens from this text's embeddings (random when unset)."""
+    double_quant: bool = True
+    """qlora: also quantise the 4-bit blocks' scales (saves ~0.37 bit per parameter)."""
+    compute_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """qlora: dtype of the 4-bit layers' matmuls; auto = train.precision (fp32 unless autocast)."""
 
 
 @dataclass
@@ -99,8 +126,11 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
     lr: float | None = None
-    """Peak learning rate (default by method: full/freeze 2e-5, lora/dora 2e-4, adapter 5e-4,
-    ia3 3e-3, prefix/ptuning_v2 5e-3, prompt 3e-2)."""
+    """Peak learning rate (default by method: full/freeze 2e-5, lora/dora/qlora 2e-4, adapter
+    5e-4, ia3 3e-3, prefix/ptuning_v2 5e-3, prompt 3e-2)."""
+    optimizer: Literal["adamw", "adamw_8bit", "adamw_4bit", "paged_adamw_8bit"] = "adamw"
+    """adamw, or AdamW with 8-bit (bitsandbytes, else torchao) or 4-bit (torchao) state;
+    paged_adamw_8bit pages the state to CPU memory under GPU memory pressure (CUDA)."""
     weight_decay: float = 0.01
     """AdamW weight decay (never applied to biases and norms)."""
     warmup_ratio: float = 0.1
@@ -225,6 +255,8 @@ def _check_value(key: str, value: Any, tp: Any) -> Any:
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return _check_mapping(key, value, tp)
     if origin is Literal:
         choices = get_args(tp)
         if value not in choices:
@@ -259,6 +291,25 @@ def _check_value(key: str, value: Any, tp: Any) -> Any:
             return str(value)
         raise ConfigError(f"{key}: expected a string, got {value!r}")
     raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def _check_mapping(key: str, value: Any, cls: type) -> Any:
+    """Build the nested dataclass `cls` from a mapping, checking every key like a field."""
+    if isinstance(value, cls):
+        return value
+    types_ = _field_types(cls)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a mapping with keys {', '.join(types_)}, got {value!r}")
+    unknown = sorted(set(value) - set(types_))
+    if unknown:
+        raise ConfigError(
+            f"{key}: unknown key(s) {', '.join(map(str, unknown))}; valid: {', '.join(types_)}"
+        )
+    required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
+    missing = [name for name in required if name not in value]
+    if missing:
+        raise ConfigError(f"{key}: missing {', '.join(missing)}")
+    return cls(**{k: _check_value(f"{key}.{k}", v, types_[k]) for k, v in value.items()})
 
 
 def _yaml_lines(text: str) -> dict[str, int]:
@@ -424,13 +475,13 @@ def validate(cfg: Config) -> list[str]:
             f"method.name={m.name} needs data.pack=false: in a packed row every example after "
             "the first would be computed differently from the same example alone"
         )
-    warnings: list[str] = []
+    warnings: list[str] = _check_quantized_training(cfg)
     lr = t.lr
     if m.name == "full" and lr is not None and lr >= 1e-4:
         warnings.append(
             f"train.lr={lr:g} is high for full fine-tuning; the usual range is 1e-5..5e-5"
         )
-    if m.name in ("lora", "dora") and m.r is not None and m.r > 64:
+    if m.name in ("lora", "dora", "qlora") and m.r is not None and m.r > 64:
         warnings.append(f"method.r={m.r}: LoRA ranks above 64 rarely help; 8..64 is usual")
     if t.max_steps >= 30 and 0 < t.warmup_ratio < 0.03:
         warnings.append(f"train.warmup_ratio={t.warmup_ratio:g} is short; 0.03..0.1 is usual")
@@ -482,6 +533,53 @@ def parse_memory_size(text: str, key: str = "memory size") -> int:
     if value < 1:
         raise ConfigError(f"{key}: must be positive, got {text!r}")
     return int(value)
+
+
+def _check_quantized_training(cfg: Config) -> list[str]:
+    """qlora, low-bit optimizers and RoPE scaling: what their libraries and devices allow."""
+    import importlib.util
+
+    m, t, rope = cfg.method, cfg.train, cfg.model.rope_scaling
+    if rope is not None:
+        if rope.factor <= 1:
+            raise ConfigError(f"model.rope_scaling.factor: must be > 1, got {rope.factor}")
+        original = rope.original_max_position_embeddings
+        if original is not None and original < 1:
+            raise ConfigError(
+                f"model.rope_scaling.original_max_position_embeddings: must be >= 1, got {original}"
+            )
+    if m.name == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(
+            "method.name=qlora needs bitsandbytes for the 4-bit base: pip install "
+            "'bitsandbytes>=0.50' (CUDA and CPU), or use method.name=lora"
+        )
+    if m.name == "qlora" and (cfg.model.gguf_file or cfg.model.path.lower().endswith(".gguf")):
+        raise ConfigError(
+            "method.name=qlora cannot start from a GGUF model: transformers refuses to quantise "
+            "GGUF weights with bitsandbytes; use an HF safetensors directory or method.name=lora"
+        )
+    if m.name == "qlora" and m.compute_dtype == "fp16" and t.precision == "bf16":
+        raise ConfigError("method.compute_dtype=fp16 with train.precision=bf16: use bf16 or auto")
+    low_compute = m.compute_dtype in ("bf16", "fp16")
+    if t.optimizer == "adamw" and not (m.name == "qlora" and low_compute):
+        return []
+    # Imported only here: the checks need torch (is CUDA there?) and the defaults need nothing.
+    import torch
+
+    from leantune.training.optim import OptimizerUnavailable, resolve_optimizer
+
+    cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+    warnings: list[str] = []
+    if m.name == "qlora" and low_compute and not cuda:
+        warnings.append(
+            f"method.compute_dtype={m.compute_dtype}: 4-bit matmuls in {m.compute_dtype} are "
+            "emulated (slow) on most CPUs; method.compute_dtype=fp32 is faster there"
+        )
+    try:
+        backend = resolve_optimizer(t.optimizer, "cuda" if cuda else "cpu")
+    except OptimizerUnavailable as e:
+        raise ConfigError(str(e)) from e
+    return [*warnings, backend.note] if backend.note else warnings
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -18,6 +18,8 @@ from leantune.methods.full import apply_full
 from leantune.methods.ia3 import apply_ia3
 from leantune.methods.lora import LORA_PRESETS, LoraSettings, apply_lora
 from leantune.methods.prompt import apply_prefix, apply_prompt_tuning
+from leantune.methods.qlora import apply_qlora
+from leantune.models.quantize import Quantization, is_quantized
 
 
 def _lora_settings(cfg: MethodConfig) -> LoraSettings:
@@ -61,6 +63,7 @@ METHODS: dict[str, Callable[[nn.Module, MethodConfig], nn.Module]] = {
     "full": lambda model, cfg: apply_full(model),
     "lora": lambda model, cfg: apply_lora(model, _lora_settings(cfg)),
     "dora": lambda model, cfg: apply_lora(model, replace(_lora_settings(cfg), use_dora=True)),
+    "qlora": lambda model, cfg: apply_qlora(model, _lora_settings(cfg)),
     "ia3": _ia3,
     "freeze": lambda model, cfg: apply_freeze(model, cfg.last_blocks, cfg.norms),
     "adapter": _adapter,
@@ -78,6 +81,7 @@ DEFAULT_LR: dict[str, float] = {
     "full": 2e-5,
     "lora": 2e-4,
     "dora": 2e-4,
+    "qlora": 2e-4,
     "ia3": 3e-3,
     "freeze": 2e-5,
     # Adapters start as identities and train a few % of the weights; Houlsby et al. and
@@ -91,6 +95,24 @@ DEFAULT_LR: dict[str, float] = {
     # AdamW setups (peft examples) use 1e-2..3e-2.
     "prompt": 3e-2,
 }
+
+
+def _qlora_quantization(cfg: MethodConfig, precision: str) -> Quantization:
+    compute = cfg.compute_dtype if cfg.compute_dtype != "auto" else precision
+    return Quantization(quant_type="nf4", double_quant=cfg.double_quant, compute_dtype=compute)
+
+
+# Methods whose base must be quantised while it loads: name -> (method config, train.precision)
+# -> how. The recipe passes the result to `load_model`; every other method loads full precision.
+BASE_QUANTIZATION: dict[str, Callable[[MethodConfig, str], Quantization]] = {
+    "qlora": _qlora_quantization,
+}
+
+
+def base_quantization(cfg: MethodConfig, precision: str) -> Quantization | None:
+    """How `load_model` must quantise the base for this method (None = not at all)."""
+    make = BASE_QUANTIZATION.get(cfg.name)
+    return make(cfg, precision) if make is not None else None
 
 
 def apply_method(model: nn.Module, cfg: MethodConfig) -> nn.Module:
@@ -117,7 +139,12 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
 
 def merge_for_inference(model: nn.Module) -> nn.Module:
     """Fold adapter weights into the base in place where peft can (LoRA: W + BA), so evaluation
-    after training pays no adapter overhead. Call only after the trained model has been saved."""
+    after training pays no adapter overhead. Call only after the trained model has been saved.
+
+    A 4-bit base is left unmerged: merging re-quantises W + BA, a different model from the one
+    trained and saved (which is the 4-bit base plus the fp32 adapter)."""
+    if is_quantized(model):
+        return model
     merge = getattr(model, "merge_adapter", None)
     if callable(merge):
         merge()

@@ -3,21 +3,30 @@
 A full fine-tune saves an HF model directory. A peft method saves peft's on-disk adapter format
 (loadable by `peft.PeftModel.from_pretrained`), bottleneck adapters their own documented layout
 (see `methods.adapter`); both add `leantune_base.json`, which points at the base model so leantune
-can rebuild it without a hub lookup.
+can rebuild it without a hub lookup, with the RoPE scaling and the load-time quantisation the
+adapter was trained with.
+
+QLoRA: the saved base stays the unquantised original. Reloading re-quantises it with the recorded
+settings; NF4 quantisation is deterministic, so this rebuilds exactly the 4-bit weights the adapter
+was trained on (logits equal the trained model's; tests/test_qlora.py). Loading the adapter on the
+full-precision base instead would evaluate a different model (W + BA rather than NF4(W) + BA).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 from pathlib import Path
 
+import torch
 from peft import PeftModel
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from leantune.config import RopeScalingConfig
 from leantune.methods.adapter import (
     adapter_settings,
     is_bottleneck_adapter_dir,
@@ -26,6 +35,7 @@ from leantune.methods.adapter import (
 )
 from leantune.methods.lora import quiet_peft
 from leantune.models.loading import ModelSource, load_model, load_tokenizer, resolve_model
+from leantune.models.quantize import Quantization
 
 BASE_POINTER = "leantune_base.json"
 
@@ -36,11 +46,14 @@ def save_final(
     out_dir: Path,
     base_path: str,
     base_gguf_file: str | None = None,
+    rope_scaling: RopeScalingConfig | None = None,
+    quantization: Quantization | None = None,
 ) -> Path:
     """Write the trained model atomically: into a temporary sibling, then renamed into place.
 
     `base_path` is the model path as the user gave it (a demo name stays a name, so the pointer
-    survives a move of the leantune cache); local paths should be absolute.
+    survives a move of the leantune cache); local paths should be absolute. An adapter's pointer
+    also records `rope_scaling` and `quantization`, so the base is rebuilt as it was trained.
     """
     tmp = out_dir.with_name(f".tmp-{out_dir.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -52,7 +65,11 @@ def save_final(
         model.save_pretrained(tmp)  # type: ignore[operator]
     tokenizer.save_pretrained(tmp)
     if isinstance(model, PeftModel) or bottleneck:
-        pointer = {"base_model": base_path, "gguf_file": base_gguf_file}
+        pointer: dict[str, object] = {"base_model": base_path, "gguf_file": base_gguf_file}
+        if rope_scaling is not None:
+            pointer["rope_scaling"] = dataclasses.asdict(rope_scaling)
+        if quantization is not None:
+            pointer["quantization"] = quantization.to_json()
         (tmp / BASE_POINTER).write_text(json.dumps(pointer, indent=2) + "\n")
     if out_dir.exists():
         old = out_dir.with_name(f".old-{out_dir.name}-{os.getpid()}")
@@ -69,15 +86,16 @@ def is_adapter_dir(path: Path) -> bool:
     return (path / "adapter_config.json").is_file()
 
 
-def _base_of(adapter_dir: Path) -> ModelSource:
+def _base_of(adapter_dir: Path) -> tuple[ModelSource, dict]:
+    """The adapter's base model and its pointer file's contents (empty without one)."""
     pointer = adapter_dir / BASE_POINTER
     if pointer.is_file():
         info = json.loads(pointer.read_text())
-        return resolve_model(info["base_model"], info.get("gguf_file"))
+        return resolve_model(info["base_model"], info.get("gguf_file")), info
     if not is_adapter_dir(adapter_dir):
         raise FileNotFoundError(f"{adapter_dir}: no {BASE_POINTER} naming the base model")
     cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
-    return resolve_model(cfg["base_model_name_or_path"])
+    return resolve_model(cfg["base_model_name_or_path"]), {}
 
 
 def load_for_inference(
@@ -90,8 +108,13 @@ def load_for_inference(
     """
     p = Path(path)
     if p.is_dir() and (is_adapter_dir(p) or is_bottleneck_adapter_dir(p)):
-        base = _base_of(p)
-        model = load_model(base, dtype, trust_remote_code)
+        base, info = _base_of(p)
+        rope = RopeScalingConfig(**info["rope_scaling"]) if info.get("rope_scaling") else None
+        quant = Quantization.from_json(info["quantization"]) if info.get("quantization") else None
+        device = "cuda" if quant is not None and torch.cuda.is_available() else "cpu"
+        model = load_model(
+            base, dtype, trust_remote_code, rope_scaling=rope, quantization=quant, device=device
+        )
         adapted: PreTrainedModel | PeftModel
         if is_bottleneck_adapter_dir(p):
             adapted = load_adapter(model, p)  # type: ignore[assignment]

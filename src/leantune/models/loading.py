@@ -8,12 +8,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from leantune.config import RopeScalingConfig
 from leantune.models.demo_model import DEMO_MODEL_NAMES, ensure_demo_model
+from leantune.models.quantize import Quantization, bnb_config
+from leantune.models.rope import apply_rope_scaling
 
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -79,9 +83,36 @@ def load_model(
     dtype: str = "fp32",
     trust_remote_code: bool = False,
     attn_implementation: str = "sdpa",
+    rope_scaling: RopeScalingConfig | None = None,
+    quantization: Quantization | None = None,
+    device: torch.device | str = "cpu",
 ) -> PreTrainedModel:
-    """Load a causal LM with its frozen weights in `dtype` ("fp32", "bf16" or "fp16")."""
+    """Load a causal LM with its frozen weights in `dtype` ("fp32", "bf16" or "fp16").
+
+    Args:
+        source: where the model lives.
+        dtype: dtype of the weights that are not quantised.
+        trust_remote_code: allow model code from the model directory.
+        attn_implementation: attention kernel.
+        rope_scaling: RoPE scaling written into the model config before the model is built.
+        quantization: quantise the blocks' linear layers to 4 bits while loading (QLoRA); the
+            model is then loaded straight onto `device`, where bitsandbytes quantises it.
+        device: target device of a quantised load (others load on CPU and are moved by the caller).
+    """
     local_only = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    kwargs: dict[str, Any] = {}
+    if rope_scaling is not None:
+        config = AutoConfig.from_pretrained(
+            source.location,
+            gguf_file=source.gguf_file,
+            trust_remote_code=trust_remote_code,
+            local_files_only=local_only,
+        )
+        apply_rope_scaling(config, rope_scaling)
+        kwargs["config"] = config
+    if quantization is not None:
+        kwargs["quantization_config"] = bnb_config(quantization)
+        kwargs["device_map"] = {"": str(device)}
     model = AutoModelForCausalLM.from_pretrained(
         source.location,
         gguf_file=source.gguf_file,
@@ -89,6 +120,7 @@ def load_model(
         trust_remote_code=trust_remote_code,
         attn_implementation=attn_implementation,
         local_files_only=local_only,
+        **kwargs,
     )
     return model
 

@@ -34,6 +34,7 @@ from leantune.eval.loss import evaluate_loss
 from leantune.methods.registry import (
     DEFAULT_LR,
     apply_method,
+    base_quantization,
     count_parameters,
     merge_for_inference,
     trainable_named_parameters,
@@ -339,7 +340,7 @@ def train_step(
         tr.scaler.unscale_(tr.optimizer)
     clip_to = max_grad_norm if max_grad_norm > 0 else float("inf")
     grad_norm = float(torch.nn.utils.clip_grad_norm_(list(tr.params.values()), clip_to))
-    lr = tr.optimizer.param_groups[0]["lr"]
+    lr = float(tr.optimizer.param_groups[0]["lr"])  # a tensor for torchao optimizers
     # An fp16 overflow (finite loss, inf gradients) is the scaler's business: it skips the
     # update and lowers the scale. Everything else goes through the guard, here and only here.
     overflow = tr.scaler is not None and math.isfinite(loss) and not math.isfinite(grad_norm)
@@ -501,8 +502,15 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
     source = resolve_model(cfg.model.path, cfg.model.gguf_file)
     tokenizer = load_tokenizer(source, cfg.model.trust_remote_code)
     train_data, eval_data = load_datasets(cfg, tokenizer, log)
+    quantization = base_quantization(cfg.method, t.precision)
     model: nn.Module = load_model(
-        source, cfg.model.dtype, cfg.model.trust_remote_code, cfg.model.attn_implementation
+        source,
+        cfg.model.dtype,
+        cfg.model.trust_remote_code,
+        cfg.model.attn_implementation,
+        cfg.model.rope_scaling,
+        quantization,
+        device,
     )
     model.to(device)
     base_exact_match = None
@@ -547,7 +555,11 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
         )  # fmt: skip
     run_loop(trainer, cfg, files, log, evaluator)
 
-    save_final(model, tokenizer, run_dir / "final", _base_path(cfg.model.path), cfg.model.gguf_file)
+    base = _base_path(cfg.model.path)
+    save_final(
+        model, tokenizer, run_dir / "final", base, cfg.model.gguf_file,
+        cfg.model.rope_scaling, quantization,
+    )  # fmt: skip
     results: dict[str, Any] = {"final_train_loss": extra.get("last_loss")}
     if eval_data is not None:
         merge_for_inference(model)
@@ -582,7 +594,7 @@ def build_trainer(
     """Optimizer, schedule, scaler, sample stream and guard around the wrapped model."""
     t = cfg.train
     lr = t.lr if t.lr is not None else DEFAULT_LR[cfg.method.name]
-    optimizer = build_optimizer(params, lr, t.weight_decay)
+    optimizer = build_optimizer(params, lr, t.weight_decay, t.optimizer, device.type)
     budget = parse_memory_size(t.memory_budget, "train.memory_budget") if t.memory_budget else None
     return Trainer(
         model=model,
@@ -628,7 +640,8 @@ def run_loop(
     t = cfg.train
     extra = tr.state.extra
     metrics = MetricsLog(files.run_dir / "metrics.jsonl", tr.state.step)
-    eval_log = MetricsLog(files.run_dir / "eval.jsonl", tr.state.step)
+    eval_path = files.run_dir / "eval.jsonl"
+    eval_log = MetricsLog(eval_path, tr.state.step) if evaluator is not None else None
     bar = progress_bar(t.max_steps, tr.state.step, cfg.run.progress)
     tr.model.train()
     try:
@@ -642,7 +655,7 @@ def run_loop(
             extra["train_time_s"] = extra.get("train_time_s", 0.0) + result.record["step_time_s"]
             if result.decision.action != "step" and act_on_guard(tr, result, files, cfg.guard):
                 metrics = MetricsLog(files.run_dir / "metrics.jsonl", tr.state.step)
-                eval_log = MetricsLog(files.run_dir / "eval.jsonl", tr.state.step)
+                eval_log = MetricsLog(eval_path, tr.state.step) if eval_log is not None else None
                 bar.n = tr.state.step
                 bar.refresh()
                 continue
@@ -654,7 +667,7 @@ def run_loop(
             bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update(1)
             step = tr.state.step
-            if evaluator is not None and step % t.eval_every == 0:
+            if evaluator is not None and eval_log is not None and step % t.eval_every == 0:
                 row = evaluator(step)
                 eval_log.write(row)
                 log(", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)))

@@ -1,0 +1,32 @@
+"""QLoRA: LoRA adapters (fp32) on a base whose block linear layers were loaded as 4-bit NF4.
+
+The 4-bit base comes from load time (`leantune.models.quantize`, requested through
+`registry.base_quantization`); this function only checks that it got one and adds the adapters.
+"""
+
+from __future__ import annotations
+
+from peft import prepare_model_for_kbit_training
+from torch import nn
+
+from leantune.methods.lora import LoraSettings, apply_lora
+from leantune.models.quantize import is_quantized
+
+
+def apply_qlora(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    """Wrap a 4-bit model in LoRA; only the adapters train.
+
+    peft's `prepare_model_for_kbit_training` upcasts the weights that stay unquantised (norms,
+    embeddings) to fp32 when they were loaded in bf16/fp16, for stable training. Its gradient
+    checkpointing is left off: `train.gradient_checkpointing` decides that for every method.
+
+    Raises:
+        ValueError: the model was not loaded in 4 bits.
+    """
+    if not is_quantized(model):
+        raise ValueError(
+            "method.name=qlora needs the base loaded in 4 bits; load it with "
+            "load_model(..., quantization=base_quantization(...)) as the recipe does"
+        )
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return apply_lora(model, settings)
