@@ -1,0 +1,96 @@
+"""Run `process_chunk` over the input: in this process (local) or on a Dask cluster.
+
+Both engines yield chunk results in input order and keep only a bounded number of chunks in
+flight, so memory stays flat however large the input is. Measured on the 2-core dev machine:
+process start-up and pickling make parallel tokenisation of small inputs slower than one
+process (`datasets.map(num_proc=2)` was 1.6x slower), so `local` is the default and `dask` is
+for inputs big enough to amortise a cluster; benchmarks/prepare.py measures both.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from leantune.data.prepare.readers import RawItem, read_items
+from leantune.data.prepare.records import ChunkResult, PrepareSettings, process_chunk
+
+ENGINES = ("local", "dask")
+LOCAL_CHUNK_BYTES = 4 << 20
+
+
+def iter_chunks(files: Iterable[str], chunk_bytes: int) -> Iterator[list[RawItem]]:
+    """Group the raw items of `files` (in order) into chunks of about `chunk_bytes`."""
+    chunk: list[RawItem] = []
+    size = 0
+    for path in files:
+        for item in read_items(path):
+            chunk.append(item)
+            size += item.size
+            if size >= chunk_bytes:
+                yield chunk
+                chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def run_local(
+    files: list[str], settings: PrepareSettings, tokenizer: PreTrainedTokenizerBase
+) -> Iterator[ChunkResult]:
+    """Process chunks one after another in this process."""
+    for chunk in iter_chunks(files, LOCAL_CHUNK_BYTES):
+        yield process_chunk(chunk, settings, tokenizer)
+
+
+def run_dask(
+    files: list[str],
+    settings: PrepareSettings,
+    tokenizer: PreTrainedTokenizerBase,
+    scheduler: str | None = None,
+    workers: int = 2,
+    partition_mb: float = 64.0,
+    info: dict[str, Any] | None = None,
+) -> Iterator[ChunkResult]:
+    """Process partitions of about `partition_mb` MB on Dask workers, results in input order.
+
+    Args:
+        scheduler: address of an existing cluster (`tcp://host:8786`); None starts a
+            LocalCluster of `workers` single-threaded worker processes for this call.
+        info: filled with the dashboard link and worker count, for the report.
+
+    Callers that start a LocalCluster must guard their entry point with
+    `if __name__ == "__main__":`: worker processes re-import the main module.
+    """
+    from dask.distributed import Client, LocalCluster
+
+    cluster = None
+    if scheduler is None:
+        cluster = LocalCluster(
+            n_workers=workers,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=None,
+            silence_logs=40,
+        )
+    client = Client(cluster if cluster is not None else scheduler)
+    try:
+        n_workers = len(client.scheduler_info().get("workers", {})) or workers
+        if info is not None:
+            info.update(workers=n_workers, scheduler=scheduler or "LocalCluster")
+        # The tokenizer travels once to every worker, not once per partition.
+        [tok] = client.scatter([tokenizer], broadcast=True)
+        window: deque[Any] = deque()
+        limit = 2 * n_workers  # chunks in flight: enough to keep workers busy, bounded memory
+        for chunk in iter_chunks(files, int(partition_mb * (1 << 20))):
+            window.append(client.submit(process_chunk, chunk, settings, tok, pure=False))
+            if len(window) >= limit:
+                yield window.popleft().result()
+        while window:
+            yield window.popleft().result()
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
