@@ -67,8 +67,8 @@ class DataConfig:
     """Where cleaning and tokenisation run: this process, or a Dask cluster."""
     scheduler: str | None = None
     """Dask scheduler address (tcp://host:8786); unset = a LocalCluster per preparation."""
-    partition_mb: float = 64.0
-    """Dask partition size in MB of input."""
+    partition_mb: float | None = None
+    """Partition size in MB of input (default 4 for local, 64 for dask)."""
 
 
 @dataclass
@@ -349,7 +349,7 @@ def validate(cfg: Config) -> list[str]:
             raise ConfigError(f"{key}: file {file} does not exist")
     if not 0 < d.near_dup_threshold <= 1:
         raise ConfigError(f"data.near_dup_threshold: must be in (0, 1], got {d.near_dup_threshold}")
-    if d.min_tokens < 0 or d.partition_mb <= 0:
+    if d.min_tokens < 0 or (d.partition_mb is not None and d.partition_mb <= 0):
         raise ConfigError("data.min_tokens must be >= 0 and data.partition_mb > 0")
     if t.eval_exact_match and (d.eval is None or d.format == "text"):
         raise ConfigError(

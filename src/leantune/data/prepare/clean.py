@@ -44,13 +44,9 @@ _BARE_AMP = re.compile(r"&(?!#[0-9]{1,7};|#[xX][0-9a-fA-F]{1,6};|[A-Za-z][A-Za-z
 # scripts need them.
 _INVISIBLE = [0x00AD, 0x180E, 0x200B, 0x200E, 0x200F, 0x2060, 0xFEFF]
 _INVISIBLE += list(range(0x202A, 0x202F)) + list(range(0x2066, 0x206A))
-_CONTROL_TABLE: dict[int, str | None] = {
-    c: None for c in [*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0), *_INVISIBLE]
-}
-_CONTROL_TABLE.update({ord("\t"): "\t", ord("\n"): "\n", ord("\r"): "\n"})
-
-_SPACE_RUN = re.compile(r"(?<=\S)[^\S\n]+")  # runs between words; indentation is kept
-_TRAILING = re.compile(r"[^\S\n]+(?=\n)")
+_CONTROL = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f" + "".join(f"\\u{c:04x}" for c in _INVISIBLE) + "]"
+)
 _BLANK_LINES = re.compile(r"\n{3,}")
 
 
@@ -99,7 +95,9 @@ def strip_html(text: str) -> str:
 
 def strip_control(text: str) -> str:
     """Drop control and zero-width characters; CRLF and CR become LF."""
-    return text.replace("\r\n", "\n").translate(_CONTROL_TABLE)
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return _CONTROL.sub("", text) if _CONTROL.search(text) else text
 
 
 def nfkc(text: str) -> str:
@@ -110,9 +108,15 @@ def nfkc(text: str) -> str:
 
 
 def normalize_whitespace(text: str) -> str:
-    """Collapse runs of spaces between words, strip line ends, keep at most one blank line."""
-    text = _TRAILING.sub("", _SPACE_RUN.sub(" ", text))
-    return _BLANK_LINES.sub("\n\n", text).strip()
+    """Collapse runs of spaces between words, strip line ends, keep at most one blank line.
+
+    Leading indentation is kept (code in answers needs it).
+    """
+    lines = []
+    for line in text.split("\n"):
+        body = line.lstrip()
+        lines.append(line[: len(line) - len(body)] + " ".join(body.split()) if body else "")
+    return _BLANK_LINES.sub("\n\n", "\n".join(lines)).strip()
 
 
 _RULE_FUNCS = {

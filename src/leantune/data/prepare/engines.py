@@ -19,7 +19,6 @@ from leantune.data.prepare.readers import RawItem, read_items
 from leantune.data.prepare.records import ChunkResult, PrepareSettings, process_chunk
 
 ENGINES = ("local", "dask")
-LOCAL_CHUNK_BYTES = 4 << 20
 
 
 def iter_chunks(files: Iterable[str], chunk_bytes: int) -> Iterator[list[RawItem]]:
@@ -38,10 +37,13 @@ def iter_chunks(files: Iterable[str], chunk_bytes: int) -> Iterator[list[RawItem
 
 
 def run_local(
-    files: list[str], settings: PrepareSettings, tokenizer: PreTrainedTokenizerBase
+    files: list[str],
+    settings: PrepareSettings,
+    tokenizer: PreTrainedTokenizerBase,
+    partition_mb: float = 4.0,
 ) -> Iterator[ChunkResult]:
-    """Process chunks one after another in this process."""
-    for chunk in iter_chunks(files, LOCAL_CHUNK_BYTES):
+    """Process chunks of about `partition_mb` MB one after another in this process."""
+    for chunk in iter_chunks(files, int(partition_mb * (1 << 20))):
         yield process_chunk(chunk, settings, tokenizer)
 
 

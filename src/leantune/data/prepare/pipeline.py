@@ -79,8 +79,9 @@ def read_report(out: str | Path) -> dict[str, Any] | None:
 class _Writer:
     """Driver side: dedup in input order, buffer shards, write rejected rows."""
 
-    def __init__(self, out: Path, settings: PrepareSettings) -> None:
+    def __init__(self, out: Path, settings: PrepareSettings, shard_tokens: int) -> None:
         self.out = out
+        self.shard_tokens = shard_tokens
         self.settings = settings
         self.dedup = DedupIndex(settings.dedup, settings.near_dup_threshold, settings.num_perm)
         self.rejected = (out / REJECTED).open("w", encoding="utf-8")
@@ -138,7 +139,7 @@ class _Writer:
         b.labels.append(k.labels)
         b.tokens += int(k.input_ids.size)
         self.supervised += int((k.labels != -100).sum())
-        if b.tokens >= SHARD_TOKENS:
+        if b.tokens >= self.shard_tokens:
             self.flush()
 
     def flush(self) -> None:
@@ -166,8 +167,9 @@ def _engine_results(
     info: dict[str, Any],
 ) -> Iterator[ChunkResult]:
     if engine == "local":
-        return run_local(files, settings, tokenizer)
-    return run_dask(files, settings, tokenizer, info=info, **dask_options)
+        return run_local(files, settings, tokenizer, dask_options["partition_mb"] or 4.0)
+    options = {**dask_options, "partition_mb": dask_options["partition_mb"] or 64.0}
+    return run_dask(files, settings, tokenizer, info=info, **options)
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:
@@ -190,13 +192,16 @@ def prepare_dataset(
     engine: str = "local",
     scheduler: str | None = None,
     workers: int = 2,
-    partition_mb: float = 64.0,
+    partition_mb: float | None = None,
     force: bool = False,
     log: Log | None = None,
+    shard_tokens: int = SHARD_TOKENS,
 ) -> dict[str, Any]:
     """Prepare `files` into the directory `out`; returns the report (also in prepare_report.json).
 
-    A complete `out` with the same cache key is reused as is (`cache_hit: true`).
+    A complete `out` with the same cache key is reused as is (`cache_hit: true`). Partitions
+    are `partition_mb` MB of input (default 4 locally, 64 on Dask); a shard holds about
+    `shard_tokens` tokens. Neither changes the output (packing is per shard: keep the default).
 
     Raises:
         ValueError: unknown engine. FileNotFoundError: a missing input.
@@ -221,7 +226,7 @@ def prepare_dataset(
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    writer = _Writer(tmp, settings)
+    writer = _Writer(tmp, settings, shard_tokens)
     info: dict[str, Any] = {}
     dask_options = {"scheduler": scheduler, "workers": workers, "partition_mb": partition_mb}
     try:
