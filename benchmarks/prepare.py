@@ -41,10 +41,10 @@ SCRIPTS = [
     "🎉👍 done",
     "한국어 텍스트",
 ]
-WORDS = (
+WORDS = (  # noqa: SIM905
     "order refund delivery parcel account password invoice warranty address carrier status "
     "customer payment return exchange discount shipping tracking product support ticket"
-).split()  # noqa: SIM905
+).split()
 
 
 def _sentence(rng: random.Random) -> str:
