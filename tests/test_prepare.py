@@ -435,3 +435,34 @@ def test_cli_prepare_writes_a_directory_and_reports(
     assert main([*args, "--out", str(out), "--max-seq-len", "64"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cache_hit"] is True
     assert main(["prepare", "--data", str(path)]) == 2
+
+
+def test_limit_takes_the_first_records_like_prepare_file(tmp_path: Path, tokenizer) -> None:
+    path = write_jsonl(tmp_path / "e.jsonl", [chat(f"q{i}", f"a{i}") for i in range(4)] + ["{x"])
+    path.write_text("{x\n" + path.read_text())
+    ref = prepare_file(path, "chat", tokenizer, 128, pack=True, max_bad_fraction=0.5, limit=2)
+    got = prepared_data(path, settings(), tokenizer, tmp_path / "cache", 0.5, limit=2)
+    assert got.records == ref.records and [r.line for r in got.records] == [2, 3]
+    assert [e.input_ids for e in got.examples] == [e.input_ids for e in ref.examples]
+    assert [(b.line, b.reason) for b in got.bad] == [(b.line, b.reason) for b in ref.bad]
+    assert got.total_lines == ref.total_lines == 3
+    assert sorted(t for r in got.rows for t in r.input_ids) == sorted(
+        t for r in ref.rows for t in r.input_ids
+    )
+
+
+def test_prepare_from_a_config_uses_its_data_and_model(
+    tmp_path: Path, tiny_llama_dir: Path, capsys
+) -> None:
+    path = write_jsonl(tmp_path / "t.jsonl", [chat("<i>q</i>", "a"), chat("q", "a")])
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(
+        f"model:\n  path: {tiny_llama_dir}\n"
+        "data:\n  train: t.jsonl\n  format: chat\n  max_seq_len: 64\n  clean: [html]\n"
+    )
+    assert main(["prepare", str(cfg), "data.dedup=exact", "--out", str(tmp_path / "p")]) == 0
+    report = json.loads((tmp_path / "p" / "prepare_report.json").read_text())
+    assert report["settings"]["clean"] == ["html"] and report["settings"]["max_seq_len"] == 64
+    assert report["settings"]["dedup"] == "exact"
+    assert report["files"] == [str(path.resolve())]
+    assert report["dropped"] == {"exact_duplicate": 1}  # "<i>q</i>" cleans to "q"

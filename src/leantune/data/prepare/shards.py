@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from leantune.data.packing import Row
+from leantune.data.tokenize import Example
 
 SHARD_TOKENS = 8_000_000
 
@@ -72,6 +73,23 @@ def best_fit_decreasing(lengths: Sequence[int], seq_len: int) -> list[list[int]]
             by_cap[cap - n].append(b)
             update(cap - n, 1)
     return bins
+
+
+def rows_of(examples: Sequence[Example], groups: list[list[int]] | None) -> list[Row]:
+    """Training rows from examples: one per group of `groups` (None = one per example)."""
+    if groups is None:
+        groups = [[i] for i in range(len(examples))]
+    rows = []
+    for g in groups:
+        ids: list[int] = []
+        labels: list[int] = []
+        pos: list[int] = []
+        for i in g:
+            ids += examples[i].input_ids
+            labels += examples[i].labels
+            pos += range(len(examples[i].input_ids))
+        rows.append(Row(ids, labels, pos))
+    return rows
 
 
 def _list_array(arrays: Sequence[np.ndarray]) -> pa.Array:

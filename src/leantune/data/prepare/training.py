@@ -14,11 +14,11 @@ from typing import Any
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from leantune.data.dataset import DataError, PreparedData, prepare_file
+from leantune.data.dataset import DataError, PreparedData
 from leantune.data.formats import BadLine, Record
-from leantune.data.prepare.pipeline import REJECTED, prepare_dataset, read_report
+from leantune.data.prepare.pipeline import REJECTED, cache_key, prepare_dataset, read_report
 from leantune.data.prepare.records import PrepareSettings
-from leantune.data.prepare.shards import read_examples, read_rows
+from leantune.data.prepare.shards import best_fit_decreasing, read_examples, read_rows, rows_of
 from leantune.data.tokenize import Example
 
 # Dropped on purpose, not bad data: they do not count against data.max_bad_fraction.
@@ -99,25 +99,35 @@ def prepared_data(
 ) -> PreparedData:
     """A data file as `PreparedData`, tokenised at most once per (contents, tokenizer, settings).
 
-    `path` may also be a prepared directory, which is read as is. With `limit` (the first N
-    records of an eval file) the file is read in process, uncached, as `prepare_file` does.
+    `path` may also be a prepared directory, which is read as is. With `limit`, only the first
+    `limit` kept records (and the bad lines among them) are used, as `prepare_file` does.
     """
     path = Path(path)
     if path.is_dir():
-        return load_prepared(path, max_bad_fraction)
-    if limit is not None:
-        return prepare_file(
-            path,
-            settings.format,
-            tokenizer,
-            settings.max_seq_len,
-            settings.pack,
-            settings.system_prompt,
-            max_bad_fraction,
-            limit,
-        )
-    from leantune.data.prepare.pipeline import cache_key
-
-    out = Path(cache_dir) / cache_key([str(path)], settings, tokenizer)[:24]
-    prepare_dataset([str(path)], settings, tokenizer, out, log=log, **(engine or {}))
-    return load_prepared(out, max_bad_fraction, name=path)
+        out = path
+        made = (read_report(out) or {}).get("settings", {})
+        if made.get("format", settings.format) != settings.format:
+            raise DataError(
+                f"{out}: prepared as data.format={made['format']}, but data.format="
+                f"{settings.format}; prepare it again or fix data.format"
+            )
+        if made.get("max_seq_len", settings.max_seq_len) != settings.max_seq_len and log:
+            log(
+                f"warning: {out} was packed with max_seq_len={made['max_seq_len']}, "
+                f"not data.max_seq_len={settings.max_seq_len}; its rows are used as they are"
+            )
+    else:
+        out = Path(cache_dir) / cache_key([str(path)], settings, tokenizer)[:24]
+        prepare_dataset([str(path)], settings, tokenizer, out, log=log, **(engine or {}))
+    if limit is None:
+        return load_prepared(out, max_bad_fraction, name=path)
+    data = load_prepared(out, 1.0, name=path)
+    data.examples, data.records = data.examples[:limit], data.records[:limit]
+    last = data.records[-1].line if data.records else 0
+    data.bad = [b for b in data.bad if b.line <= last]
+    data.total_lines = len(data.examples) + len(data.bad)
+    lengths = [len(e.input_ids) for e in data.examples]
+    groups = best_fit_decreasing(lengths, settings.max_seq_len) if settings.pack else None
+    data.rows = rows_of(data.examples, groups)
+    _check(path, data, max_bad_fraction)
+    return data
