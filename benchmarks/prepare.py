@@ -225,7 +225,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--partition-mb", type=float, default=None)
     p.add_argument("--dedup", default="exact", choices=["none", "exact", "near"])
-    p.add_argument("--shard-tokens", type=int, default=8_000_000)
+    p.add_argument("--shard-tokens", type=int, default=2_000_000)
     p.add_argument("--workdir", type=Path, default=None, help="default: a temporary directory")
     p.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--corpus", type=Path, default=None, help="use this corpus, do not generate")

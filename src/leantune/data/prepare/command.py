@@ -46,9 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--clean",
         default=None,
-        help=f"comma-separated rules or 'none' (default all: {','.join(RULES)})",
+        help=f"comma-separated rules or 'none' (without CONFIG: all of {','.join(RULES)})",
     )
-    p.add_argument("--dedup", choices=["none", "exact", "near"], default=None, help="default near")
+    p.add_argument(
+        "--dedup", choices=["none", "exact", "near"], default=None, help="without CONFIG: near"
+    )
     p.add_argument("--near-dup-threshold", type=float, default=None)
     p.add_argument("--min-tokens", type=int, default=None)
     p.add_argument("--truncate", action="store_true", help="cut over-long examples, do not drop")
@@ -58,7 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--scheduler", default=None, help="Dask scheduler address (default LocalCluster)"
     )
     p.add_argument("--workers", type=int, default=2, help="LocalCluster worker processes")
-    p.add_argument("--partition-mb", type=float, default=None, help="Dask partition size (MB)")
+    p.add_argument(
+        "--partition-mb",
+        type=float,
+        default=None,
+        help="partition size in MB (default 4 local, 64 dask)",
+    )
     p.add_argument("--force", action="store_true", help="rebuild even when the cache key matches")
 
 

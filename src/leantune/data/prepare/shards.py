@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 from leantune.data.packing import Row
 from leantune.data.tokenize import Example
 
-SHARD_TOKENS = 8_000_000
+SHARD_TOKENS = 2_000_000
 
 
 def best_fit_decreasing(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
@@ -96,7 +96,8 @@ def _list_array(arrays: Sequence[np.ndarray]) -> pa.Array:
     offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
     np.cumsum([a.size for a in arrays], out=offsets[1:])
     values = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int32)
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.astype(np.int32)))
+    values = values.astype(np.int32, copy=False)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
 
 
 @dataclass
