@@ -26,6 +26,7 @@ from leantune.data.prepare.dedup import DedupIndex
 from leantune.data.prepare.engines import ENGINES, run_dask, run_local
 from leantune.data.prepare.records import ChunkResult, Kept, PrepareSettings, Rejection
 from leantune.data.prepare.shards import SHARD_TOKENS, ShardBuffer, write_shard
+from leantune.data.tokenize import IGNORE_INDEX
 
 PIPELINE_VERSION = 1  # bump when the output for the same key changes
 REPORT = "prepare_report.json"
@@ -138,7 +139,7 @@ class _Writer:
         b.ids.append(k.input_ids)
         b.labels.append(k.labels)
         b.tokens += int(k.input_ids.size)
-        self.supervised += int((k.labels != -100).sum())
+        self.supervised += int((k.labels != IGNORE_INDEX).sum())
         if b.tokens >= self.shard_tokens:
             self.flush()
 
