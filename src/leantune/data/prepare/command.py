@@ -5,14 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from leantune.data.prepare.clean import RULES
-from leantune.data.prepare.records import PrepareSettings
+
+if TYPE_CHECKING:  # records imports transformers; `leantune --help` should not wait for it
+    from leantune.data.prepare.records import PrepareSettings
 
 
 def settings_from_config(data: Any) -> PrepareSettings:
     """PrepareSettings from a `DataConfig` (the `data` section)."""
+    from leantune.data.prepare.records import PrepareSettings
+
     return PrepareSettings(
         format=data.format,
         max_seq_len=data.max_seq_len,
