@@ -347,6 +347,8 @@ def test_rerun_is_a_cache_hit_that_tokenises_nothing(
     def no_tokenising(*args, **kwargs):
         raise AssertionError("tokenised again on a cache hit")
 
+    stale = tmp_path / "out.tmp-999999999"  # left by a killed run (no such process)
+    stale.mkdir()
     monkeypatch.setattr(records_module, "encode_batch", no_tokenising)
     second = prepare_dataset([str(path)], settings(), tokenizer, out)
     assert second["cache_hit"] is True and second["cache_key"] == first["cache_key"]
@@ -358,6 +360,8 @@ def test_rerun_is_a_cache_hit_that_tokenises_nothing(
             write_jsonl(path, [chat("new", "rows")])
         with pytest.raises(AssertionError, match="tokenised again"):
             prepare_dataset([str(path)], changed_settings, tokenizer, out)
+        assert not stale.exists()  # a fresh build clears what killed builds left
+        assert (out / "rows-00000.parquet").read_bytes() == before  # a failed build changes nothing
 
 
 def test_cache_key_covers_the_chat_template(tmp_path: Path, tokenizer) -> None:

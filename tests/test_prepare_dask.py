@@ -56,6 +56,25 @@ def test_local_and_dask_outputs_are_identical(tmp_path: Path, tokenizer) -> None
             assert pq.read_table(a).equals(pq.read_table(b)), name
         elif name == "rejected.jsonl":
             assert a.read_text() == b.read_text()
+    # --scheduler ADDRESS: an existing cluster gives the same output (and is left running)
+    from dask.distributed import LocalCluster
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=None) as cluster:
+        remote = prepare_dataset(
+            names,
+            settings,
+            tokenizer,
+            tmp_path / "remote",
+            engine="dask",
+            scheduler=cluster.scheduler_address,
+            partition_mb=0.002,
+        )
+        assert remote["engine"]["scheduler"] == cluster.scheduler_address
+        assert len(cluster.workers) == 1
+    for name in local_files:
+        if name.endswith(".parquet"):
+            a = pq.read_table(tmp_path / "local" / name)
+            assert a.equals(pq.read_table(tmp_path / "remote" / name)), name
     rejected = [
         json.loads(x) for x in (tmp_path / "dask" / "rejected.jsonl").read_text().splitlines()
     ]

@@ -173,6 +173,20 @@ def _engine_results(
     return run_dask(files, settings, tokenizer, info=info, **options)
 
 
+def _remove_stale_tmp(out: Path) -> None:
+    """Delete half-built directories left by killed preparations (their process is gone)."""
+    for tmp in out.parent.glob(f"{out.name}.tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
+
+
 def _replace_dir(tmp: Path, out: Path) -> None:
     if out.exists():
         if any(out.iterdir()) and read_report(out) is None:
@@ -224,6 +238,7 @@ def prepare_dataset(
             log(f"prepare: cache hit, {out} is up to date (key {key[:12]})")
         return previous
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(out)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
