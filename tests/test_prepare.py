@@ -364,6 +364,43 @@ def test_rerun_is_a_cache_hit_that_tokenises_nothing(
         assert (out / "rows-00000.parquet").read_bytes() == before  # a failed build changes nothing
 
 
+def test_a_crashed_preparation_resumes_without_tokenising_finished_chunks(
+    tmp_path: Path, tokenizer, monkeypatch
+) -> None:
+    from leantune.data.prepare import engines
+
+    path = write_jsonl(
+        tmp_path / "d.jsonl", [chat(f"question {i} " * 4, f"a{i}") for i in range(40)]
+    )
+    ref = prepare_dataset([str(path)], settings(), tokenizer, tmp_path / "ref", partition_mb=0.001)
+    real = engines.process_chunk
+    starts: list[int] = []
+    crashes: list[int] = []
+
+    def crash_on_third_chunk(chunk, s, tok):
+        starts.append(chunk[0].line)
+        if len(starts) == 3 and not crashes:
+            crashes.append(1)
+            raise RuntimeError("killed")
+        return real(chunk, s, tok)
+
+    monkeypatch.setattr(engines, "process_chunk", crash_on_third_chunk)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="killed"):
+        prepare_dataset([str(path)], settings(), tokenizer, out, partition_mb=0.001)
+    assert not out.exists()
+    first_run, starts[:] = list(starts), []
+    report = prepare_dataset([str(path)], settings(), tokenizer, out, partition_mb=0.001)
+    assert report["engine"]["chunks_reused"] == 2
+    assert starts[0] == first_run[2]  # the finished chunks were not tokenised again
+    n_chunks = len(list(engines.iter_chunks([str(path)], int(0.001 * 2**20))))
+    assert n_chunks >= 4 and len(starts) == n_chunks - 2
+    for name in ("examples-00000.parquet", "rows-00000.parquet"):
+        assert pq.read_table(out / name).equals(pq.read_table(tmp_path / "ref" / name))
+    assert report["rows_out"] == ref["rows_out"] == 40
+    assert not list(tmp_path.glob("out.partial-*"))  # removed once the output is complete
+
+
 def test_cache_key_covers_the_chat_template(tmp_path: Path, tokenizer) -> None:
     from leantune.data.prepare.pipeline import cache_key
 

@@ -10,7 +10,7 @@ for inputs big enough to amortise a cluster; benchmarks/prepare.py measures both
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -19,6 +19,12 @@ from leantune.data.prepare.readers import RawItem, read_items
 from leantune.data.prepare.records import ChunkResult, PrepareSettings, process_chunk
 
 ENGINES = ("local", "dask")
+# Chunk results already computed by an interrupted run: index -> result, or None to compute.
+Done = Callable[[int], ChunkResult | None]
+
+
+def _none(index: int) -> ChunkResult | None:
+    return None
 
 
 def iter_chunks(files: Iterable[str], chunk_bytes: int) -> Iterator[list[RawItem]]:
@@ -41,10 +47,11 @@ def run_local(
     settings: PrepareSettings,
     tokenizer: PreTrainedTokenizerBase,
     partition_mb: float = 4.0,
+    done: Done = _none,
 ) -> Iterator[ChunkResult]:
     """Process chunks of about `partition_mb` MB one after another in this process."""
-    for chunk in iter_chunks(files, int(partition_mb * (1 << 20))):
-        yield process_chunk(chunk, settings, tokenizer)
+    for i, chunk in enumerate(iter_chunks(files, int(partition_mb * (1 << 20)))):
+        yield done(i) or process_chunk(chunk, settings, tokenizer)
 
 
 def run_dask(
@@ -55,13 +62,15 @@ def run_dask(
     workers: int = 2,
     partition_mb: float = 64.0,
     info: dict[str, Any] | None = None,
+    done: Done = _none,
 ) -> Iterator[ChunkResult]:
     """Process partitions of about `partition_mb` MB on Dask workers, results in input order.
 
     Args:
         scheduler: address of an existing cluster (`tcp://host:8786`); None starts a
             LocalCluster of `workers` single-threaded worker processes for this call.
-        info: filled with the dashboard link and worker count, for the report.
+        info: filled with the scheduler and worker count, for the report.
+        done: results of chunks an interrupted run already computed (not sent again).
 
     Callers that start a LocalCluster must guard their entry point with
     `if __name__ == "__main__":`: worker processes re-import the main module.
@@ -86,13 +95,21 @@ def run_dask(
         [tok] = client.scatter([tokenizer], broadcast=True)
         window: deque[Any] = deque()
         limit = 2 * n_workers  # chunks in flight: enough to keep workers busy, bounded memory
-        for chunk in iter_chunks(files, int(partition_mb * (1 << 20))):
-            window.append(client.submit(process_chunk, chunk, settings, tok, pure=False))
+        for i, chunk in enumerate(iter_chunks(files, int(partition_mb * (1 << 20)))):
+            cached = done(i)
+            if cached is not None:
+                window.append(cached)
+            else:
+                window.append(client.submit(process_chunk, chunk, settings, tok, pure=False))
             if len(window) >= limit:
-                yield window.popleft().result()
+                yield _result(window.popleft())
         while window:
-            yield window.popleft().result()
+            yield _result(window.popleft())
     finally:
         client.close()
         if cluster is not None:
             cluster.close()
+
+
+def _result(item: Any) -> ChunkResult:
+    return item if isinstance(item, ChunkResult) else item.result()

@@ -4,7 +4,7 @@ Stream chunks through an engine (validate, clean, hash, tokenise), dedup on the 
 order, write Parquet shards with packed rows, `rejected.jsonl` and `prepare_report.json`. The
 directory is built under a temporary name and renamed when complete, and is keyed by
 (input contents, tokenizer, chat template, settings): a re-run with the same key is a cache hit
-that tokenises nothing.
+that tokenises nothing, and a run killed half-way resumes from its finished chunks.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import time
 from array import array
@@ -159,6 +160,42 @@ class _Writer:
         self.rejected.close()
 
 
+class _Partial:
+    """Chunk results of an unfinished preparation, so a crashed run does not tokenise again.
+
+    Kept beside `out` under the cache key and partition size (which fix the chunk boundaries)
+    and deleted once `out` is complete.
+    """
+
+    def __init__(self, out: Path, key: str, partition_mb: float) -> None:
+        self.dir = out.with_name(f"{out.name}.partial-{key[:16]}-{partition_mb:g}mb")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.reused = 0
+
+    def _path(self, index: int) -> Path:
+        return self.dir / f"chunk-{index:06d}.pkl"
+
+    def load(self, index: int) -> ChunkResult | None:
+        path = self._path(index)
+        if not path.is_file():
+            return None
+        with path.open("rb") as f:
+            result: ChunkResult = pickle.load(f)
+        self.reused += 1
+        return result
+
+    def save(self, index: int, result: ChunkResult) -> None:
+        path = self._path(index)
+        if not path.is_file():
+            tmp = path.with_suffix(".tmp")
+            with tmp.open("wb") as f:
+                pickle.dump(result, f, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(tmp, path)  # a chunk file is complete or absent
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def _engine_results(
     engine: str,
     files: list[str],
@@ -166,11 +203,17 @@ def _engine_results(
     tokenizer: PreTrainedTokenizerBase,
     dask_options: dict[str, Any],
     info: dict[str, Any],
+    partial: _Partial,
+    partition_mb: float,
 ) -> Iterator[ChunkResult]:
     if engine == "local":
-        return run_local(files, settings, tokenizer, dask_options["partition_mb"] or 4.0)
-    options = {**dask_options, "partition_mb": dask_options["partition_mb"] or 64.0}
-    return run_dask(files, settings, tokenizer, info=info, **options)
+        results = run_local(files, settings, tokenizer, partition_mb, done=partial.load)
+    else:
+        options = {**dask_options, "partition_mb": partition_mb}
+        results = run_dask(files, settings, tokenizer, info=info, done=partial.load, **options)
+    for i, result in enumerate(results):
+        partial.save(i, result)
+        yield result
 
 
 def _remove_stale_tmp(out: Path) -> None:
@@ -244,18 +287,24 @@ def prepare_dataset(
     tmp.mkdir()
     writer = _Writer(tmp, settings, shard_tokens)
     info: dict[str, Any] = {}
-    dask_options = {"scheduler": scheduler, "workers": workers, "partition_mb": partition_mb}
+    dask_options = {"scheduler": scheduler, "workers": workers}
+    mb = partition_mb or (4.0 if engine == "local" else 64.0)
+    partial = _Partial(out, key, mb)
     try:
-        for result in _engine_results(engine, files, settings, tokenizer, dask_options, info):
+        for result in _engine_results(
+            engine, files, settings, tokenizer, dask_options, info, partial, mb
+        ):
             writer.add_chunk(result)
         writer.close()
     except BaseException:
         writer.rejected.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    info["chunks_reused"] = partial.reused
     report = _report(writer, files, settings, tokenizer, key, engine, info, started)
     (tmp / REPORT).write_text(json.dumps(report, indent=2), encoding="utf-8")
     _replace_dir(tmp, out)
+    partial.remove()
     if log:
         d = report
         log(
