@@ -139,6 +139,7 @@ def test_lora_run_trains_only_adapters_and_leaves_a_complete_run(
         "eval_predictions.jsonl",
         "final",
         "metrics.jsonl",
+        "prepared",  # the tokenise-once cache of data.train / data.eval
         "summary.json",
     ]
     preds = [json.loads(x) for x in (run_dir / "eval_predictions.jsonl").read_text().splitlines()]

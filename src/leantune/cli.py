@@ -2,6 +2,7 @@
 
 leantune train [CONFIG.yaml] [section.key=value ...]
 leantune validate CONFIG.yaml [section.key=value ...]
+leantune prepare CONFIG.yaml | --data FILE... --format F --model PATH [--out DIR] [--engine dask]
 leantune eval --model PATH --data FILE [--limit N] [--lm-eval TASKS [--lm-eval-limit N]]
 leantune generate --model PATH --prompt TEXT [--chat] [sampling options]
 leantune bench methods [CONFIG.yaml] [--methods a,b] [--out DIR] [section.key=value ...]
@@ -75,6 +76,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for w in validate(cfg):
         print(f"warning: {w}")
     print(f"ok: {config or 'built-in demo config'} is valid")
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    _quiet_libraries()
+    from leantune.data.prepare.command import run, summary
+
+    print(summary(run(args)))
     return 0
 
 
@@ -278,6 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("validate", help="check a config without loading a model")
     v.add_argument("args", nargs="*", help="CONFIG.yaml [section.key=value ...]")
     v.set_defaults(func=cmd_validate)
+    from leantune.data.prepare.command import add_arguments
+
+    pr = sub.add_parser("prepare", help="clean, dedup, tokenise and pack data into shards")
+    add_arguments(pr)
+    pr.set_defaults(func=cmd_prepare)
 
     e = sub.add_parser("eval", help="loss, perplexity and exact match of a model on a JSONL file")
     e.add_argument("--model", required=True, help="model dir, run final/ dir, .gguf or demo name")

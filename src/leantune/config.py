@@ -49,7 +49,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train: str | None = None
-    """Training JSONL file."""
+    """Training JSONL file, or a directory written by `leantune prepare`."""
     eval: str | None = None
     """Held-out JSONL file (loss, perplexity and, for chat/alpaca, exact match)."""
     format: Literal["alpaca", "chat", "text"] = "chat"
@@ -62,6 +62,26 @@ class DataConfig:
     """Refuse to start when more than this share of lines is bad (0 = any bad line stops)."""
     system_prompt: str | None = None
     """System message added to alpaca records and to chat records that have none."""
+    clean: list[Literal["html", "control", "nfkc", "whitespace"]] = field(default_factory=list)
+    """Cleaning rules for every text field before tokenising (none by default: data is used
+    as is; `leantune prepare --data` defaults to all four)."""
+    dedup: Literal["none", "exact", "near"] = "none"
+    """Drop exact duplicates (content hash) or also near duplicates (MinHash/LSH)."""
+    near_dup_threshold: float = 0.85
+    """Estimated Jaccard similarity (byte 7-grams) above which a record is a near duplicate."""
+    min_tokens: int = 1
+    """Shortest tokenised example; shorter ones are reported as bad lines."""
+    truncate: bool = False
+    """Cut over-long examples to max_seq_len instead of rejecting them (those whose answer is
+    cut to nothing are still dropped and counted)."""
+    cache_dir: str | None = None
+    """Tokenise-once cache for data.train/data.eval files (default <run dir>/prepared)."""
+    engine: Literal["local", "dask"] = "local"
+    """Where cleaning and tokenisation run: this process, or a Dask cluster."""
+    scheduler: str | None = None
+    """Dask scheduler address (tcp://host:8786); unset = a LocalCluster per preparation."""
+    partition_mb: float | None = None
+    """Partition size in MB of input (default 4 for local, 64 for dask)."""
 
 
 @dataclass
@@ -436,8 +456,13 @@ def validate(cfg: Config) -> list[str]:
     if d.train is None:
         raise ConfigError("data.train: required; set it to a JSONL file (data.train=path.jsonl)")
     for key, file in (("data.train", d.train), ("data.eval", d.eval)):
-        if file is not None and not Path(file).is_file():
+        # A directory is a prepared dataset (from `leantune prepare`).
+        if file is not None and not (Path(file).is_file() or Path(file).is_dir()):
             raise ConfigError(f"{key}: file {file} does not exist")
+    if not 0 < d.near_dup_threshold <= 1:
+        raise ConfigError(f"data.near_dup_threshold: must be in (0, 1], got {d.near_dup_threshold}")
+    if d.min_tokens < 0 or (d.partition_mb is not None and d.partition_mb <= 0):
+        raise ConfigError("data.min_tokens must be >= 0 and data.partition_mb > 0")
     if t.eval_exact_match and (d.eval is None or d.format == "text"):
         raise ConfigError(
             "train.eval_exact_match: needs data.eval and a chat or alpaca data.format"

@@ -54,7 +54,8 @@ def answer_spans(
         if msg["role"] != "assistant":
             continue
         before = _render(tokenizer, messages[:i], gen=True) if i else ""
-        through = _render(tokenizer, messages[: i + 1], gen=False)
+        last = i == len(messages) - 1  # the whole conversation is already rendered
+        through = full if last else _render(tokenizer, messages[: i + 1], gen=False)
         if not (full.startswith(before) and full.startswith(through)):
             raise TemplateError(
                 "the chat template renders a conversation differently from its prefixes; "

@@ -28,8 +28,10 @@ from torch import nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.config import Config, GuardConfig, dump_config, parse_memory_size, validate
-from leantune.data.dataset import PreparedData, prepare_file
+from leantune.data.dataset import PreparedData
 from leantune.data.loader import SampleStream, collate, split_window
+from leantune.data.prepare.command import engine_options, settings_from_config
+from leantune.data.prepare.training import prepared_data
 from leantune.eval.loss import evaluate_loss
 from leantune.methods.registry import (
     DEFAULT_LR,
@@ -152,7 +154,7 @@ def seed_everything(seed: int) -> None:
 def load_datasets(
     cfg: Config, tokenizer: PreTrainedTokenizerBase, log: Log
 ) -> tuple[PreparedData, PreparedData | None]:
-    """Validate and tokenise the train (and eval) files; bad lines are reported, not hidden."""
+    """Validate and tokenise the train (and eval) files once (cached); bad lines are reported."""
     d = cfg.data
     assert d.train is not None
     prepared: list[PreparedData | None] = []
@@ -160,15 +162,10 @@ def load_datasets(
         if path is None:
             prepared.append(None)
             continue
-        data = prepare_file(
-            path,
-            d.format,
-            tokenizer,
-            d.max_seq_len,
-            d.pack,
-            d.system_prompt,
-            d.max_bad_fraction,
-            limit,
+        cache = d.cache_dir or cfg.run_dir / "prepared"
+        settings, engine = settings_from_config(d), engine_options(d)
+        data = prepared_data(
+            path, settings, tokenizer, cache, d.max_bad_fraction, limit, log, engine
         )
         for bad in data.bad[:20]:
             log(f"bad line skipped: {bad}")

@@ -1,0 +1,1 @@
+"""`leantune prepare`: clean, validate, dedup, tokenise once, pack, shard (local or Dask)."""

@@ -1,0 +1,141 @@
+"""Entry-point glue for `leantune prepare` and `train`: config or flags -> typed settings."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from leantune.data.prepare.clean import RULES
+
+if TYPE_CHECKING:  # records imports transformers; `leantune --help` should not wait for it
+    from leantune.data.prepare.records import PrepareSettings
+
+
+def settings_from_config(data: Any) -> PrepareSettings:
+    """PrepareSettings from a `DataConfig` (the `data` section)."""
+    from leantune.data.prepare.records import PrepareSettings
+
+    return PrepareSettings(
+        format=data.format,
+        max_seq_len=data.max_seq_len,
+        pack=data.pack,
+        system_prompt=data.system_prompt,
+        clean=tuple(data.clean),
+        dedup=data.dedup,
+        near_dup_threshold=data.near_dup_threshold,
+        min_tokens=data.min_tokens,
+        truncate=data.truncate,
+    )
+
+
+def engine_options(data: Any) -> dict[str, Any]:
+    """Engine keyword arguments of `prepare_dataset` from a `DataConfig`."""
+    return {"engine": data.engine, "scheduler": data.scheduler, "partition_mb": data.partition_mb}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `leantune prepare`."""
+    p.add_argument("config", nargs="?", default=None, help="CONFIG.yaml (its data + model)")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides of CONFIG")
+    p.add_argument("--data", nargs="+", help="input files: .jsonl(.gz|.zst), .json, .parquet, .csv")
+    p.add_argument("--format", choices=["alpaca", "chat", "text"], default=None)
+    p.add_argument(
+        "--out", default=None, help="prepared directory (default <first input>.prepared)"
+    )
+    p.add_argument("--model", default=None, help="model path or name (its tokenizer is used)")
+    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--no-pack", action="store_true", help="one example per row")
+    p.add_argument(
+        "--clean",
+        default=None,
+        help=f"comma-separated rules or 'none' (without CONFIG: all of {','.join(RULES)})",
+    )
+    p.add_argument(
+        "--dedup", choices=["none", "exact", "near"], default=None, help="without CONFIG: near"
+    )
+    p.add_argument("--near-dup-threshold", type=float, default=None)
+    p.add_argument("--min-tokens", type=int, default=None)
+    p.add_argument("--truncate", action="store_true", help="cut over-long examples, do not drop")
+    p.add_argument("--system-prompt", default=None)
+    p.add_argument("--engine", choices=["local", "dask"], default=None)
+    p.add_argument(
+        "--scheduler", default=None, help="Dask scheduler address (default LocalCluster)"
+    )
+    p.add_argument("--workers", type=int, default=2, help="LocalCluster worker processes")
+    p.add_argument(
+        "--partition-mb",
+        type=float,
+        default=None,
+        help="partition size in MB (default 4 local, 64 dask)",
+    )
+    p.add_argument("--force", action="store_true", help="rebuild even when the cache key matches")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run `leantune prepare`; returns the report.
+
+    With CONFIG, the data section and model.path fill every setting a flag leaves unset; without
+    it, `--data`, `--format` and `--model` are required and prepare cleans with every rule and
+    removes near duplicates unless told otherwise (the command exists to clean).
+    """
+    from leantune.config import ConfigError, DataConfig, load_config
+    from leantune.data.prepare.pipeline import prepare_dataset
+    from leantune.models.loading import load_tokenizer, resolve_model
+
+    if args.config is not None:
+        cfg = load_config(args.config, args.overrides)
+        data, model_path, trust = cfg.data, cfg.model.path, cfg.model.trust_remote_code
+        files = args.data or [data.train]
+    else:
+        if args.overrides:
+            raise ConfigError("prepare: overrides need a CONFIG file")
+        if not args.data or not args.format or not args.model:
+            raise ConfigError("prepare: give CONFIG, or --data FILE... --format F --model PATH")
+        data = DataConfig(format=args.format, clean=list(RULES), dedup="near")  # type: ignore[arg-type]
+        model_path, trust, files = args.model, False, args.data
+    flags = {
+        "format": args.format,
+        "max_seq_len": args.max_seq_len,
+        "dedup": args.dedup,
+        "near_dup_threshold": args.near_dup_threshold,
+        "min_tokens": args.min_tokens,
+        "system_prompt": args.system_prompt,
+        "engine": args.engine,
+        "scheduler": args.scheduler,
+        "partition_mb": args.partition_mb,
+    }
+    for name, value in flags.items():
+        if value is not None:
+            setattr(data, name, value)
+    if args.clean is not None:
+        data.clean = [] if args.clean == "none" else [r for r in args.clean.split(",") if r]
+    data.pack = data.pack and not args.no_pack
+    data.truncate = data.truncate or args.truncate
+    if args.model:
+        model_path = args.model
+    if not files or files[0] is None:
+        raise ConfigError("prepare: no input; set data.train or --data")
+    settings = settings_from_config(data)
+    tokenizer = load_tokenizer(resolve_model(model_path), trust)
+    out = args.out or str(Path(files[0]).with_suffix("")) + ".prepared"
+    opts = engine_options(data)
+    return prepare_dataset(
+        [str(f) for f in files],
+        settings,
+        tokenizer,
+        out,
+        engine=opts["engine"],
+        scheduler=opts["scheduler"],
+        workers=args.workers,
+        partition_mb=opts["partition_mb"],
+        force=args.force,
+        log=print,
+    )
+
+
+def summary(report: dict[str, Any]) -> str:
+    """The report's headline numbers as one JSON line."""
+    keys = ("rows_in", "rows_out", "packed_rows", "dropped", "packing_efficiency", "cache_hit")
+    return json.dumps({k: report[k] for k in keys})

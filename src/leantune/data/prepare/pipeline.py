@@ -1,0 +1,355 @@
+"""`prepare_dataset`: input files -> a prepared directory that `train` reads directly.
+
+Stream chunks through an engine (validate, clean, hash, tokenise), dedup on the driver in input
+order, write Parquet shards with packed rows, `rejected.jsonl` and `prepare_report.json`. The
+directory is built under a temporary name and renamed when complete, and is keyed by
+(input contents, tokenizer, chat template, settings): a re-run with the same key is a cache hit
+that tokenises nothing, and a run killed half-way resumes from its finished chunks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import time
+from array import array
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from leantune.data.prepare.dedup import DedupIndex
+from leantune.data.prepare.engines import ENGINES, run_dask, run_local
+from leantune.data.prepare.records import ChunkResult, Kept, PrepareSettings, Rejection
+from leantune.data.prepare.shards import SHARD_TOKENS, ShardBuffer, write_shard
+from leantune.data.tokenize import IGNORE_INDEX
+
+PIPELINE_VERSION = 1  # bump when the output for the same key changes
+REPORT = "prepare_report.json"
+REJECTED = "rejected.jsonl"
+Log = Callable[[str], None]
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Hash of everything in the tokenizer that changes token ids or the chat template."""
+    h = hashlib.sha256(type(tokenizer).__name__.encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    template = getattr(tokenizer, "chat_template", None)
+    h.update(json.dumps(template, sort_keys=True).encode())
+    specials = {k: str(v) for k, v in tokenizer.special_tokens_map.items()}
+    h.update(json.dumps([specials, tokenizer.eos_token_id, tokenizer.bos_token_id]).encode())
+    return h.hexdigest()
+
+
+def file_digest(path: str | Path) -> str:
+    """sha256 of a file's bytes, streamed."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def cache_key(
+    files: list[str], settings: PrepareSettings, tokenizer: PreTrainedTokenizerBase
+) -> str:
+    """The key of a prepared directory: input contents, tokenizer, template and settings."""
+    parts = {
+        "version": PIPELINE_VERSION,
+        "files": [file_digest(f) for f in files],
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "settings": settings.as_dict(),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def read_report(out: str | Path) -> dict[str, Any] | None:
+    """The report of a complete prepared directory, or None."""
+    path = Path(out) / REPORT
+    if not path.is_file():
+        return None
+    report: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return report
+
+
+class _Writer:
+    """Driver side: dedup in input order, buffer shards, write rejected rows."""
+
+    def __init__(self, out: Path, settings: PrepareSettings, shard_tokens: int) -> None:
+        self.out = out
+        self.shard_tokens = shard_tokens
+        self.settings = settings
+        self.dedup = DedupIndex(settings.dedup, settings.near_dup_threshold, settings.num_perm)
+        self.rejected = (out / REJECTED).open("w", encoding="utf-8")
+        self.column = "text" if settings.format == "text" else "messages"
+        self.buf = ShardBuffer()
+        self.shards: list[dict[str, Any]] = []
+        self.dropped: Counter[str] = Counter()
+        self.cleaned: Counter[str] = Counter()
+        self.rows_in = 0
+        self.supervised = 0
+        self.kept_sources: list[str] = []
+        self.kept_src = array("i")
+        self.kept_line = array("q")
+        self.dedup_s = 0.0
+        self.write_s = 0.0
+        self.worker_s = 0.0
+
+    def reject(self, r: Rejection, extra: dict[str, Any] | None = None) -> None:
+        self.dropped[r.kind] += 1
+        row = r.row() | (extra or {})
+        self.rejected.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+    def add_chunk(self, result: ChunkResult) -> None:
+        self.rows_in += len(result.order)
+        self.cleaned.update(result.cleaned)
+        self.worker_s += result.seconds
+        kept, rejected = iter(result.kept), iter(result.rejected)
+        for is_kept in result.order:
+            if is_kept:
+                self._keep(next(kept))
+            else:
+                self.reject(next(rejected))
+
+    def _keep(self, k: Kept) -> None:
+        t0 = time.perf_counter()
+        rid = len(self.kept_line)
+        verdict = self.dedup.check(rid, k.digest, k.signature)
+        self.dedup_s += time.perf_counter() - t0
+        if verdict is not None:
+            of = f"{self.kept_sources[self.kept_src[verdict.of]]}:{self.kept_line[verdict.of]}"
+            reason = f"{verdict.kind.replace('_', ' ')} of {of}"
+            if verdict.kind == "near_duplicate":
+                reason += f" (estimated Jaccard {verdict.similarity:.2f})"
+            self.reject(Rejection(k.source, k.line, verdict.kind, reason), {"duplicate_of": of})
+            return
+        if not self.kept_sources or self.kept_sources[-1] != k.source:
+            self.kept_sources.append(k.source)
+        self.kept_src.append(len(self.kept_sources) - 1)
+        self.kept_line.append(k.line)
+        b = self.buf
+        b.sources.append(k.source)
+        b.lines.append(k.line)
+        b.records.append(k.record)
+        b.ids.append(k.input_ids)
+        b.labels.append(k.labels)
+        b.tokens += int(k.input_ids.size)
+        self.supervised += int((k.labels != IGNORE_INDEX).sum())
+        if b.tokens >= self.shard_tokens:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buf.ids:
+            return
+        t0 = time.perf_counter()
+        s = self.settings
+        self.shards.append(
+            write_shard(self.out, len(self.shards), self.buf, self.column, s.max_seq_len, s.pack)
+        )
+        self.buf = ShardBuffer()
+        self.write_s += time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.flush()
+        self.rejected.close()
+
+
+class _Partial:
+    """Chunk results of an unfinished preparation, so a crashed run does not tokenise again.
+
+    Kept beside `out` under the cache key and partition size (which fix the chunk boundaries)
+    and deleted once `out` is complete.
+    """
+
+    def __init__(self, out: Path, key: str, partition_mb: float) -> None:
+        self.dir = out.with_name(f"{out.name}.partial-{key[:16]}-{partition_mb:g}mb")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.reused = 0
+
+    def _path(self, index: int) -> Path:
+        return self.dir / f"chunk-{index:06d}.pkl"
+
+    def load(self, index: int) -> ChunkResult | None:
+        path = self._path(index)
+        if not path.is_file():
+            return None
+        with path.open("rb") as f:
+            result: ChunkResult = pickle.load(f)
+        self.reused += 1
+        return result
+
+    def save(self, index: int, result: ChunkResult) -> None:
+        path = self._path(index)
+        if not path.is_file():
+            tmp = path.with_suffix(".tmp")
+            with tmp.open("wb") as f:
+                pickle.dump(result, f, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(tmp, path)  # a chunk file is complete or absent
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _engine_results(
+    engine: str,
+    files: list[str],
+    settings: PrepareSettings,
+    tokenizer: PreTrainedTokenizerBase,
+    dask_options: dict[str, Any],
+    info: dict[str, Any],
+    partial: _Partial,
+    partition_mb: float,
+) -> Iterator[ChunkResult]:
+    if engine == "local":
+        results = run_local(files, settings, tokenizer, partition_mb, done=partial.load)
+    else:
+        options = {**dask_options, "partition_mb": partition_mb}
+        results = run_dask(files, settings, tokenizer, info=info, done=partial.load, **options)
+    for i, result in enumerate(results):
+        partial.save(i, result)
+        yield result
+
+
+def _remove_stale_tmp(out: Path) -> None:
+    """Delete half-built directories left by killed preparations (their process is gone)."""
+    for tmp in out.parent.glob(f"{out.name}.tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    if out.exists():
+        if any(out.iterdir()) and read_report(out) is None:
+            shutil.rmtree(tmp)
+            raise FileExistsError(
+                f"{out}: exists and is not a prepared directory (no {REPORT}); "
+                "choose another --out or remove it"
+            )
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+def prepare_dataset(
+    files: list[str],
+    settings: PrepareSettings,
+    tokenizer: PreTrainedTokenizerBase,
+    out: str | Path,
+    engine: str = "local",
+    scheduler: str | None = None,
+    workers: int = 2,
+    partition_mb: float | None = None,
+    force: bool = False,
+    log: Log | None = None,
+    shard_tokens: int = SHARD_TOKENS,
+) -> dict[str, Any]:
+    """Prepare `files` into the directory `out`; returns the report (also in prepare_report.json).
+
+    A complete `out` with the same cache key is reused as is (`cache_hit: true`). Partitions
+    are `partition_mb` MB of input (default 4 locally, 64 on Dask); a shard holds about
+    `shard_tokens` tokens. Neither changes the output (packing is per shard: keep the default).
+
+    Raises:
+        ValueError: unknown engine. FileNotFoundError: a missing input.
+        FileExistsError: `out` holds something else.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r} is not one of {' | '.join(ENGINES)}")
+    for f in files:
+        if not Path(f).is_file():
+            raise FileNotFoundError(f"{f}: no such data file")
+    started = time.perf_counter()
+    out = Path(out)
+    key = cache_key(files, settings, tokenizer)
+    previous = read_report(out)
+    if previous is not None and previous.get("cache_key") == key and not force:
+        previous["cache_hit"] = True
+        (out / REPORT).write_text(json.dumps(previous, indent=2), encoding="utf-8")
+        if log:
+            log(f"prepare: cache hit, {out} is up to date (key {key[:12]})")
+        return previous
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(out)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    writer = _Writer(tmp, settings, shard_tokens)
+    info: dict[str, Any] = {}
+    dask_options = {"scheduler": scheduler, "workers": workers}
+    mb = partition_mb or (4.0 if engine == "local" else 64.0)
+    partial = _Partial(out, key, mb)
+    try:
+        for result in _engine_results(
+            engine, files, settings, tokenizer, dask_options, info, partial, mb
+        ):
+            writer.add_chunk(result)
+        writer.close()
+    except BaseException:
+        writer.rejected.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    info["chunks_reused"] = partial.reused
+    report = _report(writer, files, settings, tokenizer, key, engine, info, started)
+    (tmp / REPORT).write_text(json.dumps(report, indent=2), encoding="utf-8")
+    _replace_dir(tmp, out)
+    partial.remove()
+    if log:
+        d = report
+        log(
+            f"prepare: {d['rows_in']} records in, {d['rows_out']} kept, {d['packed_rows']} rows "
+            f"(packing {d['packing_efficiency']:.1%}), dropped {d['dropped']} -> {out}"
+        )
+    return report
+
+
+def _report(
+    w: _Writer,
+    files: list[str],
+    settings: PrepareSettings,
+    tokenizer: PreTrainedTokenizerBase,
+    key: str,
+    engine: str,
+    info: dict[str, Any],
+    started: float,
+) -> dict[str, Any]:
+    examples = sum(s["examples"] for s in w.shards)
+    rows = sum(s["rows"] for s in w.shards)
+    tokens = sum(s["tokens"] for s in w.shards)
+    total = time.perf_counter() - started
+    return {
+        "rows_in": w.rows_in,
+        "rows_out": examples,
+        "packed_rows": rows,
+        "dropped": dict(sorted(w.dropped.items())),
+        "cleaned": dict(sorted(w.cleaned.items())),
+        "tokens": tokens,
+        "supervised_tokens": w.supervised,
+        "packing_efficiency": tokens / max(1, rows * settings.max_seq_len),
+        "shards": w.shards,
+        "timings": {
+            "total_s": round(total, 3),
+            "process_s_sum_over_workers": round(w.worker_s, 3),
+            "dedup_s": round(w.dedup_s, 3),
+            "write_and_pack_s": round(w.write_s, 3),
+            "rows_per_s": round(w.rows_in / max(total, 1e-9), 1),
+        },
+        "engine": {"name": engine, **info},
+        "files": [str(Path(f).resolve()) for f in files],
+        "tokenizer": str(getattr(tokenizer, "name_or_path", "")),
+        "settings": settings.as_dict(),
+        "cache_key": key,
+        "cache_hit": False,
+        "version": PIPELINE_VERSION,
+    }

@@ -1,0 +1,227 @@
+"""Per-record work, identical on every engine: validate, clean, hash, tokenise, length-filter.
+
+`process_chunk` is a pure function of (raw items, settings, tokenizer), so the local engine and
+Dask workers produce the same results whatever the partitioning; only the driver's dedup pass
+and packing, which need the whole dataset, run after it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from leantune.data.formats import FORMATS, BadRecordError, parse_record
+from leantune.data.prepare.clean import check_rules, clean_record
+from leantune.data.prepare.dedup import DEDUP_MODES, content_hash, minhash, record_text
+from leantune.data.prepare.readers import RawItem, decode_item
+from leantune.data.tokenize import IGNORE_INDEX, answer_spans
+
+
+@dataclass(frozen=True)
+class PrepareSettings:
+    """Everything that decides the prepared output besides the input files and the tokenizer."""
+
+    format: str
+    max_seq_len: int
+    pack: bool = True
+    system_prompt: str | None = None
+    clean: tuple[str, ...] = ()
+    dedup: str = "none"
+    near_dup_threshold: float = 0.85
+    num_perm: int = 64
+    min_tokens: int = 1
+    truncate: bool = False
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"data.format: {self.format!r} is not one of {' | '.join(FORMATS)}")
+        if self.dedup not in DEDUP_MODES:
+            raise ValueError(f"data.dedup: {self.dedup!r} is not one of {' | '.join(DEDUP_MODES)}")
+        if self.max_seq_len < 1 or self.min_tokens < 0:
+            raise ValueError("data.max_seq_len must be >= 1 and data.min_tokens >= 0")
+        object.__setattr__(self, "clean", check_rules(self.clean))
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A dropped record: where it is, a machine-readable kind and a readable reason."""
+
+    source: str
+    line: int
+    kind: str
+    reason: str
+
+    def row(self) -> dict[str, Any]:
+        return {"file": self.source, "line": self.line, "kind": self.kind, "reason": self.reason}
+
+
+@dataclass
+class Kept:
+    """A record that passed validation and length filters (dedup comes later, on the driver)."""
+
+    source: str
+    line: int
+    record: str  # the cleaned text, or the cleaned {"messages": [...]} as JSON
+    digest: int
+    signature: np.ndarray | None
+    input_ids: np.ndarray  # int32
+    labels: np.ndarray  # int32, shifted (see leantune.data.tokenize)
+
+
+@dataclass
+class ChunkResult:
+    """The outcome of one chunk, in input order (`order` interleaves kept and rejected)."""
+
+    kept: list[Kept] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+    order: list[bool] = field(default_factory=list)  # True = next kept, False = next rejected
+    cleaned: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def _bad_kind(reason: str) -> str:
+    if reason.startswith("expected a JSON object"):
+        return "not_object"
+    if reason.startswith("missing field"):
+        return "missing_field"
+    if "is empty" in reason or "empty assistant answer" in reason:
+        return "empty_field"
+    return "invalid_record"
+
+
+def _decode_kind(reason: str) -> str:
+    for prefix, kind in (("not valid UTF-8", "not_utf8"), ("empty line", "empty_line")):
+        if reason.startswith(prefix):
+            return kind
+    return "invalid_json"
+
+
+def _after_cleaning(parsed: dict[str, Any]) -> str | None:
+    """Why a cleaned record is unusable (a field cleaned to nothing), or None."""
+    if "text" in parsed:
+        return None if parsed["text"].strip() else "field 'text' is empty after cleaning"
+    for i, msg in enumerate(parsed["messages"]):
+        if msg["role"] == "assistant" and not msg["content"].strip():
+            return f"messages[{i}].content: empty assistant answer after cleaning"
+    return None
+
+
+def encode_batch(
+    tokenizer: PreTrainedTokenizerBase, parsed: list[dict[str, Any]]
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Tokenise records in one tokenizer call per kind; equals `encode_record` per record."""
+    out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(parsed)
+    chats = [i for i, p in enumerate(parsed) if "messages" in p]
+    texts = [i for i, p in enumerate(parsed) if "text" in p]
+    if chats:
+        rendered = [answer_spans(tokenizer, parsed[i]["messages"]) for i in chats]
+        enc: Any = tokenizer(
+            [full for full, _ in rendered], add_special_tokens=False, return_offsets_mapping=True
+        )
+        for j, i in enumerate(chats):
+            ids = np.asarray(enc["input_ids"][j], dtype=np.int32)
+            starts = np.asarray([s for s, _ in enc["offset_mapping"][j]], dtype=np.int64)
+            mask = np.zeros(ids.size, dtype=bool)
+            for s, e in rendered[j][1]:
+                mask |= (starts >= s) & (starts < e)
+            out[i] = (ids, _shifted_labels(ids, mask))
+    if texts:
+        enc = tokenizer([parsed[i]["text"] for i in texts], add_special_tokens=True)
+        eos = tokenizer.eos_token_id
+        for j, i in enumerate(texts):
+            toks = list(enc["input_ids"][j])
+            if eos is not None and (not toks or toks[-1] != eos):
+                toks.append(eos)
+            ids = np.asarray(toks, dtype=np.int32)
+            out[i] = (ids, _shifted_labels(ids, np.ones(ids.size, dtype=bool)))
+    return [o for o in out if o is not None]
+
+
+def _shifted_labels(ids: np.ndarray, supervised: np.ndarray) -> np.ndarray:
+    labels = np.full(ids.size, IGNORE_INDEX, dtype=np.int32)
+    labels[:-1] = np.where(supervised[1:], ids[1:], IGNORE_INDEX)
+    return labels
+
+
+def _length_check(
+    ids: np.ndarray, labels: np.ndarray, s: PrepareSettings
+) -> tuple[np.ndarray, np.ndarray, str, str]:
+    """Apply the token length filters; returns (ids, labels, kind, reason), kind "" = keep."""
+    n = int(ids.size)
+    if n > s.max_seq_len:
+        if not s.truncate:
+            return (
+                ids,
+                labels,
+                "too_long",
+                f"too long: {n} tokens > data.max_seq_len={s.max_seq_len}",
+            )
+        ids, labels = ids[: s.max_seq_len], labels[: s.max_seq_len].copy()
+        labels[-1] = IGNORE_INDEX  # it pointed at a token that was cut off
+        if not (labels != IGNORE_INDEX).any():
+            reason = (
+                f"answer truncated to nothing: {n} tokens cut to data.max_seq_len={s.max_seq_len}"
+            )
+            return ids, labels, "answer_truncated", reason
+    if n < s.min_tokens:
+        return ids, labels, "too_short", f"too short: {n} tokens < data.min_tokens={s.min_tokens}"
+    if not (labels != IGNORE_INDEX).any():
+        return ids, labels, "no_supervised", "no supervised tokens after tokenisation"
+    return ids, labels, "", ""
+
+
+def process_chunk(
+    items: list[RawItem], settings: PrepareSettings, tokenizer: PreTrainedTokenizerBase
+) -> ChunkResult:
+    """Validate, clean, hash and tokenise one chunk of raw items."""
+    start = time.perf_counter()
+    result = ChunkResult()
+    valid: list[tuple[int, dict[str, Any]]] = []
+    outcome: list[Rejection | None] = [None] * len(items)
+    for pos, item in enumerate(items):
+        try:
+            obj = decode_item(item)
+        except ValueError as e:
+            outcome[pos] = Rejection(item.source, item.line, _decode_kind(str(e)), str(e))
+            continue
+        try:
+            parsed = parse_record(obj, settings.format, settings.system_prompt)
+        except BadRecordError as e:
+            outcome[pos] = Rejection(item.source, item.line, _bad_kind(str(e)), str(e))
+            continue
+        parsed = clean_record(parsed, settings.clean, result.cleaned)
+        empty = _after_cleaning(parsed)
+        if empty:
+            outcome[pos] = Rejection(item.source, item.line, "empty_after_cleaning", empty)
+            continue
+        valid.append((pos, parsed))
+    encoded = encode_batch(tokenizer, [p for _, p in valid])
+    kept_at: dict[int, Kept] = {}
+    for (pos, parsed), (ids, labels) in zip(valid, encoded, strict=True):
+        item = items[pos]
+        ids, labels, kind, reason = _length_check(ids, labels, settings)
+        if kind:
+            outcome[pos] = Rejection(item.source, item.line, kind, reason)
+            continue
+        sig = None
+        if settings.dedup == "near":
+            sig = minhash(record_text(parsed), settings.num_perm)
+        record = parsed["text"] if "text" in parsed else json.dumps(parsed, ensure_ascii=False)
+        kept_at[pos] = Kept(item.source, item.line, record, content_hash(parsed), sig, ids, labels)
+    for pos, rejection in enumerate(outcome):
+        if rejection is not None:
+            result.rejected.append(rejection)
+            result.order.append(False)
+        elif pos in kept_at:
+            result.kept.append(kept_at[pos])
+            result.order.append(True)
+    result.seconds = time.perf_counter() - start
+    return result
