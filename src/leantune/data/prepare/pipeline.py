@@ -29,7 +29,7 @@ from leantune.data.prepare.records import ChunkResult, Kept, PrepareSettings, Re
 from leantune.data.prepare.shards import SHARD_TOKENS, ShardBuffer, write_shard
 from leantune.data.tokenize import IGNORE_INDEX
 
-PIPELINE_VERSION = 1  # bump when the output for the same key changes
+PIPELINE_VERSION = 2  # bump when the output for the same key changes
 REPORT = "prepare_report.json"
 REJECTED = "rejected.jsonl"
 Log = Callable[[str], None]
@@ -149,8 +149,11 @@ class _Writer:
             return
         t0 = time.perf_counter()
         s = self.settings
+        first = sum(int(sh["examples"]) for sh in self.shards)
         self.shards.append(
-            write_shard(self.out, len(self.shards), self.buf, self.column, s.max_seq_len, s.pack)
+            write_shard(
+                self.out, len(self.shards), self.buf, self.column, s.max_seq_len, s.pack, first
+            )
         )
         self.buf = ShardBuffer()
         self.write_s += time.perf_counter() - t0

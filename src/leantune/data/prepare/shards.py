@@ -3,8 +3,9 @@
 A prepared directory holds, per shard `k`:
 - `examples-k.parquet`: one row per kept example in input order: `source`, `line`, the cleaned
   record as a string (`messages` as JSON, or `text`), `input_ids` and shifted `labels`;
-- `rows-k.parquet`: the training rows built from those examples: `input_ids`, `labels` and
-  `position_ids` that restart at 0 for every packed example.
+- `rows-k.parquet`: the training rows built from those examples: `input_ids`, `labels`,
+  `position_ids` that restart at 0 for every packed example, and `examples`, the indices of
+  the packed examples in the whole directory (so a skipped row can be named by source line).
 Packing runs per shard (a few million tokens), which keeps memory flat; with thousands of
 examples per shard its efficiency equals whole-dataset packing to within a fraction of a percent.
 """
@@ -88,7 +89,7 @@ def rows_of(examples: Sequence[Example], groups: list[list[int]] | None) -> list
             ids += examples[i].input_ids
             labels += examples[i].labels
             pos += range(len(examples[i].input_ids))
-        rows.append(Row(ids, labels, pos))
+        rows.append(Row(ids, labels, pos, tuple(g)))
     return rows
 
 
@@ -113,9 +114,16 @@ class ShardBuffer:
 
 
 def write_shard(
-    out: Path, index: int, buf: ShardBuffer, record_column: str, seq_len: int, pack: bool
+    out: Path,
+    index: int,
+    buf: ShardBuffer,
+    record_column: str,
+    seq_len: int,
+    pack: bool,
+    first_example: int = 0,
 ) -> dict[str, Any]:
-    """Write examples-k and rows-k; returns the shard's counts."""
+    """Write examples-k and rows-k; returns the shard's counts. `first_example` is the index of
+    the shard's first example in the whole directory."""
     examples = pa.table(
         {
             "source": pa.array(buf.sources, pa.string()),
@@ -136,6 +144,9 @@ def write_shard(
             "input_ids": _list_array(row_ids),
             "labels": _list_array(row_labels),
             "position_ids": _list_array(row_pos),
+            "examples": _list_array(
+                [np.asarray(g, dtype=np.int64) + first_example for g in groups]
+            ),
         }
     )
     pq.write_table(rows, out / f"rows-{index:05d}.parquet")
@@ -152,7 +163,10 @@ def read_rows(out: Path) -> list[Row]:
     for path in sorted(out.glob("rows-*.parquet")):
         t = pq.read_table(path, memory_map=True)
         ids, labels, pos = (_lists(t, c) for c in ("input_ids", "labels", "position_ids"))
-        rows += [Row(a, b, c) for a, b, c in zip(ids, labels, pos, strict=True)]
+        members = _lists(t, "examples") if "examples" in t.column_names else [[]] * len(ids)
+        rows += [
+            Row(a, b, c, tuple(e)) for a, b, c, e in zip(ids, labels, pos, members, strict=True)
+        ]
     return rows
 
 
