@@ -2,6 +2,7 @@
 
 leantune train [CONFIG.yaml] [section.key=value ...]
 leantune validate CONFIG.yaml [section.key=value ...]
+leantune plan [CONFIG.yaml] [--budget 24GiB] [--device cpu|cuda] [--json] [section.key=value ...]
 leantune eval --model PATH --data FILE [--limit N]
 leantune generate --model PATH --prompt TEXT [--chat] [sampling options]
 """
@@ -53,6 +54,19 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for w in validate(cfg):
         print(f"warning: {w}")
     print(f"ok: {config or 'built-in demo config'} is valid")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from leantune.config import load_config
+    from leantune.memory.report import format_text, plan
+
+    config, overrides = _split_config_args(args.args)
+    cfg = load_config(config, overrides)
+    _quiet_libraries()
+    device = args.device or ("cpu" if cfg.train.device == "auto" else cfg.train.device)
+    result = plan(cfg, device, args.budget)
+    print(json.dumps(result) if args.json else format_text(result))
     return 0
 
 
@@ -157,6 +171,21 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("validate", help="check a config without loading a model")
     v.add_argument("args", nargs="*", help="CONFIG.yaml [section.key=value ...]")
     v.set_defaults(func=cmd_validate)
+    pl = sub.add_parser("plan", help="predict peak memory and the fastest settings that fit")
+    pl.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
+    pl.add_argument(
+        "--budget",
+        default=None,
+        help="e.g. 24GiB (default: train.memory_budget, else 90%% of available memory)",
+    )
+    pl.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="default: cpu, or train.device when set",
+    )
+    pl.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    pl.set_defaults(func=cmd_plan)
 
     e = sub.add_parser("eval", help="loss, perplexity and exact match of a model on a JSONL file")
     e.add_argument("--model", required=True, help="model dir, run final/ dir, .gguf or demo name")

@@ -78,8 +78,14 @@ class MethodConfig:
 class TrainConfig:
     max_steps: int = 100
     """Optimizer steps to run."""
-    micro_batch_size: int = 4
-    """Sequences per forward/backward pass."""
+    micro_batch_size: int | Literal["auto"] = 4
+    """Sequences per forward/backward pass; auto = the largest divisor of train.global_batch_size
+    that the memory planner predicts fits train.memory_budget (grad_accum then fills the rest)."""
+    global_batch_size: int | None = None
+    """Rows per optimizer step when micro_batch_size=auto (required then; ignored otherwise)."""
+    memory_budget: str | None = None
+    """Memory the run may use, e.g. 20GiB (default: 90% of free CUDA memory or available RAM);
+    read by micro_batch_size=auto."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
     lr: float | None = None
@@ -289,7 +295,7 @@ def validate(cfg: Config) -> list[str]:
     t, d, m = cfg.train, cfg.data, cfg.method
     positive = {
         "train.max_steps": t.max_steps,
-        "train.micro_batch_size": t.micro_batch_size,
+        "train.micro_batch_size": 1 if t.micro_batch_size == "auto" else t.micro_batch_size,
         "train.grad_accum": t.grad_accum,
         "train.keep_last": t.keep_last,
         "train.eval_batch_size": t.eval_batch_size,
@@ -299,6 +305,18 @@ def validate(cfg: Config) -> list[str]:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key}: must be >= 1, got {value}")
+    if t.micro_batch_size == "auto" and (t.global_batch_size or 0) < 1:
+        raise ConfigError(
+            "train.micro_batch_size=auto needs train.global_batch_size (rows per optimizer "
+            "step, >= 1); the planner splits it into micro-batch x grad_accum"
+        )
+    if t.memory_budget is not None:
+        from leantune.memory.planner import parse_size
+
+        try:
+            parse_size(t.memory_budget)
+        except ValueError as e:
+            raise ConfigError(f"train.memory_budget: {e}") from e
     if t.save_every < 0:
         raise ConfigError(
             f"train.save_every: must be >= 0 (0 = only at the end), got {t.save_every}"

@@ -28,6 +28,7 @@ from leantune.data.dataset import PreparedData, prepare_file
 from leantune.data.loader import BatchSchedule, collate
 from leantune.eval.exact_match import answers_match, evaluate_exact_match
 from leantune.eval.loss import evaluate_loss
+from leantune.memory.planner import plan_for_run
 from leantune.methods.registry import (
     DEFAULT_LR,
     apply_method,
@@ -51,7 +52,7 @@ from leantune.training.checkpoint import (
     save_checkpoint,
 )
 from leantune.training.loss import count_supervised, token_loss_sum
-from leantune.training.metrics import MetricsLog, peak_memory_bytes, progress_bar
+from leantune.training.metrics import MetricsLog, memory_stats, progress_bar
 from leantune.training.optim import build_optimizer, build_scheduler
 from leantune.training.precision import (
     autocast,
@@ -241,7 +242,7 @@ def train_step(
         "supervised_tokens": sum(count_supervised(b["labels"]) for b in batches),
         "tokens_per_s": tokens / elapsed,
         "step_time_s": elapsed,
-        "peak_mem_bytes": peak_memory_bytes(tr.device),
+        **memory_stats(tr.device),
         "optimizer_stepped": stepped,
     }
 
@@ -268,6 +269,8 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
     source = resolve_model(cfg.model.path, cfg.model.gguf_file)
     tokenizer = load_tokenizer(source, cfg.model.trust_remote_code)
     train_data, eval_data = load_datasets(cfg, tokenizer, log)
+    t, memory_note = plan_for_run(cfg, device.type, [r.labels for r in train_data.rows])
+    log(memory_note)
     model: nn.Module = load_model(
         source, cfg.model.dtype, cfg.model.trust_remote_code, cfg.model.attn_implementation
     )
@@ -301,7 +304,7 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
         optimizer=optimizer,
         scheduler=build_scheduler(optimizer, t.max_steps, t.warmup_ratio, t.min_lr_ratio),
         scaler=make_grad_scaler(t.precision, device.type),
-        schedule=BatchSchedule(len(train_data.rows), t.micro_batch_size, t.seed),
+        schedule=BatchSchedule(len(train_data.rows), int(t.micro_batch_size), t.seed),
         data=train_data,
         pad_id=int(tokenizer.pad_token_id),
         device=device,
