@@ -195,3 +195,39 @@ def test_cli_plan_json_and_text(tmp_path: Path, tiny_llama_dir: Path, capsys) ->
     assert main(["plan", str(cfg), "--budget", "64GiB"]) == 0
     text = capsys.readouterr().out
     assert "predicted peak" in text and "fits the cpu budget of 64.00 GiB" in text
+
+
+def test_train_resolves_auto_and_logs_memory(
+    tiny_llama_dir: Path, tokenizer, tmp_path: Path
+) -> None:
+    from dataclasses import replace as dc_replace
+
+    from leantune.data.dataset import prepare_file
+    from leantune.memory.planner import plan_inputs
+    from leantune.training.metrics import read_metrics
+    from leantune.training.recipe import train
+
+    cfg = load_config(
+        _config_file(tmp_path, tiny_llama_dir),
+        [
+            "train.micro_batch_size=auto",
+            "train.global_batch_size=4",
+            "train.max_steps=2",
+            f"run.dir={tmp_path / 'run'}",
+            "run.progress=false",
+            "train.save_every=0",
+        ],
+    )
+    assert cfg.data.train is not None
+    data = prepare_file(cfg.data.train, "chat", tokenizer, 64, True)
+    inputs = plan_inputs(cfg, "cpu", max_supervised_per_row([r.labels for r in data.rows]))
+    peak = {
+        mb: estimate(inputs.facts, dc_replace(inputs.step, micro_batch=mb)).peak for mb in (2, 4)
+    }
+    cfg.train.memory_budget = str((peak[2] + peak[4]) // 2)  # fits 2 rows, not 4
+    logs: list[str] = []
+    train(cfg, log=logs.append)
+    assert any("micro_batch_size=auto: 2 x grad_accum 2 (global batch 4)" in x for x in logs)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(0 < r["rss_bytes"] <= r["peak_mem_bytes"] for r in rows)

@@ -194,7 +194,6 @@ def optimizer_bytes(facts: ModelFacts, optimizer: str) -> int:
 
 def estimate(facts: ModelFacts, st: StepSettings, weight_itemsize: int = 4) -> Breakdown:
     """Predict the peak memory of a training step with settings `st`."""
-    itemsize = facts.trainable_bytes / max(1, facts.trainable_params)
     return Breakdown(
         overhead=RUNTIME_OVERHEAD.get(st.device, RUNTIME_OVERHEAD["cpu"]),
         weights=weight_bytes(facts, st, weight_itemsize),
@@ -202,5 +201,16 @@ def estimate(facts: ModelFacts, st: StepSettings, weight_itemsize: int = 4) -> B
         optimizer=optimizer_bytes(facts, st.optimizer),
         activations=activations(facts, st),
         loss=loss_bytes(facts, st),
-        step_temporaries=int(2 * facts.largest_trainable * itemsize),
+        step_temporaries=step_temporaries(facts, st.device),
     )
+
+
+def step_temporaries(facts: ModelFacts, device: str) -> int:
+    """AdamW's scratch during `optimizer.step`: on CPU torch runs it one tensor at a time (two
+    temporaries of the largest parameter's size); on CUDA the default foreach implementation
+    takes the square root of every second moment at once (one copy of all trainable tensors;
+    not measured here, as no GPU was available)."""
+    if device == "cuda":
+        return facts.trainable_bytes
+    itemsize = facts.trainable_bytes / max(1, facts.trainable_params)
+    return int(2 * facts.largest_trainable * itemsize)

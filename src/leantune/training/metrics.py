@@ -30,7 +30,9 @@ def memory_stats(device: torch.device) -> dict[str, int]:
             "peak_mem_bytes": int(torch.cuda.max_memory_allocated(device)),
             "peak_mem_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
         }
-    return {"rss_bytes": current_rss_bytes(), "peak_mem_bytes": peak_memory_bytes(device)}
+    rss = current_rss_bytes()
+    # The kernel updates its high-water mark lazily, so it can trail the current RSS.
+    return {"rss_bytes": rss, "peak_mem_bytes": max(rss, peak_memory_bytes(device))}
 
 
 def current_rss_bytes() -> int:
