@@ -8,9 +8,10 @@ with half of each row supervised. Measured = peak RSS (VmHWM) minus the baseline
 `Breakdown.run_peak` for the same settings (the planner's peak without its process baseline).
 
 The subprocess runs with MALLOC_MMAP_THRESHOLD_=65536 so that freed tensors go back to the
-kernel: with glibc's default dynamic threshold, freed 1-32 MB blocks stay in the heap and RSS
-overstates live memory by a workload-dependent 10-40% (measured on this grid), which no planner
-can predict. `--default-malloc` shows that figure too.
+kernel (with glibc's default dynamic threshold, freed 1-32 MB blocks stay in the heap and RSS
+overstated live memory by a workload-dependent ~10-35% on this grid, which no planner can
+predict) and MKL_DISABLE_FAST_MM=1 so that MKL does not keep its GEMM scratch buffers.
+`--default-malloc` also measures each point with the default allocators.
 
 Usage:
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/plan_accuracy.py [--only NAME ...]
@@ -176,7 +177,8 @@ def main() -> int:
     print(f" {'glibc MiB':>9s}" if args.default_malloc else "", flush=True)
     for name in names:
         runs = {}
-        for label, extra in (("tuned", {"MALLOC_MMAP_THRESHOLD_": "65536"}), ("default", {})):
+        tuned = {"MALLOC_MMAP_THRESHOLD_": "65536", "MKL_DISABLE_FAST_MM": "1"}
+        for label, extra in (("tuned", tuned), ("default", {})):
             if label == "default" and not args.default_malloc:
                 continue
             out = subprocess.run(

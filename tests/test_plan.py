@@ -79,7 +79,7 @@ def _saved_activation_bytes(model: torch.nn.Module, batch: dict[str, torch.Tenso
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("method", ["full", "lora", "ia3"])
+@pytest.mark.parametrize("method", ["full", "lora", "dora", "ia3", "freeze"])
 def test_activations_match_what_autograd_saves(method: str) -> None:
     """Per-block prediction vs the real model's saved tensors: the difference between a 4-block
     and a 2-block model isolates two blocks, whatever is outside them."""

@@ -119,7 +119,9 @@ def activation_bytes_per_token(layer: LayerTraining, s: ModelShape, st: StepSett
     elems += h if layer.saves_input & set(ATTN_INPUT) else 0
     elems += h if layer.saves_input & set(MLP_INPUT) else 0
     elems += q + 2 * kv + q  # attention keeps q, k, v and its output
-    elems += q if "o_proj" in layer.saves_input else 0
+    # o_proj's input is a view of SDPA's output (already counted); eager attention copies it.
+    eager = st.attn_implementation == "eager"
+    elems += q if "o_proj" in layer.saves_input and eager else 0
     elems += 3 * i  # silu keeps gate; gate * up keeps silu(gate) and up
     elems += i if "down_proj" in layer.saves_input else 0
     elems += sum(s.kv_heads * d for _ in layer.saves_output)
@@ -128,7 +130,7 @@ def activation_bytes_per_token(layer: LayerTraining, s: ModelShape, st: StepSett
     out += 2 * 4  # RMSNorm's fp32 rsqrt per norm
     if st.precision != "fp32":
         out += 2 * h * 4  # RMSNorm upcasts its input to fp32 under autocast and keeps it
-    if st.attn_implementation == "eager":
+    if eager:
         out += s.heads * st.seq_len * act - q * act  # probabilities instead of SDPA's output
     else:
         # log-sum-exp, and the packed-row mask that SDPA turns into a float mask in every block

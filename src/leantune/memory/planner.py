@@ -9,6 +9,7 @@ global batch (micro_batch x grad_accum); `resolve_micro_batch` serves `train.mic
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, replace
 from typing import Any
@@ -52,9 +53,7 @@ def available_memory(device: str) -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import psutil
-
-    return int(psutil.virtual_memory().available)
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def default_budget(device: str) -> int:
