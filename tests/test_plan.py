@@ -79,8 +79,12 @@ def _saved_activation_bytes(model: torch.nn.Module, batch: dict[str, torch.Tenso
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("method", ["full", "lora", "dora", "ia3", "freeze"])
-def test_activations_match_what_autograd_saves(method: str) -> None:
+# DoRA keeps a few tensors beyond the base and adapter outputs the planner counts (-6% here).
+@pytest.mark.parametrize(
+    ("method", "tolerance"),
+    [("full", 0.01), ("lora", 0.01), ("dora", 0.08), ("ia3", 0.01), ("freeze", 0.01)],
+)
+def test_activations_match_what_autograd_saves(method: str, tolerance: float) -> None:
     """Per-block prediction vs the real model's saved tensors: the difference between a 4-block
     and a 2-block model isolates two blocks, whatever is outside them."""
     seq, mb = 128, 2
@@ -98,7 +102,7 @@ def test_activations_match_what_autograd_saves(method: str) -> None:
         facts = model_facts_for(config, "fp32", "sdpa", MethodConfig(name=method))  # type: ignore[arg-type]
         predicted.append(estimate(facts, StepSettings(mb, seq)).activations)
     two_blocks_saved, two_blocks_predicted = saved[1] - saved[0], predicted[1] - predicted[0]
-    assert two_blocks_predicted == pytest.approx(two_blocks_saved, rel=0.08)
+    assert two_blocks_predicted == pytest.approx(two_blocks_saved, rel=tolerance)
 
 
 def test_monotone_in_batch_sequence_and_checkpointing() -> None:

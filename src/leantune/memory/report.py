@@ -101,6 +101,11 @@ def format_text(result: dict[str, Any]) -> str:
         "  peak = runtime + weights + optimizer + max(activations + loss, gradients + step)"
     )
     lines.append(f"  {'predicted peak':40s} {b['peak'] / GIB:8.3f} GiB")
+    if result["device"] == "cpu":
+        lines.append(
+            "  (live tensors; with glibc's default malloc, CPU RSS measured up to 1.6x the run's"
+            " tensors: benchmarks/plan_accuracy.py)"
+        )
     budget = result["budget"] / GIB
     verdict = "fits" if result["fits"] else "does NOT fit"
     lines += ["", f"{verdict} the {result['device']} budget of {budget:.2f} GiB"]
