@@ -199,6 +199,9 @@ def test_cli_plan_json_and_text(tmp_path: Path, tiny_llama_dir: Path, capsys) ->
     assert main(["plan", str(cfg), "--budget", "64GiB"]) == 0
     text = capsys.readouterr().out
     assert "predicted peak" in text and "fits the cpu budget of 64.00 GiB" in text
+    if not torch.cuda.is_available():
+        assert main(["plan", str(cfg), "--device", "cuda"]) == 2
+        assert "give a budget" in capsys.readouterr().err
 
 
 def test_train_resolves_auto_and_logs_memory(

@@ -65,7 +65,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_config(config, overrides)
     _quiet_libraries()
     device = args.device or ("cpu" if cfg.train.device == "auto" else cfg.train.device)
-    result = plan(cfg, device, args.budget)
+    try:
+        result = plan(cfg, device, args.budget)
+    except (ValueError, MemoryError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(result) if args.json else format_text(result))
     return 0
 

@@ -44,6 +44,8 @@ def parse_size(text: str) -> int:
 def available_memory(device: str) -> int:
     """Memory a run may use: free CUDA memory, or MemAvailable of the machine (Linux)."""
     if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("no CUDA device here to measure free memory; give a budget")
         free, _ = torch.cuda.mem_get_info()
         return int(free)
     try:
