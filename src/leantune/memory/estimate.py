@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from leantune.memory.inspect import ATTN_INPUT, MLP_INPUT, LayerTraining, ModelFacts, ModelShape
+from leantune.memory.facts import ATTN_INPUT, MLP_INPUT, LayerTraining, ModelFacts, ModelShape
 
 GIB = 1024**3
 

@@ -18,7 +18,7 @@ import torch
 
 from leantune.config import Config, MethodConfig, TrainConfig
 from leantune.memory.estimate import GIB, Breakdown, StepSettings, estimate
-from leantune.memory.inspect import ModelFacts, build_meta_model, model_facts
+from leantune.memory.facts import ModelFacts, build_meta_model, model_facts
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Methods whose trainable parameters equal another's when counted on a meta model (QLoRA trains
