@@ -9,7 +9,8 @@ What the loop keeps alive (training/recipe.py, training/loss.py):
 - gradients are set to None after every optimizer step, so they never coexist with a full set of
   saved activations: they peak at the end of backward and during `optimizer.step`, whose
   single-tensor AdamW (the CPU default) makes two temporaries the size of the largest parameter.
-So: peak = overhead + weights + optimizer + max(activations + loss, gradients + step temporaries).
+So: peak = overhead + weights + optimizer
+           + max(activations + max(loss, recomputed block), gradients + step temporaries).
 
 Per block and token, what autograd keeps (Llama/Qwen2/Mistral code, checked by counting saved
 tensors with `torch.autograd.graph.saved_tensors_hooks` on CPU): each RMSNorm keeps its input
@@ -46,10 +47,10 @@ QUANT_BYTES: dict[str, float] = {
     "nf4-dq": 0.5 + 1 / 64 + 4 / (64 * 256),
 }
 
-# Process baseline that is not the run's tensors: python + torch + transformers + tokenizers
-# imported (CPU RSS measured on this machine: ~0.45 GiB), or the CUDA context plus cuBLAS
-# workspace on a GPU (typical 0.3-0.6 GiB; not measured here).
-RUNTIME_OVERHEAD = {"cpu": int(0.45 * GIB), "cuda": int(0.5 * GIB)}
+# Process baseline that is not the run's tensors: python + torch + transformers + peft imported
+# and one warm-up step run (kernel code paged in; CPU RSS measured on this machine: 0.46 GiB),
+# or the CUDA context plus cuBLAS workspace on a GPU (typical 0.3-0.6 GiB; not measured here).
+RUNTIME_OVERHEAD = {"cpu": int(0.46 * GIB), "cuda": int(0.5 * GIB)}
 
 
 @dataclass(frozen=True)
@@ -82,12 +83,14 @@ class Breakdown:
     optimizer: int
     activations: int
     loss: int
+    recompute: int
     step_temporaries: int
 
     @property
     def backward_phase(self) -> int:
-        """Activations and the loss transient, alive together at the start of backward."""
-        return self.activations + self.loss
+        """Kept activations plus the larger of the loss transient (start of backward) and, with
+        checkpointing, one recomputed block (later, when the loss tensors are freed)."""
+        return self.activations + max(self.loss, self.recompute)
 
     @property
     def update_phase(self) -> int:
@@ -144,7 +147,7 @@ def activations(facts: ModelFacts, st: StepSettings) -> int:
     s = facts.shape
     tokens = st.micro_batch * st.seq_len
     act = 4 if st.precision == "fp32" else 2
-    flowing = []  # blocks that backward passes through
+    flowing: list[float] = []  # blocks that backward passes through
     grad_in = facts.embedding_trains
     for layer in facts.layers:
         grad_in = grad_in or layer.trains
@@ -152,14 +155,26 @@ def activations(facts: ModelFacts, st: StepSettings) -> int:
             flowing.append(activation_bytes_per_token(layer, s, st))
     if not flowing:
         return 0
-    if st.gradient_checkpointing:
-        per_token = len(flowing) * s.hidden * act + max(flowing)
-    else:
-        per_token = sum(flowing)
+    # With checkpointing each block keeps only its input.
+    per_token = len(flowing) * s.hidden * act if st.gradient_checkpointing else sum(flowing)
     # Outside the blocks: embedding output, final norm input and output, RoPE cos/sin.
     per_token += 3 * s.hidden * act + 2 * s.head_dim * 4
     mask = st.micro_batch * st.seq_len**2 * (1 if st.attn_implementation == "sdpa" else act)
     return int(tokens * per_token + mask)
+
+
+def recompute_bytes(facts: ModelFacts, st: StepSettings) -> int:
+    """With gradient checkpointing: one block's tensors, recomputed during backward (after the
+    loss's transient is gone); 0 without."""
+    if not st.gradient_checkpointing:
+        return 0
+    grad_in = facts.embedding_trains
+    largest = 0.0
+    for layer in facts.layers:
+        grad_in = grad_in or layer.trains
+        if grad_in:
+            largest = max(largest, activation_bytes_per_token(layer, facts.shape, st))
+    return int(st.micro_batch * st.seq_len * largest)
 
 
 def loss_bytes(facts: ModelFacts, st: StepSettings) -> int:
@@ -203,6 +218,7 @@ def estimate(facts: ModelFacts, st: StepSettings, weight_itemsize: int = 4) -> B
         optimizer=optimizer_bytes(facts, st.optimizer),
         activations=activations(facts, st),
         loss=loss_bytes(facts, st),
+        recompute=recompute_bytes(facts, st),
         step_temporaries=step_temporaries(facts, st.device),
     )
 

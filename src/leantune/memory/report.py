@@ -20,6 +20,7 @@ COMPONENTS = (
     ("optimizer", "optimizer states"),
     ("activations", "activations saved for backward"),
     ("loss", "logits + loss (supervised positions)"),
+    ("recompute", "recomputed block (checkpointing)"),
     ("gradients", "gradients"),
     ("step_temporaries", "optimizer-step temporaries"),
 )
@@ -98,7 +99,8 @@ def format_text(result: dict[str, Any]) -> str:
     for key, label in COMPONENTS:
         lines.append(f"  {label:40s} {b[key] / GIB:8.3f} GiB")
     lines.append(
-        "  peak = runtime + weights + optimizer + max(activations + loss, gradients + step)"
+        "  peak = runtime + weights + optimizer"
+        " + max(activations + max(loss, recompute), gradients + step)"
     )
     lines.append(f"  {'predicted peak':40s} {b['peak'] / GIB:8.3f} GiB")
     if result["device"] == "cpu":
