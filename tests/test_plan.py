@@ -111,7 +111,9 @@ def test_monotone_in_batch_sequence_and_checkpointing() -> None:
     a = estimate(facts, base)
     assert estimate(facts, replace(base, micro_batch=4)).activations > a.activations
     assert estimate(facts, replace(base, seq_len=128)).activations > a.activations
-    assert estimate(facts, replace(base, gradient_checkpointing=True)).activations < a.activations
+    ckpt = estimate(facts, replace(base, gradient_checkpointing=True))
+    assert ckpt.activations < a.activations and ckpt.peak < a.peak
+    assert ckpt.recompute > 0 and a.recompute == 0
     assert estimate(facts, replace(base, supervised_per_row=8)).loss < a.loss
     eager = estimate(facts, replace(base, attn_implementation="eager"))
     assert eager.activations > a.activations  # eager keeps the attention probabilities
