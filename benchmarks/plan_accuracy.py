@@ -1,7 +1,7 @@
 """How close is the memory planner? Predicted vs measured peak of real training steps on CPU.
 
 Each grid point runs in a fresh subprocess: it imports everything, runs one warm-up step of a
-1-block model with the same method (paging in the kernels' code), reads its RSS (the idle
+2-block model with the same method (paging in the kernels' code), reads its RSS (the idle
 baseline), builds the model (random init from config, or the cached demo SmolLM2-135M), applies
 the method, then runs two optimizer steps (the second has the AdamW states of the first) of the
 real loop's code (`backward_window`, clipping, `optimizer.step`) on packed rows of random tokens
@@ -99,7 +99,7 @@ def _batch(vocab: int, micro_batch: int, seq_len: int) -> dict[str, Any]:
 
 
 def _warm_up(method: str, ckpt: bool, attn: str) -> None:
-    """One step of a 1-block model with the same method and kernels, then freed: the first step
+    """One step of a 2-block model with the same method and kernels, then freed: the first step
     pages in the code of the kernels it uses and sets up lazy runtime state (~20 MB of RSS that
     stays), which belongs to the process baseline (the planner's runtime overhead), not to the
     run's tensors."""
@@ -114,7 +114,7 @@ def _warm_up(method: str, ckpt: bool, attn: str) -> None:
     from leantune.training.optim import build_optimizer
     from leantune.training.recipe import backward_window
 
-    dims = {**SMALL, "vocab_size": 512, "num_hidden_layers": 1, "hidden_size": 64}
+    dims = {**SMALL, "vocab_size": 512, "num_hidden_layers": 2, "hidden_size": 64}
     dims["intermediate_size"] = 128
     config = LlamaConfig(**dims, tie_word_embeddings=True)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
