@@ -3,6 +3,7 @@
 leantune train [CONFIG.yaml] [section.key=value ...]
 leantune validate CONFIG.yaml [section.key=value ...]
 leantune prepare CONFIG.yaml | --data FILE... --format F --model PATH [--out DIR] [--engine dask]
+leantune plan [CONFIG.yaml] [--budget 24GiB] [--device cpu|cuda] [--json] [section.key=value ...]
 leantune eval --model PATH --data FILE [--limit N] [--lm-eval TASKS [--lm-eval-limit N]]
 leantune generate --model PATH --prompt TEXT [--chat] [sampling options]
 leantune bench methods [CONFIG.yaml] [--methods a,b] [--out DIR] [section.key=value ...]
@@ -84,6 +85,23 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from leantune.data.prepare.command import run, summary
 
     print(summary(run(args)))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from leantune.config import load_config
+    from leantune.memory.report import format_text, plan
+
+    config, overrides = _split_config_args(args.args)
+    cfg = load_config(config, overrides)
+    _quiet_libraries()
+    device = args.device or ("cpu" if cfg.train.device == "auto" else cfg.train.device)
+    try:
+        result = plan(cfg, device, args.budget)
+    except (ValueError, MemoryError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result) if args.json else format_text(result))
     return 0
 
 
@@ -292,6 +310,22 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("prepare", help="clean, dedup, tokenise and pack data into shards")
     add_arguments(pr)
     pr.set_defaults(func=cmd_prepare)
+
+    pl = sub.add_parser("plan", help="predict peak memory and the fastest settings that fit")
+    pl.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
+    pl.add_argument(
+        "--budget",
+        default=None,
+        help="e.g. 24GiB (default: train.memory_budget, else 90%% of available memory)",
+    )
+    pl.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="default: cpu, or train.device when set",
+    )
+    pl.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    pl.set_defaults(func=cmd_plan)
 
     e = sub.add_parser("eval", help="loss, perplexity and exact match of a model on a JSONL file")
     e.add_argument("--model", required=True, help="model dir, run final/ dir, .gguf or demo name")

@@ -141,8 +141,15 @@ class MethodConfig:
 class TrainConfig:
     max_steps: int = 100
     """Optimizer steps to run."""
-    micro_batch_size: int = 4
-    """Sequences per forward/backward pass."""
+    micro_batch_size: int | Literal["auto"] = 4
+    """Sequences per forward/backward pass; auto = the largest divisor of train.global_batch_size
+    that the memory planner predicts fits train.memory_budget (grad_accum then fills the rest)."""
+    global_batch_size: int | None = None
+    """Rows per optimizer step when micro_batch_size=auto (required then; ignored otherwise)."""
+    memory_budget: str | None = None
+    """Memory the run may use, e.g. 20GiB. micro_batch_size=auto plans within it (unset: 90% of
+    free CUDA memory or available RAM); on CPU a micro-batch whose resident memory goes above it
+    counts as out of memory (halve the micro-batch, replay the step; unset: no limit)."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
     lr: float | None = None
@@ -188,9 +195,6 @@ class TrainConfig:
     """Generation length limit for exact match."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train."""
-    memory_budget: str | None = None
-    """Process memory limit such as "20GiB": on CPU a micro-batch whose resident memory goes
-    above it counts as out of memory (halve the micro-batch, replay the step); None = no limit."""
 
 
 @dataclass
@@ -416,7 +420,7 @@ def validate(cfg: Config) -> list[str]:
     t, d, m = cfg.train, cfg.data, cfg.method
     positive = {
         "train.max_steps": t.max_steps,
-        "train.micro_batch_size": t.micro_batch_size,
+        "train.micro_batch_size": 1 if t.micro_batch_size == "auto" else t.micro_batch_size,
         "train.grad_accum": t.grad_accum,
         "train.keep_last": t.keep_last,
         "train.eval_batch_size": t.eval_batch_size,
@@ -430,6 +434,11 @@ def validate(cfg: Config) -> list[str]:
         raise ConfigError("train.eval_every and train.eval_every_sample must be >= 0")
     if t.eval_every and d.eval is None:
         raise ConfigError("train.eval_every: needs data.eval (a held-out file)")
+    if t.micro_batch_size == "auto" and (t.global_batch_size or 0) < 1:
+        raise ConfigError(
+            "train.micro_batch_size=auto needs train.global_batch_size (rows per optimizer "
+            "step, >= 1); the planner splits it into micro-batch x grad_accum"
+        )
     if t.save_every < 0:
         raise ConfigError(
             f"train.save_every: must be >= 0 (0 = only at the end), got {t.save_every}"
@@ -538,6 +547,8 @@ def _validate_guard(g: GuardConfig) -> None:
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _SIZE_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+# A bare letter (24G, as in `leantune plan --budget 24G`) is binary, like ulimit and docker.
+_SIZE_UNITS.update({"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40})
 
 
 def parse_memory_size(text: str, key: str = "memory size") -> int:

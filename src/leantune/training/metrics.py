@@ -20,6 +20,30 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
+def memory_stats(device: torch.device) -> dict[str, int]:
+    """Current and peak memory for a metrics row: CUDA allocated and reserved (each with its
+    peak), or the process's resident set size (RSS) now and at its peak on CPU."""
+    if device.type == "cuda":
+        return {
+            "mem_allocated_bytes": int(torch.cuda.memory_allocated(device)),
+            "mem_reserved_bytes": int(torch.cuda.memory_reserved(device)),
+            "peak_mem_bytes": int(torch.cuda.max_memory_allocated(device)),
+            "peak_mem_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+        }
+    rss = current_rss_bytes()
+    # The kernel updates its high-water mark lazily, so it can trail the current RSS.
+    return {"rss_bytes": rss, "peak_mem_bytes": max(rss, peak_memory_bytes(device))}
+
+
+def current_rss_bytes() -> int:
+    """Resident set size of this process now (Linux /proc; the peak elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return peak_memory_bytes(torch.device("cpu"))
+
+
 class MetricsLog:
     """Appends one JSON object per step to `metrics.jsonl`; on resume, drops steps after `step`
     so the file holds exactly one trajectory."""

@@ -33,6 +33,7 @@ from leantune.data.loader import SampleStream, collate, split_window
 from leantune.data.prepare.command import engine_options, settings_from_config
 from leantune.data.prepare.training import prepared_data
 from leantune.eval.loss import evaluate_loss
+from leantune.memory.planner import plan_for_run
 from leantune.methods.registry import (
     DEFAULT_LR,
     apply_method,
@@ -69,7 +70,7 @@ from leantune.training.events import (
 from leantune.training.faults import KILL_ENV, FaultHooks, kill_after
 from leantune.training.guard import Decision, GuardHistory, GuardSettings, decide, remember
 from leantune.training.loss import count_supervised, token_loss_sum
-from leantune.training.metrics import MetricsLog, peak_memory_bytes, progress_bar
+from leantune.training.metrics import MetricsLog, memory_stats, progress_bar
 from leantune.training.oom import (
     MemoryBudget,
     free_memory,
@@ -373,7 +374,7 @@ def train_step(
         "supervised_tokens": sum(count_supervised(b["labels"]) for b in batches),
         "tokens_per_s": tokens / elapsed,
         "step_time_s": elapsed,
-        "peak_mem_bytes": peak_memory_bytes(tr.device),
+        **memory_stats(tr.device),
         "optimizer_stepped": stepped,
         "micro_batch_size": tr.micro_batch_size,
         "grad_accum": tr.grad_accum,
@@ -499,6 +500,9 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
     source = resolve_model(cfg.model.path, cfg.model.gguf_file)
     tokenizer = load_tokenizer(source, cfg.model.trust_remote_code)
     train_data, eval_data = load_datasets(cfg, tokenizer, log)
+    t, memory_note = plan_for_run(cfg, device.type, [r.labels for r in train_data.rows])
+    cfg.train = t  # micro_batch_size=auto resolved; build_trainer reads cfg.train
+    log(memory_note)
     quantization = base_quantization(cfg.method, t.precision)
     model: nn.Module = load_model(
         source,
@@ -604,8 +608,8 @@ def build_trainer(
         pad_id=pad_id,
         device=device,
         state=TrainingState(step=0, micro_batches_seen=0, extra={}),
-        global_batch=t.micro_batch_size * t.grad_accum,
-        micro_batch_size=t.micro_batch_size,
+        global_batch=int(t.micro_batch_size) * t.grad_accum,
+        micro_batch_size=int(t.micro_batch_size),
         events=events,
         guard=guard_settings(cfg.guard),
         budget=MemoryBudget(budget),

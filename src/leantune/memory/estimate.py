@@ -1,0 +1,234 @@
+"""Peak memory of one training step, from model facts and run settings: the arithmetic in one place.
+
+What the loop keeps alive (training/recipe.py, training/loss.py):
+- weights, plus optimizer states once the first step has run;
+- during backward of a micro-batch: every tensor autograd saved in forward (per block below),
+  plus the loss's transient: `token_loss_sum` projects only supervised positions onto the
+  vocabulary, and cross-entropy's backward holds three (n_supervised x vocab) fp32 tensors
+  (log-softmax output, its incoming gradient and the outgoing one);
+- gradients are set to None after every optimizer step, so they never coexist with a full set of
+  saved activations: they peak at the end of backward and during `optimizer.step`, whose
+  single-tensor AdamW (the CPU default) makes two temporaries the size of the largest parameter.
+So: peak = overhead + weights + optimizer
+           + max(activations + max(loss, recomputed block), gradients + step temporaries).
+
+Per block and token, what autograd keeps (Llama/Qwen2/Mistral code, checked by counting saved
+tensors with `torch.autograd.graph.saved_tensors_hooks` on CPU): each RMSNorm keeps its input
+(and the normalised input when its weight trains); a linear keeps its input only when its weight
+or a LoRA/DoRA adapter trains; SDPA keeps q, k, v (GQA heads expanded when a mask exists, which
+packed rows always have), its output, a log-sum-exp and its own float copy of the mask; eager
+attention keeps the probabilities (heads x seq_len per token) instead; the SwiGLU MLP keeps gate,
+up and silu(gate). With gradient checkpointing a block keeps only its input, and one block's
+tensors are recomputed at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from leantune.memory.facts import ATTN_INPUT, MLP_INPUT, LayerTraining, ModelFacts, ModelShape
+
+GIB = 1024**3
+
+# Bytes of optimizer state per trainable parameter, for states stored at the parameter's dtype
+# (None) or in a fixed number of bytes (8-bit: two 1-byte states; 4-bit: two half-byte states;
+# their per-block scales add under 2%).
+OPTIMIZER_STATE_BYTES: dict[str, float | None] = {
+    "adamw": None,
+    "adamw_8bit": 2.0,
+    "paged_adamw_8bit": 2.0,
+    "adamw_4bit": 1.0,
+}
+
+# Bytes per quantised linear weight: NF4 packs two weights per byte plus one fp32 absmax per
+# 64-weight block; double quantisation stores those absmax in 8 bits with one fp32 per 256.
+QUANT_BYTES: dict[str, float] = {
+    "nf4": 0.5 + 4 / 64,
+    "nf4-dq": 0.5 + 1 / 64 + 4 / (64 * 256),
+}
+
+# Process baseline that is not the run's tensors: python + torch + transformers + peft imported
+# and one warm-up step run (kernel code paged in; CPU RSS measured on this machine: 0.46 GiB),
+# or the CUDA context plus cuBLAS workspace on a GPU (typical 0.3-0.6 GiB; not measured here).
+RUNTIME_OVERHEAD = {"cpu": int(0.46 * GIB), "cuda": int(0.5 * GIB)}
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """The run settings that size a step's memory."""
+
+    micro_batch: int
+    seq_len: int
+    supervised_per_row: int | None = None
+    """Most supervised (labelled) tokens in one row; None = every position (the worst case)."""
+    gradient_checkpointing: bool = False
+    attn_implementation: str = "sdpa"
+    precision: str = "fp32"
+    """Autocast precision: fp32 (none), bf16 or fp16."""
+    optimizer: str = "adamw"
+    weight_quant: str | None = None
+    """None, "nf4" or "nf4-dq" (4-bit base weights, as QLoRA)."""
+    kl: bool = False
+    """The KL-to-base term (train.kl_coef > 0) adds a second set of logits."""
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Predicted bytes per component; `peak` combines them as the step does."""
+
+    overhead: int
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    loss: int
+    recompute: int
+    step_temporaries: int
+
+    @property
+    def backward_phase(self) -> int:
+        """Kept activations plus the larger of the loss transient (start of backward) and, with
+        checkpointing, one recomputed block (later, when the loss tensors are freed)."""
+        return self.activations + max(self.loss, self.recompute)
+
+    @property
+    def update_phase(self) -> int:
+        """Gradients and AdamW's temporaries, alive together during `optimizer.step`."""
+        return self.gradients + self.step_temporaries
+
+    @property
+    def run_peak(self) -> int:
+        """Peak of the run's own tensors, above the process baseline."""
+        return self.weights + self.optimizer + max(self.backward_phase, self.update_phase)
+
+    @property
+    def peak(self) -> int:
+        """Predicted peak memory of the process."""
+        return self.overhead + self.run_peak
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "run_peak": self.run_peak, "peak": self.peak}
+
+
+def activation_bytes_per_token(layer: LayerTraining, s: ModelShape, st: StepSettings) -> float:
+    """Bytes one token leaves saved for backward in one transformer block (no checkpointing)."""
+    act = 4 if st.precision == "fp32" else 2
+    h, i, d = s.hidden, s.intermediate, s.head_dim
+    q = s.heads * d
+    kv = q  # packed rows carry a mask, so SDPA gets GQA heads expanded (repeat_kv)
+    elems = 2 * h  # each RMSNorm keeps its input (the residual stream)
+    elems += 2 * h if layer.norms_train else 0
+    elems += h if layer.saves_input & set(ATTN_INPUT) else 0
+    elems += h if layer.saves_input & set(MLP_INPUT) else 0
+    elems += q + 2 * kv + q  # attention keeps q, k, v and its output
+    # o_proj's input is a view of SDPA's output (already counted); eager attention copies it.
+    eager = st.attn_implementation == "eager"
+    elems += q if "o_proj" in layer.saves_input and eager else 0
+    elems += 3 * i  # silu keeps gate; gate * up keeps silu(gate) and up
+    elems += i if "down_proj" in layer.saves_input else 0
+    elems += sum(s.kv_heads * d for _ in layer.saves_output)
+    elems += layer.lora_rank_sum + 2 * layer.dora_out_features
+    out = elems * act + layer.dropout_in_features * (act + 1)  # dropout: copy + bool mask
+    out += 2 * 4  # RMSNorm's fp32 rsqrt per norm
+    if st.precision != "fp32":
+        out += 2 * h * 4  # RMSNorm upcasts its input to fp32 under autocast and keeps it
+    if eager:
+        out += s.heads * st.seq_len * act - q * act  # probabilities instead of SDPA's output
+    else:
+        # log-sum-exp, and the packed-row mask that SDPA turns into a float mask in every block
+        # (`torch.where` on the boolean mask) and keeps for backward.
+        out += s.heads * 4 + st.seq_len * act
+    return out
+
+
+def activations(facts: ModelFacts, st: StepSettings) -> int:
+    """Bytes saved for backward by all blocks for one micro-batch, plus the attention mask."""
+    s = facts.shape
+    tokens = st.micro_batch * st.seq_len
+    act = 4 if st.precision == "fp32" else 2
+    flowing: list[float] = []  # blocks that backward passes through
+    grad_in = facts.embedding_trains
+    for layer in facts.layers:
+        grad_in = grad_in or layer.trains
+        if grad_in:
+            flowing.append(activation_bytes_per_token(layer, s, st))
+    if not flowing:
+        return 0
+    # With checkpointing each block keeps only its input.
+    per_token = len(flowing) * s.hidden * act if st.gradient_checkpointing else sum(flowing)
+    # Outside the blocks: embedding output, final norm input and output, RoPE cos/sin.
+    per_token += 3 * s.hidden * act + 2 * s.head_dim * 4
+    mask = st.micro_batch * st.seq_len**2 * (1 if st.attn_implementation == "sdpa" else act)
+    return int(tokens * per_token + mask)
+
+
+def recompute_bytes(facts: ModelFacts, st: StepSettings) -> int:
+    """With gradient checkpointing: one block's tensors, recomputed during backward (after the
+    loss's transient is gone); 0 without."""
+    if not st.gradient_checkpointing:
+        return 0
+    grad_in = facts.embedding_trains
+    largest = 0.0
+    for layer in facts.layers:
+        grad_in = grad_in or layer.trains
+        if grad_in:
+            largest = max(largest, activation_bytes_per_token(layer, facts.shape, st))
+    return int(st.micro_batch * st.seq_len * largest)
+
+
+def loss_bytes(facts: ModelFacts, st: StepSettings) -> int:
+    """Transient of the vocabulary projection and cross-entropy at the start of backward."""
+    s = facts.shape
+    per_row = st.supervised_per_row if st.supervised_per_row is not None else st.seq_len
+    n = st.micro_batch * min(per_row, st.seq_len)
+    # fp32: log-softmax output + incoming + outgoing gradient; autocast adds the low-precision
+    # logits' gradient.
+    per = 12 if st.precision == "fp32" else 14
+    if st.kl:
+        per += 12  # base logits and their log-softmax, and the model's second log-softmax
+    head = facts.shape.vocab * s.hidden * 4 if facts.head_trains else 0
+    return int(n * s.vocab * per + n * s.hidden * 4 + head)
+
+
+def weight_bytes(facts: ModelFacts, st: StepSettings, weight_itemsize: int) -> int:
+    """Weights at their dtype; with 4-bit quantisation the blocks' linears shrink."""
+    if st.weight_quant is None:
+        return facts.weight_bytes
+    if st.weight_quant not in QUANT_BYTES:
+        raise ValueError(f"unknown weight quantisation {st.weight_quant!r}; known: {QUANT_BYTES}")
+    dense = facts.weight_bytes - facts.linear_params * weight_itemsize
+    return int(dense + facts.linear_params * QUANT_BYTES[st.weight_quant])
+
+
+def optimizer_bytes(facts: ModelFacts, optimizer: str) -> int:
+    """AdamW's two moments per trainable parameter, at the optimizer's state precision."""
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZER_STATE_BYTES)}")
+    per = OPTIMIZER_STATE_BYTES[optimizer]
+    return 2 * facts.trainable_bytes if per is None else int(per * facts.trainable_params)
+
+
+def estimate(facts: ModelFacts, st: StepSettings, weight_itemsize: int = 4) -> Breakdown:
+    """Predict the peak memory of a training step with settings `st`."""
+    return Breakdown(
+        overhead=RUNTIME_OVERHEAD.get(st.device, RUNTIME_OVERHEAD["cpu"]),
+        weights=weight_bytes(facts, st, weight_itemsize),
+        gradients=facts.trainable_bytes,
+        optimizer=optimizer_bytes(facts, st.optimizer),
+        activations=activations(facts, st),
+        loss=loss_bytes(facts, st),
+        recompute=recompute_bytes(facts, st),
+        step_temporaries=step_temporaries(facts, st.device),
+    )
+
+
+def step_temporaries(facts: ModelFacts, device: str) -> int:
+    """AdamW's scratch during `optimizer.step`: on CPU torch runs it one tensor at a time (two
+    temporaries of the largest parameter's size); on CUDA the default foreach implementation
+    takes the square root of every second moment at once (one copy of all trainable tensors;
+    not measured here, as no GPU was available)."""
+    if device == "cuda":
+        return facts.trainable_bytes
+    itemsize = facts.trainable_bytes / max(1, facts.trainable_params)
+    return int(2 * facts.largest_trainable * itemsize)

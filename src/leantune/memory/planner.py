@@ -1,0 +1,326 @@
+"""The memory planner: predict a run's peak before loading weights, and find settings that fit.
+
+`model_facts_for` builds the model on the meta device and applies the method; `estimate` (in
+memory.estimate) turns facts and step settings into a breakdown; `recommend` walks the seeds'
+out-of-memory checklist in order (halve the micro-batch, turn on gradient checkpointing, lighter
+optimizer states, a lighter method) and returns the fastest settings that fit, always keeping the
+global batch (micro_batch x grad_accum); `resolve_micro_batch` serves `train.micro_batch_size=auto`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from leantune.config import Config, MethodConfig, TrainConfig
+from leantune.memory.estimate import GIB, Breakdown, StepSettings, estimate
+from leantune.memory.facts import ModelFacts, build_meta_model, model_facts
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Methods whose trainable parameters equal another's when counted on a meta model (QLoRA trains
+# the same adapters as LoRA; only its base weights differ, which `weight_quant` accounts for).
+COUNT_AS = {"qlora": "lora"}
+# Headroom kept below the available memory when no budget is given.
+SAFETY = 0.9
+
+
+def parse_size(text: str) -> int:
+    """'24GiB', '24G', '512MiB', '1.5GB' or a plain byte count -> bytes (see
+    `config.parse_memory_size`: bare letters and *iB are binary, *B is SI).
+
+    Raises:
+        ValueError: not a size.
+    """
+    from leantune.config import ConfigError, parse_memory_size
+
+    try:
+        return parse_memory_size(text)
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
+
+
+def available_memory(device: str) -> int:
+    """Memory a run may use: free CUDA memory, or MemAvailable of the machine (Linux)."""
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("no CUDA device here to measure free memory; give a budget")
+        free, _ = torch.cuda.mem_get_info()
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def default_budget(device: str) -> int:
+    """The budget when none is configured: available memory less a safety margin."""
+    return int(available_memory(device) * SAFETY)
+
+
+def model_facts_for(
+    config: object,
+    weight_dtype: str,
+    attn_implementation: str,
+    method: MethodConfig,
+    trust_remote_code: bool = False,
+) -> ModelFacts:
+    """Facts of `config`'s model with `method` applied, built on the meta device (no weights).
+
+    Raises:
+        ValueError: the method cannot be applied on a meta model (named in the message).
+    """
+    from leantune.methods.registry import apply_method
+
+    counted = replace(method, name=COUNT_AS.get(method.name, method.name))  # type: ignore[arg-type]
+    try:
+        model = build_meta_model(
+            config,
+            getattr(
+                torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[weight_dtype]
+            ),
+            attn_implementation,
+            lambda m: apply_method(m, counted),
+            trust_remote_code,
+        )
+    except Exception as e:  # a method's own validation, or one that needs real weights
+        raise ValueError(f"memory planner: cannot apply method.name={method.name}: {e}") from e
+    return model_facts(model, config)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Settings for a run and their predicted memory."""
+
+    method: str
+    micro_batch: int
+    grad_accum: int
+    gradient_checkpointing: bool
+    optimizer: str
+    seq_len: int
+    breakdown: Breakdown
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "micro_batch": self.micro_batch,
+            "grad_accum": self.grad_accum,
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "optimizer": self.optimizer,
+            "seq_len": self.seq_len,
+            "breakdown": self.breakdown.as_dict(),
+        }
+
+
+def _halvings(micro_batch: int, global_batch: int) -> list[int]:
+    """micro_batch, then halves of it down to 1 that divide the global batch."""
+    out = []
+    mb = micro_batch
+    while mb >= 1:
+        if global_batch % mb == 0:
+            out.append(mb)
+        if mb == 1:
+            break
+        mb = max(1, mb // 2)
+    return out or [1]
+
+
+def recommend(
+    facts_by_method: dict[str, ModelFacts],
+    method: str,
+    step: StepSettings,
+    global_batch: int,
+    budget: int,
+    weight_itemsize: int = 4,
+    lighter_optimizers: tuple[str, ...] = (),
+) -> Plan | None:
+    """The fastest settings that fit `budget`, searched in the seeds' checklist order.
+
+    Order: the configured method with the largest micro-batch that fits (halving; grad
+    accumulation keeps the global batch), first without then with gradient checkpointing (it
+    costs ~30% step time), then each of `lighter_optimizers`, then the other methods of
+    `facts_by_method` in their given order (e.g. lora, then qlora). Returns None if nothing fits.
+    """
+    methods = [method] + [m for m in facts_by_method if m != method]
+    for m in methods:
+        facts = facts_by_method[m]
+        quant = "nf4-dq" if m == "qlora" else step.weight_quant
+        for opt in (step.optimizer, *lighter_optimizers):
+            for ckpt in sorted({step.gradient_checkpointing, True}):
+                for mb in _halvings(step.micro_batch, global_batch):
+                    st = replace(
+                        step,
+                        micro_batch=mb,
+                        gradient_checkpointing=ckpt,
+                        optimizer=opt,
+                        weight_quant=quant,
+                    )
+                    b = estimate(facts, st, weight_itemsize)
+                    if b.peak <= budget:
+                        return Plan(m, mb, global_batch // mb, ckpt, opt, step.seq_len, b)
+    return None
+
+
+def resolve_micro_batch(
+    facts: ModelFacts,
+    step: StepSettings,
+    global_batch: int,
+    budget: int,
+    weight_itemsize: int = 4,
+) -> tuple[int, int, Breakdown]:
+    """`train.micro_batch_size=auto`: the largest micro-batch dividing `global_batch` that fits.
+
+    `step.micro_batch` is the largest to try. Returns (micro_batch, grad_accum, breakdown) with
+    micro_batch * grad_accum == global_batch.
+
+    Raises:
+        MemoryError: not even micro-batch 1 fits, naming the predicted peak and the levers.
+    """
+    for mb in _halvings(step.micro_batch, global_batch):
+        b = estimate(facts, replace(step, micro_batch=mb), weight_itemsize)
+        if b.peak <= budget:
+            return mb, global_batch // mb, b
+    b = estimate(facts, replace(step, micro_batch=1), weight_itemsize)
+    raise MemoryError(
+        f"train.micro_batch_size=auto: even micro-batch 1 needs {b.peak / GIB:.2f} GiB, over the "
+        f"budget of {budget / GIB:.2f} GiB; try train.gradient_checkpointing=true, a shorter "
+        "data.max_seq_len or a lighter method (method.name=lora); `leantune plan` shows options"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points: the only functions here that read the run config.
+
+OPTIMIZER_LADDER = ("adamw_8bit", "adamw_4bit")
+METHOD_LADDER = ("lora", "qlora")
+
+
+@dataclass
+class PlanInputs:
+    """What `leantune plan` and `micro_batch_size=auto` derive from a config."""
+
+    facts: ModelFacts
+    step: StepSettings
+    global_batch: int
+    weight_itemsize: int
+    hf_config: object
+
+
+def max_supervised_per_row(labels_per_row: list[list[int]], ignore_index: int = -100) -> int:
+    """The most supervised positions in any row (bounds the loss's vocabulary projection)."""
+    return max((sum(1 for x in row if x != ignore_index) for row in labels_per_row), default=0)
+
+
+def plan_inputs(cfg: Config, device: str, supervised_per_row: int | None = None) -> PlanInputs:
+    """Build the planner's inputs from `cfg` (the model on the meta device; no weights read)."""
+    from transformers import AutoConfig
+
+    from leantune.models.loading import resolve_model
+
+    source = resolve_model(cfg.model.path, cfg.model.gguf_file)
+    hf_config = AutoConfig.from_pretrained(
+        source.location, gguf_file=source.gguf_file, trust_remote_code=cfg.model.trust_remote_code
+    )
+    facts = model_facts_for(
+        hf_config,
+        cfg.model.dtype,
+        cfg.model.attn_implementation,
+        cfg.method,
+        cfg.model.trust_remote_code,
+    )
+    t = cfg.train
+    if t.micro_batch_size == "auto":
+        global_batch = int(t.global_batch_size or 1)
+        micro = global_batch
+    else:
+        micro, global_batch = t.micro_batch_size, t.micro_batch_size * t.grad_accum
+    step = StepSettings(
+        micro_batch=micro,
+        seq_len=cfg.data.max_seq_len,
+        supervised_per_row=supervised_per_row,
+        gradient_checkpointing=t.gradient_checkpointing,
+        attn_implementation=cfg.model.attn_implementation,
+        precision=t.precision,
+        optimizer=str(getattr(t, "optimizer", "adamw")),
+        weight_quant="nf4-dq" if cfg.method.name == "qlora" else None,
+        kl=t.kl_coef > 0,
+        device=device,
+    )
+    return PlanInputs(facts, step, global_batch, DTYPE_BYTES[cfg.model.dtype], hf_config)
+
+
+def budget_for(cfg: Config, device: str, override: str | None = None) -> int:
+    """`override`, else train.memory_budget, else the default budget of `device`."""
+    text = override or cfg.train.memory_budget
+    return parse_size(text) if text else default_budget(device)
+
+
+def alternatives(cfg: Config, inputs: PlanInputs) -> dict[str, ModelFacts]:
+    """Facts of the configured method, then of the lighter methods the registry offers."""
+    from leantune.methods.registry import METHODS
+
+    out: dict[str, ModelFacts] = {cfg.method.name: inputs.facts}
+    for name in METHOD_LADDER:
+        if name in METHODS and name not in out and cfg.method.name not in ("ia3",):
+            light = replace(cfg.method, name=name)  # type: ignore[arg-type]
+            out[name] = model_facts_for(
+                inputs.hf_config,
+                cfg.model.dtype,
+                cfg.model.attn_implementation,
+                light,
+                cfg.model.trust_remote_code,
+            )
+    return out
+
+
+def available_optimizers() -> tuple[str, ...]:
+    """Lighter optimizers the installed leantune offers (the 8/4-bit ones come with bitsandbytes
+    support in training.optim)."""
+    from leantune.training import optim
+
+    known = getattr(optim, "OPTIMIZERS", {})
+    return tuple(o for o in OPTIMIZER_LADDER if o in known)
+
+
+def plan_for_run(
+    cfg: Config, device: str, labels_per_row: list[list[int]]
+) -> tuple[TrainConfig, str]:
+    """At the start of `train`: resolve `micro_batch_size=auto` and describe the prediction.
+
+    Returns the train config to use (a copy with micro_batch_size and grad_accum resolved when
+    auto; `cfg.train` itself otherwise) and the log line with the predicted peak.
+
+    Raises:
+        MemoryError: auto, and not even micro-batch 1 fits the budget.
+        ValueError: auto, and the planner cannot model this model or method.
+    """
+    t = cfg.train
+    try:
+        inputs = plan_inputs(cfg, device, max_supervised_per_row(labels_per_row))
+    except Exception as e:  # a prediction is advice: it must never stop a configured run
+        if t.micro_batch_size == "auto":
+            raise
+        return t, f"memory planner: no prediction ({e})"
+    if t.micro_batch_size == "auto":
+        budget = budget_for(cfg, device)
+        mb, accum, b = resolve_micro_batch(
+            inputs.facts, inputs.step, inputs.global_batch, budget, inputs.weight_itemsize
+        )
+        t = replace(t, micro_batch_size=mb, grad_accum=accum)
+        return t, (
+            f"micro_batch_size=auto: {mb} x grad_accum {accum} (global batch "
+            f"{inputs.global_batch}); planner predicts peak {b.peak / GIB:.2f} GiB of a "
+            f"{budget / GIB:.2f} GiB budget"
+        )
+    b = estimate(inputs.facts, inputs.step, inputs.weight_itemsize)
+    return t, (
+        f"planner predicts peak {b.peak / GIB:.2f} GiB (weights {b.weights / GIB:.2f}, "
+        f"optimizer {b.optimizer / GIB:.2f}, activations {b.activations / GIB:.2f}, "
+        f"loss {b.loss / GIB:.2f}, gradients {b.gradients / GIB:.2f})"
+    )

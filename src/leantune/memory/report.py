@@ -1,0 +1,127 @@
+"""`leantune plan`: the configured run's predicted memory, whether it fits, and what would."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from leantune.config import Config
+from leantune.memory.estimate import GIB, estimate
+from leantune.memory.planner import (
+    alternatives,
+    available_optimizers,
+    budget_for,
+    plan_inputs,
+    recommend,
+)
+
+COMPONENTS = (
+    ("overhead", "runtime (python, torch; CUDA context)"),
+    ("weights", "weights"),
+    ("optimizer", "optimizer states"),
+    ("activations", "activations saved for backward"),
+    ("loss", "logits + loss (supervised positions)"),
+    ("recompute", "recomputed block (checkpointing)"),
+    ("gradients", "gradients"),
+    ("step_temporaries", "optimizer-step temporaries"),
+)
+
+
+def supervised_per_row_from_data(cfg: Config) -> int | None:
+    """Most supervised tokens in one training row, from the data (tokenizer only, no weights);
+    None when the data cannot be read (the planner then assumes every position)."""
+    from leantune.data.dataset import prepare_file
+    from leantune.memory.planner import max_supervised_per_row
+    from leantune.models.loading import load_tokenizer, resolve_model
+
+    if cfg.data.train is None:
+        return None
+    try:
+        tok = load_tokenizer(resolve_model(cfg.model.path, cfg.model.gguf_file))
+        data = prepare_file(
+            cfg.data.train,
+            cfg.data.format,
+            tok,
+            cfg.data.max_seq_len,
+            cfg.data.pack,
+            cfg.data.system_prompt,
+            1.0,
+        )
+    except Exception:
+        return None
+    return max_supervised_per_row([r.labels for r in data.rows])
+
+
+def plan(cfg: Config, device: str, budget: str | None = None) -> dict[str, Any]:
+    """Predict the configured run and recommend the fastest settings that fit the budget."""
+    inputs = plan_inputs(cfg, device, supervised_per_row_from_data(cfg))
+    limit = budget_for(cfg, device, budget)
+    configured = estimate(inputs.facts, inputs.step, inputs.weight_itemsize)
+    best = recommend(
+        alternatives(cfg, inputs),
+        cfg.method.name,
+        inputs.step,
+        inputs.global_batch,
+        limit,
+        inputs.weight_itemsize,
+        available_optimizers(),
+    )
+    return {
+        "device": device,
+        "budget": limit,
+        "fits": configured.peak <= limit,
+        "configured": {
+            "method": cfg.method.name,
+            "micro_batch": inputs.step.micro_batch,
+            "grad_accum": inputs.global_batch // inputs.step.micro_batch,
+            "seq_len": inputs.step.seq_len,
+            "supervised_per_row": inputs.step.supervised_per_row,
+            "gradient_checkpointing": inputs.step.gradient_checkpointing,
+            "optimizer": inputs.step.optimizer,
+            "trainable_params": inputs.facts.trainable_params,
+            "total_params": inputs.facts.total_params,
+            "breakdown": configured.as_dict(),
+        },
+        "recommended": best.as_dict() if best is not None else None,
+    }
+
+
+def format_text(result: dict[str, Any]) -> str:
+    """The plan as a readable table plus a verdict and a recommendation."""
+    c = result["configured"]
+    b = c["breakdown"]
+    lines = [
+        f"method {c['method']}: {c['trainable_params']:,} of {c['total_params']:,} parameters "
+        f"train; micro-batch {c['micro_batch']} x grad_accum {c['grad_accum']}, seq_len "
+        f"{c['seq_len']}, checkpointing {'on' if c['gradient_checkpointing'] else 'off'}, "
+        f"optimizer {c['optimizer']}",
+        "",
+    ]
+    for key, label in COMPONENTS:
+        lines.append(f"  {label:40s} {b[key] / GIB:8.3f} GiB")
+    lines.append(
+        "  peak = runtime + weights + optimizer"
+        " + max(activations + max(loss, recompute), gradients + step)"
+    )
+    lines.append(f"  {'predicted peak':40s} {b['peak'] / GIB:8.3f} GiB")
+    if result["device"] == "cpu":
+        lines.append(
+            "  (live tensors; with glibc's default malloc, CPU RSS measured up to 1.6x the run's"
+            " tensors: benchmarks/plan_accuracy.py)"
+        )
+    budget = result["budget"] / GIB
+    verdict = "fits" if result["fits"] else "does NOT fit"
+    lines += ["", f"{verdict} the {result['device']} budget of {budget:.2f} GiB"]
+    rec = result["recommended"]
+    if rec is None:
+        lines.append(
+            "nothing fits: shorten data.max_seq_len, or use a smaller model or more memory"
+        )
+    else:
+        lines.append(
+            f"fastest that fits: method.name={rec['method']} "
+            f"train.micro_batch_size={rec['micro_batch']} train.grad_accum={rec['grad_accum']} "
+            f"train.gradient_checkpointing={str(rec['gradient_checkpointing']).lower()}"
+            + (f" train.optimizer={rec['optimizer']}" if rec["optimizer"] != "adamw" else "")
+            + f" (peak {rec['breakdown']['peak'] / GIB:.3f} GiB)"
+        )
+    return "\n".join(lines)
