@@ -340,7 +340,7 @@ def test_loss_spike_rollback_restores_the_checkpoint_exactly(
     shutil.rmtree(run / "checkpoints" / "step-000008")
     recipe.train(make_config(tiny_llama_dir, chat_files[0], run, *common), log=lambda _: None)
     assert read_metrics(run / "metrics.jsonl") == [
-        {**m, **{k: n[k] for k in ("tokens_per_s", "step_time_s", "peak_mem_bytes")}}
+        {**m, **{k: n[k] for k in ("tokens_per_s", "step_time_s", "peak_mem_bytes", "rss_bytes")}}
         for m, n in zip(first, read_metrics(run / "metrics.jsonl"), strict=True)
     ]
 
