@@ -291,6 +291,40 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_eval_parsers(sub: Any) -> None:
+    """The `eval` and `generate` subcommands."""
+    e = sub.add_parser("eval", help="loss, perplexity and exact match of a model on a JSONL file")
+    e.add_argument("--model", required=True, help="model dir, run final/ dir, .gguf or demo name")
+    e.add_argument("--data", default=None, help="JSONL file (alpaca, chat or text)")
+    e.add_argument("--format", choices=["alpaca", "chat", "text"], help="default: detected")
+    e.add_argument("--limit", type=int, default=None, help="evaluate the first N examples")
+    e.add_argument("--batch-size", type=int, default=16)
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--max-seq-len", type=int, default=4096)
+    e.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    e.add_argument(
+        "--lm-eval", default=None, metavar="TASKS", help="lm-eval tasks, comma-separated"
+    )
+    e.add_argument("--lm-eval-limit", type=int, default=None, help="first N documents per task")
+    e.add_argument("--lm-eval-include", default=None, help="directory of custom task YAML files")
+    e.set_defaults(func=cmd_eval)
+
+    g = sub.add_parser("generate", help="generate a reply (or chat with --chat)")
+    g.add_argument("--model", required=True)
+    g.add_argument("--prompt", default=None, help="the user message (first turn with --chat)")
+    g.add_argument("--chat", action="store_true", help="multi-turn conversation on stdin")
+    g.add_argument("--system", default=None, help="system message")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=0.9)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--repetition-penalty", type=float, default=1.2)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    g.set_defaults(func=cmd_generate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="leantune", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -327,36 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     pl.set_defaults(func=cmd_plan)
 
-    e = sub.add_parser("eval", help="loss, perplexity and exact match of a model on a JSONL file")
-    e.add_argument("--model", required=True, help="model dir, run final/ dir, .gguf or demo name")
-    e.add_argument("--data", default=None, help="JSONL file (alpaca, chat or text)")
-    e.add_argument("--format", choices=["alpaca", "chat", "text"], help="default: detected")
-    e.add_argument("--limit", type=int, default=None, help="evaluate the first N examples")
-    e.add_argument("--batch-size", type=int, default=16)
-    e.add_argument("--max-new-tokens", type=int, default=128)
-    e.add_argument("--max-seq-len", type=int, default=4096)
-    e.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
-    e.add_argument(
-        "--lm-eval", default=None, metavar="TASKS", help="lm-eval tasks, comma-separated"
-    )
-    e.add_argument("--lm-eval-limit", type=int, default=None, help="first N documents per task")
-    e.add_argument("--lm-eval-include", default=None, help="directory of custom task YAML files")
-    e.set_defaults(func=cmd_eval)
-
-    g = sub.add_parser("generate", help="generate a reply (or chat with --chat)")
-    g.add_argument("--model", required=True)
-    g.add_argument("--prompt", default=None, help="the user message (first turn with --chat)")
-    g.add_argument("--chat", action="store_true", help="multi-turn conversation on stdin")
-    g.add_argument("--system", default=None, help="system message")
-    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=0.9)
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--repetition-penalty", type=float, default=1.2)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
-    g.set_defaults(func=cmd_generate)
+    _add_eval_parsers(sub)
 
     b = sub.add_parser("bench", help="benchmarks: `bench methods` compares fine-tuning methods")
     bsub = b.add_subparsers(dest="bench", required=True)

@@ -462,6 +462,28 @@ def validate(cfg: Config) -> list[str]:
         )
     if t.weight_decay < 0 or t.max_grad_norm < 0:
         raise ConfigError("train.weight_decay and train.max_grad_norm must be >= 0")
+    _validate_data(cfg)
+    if t.precision == "fp16" and t.device == "cpu":
+        raise ConfigError("train.precision=fp16 needs CUDA (GradScaler); use bf16 on CPU")
+    if t.memory_budget is not None:
+        parse_memory_size(t.memory_budget, "train.memory_budget")
+    _validate_guard(cfg.guard)
+    _validate_method(cfg)
+    warnings: list[str] = _check_quantized_training(cfg)
+    lr = t.lr
+    if m.name == "full" and lr is not None and lr >= 1e-4:
+        warnings.append(
+            f"train.lr={lr:g} is high for full fine-tuning; the usual range is 1e-5..5e-5"
+        )
+    if m.name in ("lora", "dora", "qlora") and m.r is not None and m.r > 64:
+        warnings.append(f"method.r={m.r}: LoRA ranks above 64 rarely help; 8..64 is usual")
+    if t.max_steps >= 30 and 0 < t.warmup_ratio < 0.03:
+        warnings.append(f"train.warmup_ratio={t.warmup_ratio:g} is short; 0.03..0.1 is usual")
+    return warnings
+
+
+def _validate_data(cfg: Config) -> None:
+    t, d = cfg.train, cfg.data
     if d.train is None:
         raise ConfigError("data.train: required; set it to a JSONL file (data.train=path.jsonl)")
     for key, file in (("data.train", d.train), ("data.eval", d.eval)):
@@ -476,8 +498,10 @@ def validate(cfg: Config) -> list[str]:
         raise ConfigError(
             "train.eval_exact_match: needs data.eval and a chat or alpaca data.format"
         )
-    if t.precision == "fp16" and t.device == "cpu":
-        raise ConfigError("train.precision=fp16 needs CUDA (GradScaler); use bf16 on CPU")
+
+
+def _validate_method(cfg: Config) -> None:
+    t, d, m = cfg.train, cfg.data, cfg.method
     if m.last_blocks < 0:
         raise ConfigError(f"method.last_blocks: must be >= 0, got {m.last_blocks}")
     if m.name == "freeze" and m.last_blocks == 0 and not m.norms:
@@ -486,9 +510,6 @@ def validate(cfg: Config) -> list[str]:
         raise ConfigError(f"method.r: must be >= 1, got {m.r}")
     if m.dropout is not None and not 0 <= m.dropout < 1:
         raise ConfigError(f"method.dropout: must be in [0, 1), got {m.dropout}")
-    if t.memory_budget is not None:
-        parse_memory_size(t.memory_budget, "train.memory_budget")
-    _validate_guard(cfg.guard)
     sizes: dict[str, int | None] = {
         "method.adapter_reduction": m.adapter_reduction,
         "method.num_virtual_tokens": m.num_virtual_tokens,
@@ -509,17 +530,6 @@ def validate(cfg: Config) -> list[str]:
             f"method.name={m.name} needs data.pack=false: in a packed row every example after "
             "the first would be computed differently from the same example alone"
         )
-    warnings: list[str] = _check_quantized_training(cfg)
-    lr = t.lr
-    if m.name == "full" and lr is not None and lr >= 1e-4:
-        warnings.append(
-            f"train.lr={lr:g} is high for full fine-tuning; the usual range is 1e-5..5e-5"
-        )
-    if m.name in ("lora", "dora", "qlora") and m.r is not None and m.r > 64:
-        warnings.append(f"method.r={m.r}: LoRA ranks above 64 rarely help; 8..64 is usual")
-    if t.max_steps >= 30 and 0 < t.warmup_ratio < 0.03:
-        warnings.append(f"train.warmup_ratio={t.warmup_ratio:g} is short; 0.03..0.1 is usual")
-    return warnings
 
 
 def _validate_guard(g: GuardConfig) -> None:
