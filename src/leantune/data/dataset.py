@@ -65,16 +65,31 @@ def prepare_file(
             examples.append(ex)
     bad.sort(key=lambda b: b.line)
     total = len(examples) + len(bad)
+    check_usable(path, total, bad, examples, max_bad_fraction)
+    rows = pack_examples(examples, max_seq_len) if pack else single_rows(examples)
+    return PreparedData(rows, examples, kept_records, bad, total)
+
+
+def check_usable(
+    where: str | Path,
+    total: int,
+    bad: list[BadLine],
+    examples: list[Example],
+    max_bad_fraction: float,
+) -> None:
+    """Refuse data that is empty, mostly bad, or has nothing to learn from.
+
+    Raises:
+        DataError: naming `where`, the share of bad lines and the first few of them.
+    """
     if total == 0:
-        raise DataError(f"{path}: no records (the file is empty)")
+        raise DataError(f"{where}: no records (the input is empty)")
     if bad and len(bad) / total > max_bad_fraction:
         shown = "\n  ".join(str(b) for b in bad[:10])
         more = f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else ""
         raise DataError(
-            f"{path}: {len(bad)} of {total} lines are bad ({len(bad) / total:.1%} > "
+            f"{where}: {len(bad)} of {total} lines are bad ({len(bad) / total:.1%} > "
             f"data.max_bad_fraction={max_bad_fraction:g}):\n  {shown}{more}"
         )
     if not examples or sum(e.num_supervised for e in examples) == 0:
-        raise DataError(f"{path}: no supervised tokens; refusing to train on nothing")
-    rows = pack_examples(examples, max_seq_len) if pack else single_rows(examples)
-    return PreparedData(rows, examples, kept_records, bad, total)
+        raise DataError(f"{where}: no supervised tokens; refusing to train on nothing")

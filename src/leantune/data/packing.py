@@ -6,6 +6,7 @@ no KV cache, transformers turns restarting positions into a block-diagonal causa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from leantune.data.tokenize import Example
@@ -54,8 +55,13 @@ def pack_examples(examples: list[Example], seq_len: int) -> list[Row]:
         else:
             bins.append([i])
             free.append(seq_len - n)
+    return rows_from_groups(examples, bins)
+
+
+def rows_from_groups(examples: Sequence[Example], groups: list[list[int]]) -> list[Row]:
+    """One row per group of example indices: tokens concatenated, positions restarting at 0."""
     rows = []
-    for members in bins:
+    for members in groups:
         ids: list[int] = []
         labels: list[int] = []
         pos: list[int] = []

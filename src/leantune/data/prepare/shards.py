@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from leantune.data.packing import Row
+from leantune.data.packing import Row, rows_from_groups
 from leantune.data.tokenize import Example
 
 SHARD_TOKENS = 2_000_000
@@ -80,17 +80,7 @@ def rows_of(examples: Sequence[Example], groups: list[list[int]] | None) -> list
     """Training rows from examples: one per group of `groups` (None = one per example)."""
     if groups is None:
         groups = [[i] for i in range(len(examples))]
-    rows = []
-    for g in groups:
-        ids: list[int] = []
-        labels: list[int] = []
-        pos: list[int] = []
-        for i in g:
-            ids += examples[i].input_ids
-            labels += examples[i].labels
-            pos += range(len(examples[i].input_ids))
-        rows.append(Row(ids, labels, pos, tuple(g)))
-    return rows
+    return rows_from_groups(examples, groups)
 
 
 def _list_array(arrays: Sequence[np.ndarray]) -> pa.Array:

@@ -14,7 +14,7 @@ from typing import Any
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from leantune.data.dataset import DataError, PreparedData
+from leantune.data.dataset import DataError, PreparedData, check_usable
 from leantune.data.formats import BadLine, Record
 from leantune.data.prepare.pipeline import REJECTED, cache_key, prepare_dataset, read_report
 from leantune.data.prepare.records import PrepareSettings
@@ -73,18 +73,7 @@ def _examples(out: Path) -> tuple[list[Record], list[Example]]:
 
 
 def _check(where: Path, data: PreparedData, max_bad_fraction: float) -> None:
-    total, bad = data.total_lines, data.bad
-    if total == 0:
-        raise DataError(f"{where}: no records (the input is empty)")
-    if bad and len(bad) / total > max_bad_fraction:
-        shown = "\n  ".join(str(b) for b in bad[:10])
-        more = f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else ""
-        raise DataError(
-            f"{where}: {len(bad)} of {total} lines are bad ({len(bad) / total:.1%} > "
-            f"data.max_bad_fraction={max_bad_fraction:g}):\n  {shown}{more}"
-        )
-    if not data.examples or data.supervised_tokens == 0:
-        raise DataError(f"{where}: no supervised tokens; refusing to train on nothing")
+    check_usable(where, data.total_lines, data.bad, data.examples, max_bad_fraction)
 
 
 def prepared_data(
