@@ -246,3 +246,22 @@ def test_train_resolves_auto_and_logs_memory(
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     assert all(0 < r["rss_bytes"] <= r["peak_mem_bytes"] for r in rows)
+
+
+def test_unpacked_rows_are_planned_at_their_real_length(
+    tmp_path: Path, tiny_llama_dir: Path
+) -> None:
+    """A micro-batch is padded to its longest row: with short unpacked rows the activations are
+    those of that length, not of data.max_seq_len."""
+    from leantune.memory.planner import plan_inputs
+    from leantune.memory.report import row_stats_from_data
+
+    cfg = load_config(_config_file(tmp_path, tiny_llama_dir), ["data.pack=false"])
+    supervised, longest = row_stats_from_data(cfg)
+    assert longest is not None and supervised is not None and longest < cfg.data.max_seq_len
+    short = plan_inputs(cfg, "cpu", supervised, longest)
+    full = plan_inputs(cfg, "cpu", supervised)
+    assert (short.step.seq_len, full.step.seq_len) == (longest, cfg.data.max_seq_len)
+    assert (
+        estimate(short.facts, short.step).activations < estimate(full.facts, full.step).activations
+    )

@@ -217,8 +217,17 @@ def max_supervised_per_row(labels_per_row: list[list[int]], ignore_index: int = 
     return max((sum(1 for x in row if x != ignore_index) for row in labels_per_row), default=0)
 
 
-def plan_inputs(cfg: Config, device: str, supervised_per_row: int | None = None) -> PlanInputs:
-    """Build the planner's inputs from `cfg` (the model on the meta device; no weights read)."""
+def plan_inputs(
+    cfg: Config,
+    device: str,
+    supervised_per_row: int | None = None,
+    longest_row: int | None = None,
+) -> PlanInputs:
+    """Build the planner's inputs from `cfg` (the model on the meta device; no weights read).
+
+    `longest_row` (tokens, from the data) bounds the sequence length: a micro-batch is padded to
+    its longest row, which for unpacked data is usually far below data.max_seq_len.
+    """
     from transformers import AutoConfig
 
     from leantune.models.loading import resolve_model
@@ -242,7 +251,7 @@ def plan_inputs(cfg: Config, device: str, supervised_per_row: int | None = None)
         micro, global_batch = t.micro_batch_size, t.micro_batch_size * t.grad_accum
     step = StepSettings(
         micro_batch=micro,
-        seq_len=cfg.data.max_seq_len,
+        seq_len=min(cfg.data.max_seq_len, longest_row or cfg.data.max_seq_len),
         supervised_per_row=supervised_per_row,
         gradient_checkpointing=t.gradient_checkpointing,
         attn_implementation=cfg.model.attn_implementation,
@@ -302,7 +311,8 @@ def plan_for_run(
     """
     t = cfg.train
     try:
-        inputs = plan_inputs(cfg, device, max_supervised_per_row(labels_per_row))
+        longest = max((len(row) for row in labels_per_row), default=0) or None
+        inputs = plan_inputs(cfg, device, max_supervised_per_row(labels_per_row), longest)
     except Exception as e:  # a prediction is advice: it must never stop a configured run
         if t.micro_batch_size == "auto":
             raise

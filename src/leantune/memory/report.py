@@ -26,15 +26,16 @@ COMPONENTS = (
 )
 
 
-def supervised_per_row_from_data(cfg: Config) -> int | None:
-    """Most supervised tokens in one training row, from the data (tokenizer only, no weights);
-    None when the data cannot be read (the planner then assumes every position)."""
+def row_stats_from_data(cfg: Config) -> tuple[int | None, int | None]:
+    """(most supervised tokens in one training row, longest row) from the data (tokenizer only,
+    no weights); (None, None) when the data cannot be read (the planner then assumes full rows
+    of data.max_seq_len, all supervised)."""
     from leantune.data.dataset import prepare_file
     from leantune.memory.planner import max_supervised_per_row
     from leantune.models.loading import load_tokenizer, resolve_model
 
     if cfg.data.train is None:
-        return None
+        return None, None
     try:
         tok = load_tokenizer(resolve_model(cfg.model.path, cfg.model.gguf_file))
         data = prepare_file(
@@ -47,13 +48,14 @@ def supervised_per_row_from_data(cfg: Config) -> int | None:
             1.0,
         )
     except Exception:
-        return None
-    return max_supervised_per_row([r.labels for r in data.rows])
+        return None, None
+    longest = max((len(r.input_ids) for r in data.rows), default=0) or None
+    return max_supervised_per_row([r.labels for r in data.rows]), longest
 
 
 def plan(cfg: Config, device: str, budget: str | None = None) -> dict[str, Any]:
     """Predict the configured run and recommend the fastest settings that fit the budget."""
-    inputs = plan_inputs(cfg, device, supervised_per_row_from_data(cfg))
+    inputs = plan_inputs(cfg, device, *row_stats_from_data(cfg))
     limit = budget_for(cfg, device, budget)
     configured = estimate(inputs.facts, inputs.step, inputs.weight_itemsize)
     best = recommend(
