@@ -26,35 +26,31 @@ ROWS = [
 
 
 def test_bench_methods_end_to_end(
-    tmp_path: Path, tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    tiny_llama_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     train = write_jsonl(tmp_path / "train.jsonl", ROWS)
     held_out = write_jsonl(tmp_path / "eval.jsonl", ROWS[:4])
     out = tmp_path / "bench"
-    code = main(
-        [
-            "bench",
-            "methods",
-            f"model.path={tiny_llama_dir}",
-            f"data.train={train}",
-            f"data.eval={held_out}",
-            "data.max_seq_len=64",
-            "train.eval_exact_match=true",
-            "train.max_new_tokens=8",
-            "train.micro_batch_size=2",
-            # A KL penalty is valid for lora but refused for full: full must become a
-            # failed row, not the end of the benchmark.
-            "train.kl_coef=0.1",
-            "--methods",
-            "lora,full",
-            "--steps",
-            "2",
-            "--lr",
-            "lora=1e-3",
-            "--out",
-            str(out),
-        ]
-    )
+    common = [
+        f"model.path={tiny_llama_dir}",
+        f"data.train={train}",
+        f"data.eval={held_out}",
+        "data.max_seq_len=64",
+        "train.eval_exact_match=true",
+        "train.max_new_tokens=8",
+        "train.micro_batch_size=2",
+        # A KL penalty is valid for lora but refused for full: full must become a failed row,
+        # not the end of the benchmark.
+        "train.kl_coef=0.1",
+        "--steps",
+        "2",
+        "--lr",
+        "lora=1e-3",
+    ]
+    code = main(["bench", "methods", *common, "--methods", "lora,full", "--out", str(out)])
     assert code == 1  # one method failed
     last = capsys.readouterr().out.strip().splitlines()[-1]
     payload = json.loads(last)
@@ -78,6 +74,19 @@ def test_bench_methods_end_to_end(
     assert (out / "methods.png").stat().st_size > 1000
     table = (out / "methods.md").read_text()
     assert "| lora | 0.001 |" in table and "| full | 2e-05 | failed:" in table
+
+    # --reuse reads the finished lora run back instead of training it again.
+    import leantune.bench.methods as bench
+
+    def no_training(*args: object, **kwargs: object) -> None:
+        raise AssertionError("--reuse trained a finished method again")
+
+    monkeypatch.setattr(bench.subprocess, "run", no_training)
+    args = [*common, "--methods", "lora", "--reuse", "--out", str(out)]
+    assert main(["bench", "methods", *args]) == 0
+    again_payload = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again_payload["results"] == [lora]
+    assert again_payload["base_exact_match"] == payload["base_exact_match"]
 
 
 def test_retention_is_relative_to_full() -> None:

@@ -253,7 +253,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     lrs.update({m: v for m, v in given.items() if m in lrs})
     out = Path(args.out)
     log = lambda m: print(m, flush=True)  # noqa: E731
-    results, base = run_methods(config, methods, lrs, out, overrides, log)
+    results, base = run_methods(config, methods, lrs, out, overrides, log, args.reuse)
     meta = {
         "benchmark": "methods",
         "config": config or "demo",
@@ -371,6 +371,11 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--steps", type=int, default=None, help="override train.max_steps")
     bm.add_argument("--lr", default=None, help="per-method rates, e.g. lora=2e-3,full=5e-5")
     bm.add_argument("--out", default="runs/bench-methods", help="output folder")
+    bm.add_argument(
+        "--reuse",
+        action="store_true",
+        help="read back methods whose run in --out already finished instead of training again",
+    )
     bm.set_defaults(func=cmd_bench)
     x = sub.add_parser("export", help="export a model, then check parity with the source")
     x.add_argument("model", metavar="RUN_OR_MODEL", help="run dir (exports final/) or model dir")

@@ -90,12 +90,25 @@ def run_methods(
     out_dir: Path,
     overrides: list[str],
     log: Log = print,
+    reuse: bool = False,
 ) -> tuple[list[MethodResult], float | None]:
-    """Train each method in turn; returns the rows and the base model's exact match."""
+    """Train each method in turn; returns the rows and the base model's exact match.
+
+    With `reuse`, a method whose run under `out_dir` already finished (has summary.json) is read
+    back instead of trained again: an interrupted benchmark continues, or one method is re-run
+    after deleting its folder. The caller answers for those runs having used the same settings.
+    """
     results: list[MethodResult] = []
     base_exact_match: float | None = None
     for i, method in enumerate(methods):
         run_dir = out_dir / method
+        if reuse and (run_dir / "summary.json").is_file():
+            log(f"[{i + 1}/{len(methods)}] {method}: reusing the finished run in {run_dir}")
+            results.append(read_run(method, lrs[method], run_dir))
+            if i == 0:
+                summary = json.loads((run_dir / "summary.json").read_text())
+                base_exact_match = summary.get("base_exact_match")
+            continue
         cmd = train_command(config, method, lrs[method], run_dir, overrides, base=i == 0)
         log(f"[{i + 1}/{len(methods)}] {method} (lr {lrs[method]:g}) -> {run_dir}")
         t0 = time.perf_counter()
