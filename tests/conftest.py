@@ -98,13 +98,25 @@ def tiny_qwen2_config(vocab_size: int = 384) -> Qwen2Config:
     return Qwen2Config(**_tiny_dims(vocab_size), tie_word_embeddings=False)
 
 
-def save_tiny_model(out_dir: Path, arch: str, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """Build a 2-layer model from config with fixed init and save it with the tiny tokenizer."""
+def save_tiny_model(
+    out_dir: Path,
+    arch: str,
+    tokenizer_dir: Path,
+    seed: int = 0,
+    initializer_range: float | None = None,
+) -> Path:
+    """Build a 2-layer model from config with fixed init and save it with the tiny tokenizer.
+
+    A larger `initializer_range` than the default 0.02 gives logits far from 0, so a broken
+    export moves them measurably."""
     torch.manual_seed(seed)
+    config = tiny_llama_config() if arch == "llama" else tiny_qwen2_config()
+    if initializer_range is not None:
+        config.initializer_range = initializer_range
     if arch == "llama":
-        model: torch.nn.Module = LlamaForCausalLM(tiny_llama_config())
+        model: torch.nn.Module = LlamaForCausalLM(config)
     else:
-        model = Qwen2ForCausalLM(tiny_qwen2_config())
+        model = Qwen2ForCausalLM(config)
     model.save_pretrained(out_dir)
     PreTrainedTokenizerFast.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
     return out_dir
