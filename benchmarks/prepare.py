@@ -159,6 +159,8 @@ def run_one(args: argparse.Namespace) -> None:
             shard_tokens=args.shard_tokens,
         )
         result = {k: report[k] for k in ("rows_out", "packed_rows", "packing_efficiency")}
+        result["out_mb"] = sum(f.stat().st_size for f in args.out.iterdir()) / (1 << 20)
+        result["resume_data_mb"] = report["engine"]["resume_data_bytes"] / (1 << 20)
     seconds = time.perf_counter() - start
     self_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(

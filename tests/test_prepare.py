@@ -401,6 +401,61 @@ def test_a_crashed_preparation_resumes_without_tokenising_finished_chunks(
     assert not list(tmp_path.glob("out.partial-*"))  # removed once the output is complete
 
 
+def test_chunk_store_round_trips_every_field_compactly(tmp_path: Path) -> None:
+    import pickle
+
+    from leantune.data.prepare.chunks import ChunkStore
+    from leantune.data.prepare.records import ChunkResult, Kept, Rejection
+
+    rng = np.random.default_rng(0)
+
+    def kept(i: int, shifted: bool, signature: bool) -> Kept:
+        ids = rng.integers(0, 49152, size=50 + i, dtype=np.int32)
+        labels = np.full(ids.size, -100, dtype=np.int32)
+        labels[20:-1] = ids[21:]  # the answer-only labels that leantune.data.tokenize builds
+        if not shifted:
+            labels[5] = 7  # a label that no mask over the ids can express
+        sig = rng.integers(0, 2**32, size=16, dtype=np.uint32) if signature else None
+        return Kept(
+            f"f{i % 2}.jsonl",
+            i + 1,
+            f"record {i} \u4e2d\u6587 \U0001f600",
+            2**64 - 1 - i,
+            sig,
+            ids,
+            labels,
+        )
+
+    for shifted, signature in [(True, False), (False, True)]:
+        result = ChunkResult(
+            kept=[kept(i, shifted, signature) for i in range(30)],
+            rejected=[Rejection("f0.jsonl", 99, "invalid_json", 'line 99: bad "json"')],
+            order=[True] * 10 + [False] + [True] * 20,
+            cleaned={"html": 3},
+            seconds=1.5,
+        )
+        store = ChunkStore(tmp_path / f"out{shifted}", "k" * 64, 4.0)
+        assert store.load(0) is None
+        store.save(0, result)
+        back = ChunkStore(tmp_path / f"out{shifted}", "k" * 64, 4.0).load(0)
+        assert back is not None
+        assert (back.rejected, back.order, back.cleaned, back.seconds) == (
+            result.rejected,
+            result.order,
+            result.cleaned,
+            result.seconds,
+        )
+        for a, b in zip(result.kept, back.kept, strict=True):
+            assert (a.source, a.line, a.record, a.digest) == (b.source, b.line, b.record, b.digest)
+            for x, y in [(a.input_ids, b.input_ids), (a.labels, b.labels)]:
+                assert x.dtype == y.dtype and np.array_equal(x, y)
+            assert (a.signature is None) == (b.signature is None)
+            if a.signature is not None:
+                assert np.array_equal(a.signature, b.signature)
+        if shifted:  # the label mask costs 1 bit per token instead of 4 bytes
+            assert store.disk_bytes() < len(pickle.dumps(result)) / 1.5
+
+
 def test_cache_key_covers_the_chat_template(tmp_path: Path, tokenizer) -> None:
     from leantune.data.prepare.pipeline import cache_key
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import shutil
 import time
 from array import array
@@ -23,6 +22,7 @@ from typing import Any
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from leantune.data.prepare.chunks import ChunkStore
 from leantune.data.prepare.dedup import DedupIndex
 from leantune.data.prepare.engines import ENGINES, run_dask, run_local
 from leantune.data.prepare.records import ChunkResult, Kept, PrepareSettings, Rejection
@@ -163,42 +163,6 @@ class _Writer:
         self.rejected.close()
 
 
-class _Partial:
-    """Chunk results of an unfinished preparation, so a crashed run does not tokenise again.
-
-    Kept beside `out` under the cache key and partition size (which fix the chunk boundaries)
-    and deleted once `out` is complete.
-    """
-
-    def __init__(self, out: Path, key: str, partition_mb: float) -> None:
-        self.dir = out.with_name(f"{out.name}.partial-{key[:16]}-{partition_mb:g}mb")
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.reused = 0
-
-    def _path(self, index: int) -> Path:
-        return self.dir / f"chunk-{index:06d}.pkl"
-
-    def load(self, index: int) -> ChunkResult | None:
-        path = self._path(index)
-        if not path.is_file():
-            return None
-        with path.open("rb") as f:
-            result: ChunkResult = pickle.load(f)
-        self.reused += 1
-        return result
-
-    def save(self, index: int, result: ChunkResult) -> None:
-        path = self._path(index)
-        if not path.is_file():
-            tmp = path.with_suffix(".tmp")
-            with tmp.open("wb") as f:
-                pickle.dump(result, f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(tmp, path)  # a chunk file is complete or absent
-
-    def remove(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
 def _engine_results(
     engine: str,
     files: list[str],
@@ -206,7 +170,7 @@ def _engine_results(
     tokenizer: PreTrainedTokenizerBase,
     dask_options: dict[str, Any],
     info: dict[str, Any],
-    partial: _Partial,
+    partial: ChunkStore,
     partition_mb: float,
 ) -> Iterator[ChunkResult]:
     if engine == "local":
@@ -292,7 +256,7 @@ def prepare_dataset(
     info: dict[str, Any] = {}
     dask_options = {"scheduler": scheduler, "workers": workers}
     mb = partition_mb or (4.0 if engine == "local" else 64.0)
-    partial = _Partial(out, key, mb)
+    partial = ChunkStore(out, key, mb)
     try:
         for result in _engine_results(
             engine, files, settings, tokenizer, dask_options, info, partial, mb
@@ -304,6 +268,7 @@ def prepare_dataset(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     info["chunks_reused"] = partial.reused
+    info["resume_data_bytes"] = partial.disk_bytes()  # its peak: removed once `out` is complete
     report = _report(writer, files, settings, tokenizer, key, engine, info, started)
     (tmp / REPORT).write_text(json.dumps(report, indent=2), encoding="utf-8")
     _replace_dir(tmp, out)
