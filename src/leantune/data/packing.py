@@ -32,30 +32,64 @@ def single_rows(examples: list[Example]) -> list[Row]:
 
 
 def pack_examples(examples: list[Example], seq_len: int) -> list[Row]:
-    """First-fit-decreasing packing into rows of at most `seq_len` tokens.
-
-    Deterministic: ties in length keep input order. Examples longer than `seq_len` must have been
-    rejected before (they are reported as bad lines).
+    """Best-fit-decreasing packing into rows of at most `seq_len` tokens (see
+    `best_fit_decreasing`; the same packer writes prepared shards).
 
     Raises:
-        ValueError: an example is longer than `seq_len`.
+        ValueError: an example is longer than `seq_len` (such examples are rejected as bad
+            lines before packing).
     """
-    order = sorted(range(len(examples)), key=lambda i: (-len(examples[i].input_ids), i))
+    groups = best_fit_decreasing([len(e.input_ids) for e in examples], seq_len)
+    return rows_from_groups(examples, groups)
+
+
+def best_fit_decreasing(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
+    """Pack items into bins of `seq_len`: longest first, each into the fullest bin it fits.
+
+    A segment tree over free capacities finds that bin in O(log seq_len). Deterministic: ties
+    in length keep input order, and bins of equal free space are reused last-opened first.
+
+    Raises:
+        ValueError: an item is longer than `seq_len`.
+    """
+    size = 1
+    while size < seq_len + 1:
+        size *= 2
+    tree = [0] * (2 * size)  # number of open bins per free capacity (leaves) and per range
+    by_cap: list[list[int]] = [[] for _ in range(seq_len + 1)]
     bins: list[list[int]] = []
-    free: list[int] = []
-    for i in order:
-        n = len(examples[i].input_ids)
+
+    def update(cap: int, delta: int) -> None:
+        node = cap + size
+        while node:
+            tree[node] += delta
+            node //= 2
+
+    def smallest_at_least(n: int, node: int = 1, lo: int = 0, hi: int = size - 1) -> int:
+        if hi < n or tree[node] == 0:
+            return -1
+        if lo == hi:
+            return lo
+        mid = (lo + hi) // 2
+        found = smallest_at_least(n, 2 * node, lo, mid)
+        return found if found >= 0 else smallest_at_least(n, 2 * node + 1, mid + 1, hi)
+
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = lengths[i]
         if n > seq_len:
-            raise ValueError(f"example {i} has {n} tokens > seq_len={seq_len}")
-        for b, space in enumerate(free):
-            if n <= space:
-                bins[b].append(i)
-                free[b] -= n
-                break
+            raise ValueError(f"item {i} has {n} tokens > seq_len={seq_len}")
+        cap = smallest_at_least(n)
+        if cap < 0:
+            b, cap = len(bins), seq_len
+            bins.append([])
         else:
-            bins.append([i])
-            free.append(seq_len - n)
-    return rows_from_groups(examples, bins)
+            b = by_cap[cap].pop()
+            update(cap, -1)
+        bins[b].append(i)
+        if cap - n > 0:
+            by_cap[cap - n].append(b)
+            update(cap - n, 1)
+    return bins
 
 
 def rows_from_groups(examples: Sequence[Example], groups: list[list[int]]) -> list[Row]:

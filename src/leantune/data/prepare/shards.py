@@ -21,59 +21,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from leantune.data.packing import Row, rows_from_groups
+from leantune.data.packing import Row, best_fit_decreasing, rows_from_groups
 from leantune.data.tokenize import Example
 
 SHARD_TOKENS = 2_000_000
-
-
-def best_fit_decreasing(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
-    """Pack items into bins of `seq_len`: longest first, each into the fullest bin it fits.
-
-    A segment tree over free capacities finds that bin in O(log seq_len). Deterministic: ties
-    in length keep input order, and bins of equal free space are reused last-opened first.
-
-    Raises:
-        ValueError: an item is longer than `seq_len`.
-    """
-    size = 1
-    while size < seq_len + 1:
-        size *= 2
-    tree = [0] * (2 * size)  # number of open bins per free capacity (leaves) and per range
-    by_cap: list[list[int]] = [[] for _ in range(seq_len + 1)]
-    bins: list[list[int]] = []
-
-    def update(cap: int, delta: int) -> None:
-        node = cap + size
-        while node:
-            tree[node] += delta
-            node //= 2
-
-    def smallest_at_least(n: int, node: int = 1, lo: int = 0, hi: int = size - 1) -> int:
-        if hi < n or tree[node] == 0:
-            return -1
-        if lo == hi:
-            return lo
-        mid = (lo + hi) // 2
-        found = smallest_at_least(n, 2 * node, lo, mid)
-        return found if found >= 0 else smallest_at_least(n, 2 * node + 1, mid + 1, hi)
-
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        n = lengths[i]
-        if n > seq_len:
-            raise ValueError(f"item {i} has {n} tokens > seq_len={seq_len}")
-        cap = smallest_at_least(n)
-        if cap < 0:
-            b, cap = len(bins), seq_len
-            bins.append([])
-        else:
-            b = by_cap[cap].pop()
-            update(cap, -1)
-        bins[b].append(i)
-        if cap - n > 0:
-            by_cap[cap - n].append(b)
-            update(cap - n, 1)
-    return bins
 
 
 def rows_of(examples: Sequence[Example], groups: list[list[int]] | None) -> list[Row]:
