@@ -172,8 +172,6 @@ def run_one(args: argparse.Namespace) -> None:
 
 def measure(engine: str, args: argparse.Namespace, corpus: Path, out: Path) -> dict[str, Any]:
     """Run one engine in a child process; sample the RSS of its whole process tree."""
-    import psutil
-
     cmd = [
         sys.executable,
         __file__,
@@ -197,25 +195,51 @@ def measure(engine: str, args: argparse.Namespace, corpus: Path, out: Path) -> d
     if args.partition_mb is not None:
         cmd += ["--partition-mb", str(args.partition_mb)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    child = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
+    start = time.perf_counter()
+    log = out.with_name(f"{out.name}.stderr")  # a file, so a chatty child never blocks on a pipe
+    with log.open("w") as err:
+        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        peak = _watch(child, int(args.max_rss_gb * (1 << 30)))
+        stdout, _ = child.communicate()
+    stderr = log.read_text(errors="replace")
+    row: dict[str, Any] = {"engine": engine, "peak_rss_mb": round(peak / (1 << 20), 1)}
+    if child.returncode != 0:  # recorded, not raised: the other engines' results still count
+        over = peak > args.max_rss_gb * (1 << 30)
+        reason = (
+            f"stopped above --max-rss-gb {args.max_rss_gb:g}"
+            if over
+            else f"exit code {child.returncode}: {stderr[-2000:]}"
+        )
+        seconds = round(time.perf_counter() - start, 1)
+        return {**row, "failed": reason, "seconds_until_stopped": seconds}
+    result: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
+    result["rows_per_s"] = round(result["rows_in"] / result["seconds"], 1)
+    return {**row, **result}
+
+
+def _watch(child: subprocess.Popen[str], cap: int) -> int:
+    """Peak RSS of the child's process tree; kills the tree once it passes `cap` bytes (so a
+    baseline that holds the whole corpus in memory cannot take the machine down)."""
+    import psutil
+
     proc = psutil.Process(child.pid)
     peak = 0
     while child.poll() is None:
         try:
             procs = [proc, *proc.children(recursive=True)]
             peak = max(peak, sum(p.memory_info().rss for p in procs if p.is_running()))
+            if peak > cap:
+                for p in procs:
+                    p.kill()
         except psutil.Error:
             pass
         time.sleep(0.05)
-    stdout, stderr = child.communicate()
-    if child.returncode != 0:
-        raise RuntimeError(f"{engine} failed:\n{stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
-    result["peak_rss_mb"] = round(peak / (1 << 20), 1)
-    result["rows_per_s"] = round(result["rows_in"] / result["seconds"], 1)
-    return {"engine": engine, **result}
+    return peak
+
+
+def _default_cap_gb() -> float:
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return round(0.8 * total / (1 << 30), 1)
 
 
 def main() -> None:
@@ -228,6 +252,12 @@ def main() -> None:
     p.add_argument("--partition-mb", type=float, default=None)
     p.add_argument("--dedup", default="exact", choices=["none", "exact", "near"])
     p.add_argument("--shard-tokens", type=int, default=2_000_000)
+    p.add_argument(
+        "--max-rss-gb",
+        type=float,
+        default=_default_cap_gb(),
+        help="stop an engine whose process tree passes this (default: 80%% of physical memory)",
+    )
     p.add_argument("--workdir", type=Path, default=None, help="default: a temporary directory")
     p.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--corpus", type=Path, default=None, help="use this corpus, do not generate")
@@ -245,10 +275,19 @@ def main() -> None:
         n = generate_corpus(corpus, args.size_mb)
         took = time.perf_counter() - t0
         print(f"generated {corpus} ({args.size_mb:g} MB, {n} lines) in {took:.0f} s")
-    results = [measure(e, args, corpus, work / f"out-{e}") for e in args.engines.split(",")]
+    results = []
+    for engine in args.engines.split(","):
+        results.append(measure(engine, args, corpus, work / f"out-{engine}"))
+        print(json.dumps(results[-1]), flush=True)  # each engine's row as soon as it is known
     head = ("rows in", "rows out", "seconds", "rows/s", "peak RSS MB")
     print(f"\n{'engine':8} {head[0]:>9} {head[1]:>9} {head[2]:>8} {head[3]:>9} {head[4]:>12}")
     for r in results:
+        if "failed" in r:
+            print(
+                f"{r['engine']:8} failed after {r['seconds_until_stopped']:.0f} s "
+                f"(peak RSS {r['peak_rss_mb']:.0f} MB): {r['failed'][:200]}"
+            )
+            continue
         print(
             f"{r['engine']:8} {r['rows_in']:>9} {r['rows_out']:>9} {r['seconds']:>8.1f} "
             f"{r['rows_per_s']:>9.0f} {r['peak_rss_mb']:>12.0f}"
