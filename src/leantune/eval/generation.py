@@ -148,6 +148,42 @@ def _cut_at_stop(ids: list[int], stop_ids: set[int]) -> list[int]:
     return ids
 
 
+def _encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[list[int]]:
+    encoded: list[list[int]] = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    for index, ids in enumerate(encoded):
+        if not ids:
+            raise ValueError(f"prompt {index} is empty after tokenization")
+    return encoded
+
+
+def _generate_batch(
+    model: PreTrainedModel | PeftModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    settings: SamplingSettings,
+    stop_ids: list[int],
+    pad_id: int,
+) -> list[list[int]]:
+    """The new token ids of one left-padded batch (prompt-learning methods add their tokens)."""
+    runner, inputs = prompt_learning_generate_inputs(model, input_ids, attention_mask) or (
+        model,
+        {"input_ids": input_ids, "attention_mask": attention_mask},
+    )
+    # transformers 5 no longer declares `generate` on PreTrainedModel (only on GenerationMixin
+    # subclasses), so the type checker sees it through __getattr__.
+    generate = cast(Callable[..., torch.Tensor], runner.generate)
+    generated = generate(
+        **inputs,
+        max_new_tokens=settings.max_new_tokens,
+        eos_token_id=stop_ids,
+        pad_token_id=pad_id,
+        use_cache=True,
+        **_decoding_kwargs(settings),
+    )
+    new_tokens: list[list[int]] = generated[:, input_ids.shape[1] :].tolist()
+    return new_tokens
+
+
 def generate_texts(
     model: PreTrainedModel | PeftModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -191,10 +227,7 @@ def generate_texts(
     if pad_id is None:
         raise ValueError("the tokenizer has neither a pad token nor an eos token; set one of them")
 
-    encoded: list[list[int]] = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    for index, ids in enumerate(encoded):
-        if not ids:
-            raise ValueError(f"prompt {index} is empty after tokenization")
+    encoded = _encode_prompts(tokenizer, prompts)
     # Longest first: a batch that does not fit in memory fails at once, not at the end.
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]), reverse=True)
     device = next(model.parameters()).device
@@ -214,22 +247,14 @@ def generate_texts(
             for start in range(0, len(order), batch_size):
                 batch = order[start : start + batch_size]
                 input_ids, attention_mask = _left_pad([encoded[i] for i in batch], pad_id)
-                input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-                runner, inputs = prompt_learning_generate_inputs(
-                    model, input_ids, attention_mask
-                ) or (model, {"input_ids": input_ids, "attention_mask": attention_mask})
-                # transformers 5 no longer declares `generate` on PreTrainedModel (only on
-                # GenerationMixin subclasses), so the type checker sees it through __getattr__.
-                generate = cast(Callable[..., torch.Tensor], runner.generate)
-                generated = generate(
-                    **inputs,
-                    max_new_tokens=settings.max_new_tokens,
-                    eos_token_id=stop_ids,
-                    pad_token_id=pad_id,
-                    use_cache=True,
-                    **_decoding_kwargs(settings),
+                new_tokens = _generate_batch(
+                    model,
+                    input_ids.to(device),
+                    attention_mask.to(device),
+                    settings,
+                    stop_ids,
+                    pad_id,
                 )
-                new_tokens = generated[:, input_ids.shape[1] :].tolist()
                 for index, ids in zip(batch, new_tokens, strict=True):
                     text = tokenizer.decode(_cut_at_stop(ids, stop_set), skip_special_tokens=True)
                     outputs[index] = cast(str, text).strip()
