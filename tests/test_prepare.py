@@ -454,6 +454,10 @@ def test_chunk_store_round_trips_every_field_compactly(tmp_path: Path) -> None:
                 assert np.array_equal(a.signature, b.signature)
         if shifted:  # the label mask costs 1 bit per token instead of 4 bytes
             assert store.disk_bytes() < len(pickle.dumps(result)) / 1.5
+    all_rejected = ChunkResult(rejected=[Rejection("f.jsonl", 1, "empty_line", "empty line")])
+    all_rejected.order = [False]
+    store.save(1, all_rejected)
+    assert store.load(1) == all_rejected
 
 
 def test_cache_key_covers_the_chat_template(tmp_path: Path, tokenizer) -> None:

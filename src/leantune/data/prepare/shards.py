@@ -1,4 +1,4 @@
-"""Best-fit-decreasing packing and the Parquet shards of a prepared directory.
+"""The Parquet shards of a prepared directory, packed by `packing.best_fit_decreasing`.
 
 A prepared directory holds, per shard `k`:
 - `examples-k.parquet`: one row per kept example in input order: `source`, `line`, the cleaned
