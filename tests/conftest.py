@@ -5,7 +5,10 @@ Nothing here touches the network; every fixture is deterministic.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -139,3 +142,28 @@ def write_jsonl(path: Path, rows: list[object]) -> Path:
             f.write(row if isinstance(row, str) else json.dumps(row, ensure_ascii=False))
             f.write("\n")
     return path
+
+
+@dataclass
+class CliResult:
+    """What one `leantune` invocation returned and printed."""
+
+    code: int
+    out: str
+    err: str
+
+
+def run_cli(args: list[str]) -> CliResult:
+    """Run `leantune ARGS` in this process; fails the test on any Python traceback.
+
+    Every user mistake must end in a clear message and an exit code, never a traceback: an
+    exception escaping `main` fails here, and so does a traceback printed to either stream.
+    """
+    from leantune.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(args)
+    result = CliResult(code, out.getvalue(), err.getvalue())
+    assert "Traceback" not in result.out + result.err, result
+    return result
