@@ -390,14 +390,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `leantune` console script."""
-    from leantune.config import ConfigError
-    from leantune.data.dataset import DataError
+    from leantune.errors import UserError
 
     args = build_parser().parse_args(argv)
     _quiet_import_noise()
     try:
         return int(args.func(args))
-    except (ConfigError, DataError, FileNotFoundError) as e:
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

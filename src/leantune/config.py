@@ -16,6 +16,8 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from leantune.errors import UserError
+
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 
 
@@ -251,7 +253,7 @@ class Config:
         return Path(self.run.dir) if self.run.dir else Path("runs") / self.run.name
 
 
-class ConfigError(ValueError):
+class ConfigError(ValueError, UserError):
     """A config value is missing, unknown or invalid; the message names the field and the fix."""
 
 

@@ -10,9 +10,10 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from leantune.data.formats import BadLine, Record, read_jsonl
 from leantune.data.packing import Row, pack_examples, single_rows
 from leantune.data.tokenize import Example, encode_record
+from leantune.errors import UserError
 
 
-class DataError(ValueError):
+class DataError(ValueError, UserError):
     """The data cannot be trained on; the message says which file and lines and why."""
 
 
