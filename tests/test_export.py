@@ -30,6 +30,7 @@ from leantune.export.run import FORMATS, check_export, export_model
 from leantune.export.source import ExportError, load_source, merge_into_base, model_logits_fn
 from leantune.methods.lora import LoraSettings, apply_lora
 from leantune.models.artifacts import save_final
+from leantune.models.quantize import keep_training_layout
 
 
 def _save_model(out: Path, arch: str, tokenizer_dir: Path) -> Path:
@@ -284,6 +285,7 @@ def test_merge_dequantises_a_4bit_base_first(llama_dir: Path, tmp_path: Path) ->
                         child.weight.data, requires_grad=False, quant_type="nf4"
                     )
                     setattr(parent, name, q.to("cpu"))
+    keep_training_layout(base)  # as load_model does for a 4-bit base
     model = _lora_model_from(base)
     adapter_dir = tmp_path / "adapter"
     model.save_pretrained(adapter_dir)
@@ -294,6 +296,63 @@ def test_merge_dequantises_a_4bit_base_first(llama_dir: Path, tmp_path: Path) ->
     assert not any(type(p).__name__ == "Params4bit" for p in merged.parameters())
     got = model_logits_fn(merged)(ids)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def _nf4_layer(double_quant: bool, seed: int = 0) -> torch.nn.Module:
+    bnb = pytest.importorskip("bitsandbytes")
+    torch.manual_seed(seed)
+    dense = torch.nn.Linear(128, 256)
+    q = bnb.nn.Linear4bit(
+        128, 256, compute_dtype=torch.float32, quant_type="nf4", compress_statistics=double_quant
+    )
+    q.weight = bnb.nn.Params4bit(
+        dense.weight.data, requires_grad=False, quant_type="nf4", compress_statistics=double_quant
+    )
+    q.bias = torch.nn.Parameter(dense.bias.data.clone())
+    return q.to("cpu")
+
+
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_a_weight_repacked_for_the_avx512_bf16_kernel_dequantises_correctly(
+    double_quant: bool,
+) -> None:
+    """bitsandbytes repacks a 4-bit weight for its AVX512-BF16 CPU kernel (shape [out, in/2],
+    bf16 block scales). The repacking is forced here, so this runs on any CPU."""
+    import bitsandbytes.functional as bnb_f
+
+    from leantune.export.source import dequantize_4bit
+
+    layer = _nf4_layer(double_quant)
+    want = bnb_f.dequantize_4bit(layer.weight.data, layer.weight.quant_state).clone()
+    absmax = float(want.abs().max())
+    w = layer.weight
+    w.data, w.quant_state = bnb_f._convert_weight_packed_for_cpu(w.data, w.quant_state)
+    assert tuple(w.data.shape) == (256, 64)
+    holder = torch.nn.Sequential(layer)
+    assert dequantize_4bit(holder) == 1
+    got = holder[0].weight.detach()
+    assert got.shape == want.shape
+    # The repacking rounded the block scales to bf16 (8 significant bits): recovered weights
+    # are within 2^-8 of the block absmax. Reading the packed bytes as they are was off by 0.18,
+    # and bitsandbytes' inverse alone (scales left transposed) by 10% of absmax without
+    # double quantisation.
+    assert float((got - want).abs().max()) <= absmax * 2**-8
+
+
+def test_eval_mode_runs_the_training_kernel_on_every_cpu() -> None:
+    """With keep_training_layout an eval forward neither repacks the weight nor changes the
+    result, as if this CPU had AVX512-BF16 (the flag bitsandbytes sets from the CPU is forced)."""
+    layer = _nf4_layer(double_quant=True)
+    layer.support_avx512bf16_for_cpu = True
+    assert keep_training_layout(torch.nn.Sequential(layer)) == 1
+    x = torch.randn(3, 128)
+    layer.train()
+    train_out = layer(x).detach()
+    layer.eval()
+    with torch.no_grad():
+        eval_out = layer(x)
+    assert not getattr(layer.weight.quant_state, "packing_format_for_cpu", False)
+    assert torch.equal(eval_out, train_out)
 
 
 def _lora_model_from(base: torch.nn.Module) -> torch.nn.Module:

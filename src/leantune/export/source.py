@@ -3,7 +3,9 @@
 A run directory exports its `final/`; a model or adapter directory exports itself. Adapter methods
 (LoRA, DoRA, IA3) are folded into the base with peft's `merge_and_unload`. A 4-bit base
 (bitsandbytes `Params4bit`, as QLoRA trains on) is dequantised to float32 first and the adapter is
-merged into those dequantised weights, which are the weights the adapter was trained against.
+merged into those dequantised weights, which are the weights the adapter was trained against; a
+weight that bitsandbytes repacked for its AVX512-BF16 CPU kernel is unpacked first
+(`models.quantize.canonical_4bit`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from leantune.export.parity import LogitsFn
 from leantune.methods.lora import quiet_peft
 from leantune.models.artifacts import is_adapter_dir, load_for_inference
+from leantune.models.quantize import canonical_4bit
 
 
 class ExportError(ValueError):
@@ -79,7 +82,8 @@ def dequantize_4bit(model: nn.Module) -> int:
             continue
         import bitsandbytes.functional as bnb_f
 
-        dense = bnb_f.dequantize_4bit(weight.data, weight.quant_state).to(torch.float32)  # type: ignore[union-attr]
+        data, state = canonical_4bit(weight)
+        dense = bnb_f.dequantize_4bit(data, state).to(torch.float32)
         bias = getattr(module, "bias", None)
         linear = nn.Linear(dense.shape[1], dense.shape[0], bias=bias is not None)
         linear.weight.data.copy_(dense)

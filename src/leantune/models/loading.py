@@ -16,7 +16,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.config import RopeScalingConfig
 from leantune.models.demo_model import DEMO_MODEL_NAMES, ensure_demo_model
-from leantune.models.quantize import Quantization, bnb_config
+from leantune.models.quantize import Quantization, bnb_config, keep_training_layout
 from leantune.models.rope import apply_rope_scaling
 
 DTYPES: dict[str, torch.dtype] = {
@@ -122,6 +122,8 @@ def load_model(
         local_files_only=local_only,
         **kwargs,
     )
+    if quantization is not None:
+        keep_training_layout(model)
     return model
 
 

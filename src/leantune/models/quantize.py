@@ -78,3 +78,41 @@ def is_quantized(model: torch.nn.Module) -> bool:
     return any(type(m).__name__ in ("Linear4bit", "Params4bit") for m in model.modules()) or any(
         type(p).__name__ == "Params4bit" for p in model.parameters()
     )
+
+
+def keep_training_layout(model: torch.nn.Module) -> int:
+    """Make every bitsandbytes 4-bit layer run the same kernel in eval mode as in training.
+
+    On CPUs with AVX512-BF16, bitsandbytes (0.50) repacks a `Linear4bit` weight in place on its
+    first eval-mode forward without grad: the weight changes shape, the block scales are rounded
+    to bf16 (the outputs then differ from training's by ~1e-2 on a 256x128 layer) and
+    `dequantize_4bit` no longer reads it correctly. Evaluating, generating or merging a QLoRA
+    model must see the weights it was trained against, on every CPU, so the repacking is turned
+    off. Returns the number of layers changed.
+    """
+    changed = 0
+    for module in model.modules():
+        if type(module).__name__ in ("Linear4bit", "LinearNF4", "LinearFP4"):
+            setattr(module, "support_avx512bf16_for_cpu", False)  # noqa: B010 (mypy: Module attr)
+            changed += 1
+    return changed
+
+
+def canonical_4bit(weight: Any) -> tuple[torch.Tensor, Any]:
+    """A `Params4bit`'s data and quant state in bitsandbytes' canonical layout.
+
+    A weight that bitsandbytes repacked for its AVX512-BF16 CPU kernel (see
+    `keep_training_layout`) is unpacked with bitsandbytes' own inverse. That inverse leaves the
+    scales of a non-double-quantised weight transposed and in bf16, so they are put back in the
+    flat float32 order `dequantize_4bit` reads. The repacking rounded the scales to bf16, so the
+    recovered weights match the original ones to within 2^-8 of each block's absmax, not exactly.
+    """
+    state = weight.quant_state
+    if not getattr(state, "packing_format_for_cpu", False):
+        return weight.data, state
+    import bitsandbytes.functional as bnb_f
+
+    data, state = bnb_f._convert_weight_packed_for_cpu_inverse(weight.data, state)
+    if not state.nested and state.absmax.dim() == 2:
+        state.absmax = state.absmax.T.reshape(-1).to(torch.float32).contiguous()
+    return data, state
