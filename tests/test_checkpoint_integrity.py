@@ -6,16 +6,20 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import run_cli, write_jsonl
 from safetensors import SafetensorError
+from test_training import chat_rows
 
 import leantune.training.checkpoint as ck
-from leantune.training import checkpoint_verify
+from leantune.training import checkpoint_verify, recipe
 from leantune.training.checkpoint import (
     MARKER,
     CheckpointError,
@@ -29,6 +33,7 @@ from leantune.training.checkpoint import (
     resume_checkpoint,
     save_checkpoint,
 )
+from leantune.training.events import EXIT_GUARD_STOPPED, read_events
 
 DATA_FILES = ("model.safetensors", "optimizer.pt", "trainer_state.pt", "trainer_state.json")
 
@@ -463,3 +468,196 @@ def test_a_read_only_checkpoint_directory_gives_a_clear_error(
     assert str(root) in str(info.value) and reason.lower() in str(info.value).lower()
     assert sorted(p.name for p in root.iterdir()) == ["step-000002"]
     assert load_checkpoint(earlier).state.step == 2
+
+
+# --------------------------------------------------------------------------------------------
+# Through the CLI: the run that meets these checkpoints
+
+
+def _train_args(model: Path, data: Path, run: Path, *extra: str) -> list[str]:
+    return [
+        "train", f"model.path={model}", f"data.train={data}", "data.eval=null",
+        "data.max_seq_len=128", "train.eval_exact_match=false", "train.micro_batch_size=2",
+        "train.max_steps=4", "train.save_every=2", "train.keep_last=2", "train.lr=1e-2",
+        "train.seed=3", f"run.dir={run}", "run.progress=false", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture()
+def train_file(tmp_path: Path) -> Path:
+    return write_jsonl(tmp_path / "train.jsonl", chat_rows(24))
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    """Copies: safetensors maps the file, so its tensors would change with the file."""
+    return {name: w.clone() for name, w in load_checkpoint(path).weights.items()}
+
+
+def test_cli_every_checkpoint_damaged_exits_2_naming_each_and_keeps_them(
+    tiny_llama_dir: Path, train_file: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    args = _train_args(tiny_llama_dir, train_file, run)
+    assert run_cli(args).code == 0
+    ckpts = run / "checkpoints"
+    _zero_middle(ckpts / "step-000004" / "model.safetensors")
+    (ckpts / "step-000002" / "optimizer.pt").write_bytes(b"cut")
+    kept = {p: p.read_bytes() for p in ckpts.rglob("*") if p.is_file()}
+
+    result = run_cli(args)
+    assert result.code == 2, result
+    assert "step-000002" in result.err and "optimizer.pt of 3 bytes" in result.err
+    assert "step-000004" in result.err and "sha256" in result.err
+    assert "run.resume=never" in result.err
+    assert {p: p.read_bytes() for p in ckpts.rglob("*") if p.is_file()} == kept
+
+
+def test_cli_a_damaged_newest_checkpoint_resumes_from_the_older_one(
+    tiny_llama_dir: Path, train_file: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    args = _train_args(tiny_llama_dir, train_file, run)
+    assert run_cli(args).code == 0
+    newest = run / "checkpoints" / "step-000004"
+    expected = _weights(newest)
+    _zero_middle(newest / "model.safetensors")
+
+    result = run_cli(args)
+    assert result.code == 0, result
+    out = result.out + result.err
+    assert "step-000004" in out and "damaged" in out
+    assert "resumed from" in out and "step-000002" in out
+    again = _weights(newest)  # steps 3 and 4 redone, bit for bit
+    assert all(torch.equal(again[n], w) for n, w in expected.items())
+
+
+def test_cli_a_swapped_pickle_exits_2_without_running_it(
+    tiny_llama_dir: Path, train_file: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    args = _train_args(tiny_llama_dir, train_file, run, "train.max_steps=2")
+    assert run_cli(args).code == 0
+    path = run / "checkpoints" / "step-000002"
+    sentinel = tmp_path / "pwned"
+    torch.save({"scheduler": _Evil(sentinel), "scaler": None, "rng": {}}, path / "trainer_state.pt")
+    _remark(path)
+    result = run_cli(args)
+    assert result.code == 2, result
+    assert "trainer_state.pt" in result.err and "never unpickles" in result.err
+    assert "weights_only=False" not in result.err and "likely succeed" not in result.err
+    assert not sentinel.exists()
+
+
+def test_cli_a_symlinked_tmp_directory_is_unlinked_and_its_target_kept(
+    tiny_llama_dir: Path, train_file: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    target = tmp_path / "mine"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    (run / "checkpoints" / ".tmp-step-000001-1").symlink_to(target, target_is_directory=True)
+    result = run_cli(_train_args(tiny_llama_dir, train_file, run, "train.max_steps=2"))
+    assert result.code == 0, result
+    assert (target / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002"]
+
+
+def test_cli_a_full_disk_mid_run_exits_2_and_the_next_run_resumes_exactly(
+    tiny_llama_dir: Path, train_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference = tmp_path / "reference"
+    assert run_cli(_train_args(tiny_llama_dir, train_file, reference)).code == 0
+
+    run = tmp_path / "run"
+    args = _train_args(tiny_llama_dir, train_file, run)
+    original = ck._write_payload
+
+    def payload(directory: Path, *rest: Any) -> Any:
+        if directory.name.startswith(".tmp-step-000004"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory / "x"))
+        return original(directory, *rest)
+
+    monkeypatch.setattr(ck, "_write_payload", payload)
+    result = run_cli(args)
+    assert result.code == 2, result
+    assert "No space left on device" in result.err and str(run / "checkpoints") in result.err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002"]
+
+    monkeypatch.undo()
+    result = run_cli(args)
+    assert result.code == 0, result
+    assert "resumed from" in result.out and "step-000002" in result.out
+    expected = _weights(reference / "checkpoints" / "step-000004")
+    got = _weights(run / "checkpoints" / "step-000004")
+    assert all(torch.equal(got[n], w) for n, w in expected.items())
+
+
+# --------------------------------------------------------------------------------------------
+# Diverged weights
+
+
+def _poison_weights_after_update(monkeypatch: pytest.MonkeyPatch, update: int) -> None:
+    """Fill one trainable tensor with NaN right after optimizer update number `update`."""
+    original = recipe.build_optimizer
+
+    def build(params: Any, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        optimizer = original(params, *args, **kwargs)
+        count = [0]
+
+        def hook(opt: torch.optim.Optimizer, *_: Any) -> None:
+            count[0] += 1
+            if count[0] == update:
+                with torch.no_grad():
+                    opt.param_groups[0]["params"][0].fill_(math.nan)
+
+        optimizer.register_step_post_hook(hook)
+        return optimizer
+
+    monkeypatch.setattr(recipe, "build_optimizer", build)
+
+
+def test_cli_guard_stop_with_nan_weights_writes_no_checkpoint_and_names_the_last_good(
+    tiny_llama_dir: Path, train_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _poison_weights_after_update(monkeypatch, 3)
+    run = tmp_path / "run"
+    args = _train_args(
+        tiny_llama_dir, train_file, run, "train.max_steps=8", "guard.max_consecutive_skips=2"
+    )
+    result = run_cli(args)
+    assert result.code == EXIT_GUARD_STOPPED, result
+    assert "2 consecutive steps skipped" in result.err  # the guard's reason, then the weights'
+    assert "diverged" in result.err and "no checkpoint was written" in result.err
+    assert "step-000002" in result.err and "train.lr" in result.err
+    assert "resumes" not in result.err
+    stop = read_events(run / "events.jsonl")[-1]
+    assert stop["kind"] == "stop" and stop["checkpoint"] is None and "diverged" in stop["message"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002"]
+    kept = _weights(run / "checkpoints" / "step-000002")
+    assert all(torch.isfinite(w).all() for w in kept.values())
+
+
+def test_cli_a_periodic_save_of_nan_weights_is_refused(
+    tiny_llama_dir: Path, train_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _poison_weights_after_update(monkeypatch, 4)
+    run = tmp_path / "run"
+    result = run_cli(_train_args(tiny_llama_dir, train_file, run))
+    assert result.code == EXIT_GUARD_STOPPED, result
+    assert "diverged" in result.err and "step 4" in result.err and "step-000002" in result.err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002"]
+
+
+def test_cli_nan_weights_from_the_first_update_leave_no_checkpoint(
+    tiny_llama_dir: Path, train_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _poison_weights_after_update(monkeypatch, 1)
+    run = tmp_path / "run"
+    args = _train_args(tiny_llama_dir, train_file, run, "guard.max_consecutive_skips=2")
+    result = run_cli(args)
+    assert result.code == EXIT_GUARD_STOPPED, result
+    assert "diverged" in result.err and "no earlier checkpoint" in result.err
+    assert "resumes" not in result.err
+    assert not list((run / "checkpoints").iterdir())
+    shutil.rmtree(run)
