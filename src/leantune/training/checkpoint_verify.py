@@ -142,7 +142,7 @@ def refused_pickle_message(path: Path, exc: Exception) -> str:
     return (
         f"{path} holds {what}, not only tensors and plain data. leantune loads checkpoint files "
         "with torch.load(weights_only=True) and never unpickles arbitrary objects, because "
-        "unpickling can run code. Remove this checkpoint, or replace it with one leantune wrote."
+        "unpickling can run code"
     )
 
 
