@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -263,11 +264,18 @@ def test_objects_beyond_weights_only_are_refused(tmp_path: Path) -> None:
         save_checkpoint(root, TrainingState(1, 1, {}), {}, {}, {"x": _Evil(sentinel)}, None, {})
     assert list(root.iterdir()) == []  # no temporary directory left behind
 
-    # A complete checkpoint whose trainer_state.pt was swapped for a malicious one.
+    # A complete checkpoint whose trainer_state.pt was swapped for a malicious one: the
+    # checksum refuses it, and so does weights-only loading once the marker is redone to match.
     path = _save_simple(root, 2, 2.0)
-    torch.save({"scheduler": _Evil(sentinel), "scaler": None, "rng": {}}, path / "trainer_state.pt")
+    swapped = path / "trainer_state.pt"
+    torch.save({"scheduler": _Evil(sentinel), "scaler": None, "rng": {}}, swapped)
+    with pytest.raises(CheckpointError, match=r"step-000002.*trainer_state\.pt (of|with sha)"):
+        load_checkpoint(path)
     manifest = json.loads((path / MARKER).read_text())
-    manifest["files"]["trainer_state.pt"] = (path / "trainer_state.pt").stat().st_size
+    manifest["files"]["trainer_state.pt"] = {
+        "size": swapped.stat().st_size,
+        "sha256": hashlib.sha256(swapped.read_bytes()).hexdigest(),
+    }
     (path / MARKER).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=r"step-000002.trainer_state\.pt"):
         load_checkpoint(path)

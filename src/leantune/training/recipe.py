@@ -54,10 +54,11 @@ from leantune.training.checkpoint import (
     TrainingState,
     capture_rng_state,
     latest_checkpoint,
-    load_checkpoint,
     restore_rng_state,
+    resume_checkpoint,
     save_checkpoint,
 )
+from leantune.training.divergence import WeightsDiverged
 from leantune.training.evaluation import PeriodicEval, evaluate_retrying, exact_match
 from leantune.training.events import (
     EVENTS_FILE,
@@ -183,13 +184,18 @@ def load_datasets(
 
 
 def restore(trainer: Trainer, ckpt_dir: Path, log: Log) -> None:
-    """Continue from the newest complete checkpoint: weights, optimizer, schedule, scaler, RNG
-    and the exact data position."""
-    path = latest_checkpoint(ckpt_dir)
-    if path is None:
+    """Continue from the newest checkpoint that checks out (sizes, checksums, state values):
+    weights, optimizer, schedule, scaler, RNG and the exact data position.
+
+    Raises:
+        DamagedCheckpoints: checkpoints exist but none checks out (exit code 2); training never
+            starts over on top of them.
+    """
+    ckpt = resume_checkpoint(ckpt_dir, warn=lambda message: log(f"warning: {message}"))
+    if ckpt is None:
         return
-    load_into(trainer, load_checkpoint(path))
-    log(f"resumed from {path} at step {trainer.state.step}")
+    load_into(trainer, ckpt)
+    log(f"resumed from {ckpt.path} at step {trainer.state.step}")
 
 
 def load_into(trainer: Trainer, ckpt: Checkpoint) -> None:
@@ -220,7 +226,12 @@ def load_into(trainer: Trainer, ckpt: Checkpoint) -> None:
 
 
 def checkpoint(trainer: Trainer, ckpt_dir: Path, keep_last: int, config_yaml: str) -> Path:
-    """Write a checkpoint of the current state (atomic; see training.checkpoint)."""
+    """Write a checkpoint of the current state (atomic; see training.checkpoint).
+
+    Raises:
+        WeightsDiverged: a trainable weight holds NaN or inf, so nothing is written (exit 4).
+        CheckpointWriteError: the disk refused the write; earlier checkpoints are intact (exit 2).
+    """
     trainer.state.extra["batching"] = {
         "global_batch": trainer.global_batch,
         "micro_batch_size": trainer.micro_batch_size,
@@ -419,7 +430,11 @@ def act_on_guard(tr: Trainer, result: StepResult, files: RunFiles, g: GuardConfi
         rollback(tr, result.end, files, g.lr_factor)
         return True
     tr.events.emit(kind, step, f"{reason}; update skipped", **info)
-    path = checkpoint(tr, files.ckpt_dir, files.keep_last, files.config_yaml)
+    try:
+        path = checkpoint(tr, files.ckpt_dir, files.keep_last, files.config_yaml)
+    except WeightsDiverged as exc:  # no resume point to offer: pause and stop both end here
+        tr.events.emit("stop", step, f"stopped; {exc}", checkpoint=None)
+        raise WeightsDiverged(f"training stopped at step {step}: {reason}. Also, {exc}") from None
     if action == "pause":
         marker = {"reason": reason, "detector": kind, "step": step, "checkpoint": str(path)}
         (files.run_dir / PAUSED_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
@@ -439,14 +454,15 @@ def act_on_guard(tr: Trainer, result: StepResult, files: RunFiles, g: GuardConfi
 def rollback(tr: Trainer, bad_end: int, files: RunFiles, lr_factor: float) -> None:
     """Reload the last checkpoint exactly, scale the LR by `lr_factor` and skip the data from
     that checkpoint up to and including the bad window (`bad_end` is the position after it)."""
-    path = latest_checkpoint(files.ckpt_dir)
-    assert path is not None, "train() writes a step-0 checkpoint when rollback is configured"
     extra = tr.state.extra
     keep: dict[str, Any] = {k: extra[k] for k in ("train_time_s", "base_exact_match") if k in extra}
     scale = float(extra.get("lr_scale", 1.0)) * lr_factor
     rollbacks = int(extra.get("rollbacks", 0)) + 1
     micro_batch_size = tr.micro_batch_size  # an OOM since the checkpoint still applies
-    ckpt = load_checkpoint(path)
+    # Verified like a resume: a damaged newest checkpoint gives way to an older one.
+    ckpt = resume_checkpoint(files.ckpt_dir, warn=lambda m: tr.events.log(f"warning: {m}"))
+    assert ckpt is not None, "train() writes a step-0 checkpoint when rollback is configured"
+    path = ckpt.path
     load_into(tr, ckpt)
     tr.micro_batch_size = min(micro_batch_size, tr.micro_batch_size)
     ratio = scale / float(ckpt.state.extra.get("lr_scale", 1.0))
