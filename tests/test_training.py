@@ -134,10 +134,12 @@ def test_lora_run_trains_only_adapters_and_leaves_a_complete_run(
     summary = train(cfg, log=logs.append)
     assert any("parameters train" in line for line in logs)
     assert sorted(p.name for p in run_dir.iterdir()) == [
+        ".leantune.lock",  # held while a process trains in this directory
         "checkpoints",
         "config.yaml",
         "eval_predictions.jsonl",
         "final",
+        "leantune_run.json",  # the run's fingerprint: what a resume must match
         "metrics.jsonl",
         "prepared",  # the tokenise-once cache of data.train / data.eval
         "summary.json",
@@ -262,6 +264,9 @@ def test_resume_never_starts_over(tiny_llama_dir: Path, chat_files, tmp_path: Pa
     train(cfg, log=logs.append)
     assert not any("resumed" in line for line in logs)
     assert [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+    (aside,) = tmp_path.glob("run.old-*")  # the first run, moved aside, not mixed in
+    assert any(str(aside) in line for line in logs)
+    assert [m["step"] for m in read_metrics(aside / "metrics.jsonl")] == [1, 2]
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tokenizer, tiny_llama_dir, chat_files):

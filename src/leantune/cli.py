@@ -9,10 +9,13 @@ leantune generate --model PATH --prompt TEXT [--chat] [sampling options]
 leantune bench methods [CONFIG.yaml] [--methods a,b] [--out DIR] [section.key=value ...]
 leantune export RUN_OR_MODEL --format hf|adapter|gguf|torchscript|int8 --out DIR
 
-Exit codes of `leantune train`: 0 done; 2 invalid config or data; 3 paused by the stability
-guard (a PAUSED marker in the run dir; run the same command again to resume); 4 stopped by the
-guard (too many consecutive skipped steps or rollbacks; a checkpoint was saved); 5 out of memory
-even at micro-batch size 1 (the message names the next levers).
+Exit codes of `leantune train`: 0 done; 2 invalid config or data, or a run directory that is
+not this run's (another process holds it, it is not a leantune run, or it holds a run with other
+settings: the message lists them); 3 paused by the stability guard (a PAUSED marker in the run
+dir; run the same command again to resume); 4 stopped by the guard (too many consecutive skipped
+steps or rollbacks; a checkpoint was saved); 5 out of memory even at micro-batch size 1 (the
+message names the next levers); 130 SIGINT, 143 SIGTERM (during training after a checkpoint of
+the last applied step: the same command resumes).
 """
 
 from __future__ import annotations
@@ -57,14 +60,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     from leantune.config import load_config
     from leantune.training.events import TrainingHalted
     from leantune.training.recipe import train
+    from leantune.training.signals import Interrupted
 
     config, overrides = _split_config_args(args.args)
     cfg = load_config(config, overrides)
     _quiet_libraries()
     try:
-        train(cfg, log=lambda m: print(m, flush=True))
+        train(cfg, log=lambda m: print(m, flush=True), config_file=Path(config) if config else None)
     except TrainingHalted as e:
         print(f"error: {e}" if e.exit_code != 3 else str(e), file=sys.stderr)
+        return e.exit_code
+    except Interrupted as e:
+        print(str(e), file=sys.stderr)
         return e.exit_code
     return 0
 
@@ -402,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside `train`, which handles its own signals
+        print("interrupted (SIGINT)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

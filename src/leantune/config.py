@@ -8,6 +8,7 @@ Every error names the field (and the YAML line when it came from a file) and wha
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -229,12 +230,30 @@ class GuardConfig:
 
 @dataclass
 class RunConfig:
+    """Where a run lives and whether it continues.
+
+    A run directory records a fingerprint of everything that decides the run's trajectory
+    (leantune_run.json): the base model's files and shapes, the train data's contents, the data
+    settings (format, max_seq_len, pack, system_prompt, clean, dedup, near_dup_threshold,
+    min_tokens, truncate), model dtype/attn_implementation/rope_scaling, every method setting,
+    the optimizer and schedule (lr resolved, optimizer, weight_decay, warmup_ratio,
+    min_lr_ratio, max_grad_norm, max_steps, kl_coef, precision), seed and the global batch
+    (micro_batch_size x grad_accum; another split of the same global batch is allowed).
+    Free to change on resume: run.*, evaluation settings and data.eval, save_every, keep_last,
+    guard.*, device, memory_budget, gradient_checkpointing, trust_remote_code and the data
+    preparation engine and cache.
+    """
+
     name: str = "demo"
-    """Run name; the default run directory is runs/<name>."""
+    """Run name (1-100 letters, digits, '.', '_', '-'; no path); the run directory is
+    runs/<name> unless run.dir is set."""
     dir: str | None = None
-    """Run directory (default runs/<name>)."""
-    resume: Literal["auto", "never"] = "auto"
-    """auto: continue from the newest complete checkpoint in the run directory."""
+    """Run directory (default runs/<name>): new, empty, or a leantune run."""
+    resume: Literal["auto", "never", "force"] = "auto"
+    """auto: continue the newest checkpoint of a run with the same fingerprint, else exit 2
+    listing the changed fields; force: continue it with the changes (it says what each means;
+    weights that cannot load are still refused); never: start over, moving a run that is in
+    the directory aside to <dir>.old-<time>."""
     progress: bool = True
     """Show a progress bar."""
 
@@ -470,6 +489,7 @@ def validate(cfg: Config) -> list[str]:
     if t.memory_budget is not None:
         parse_memory_size(t.memory_budget, "train.memory_budget")
     _validate_guard(cfg.guard)
+    _validate_run(cfg.run)
     _validate_method(cfg)
     warnings: list[str] = _check_quantized_training(cfg)
     lr = t.lr
@@ -555,6 +575,32 @@ def _validate_guard(g: GuardConfig) -> None:
         raise ConfigError("guard.max_consecutive_skips must be >= 1 and guard.max_rollbacks >= 0")
     if not 0 < g.lr_factor < 1:
         raise ConfigError(f"guard.lr_factor: must be in (0, 1), got {g.lr_factor}")
+
+
+RUN_NAME_MAX = 100
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_MAX_NAME_BYTES = 255  # the longest file name ext4, xfs, btrfs, APFS and NTFS allow
+
+
+def _validate_run(r: RunConfig) -> None:
+    """run.name is a name (never a path: `../../x` would write outside runs/), run.dir a path
+    whose every component a file system can hold."""
+    if len(r.name) > RUN_NAME_MAX or not _RUN_NAME.fullmatch(r.name):
+        shown = repr(r.name) if len(r.name) <= 40 else f"{r.name[:40]!r}... ({len(r.name)} chars)"
+        raise ConfigError(
+            f"run.name={shown}: a run name is 1 to {RUN_NAME_MAX} letters, digits, '.', '_' or "
+            "'-', starting with a letter or digit (no '/', no '..'); for a path use run.dir"
+        )
+    if r.dir is None:
+        return
+    if not r.dir.strip():
+        raise ConfigError("run.dir: empty; leave it unset for runs/<run.name>")
+    for part in Path(r.dir).parts:
+        if len(part.encode()) > _MAX_NAME_BYTES:
+            raise ConfigError(
+                f"run.dir: the component {part[:40]!r}... is {len(part.encode())} bytes; file "
+                f"systems allow at most {_MAX_NAME_BYTES}"
+            )
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}

@@ -8,6 +8,7 @@ are restored afterwards, and an out-of-memory error halves only the eval batch.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,62 @@ def exact_match(
                 row["match"] = answers_match(pred, ref)
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return score
+
+
+def exact_match_before(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    data: PreparedData,
+    precision: str,
+    batch_size: int,
+    max_new_tokens: int,
+    events: EventLog,
+    faults: FaultHooks,
+    log: Callable[[str], None],
+) -> float:
+    """Exact match of the base model on every eval record, before training (and logged)."""
+    device = next(model.parameters()).device
+    t0 = time.perf_counter()
+    score = evaluate_retrying(
+        lambda bs: exact_match(model, tokenizer, data.records, precision, bs, max_new_tokens),
+        batch_size, events, faults, device,
+    )  # fmt: skip
+    log(
+        f"exact match before training: {score:.1%} "
+        f"({len(data.records)} examples, {time.perf_counter() - t0:.0f} s)"
+    )
+    return score
+
+
+def evaluate_after(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    data: PreparedData,
+    pad_id: int,
+    precision: str,
+    batch_size: int,
+    max_new_tokens: int,
+    predictions_file: Path | None,
+    events: EventLog,
+    faults: FaultHooks,
+    step: int,
+) -> dict[str, Any]:
+    """The end of a run: loss and perplexity on every eval row, and with a `predictions_file`
+    exact match on every record (each prediction written there)."""
+    device = next(model.parameters()).device
+    ev = evaluate_retrying(
+        lambda bs: evaluate_loss(model, data.rows, pad_id, bs, precision),
+        batch_size, events, faults, device, step,
+    )  # fmt: skip
+    results: dict[str, Any] = {"eval_loss": ev["loss"], "eval_perplexity": ev["perplexity"]}
+    if predictions_file is not None:
+        results["eval_exact_match"] = evaluate_retrying(
+            lambda bs: exact_match(
+                model, tokenizer, data.records, precision, bs, max_new_tokens, predictions_file
+            ),
+            batch_size, events, faults, device, step,
+        )  # fmt: skip
+    return results
 
 
 @dataclass

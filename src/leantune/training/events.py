@@ -23,6 +23,10 @@ EXIT_GUARD_STOPPED = 4
 """The guard stopped the run: too many consecutive skips or rollbacks (a checkpoint was saved)."""
 EXIT_OUT_OF_MEMORY = 5
 """Out of memory at micro-batch size 1: the run needs another lever (see the message)."""
+EXIT_SIGINT = 130
+"""SIGINT (Ctrl-C); during training after a checkpoint of the last applied step."""
+EXIT_SIGTERM = 143
+"""SIGTERM; during training after a checkpoint of the last applied step."""
 
 
 class TrainingHalted(RuntimeError):
@@ -72,6 +76,27 @@ class EventLog:
             f.write(json.dumps(event) + "\n")
         self.log(f"[{kind}] step {step}: {message}")
         return event
+
+
+def lift_pause(marker: Path, events: EventLog, step: int, log: Callable[[str], None]) -> None:
+    """Resume a paused run: record why it was paused (a ``resume`` event), remove the marker.
+
+    A marker that is not a JSON object (hand-edited, truncated) is reported and removed: the
+    checkpoint, not the marker, holds the run's state.
+    """
+    if not marker.is_file():
+        return
+    try:
+        info = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        info = None
+    if isinstance(info, dict):
+        reason = str(info.get("reason", ""))
+    else:
+        reason = "unknown"
+        log(f"warning: {marker} is not a pause record (a JSON object); resuming anyway")
+    marker.unlink(missing_ok=True)
+    events.emit("resume", step + 1, f"resuming a paused run (paused for: {reason})")
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:

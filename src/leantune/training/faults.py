@@ -5,6 +5,9 @@
   step k (first attempt only, so the replay with a smaller micro-batch succeeds).
 - ``LEANTUNE_OOM_IN_EVAL=n``: the first n evaluation attempts run out of memory.
 - ``LEANTUNE_LOSS_SCALE_AT_STEP=k:f``: multiply step k's loss and gradients by f (a spike).
+- ``LEANTUNE_SIGNAL_AT_MICRO_BATCH=k:SIG``: send SIGSIG (TERM or INT) to this process right after
+  the backward of global micro-batch k: a real signal at a known point of the loop.
+- ``LEANTUNE_SIGNAL_AT_START=SIG``: send SIGSIG to this process as `train` starts setting up.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ KILL_ENV = "LEANTUNE_KILL_AFTER_MICRO_BATCH"
 OOM_STEP_ENV = "LEANTUNE_OOM_AT_STEP"
 OOM_EVAL_ENV = "LEANTUNE_OOM_IN_EVAL"
 LOSS_SCALE_ENV = "LEANTUNE_LOSS_SCALE_AT_STEP"
+SIGNAL_ENV = "LEANTUNE_SIGNAL_AT_MICRO_BATCH"
+START_SIGNAL_ENV = "LEANTUNE_SIGNAL_AT_START"
 
 
 def kill_after(micro_batch: int) -> None:
@@ -27,6 +32,22 @@ def kill_after(micro_batch: int) -> None:
     target = os.environ.get(KILL_ENV)
     if target is not None and int(target) == micro_batch:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def signal_after(micro_batch: int) -> None:
+    """Signal this process if ``LEANTUNE_SIGNAL_AT_MICRO_BATCH`` names this micro-batch."""
+    spec = os.environ.get(SIGNAL_ENV)
+    if spec:
+        target, name = spec.split(":")
+        if int(target) == micro_batch:
+            os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
+
+
+def signal_at_start() -> None:
+    """Signal this process if ``LEANTUNE_SIGNAL_AT_START`` is set."""
+    name = os.environ.get(START_SIGNAL_ENV)
+    if name:
+        os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
 
 
 class FaultHooks:

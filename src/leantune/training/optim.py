@@ -8,6 +8,7 @@ on the device, or whose library is missing, fails with `OptimizerUnavailable` be
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import logging
 import math
@@ -179,16 +180,126 @@ def warmup_cosine(step: int, max_steps: int, warmup_steps: int, min_lr_ratio: fl
 
     `step` counts optimizer steps already taken (0 for the first update).
     """
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    span = max(1, max_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / span)
-    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return Schedule(warmup_steps, max_steps, min_lr_ratio).multiplier(step)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The LR multiplier of a run: linear warmup, then a cosine down to a floor.
+
+    A fresh run's cosine starts at 1 when warmup ends. A run continued with other schedule
+    settings (`run.resume=force`) restarts the cosine at `from_step` from the multiplier it had
+    reached there (`start_ratio`), so the LR never jumps; see :meth:`continued`.
+    """
+
+    warmup_steps: int
+    max_steps: int
+    min_lr_ratio: float
+    from_step: int = 0
+    """Where a continued cosine starts (0: when warmup ends, from 1)."""
+    start_ratio: float = 1.0
+    """The multiplier at `from_step` (used when `from_step` > 0)."""
+
+    def multiplier(self, step: int) -> float:
+        """The LR multiplier for the update after `step` optimizer steps."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        restarted = self.from_step > 0 and self.from_step >= self.warmup_steps
+        origin = self.from_step if restarted else self.warmup_steps
+        start = self.start_ratio if restarted else 1.0
+        span = max(1, self.max_steps - origin)
+        progress = min(1.0, (step - origin) / span)
+        low = self.min_lr_ratio
+        return low + (start - low) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def continued(
+        self,
+        at: int,
+        reached: float,
+        max_steps: int,
+        min_lr_ratio: float,
+        warmup_steps: int | None = None,
+    ) -> Schedule:
+        """This schedule changed at step `at`, where its multiplier is `reached`, to end at
+        `max_steps` on the floor `min_lr_ratio`.
+
+        Still in warmup: the warmup goes on (over `warmup_steps`, default the same number of
+        steps) and the cosine then runs from 1 over the new length. After warmup: a cosine from
+        `reached` down to the new floor at `max_steps`, so the LR does not jump.
+        """
+        warmup = self.warmup_steps if warmup_steps is None else warmup_steps
+        if at < warmup:
+            return Schedule(warmup, max_steps, min_lr_ratio)
+        return Schedule(warmup, max_steps, min_lr_ratio, at, reached)
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data for the checkpoint's ``state.extra``."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Schedule:
+        """The inverse of :meth:`to_json`."""
+        return cls(
+            warmup_steps=int(raw["warmup_steps"]),
+            max_steps=int(raw["max_steps"]),
+            min_lr_ratio=float(raw["min_lr_ratio"]),
+            from_step=int(raw["from_step"]),
+            start_ratio=float(raw["start_ratio"]),
+        )
+
+
+def default_schedule(max_steps: int, warmup_ratio: float, min_lr_ratio: float) -> Schedule:
+    """Warmup over a share of `max_steps`, then a cosine to the floor."""
+    return Schedule(round(max_steps * warmup_ratio), max_steps, min_lr_ratio)
 
 
 def build_scheduler(
     optimizer: torch.optim.Optimizer, max_steps: int, warmup_ratio: float, min_lr_ratio: float
 ) -> LambdaLR:
     """Warmup (a share of `max_steps`) then cosine decay to a floor; steps once per update."""
-    warmup = round(max_steps * warmup_ratio)
-    return LambdaLR(optimizer, lambda s: warmup_cosine(s, max_steps, warmup, min_lr_ratio))
+    schedule = default_schedule(max_steps, warmup_ratio, min_lr_ratio)
+    return LambdaLR(optimizer, lambda s: schedule.multiplier(s))
+
+
+def use_schedule(scheduler: LambdaLR, schedule: Schedule) -> None:
+    """Make `scheduler` follow `schedule` from its next step on (its position is kept).
+
+    The multiplier lives in a plain function, which `LambdaLR.state_dict` leaves out: the
+    schedule travels in the checkpoint's ``state.extra`` instead.
+    """
+    scheduler.lr_lambdas = [lambda s: schedule.multiplier(s) for _ in scheduler.lr_lambdas]
+
+
+def set_peak_lr(
+    optimizer: torch.optim.Optimizer, scheduler: LambdaLR, peak: float, schedule: Schedule
+) -> float:
+    """Set every group's peak LR to `peak` and its current LR to where `schedule` is now.
+
+    Returns:
+        The LR of the next update.
+    """
+    lr = peak * schedule.multiplier(scheduler.last_epoch)
+    scheduler.base_lrs = [peak for _ in scheduler.base_lrs]
+    for group in optimizer.param_groups:
+        group["initial_lr"] = peak
+        if isinstance(group["lr"], torch.Tensor):  # torchao keeps it as a tensor
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+    scheduler._last_lr = [lr for _ in scheduler.base_lrs]  # what get_last_lr() reports
+    return lr
+
+
+def current_multiplier(optimizer: torch.optim.Optimizer, scheduler: LambdaLR) -> float:
+    """Where the schedule stands: the next update's LR over its peak."""
+    return float(optimizer.param_groups[0]["lr"]) / float(scheduler.base_lrs[0])
+
+
+def set_weight_decay(
+    optimizer: torch.optim.Optimizer, named_params: dict[str, nn.Parameter], weight_decay: float
+) -> None:
+    """Change the decay of the matrices' group (a loaded optimizer state keeps the old one)."""
+    for group, fresh in zip(
+        optimizer.param_groups, param_groups(named_params, weight_decay), strict=True
+    ):
+        group["weight_decay"] = fresh["weight_decay"]

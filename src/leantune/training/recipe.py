@@ -10,6 +10,11 @@ Two things can interrupt a step. An out-of-memory error halves the micro-batch a
 same window of samples (`accumulate`). The stability guard (`training.guard.decide`, called once
 in `train_step`) may skip the update, pause the run, roll back to the last checkpoint or stop;
 `act_on_guard` carries that out. Every such decision is an event in `events.jsonl`.
+
+The run directory is claimed first (`training.rundir`: a lock, no foreign folder) and its
+record decides whether the checkpoint there may be continued (`training.resume_policy`). A
+SIGTERM or SIGINT stops at the next micro-batch boundary with a checkpoint of the last applied
+step (`training.signals`, checked in `accumulate` only).
 """
 
 from __future__ import annotations
@@ -24,15 +29,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+import yaml
 from torch import nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from leantune.config import Config, GuardConfig, dump_config, parse_memory_size, validate
+from leantune.config import Config, GuardConfig, parse_memory_size, to_dict, validate
 from leantune.data.dataset import PreparedData
 from leantune.data.loader import SampleStream, collate, split_window
 from leantune.data.prepare.command import engine_options, settings_from_config
 from leantune.data.prepare.training import prepared_data
-from leantune.eval.loss import evaluate_loss
 from leantune.memory.planner import plan_for_run
 from leantune.methods.registry import (
     DEFAULT_LR,
@@ -54,12 +59,17 @@ from leantune.training.checkpoint import (
     TrainingState,
     capture_rng_state,
     latest_checkpoint,
+    list_complete_checkpoints,
     restore_rng_state,
     resume_checkpoint,
     save_checkpoint,
 )
 from leantune.training.divergence import WeightsDiverged
-from leantune.training.evaluation import PeriodicEval, evaluate_retrying, exact_match
+from leantune.training.evaluation import (
+    PeriodicEval,
+    evaluate_after,
+    exact_match_before,
+)
 from leantune.training.events import (
     EVENTS_FILE,
     PAUSED_MARKER,
@@ -67,8 +77,9 @@ from leantune.training.events import (
     OutOfMemoryAtMinimum,
     TrainingPaused,
     TrainingStopped,
+    lift_pause,
 )
-from leantune.training.faults import KILL_ENV, FaultHooks, kill_after
+from leantune.training.faults import KILL_ENV, FaultHooks, kill_after, signal_after, signal_at_start
 from leantune.training.guard import Decision, GuardHistory, GuardSettings, decide, remember
 from leantune.training.loss import count_supervised, token_loss_sum
 from leantune.training.metrics import MetricsLog, memory_stats, progress_bar
@@ -79,13 +90,28 @@ from leantune.training.oom import (
     is_out_of_memory,
     levers_message,
 )
-from leantune.training.optim import build_optimizer, build_scheduler
+from leantune.training.optim import build_optimizer, build_scheduler, default_schedule, use_schedule
 from leantune.training.precision import (
     autocast,
     bf16_slowdown_on_cpu,
     make_grad_scaler,
     pick_device,
 )
+from leantune.training.resume_policy import (
+    ResumePlan,
+    apply_force,
+    check_weights_fit,
+    plan_run,
+    recorded_schedule,
+)
+from leantune.training.rundir import (
+    RunDir,
+    check_config_writable,
+    claim_run_dir,
+    write_file,
+    write_record,
+)
+from leantune.training.signals import Interrupted, StopSignals
 from leantune.training.summary import write_summary
 
 Log = Callable[[str], None]
@@ -123,6 +149,8 @@ class Trainer:
     faults: FaultHooks = field(default_factory=FaultHooks)
     levers: str = ""
     """What to try when one sequence does not fit (the OOM-at-minimum message)."""
+    stop: StopSignals = field(default_factory=StopSignals)
+    """SIGTERM/SIGINT: `accumulate` checks it at every micro-batch boundary."""
 
     @property
     def grad_accum(self) -> int:
@@ -280,6 +308,7 @@ def backward_window(
             memory_check(k)
         loss_sum += loss.detach().double().cpu()
         kill_after(first_micro_batch + k)
+        signal_after(first_micro_batch + k)
     return float(loss_sum)
 
 
@@ -292,16 +321,22 @@ def accumulate(
     was before the failed attempt, so it equals a run that used the smaller micro-batch from
     the start (up to float rounding of the different split).
 
+    A stop signal is acted on here, and only here: at the window's start and after each
+    micro-batch's forward and backward, the window is abandoned as the OOM replay abandons it.
+
     Raises:
         OutOfMemoryAtMinimum: one sequence per micro-batch still does not fit.
+        Interrupted: SIGTERM or SIGINT arrived (`at_boundary`; the state is the last step's).
     """
     step = tr.state.step + 1
+    tr.stop.check()
     rng = capture_rng_state()
     while True:
         micro = split_window(window, tr.micro_batch_size)
         batches = [collate([tr.data.rows[i] for i in m], tr.pad_id) for m in micro]
 
         def check(k: int, count: int = len(batches)) -> None:
+            tr.stop.check()
             tr.budget.check()
             tr.faults.train_oom(step, k, count)
 
@@ -312,6 +347,10 @@ def accumulate(
                 tr.state.micro_batches_seen, kl_coef, check,
             )  # fmt: skip
             return loss, batches
+        except Interrupted:
+            tr.optimizer.zero_grad(set_to_none=True)
+            restore_rng_state(rng)
+            raise
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             if not is_out_of_memory(exc):
                 raise
@@ -401,6 +440,8 @@ class RunFiles:
     ckpt_dir: Path
     keep_last: int
     config_yaml: str
+    write_config: bool = True
+    """False when `config.yaml` already holds `config_yaml` (it may be the input config)."""
 
 
 def act_on_guard(tr: Trainer, result: StepResult, files: RunFiles, g: GuardConfig) -> bool:
@@ -487,33 +528,44 @@ def source_lines(data: PreparedData, rows: list[int]) -> list[int]:
     return [data.records[e].line for r in rows for e in data.rows[r].examples]
 
 
-def train(cfg: Config, log: Log = print) -> dict[str, Any]:
+def train(cfg: Config, log: Log = print, config_file: Path | None = None) -> dict[str, Any]:
     """Run (or resume) a fine-tune described by `cfg`; returns the run summary.
 
+    Args:
+        cfg: The run's config.
+        log: Where progress lines go.
+        config_file: The YAML file `cfg` came from; it is never overwritten.
+
     Raises:
+        UserError: the run directory is not this run's to write (`RunDirError`), or holds a
+            run that this config does not describe (`RunMismatch`); exit code 2.
         TrainingHalted: the guard paused or stopped the run, or one sequence does not fit in
             memory; its `exit_code` is what the CLI returns.
+        Interrupted: SIGTERM or SIGINT; during training after a checkpoint of the last applied
+            step. Exit code 143 or 130.
     """
     started = time.perf_counter()
     for warning in validate(cfg):
         log(f"warning: {warning}")
-    t = cfg.train
-    run_dir = cfg.run_dir
-    ckpt_dir = run_dir / "checkpoints"
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    dump_config(cfg, run_dir / "config.yaml")
-    files = RunFiles(run_dir, ckpt_dir, t.keep_last, (run_dir / "config.yaml").read_text())
-    events = EventLog(run_dir / EVENTS_FILE, log)
-    faults = FaultHooks()
-    seed_everything(t.seed)
-    device = pick_device(t.device)
-    if device.type == "cpu" and t.precision == "bf16" and (slow := bf16_slowdown_on_cpu()) > 4:
-        log(
-            f"warning: train.precision=bf16: bf16 matmul is {slow:.0f}x slower than fp32 on this "
-            "CPU (no native bf16 units); train.precision=fp32 will be much faster here"
-        )
+    with StopSignals() as stop, claim_run_dir(cfg.run_dir, cfg.run.resume == "never", log) as run:
+        try:
+            return _train(cfg, log, stop, run, [config_file] if config_file else [], started)
+        except Interrupted as exc:
+            raise _explained(exc, cfg.run_dir / "checkpoints") from None
 
+
+def _train(
+    cfg: Config, log: Log, stop: StopSignals, run: RunDir, inputs: list[Path], started: float
+) -> dict[str, Any]:
+    """`train` inside its claimed run directory, with the stop signals handled."""
+    signal_at_start()
     source = resolve_model(cfg.model.path, cfg.model.gguf_file)
+    plan = plan_run(cfg, source.location, source.gguf_file, log)
+    files = _run_files(cfg, inputs)
+    events = EventLog(files.run_dir / EVENTS_FILE, log)
+    faults = FaultHooks()
+    seed_everything(cfg.train.seed)
+    device = _device(cfg.train.device, cfg.train.precision, log)
     tokenizer = load_tokenizer(source, cfg.model.trust_remote_code)
     train_data, eval_data = load_datasets(cfg, tokenizer, log)
     t, memory_note = plan_for_run(cfg, device.type, [r.labels for r in train_data.rows])
@@ -531,21 +583,13 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
     )
     model.to(device)
     base_exact_match = None
-    fresh = cfg.run.resume == "never" or latest_checkpoint(ckpt_dir) is None
-    if t.eval_exact_match and t.eval_base and eval_data is not None and fresh:
+    if t.eval_exact_match and t.eval_base and eval_data is not None and plan.action == "fresh":
         # On the bare base model, before any adapter exists (an untrained adapter is a no-op
         # that would only cost time).
-        t0 = time.perf_counter()
-        base_exact_match = evaluate_retrying(
-            lambda bs: exact_match(
-                model, tokenizer, eval_data.records, t.precision, bs, t.max_new_tokens
-            ),
-            t.eval_batch_size, events, faults, device,
+        base_exact_match = exact_match_before(
+            model, tokenizer, eval_data, t.precision, t.eval_batch_size, t.max_new_tokens,
+            events, faults, log,
         )  # fmt: skip
-        log(
-            f"exact match before training: {base_exact_match:.1%} "
-            f"({len(eval_data.records)} examples, {time.perf_counter() - t0:.0f} s)"
-        )
     seed_everything(t.seed)
     model = apply_method(model, cfg.method)
     if t.gradient_checkpointing:
@@ -557,8 +601,8 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
         f"({100 * trainable / total:.3f}%)"
     )
     pad_id = int(tokenizer.pad_token_id)
-    trainer = build_trainer(cfg, model, params, train_data, pad_id, device, events, faults)
-    start_state(trainer, cfg, files, log)
+    trainer = build_trainer(cfg, model, params, train_data, pad_id, device, events, faults, stop)
+    start_state(trainer, cfg, files, plan, log)
     extra = trainer.state.extra
     if base_exact_match is not None and "base_exact_match" not in extra:
         extra["base_exact_match"] = base_exact_match
@@ -570,32 +614,55 @@ def train(cfg: Config, log: Log = print) -> dict[str, Any]:
             model, tokenizer, eval_data, pad_id, t.precision, t.eval_batch_size,
             t.max_new_tokens, sample, events, faults,
         )  # fmt: skip
+    run.started = True
     run_loop(trainer, cfg, files, log, evaluator)
-
-    base = _base_path(cfg.model.path)
     save_final(
-        model, tokenizer, run_dir / "final", base, cfg.model.gguf_file,
-        cfg.model.rope_scaling, quantization,
+        model, tokenizer, files.run_dir / "final", _base_path(cfg.model.path),
+        cfg.model.gguf_file, cfg.model.rope_scaling, quantization,
     )  # fmt: skip
     results: dict[str, Any] = {"final_train_loss": extra.get("last_loss")}
     if eval_data is not None:
         merge_for_inference(model)
-        ev = evaluate_retrying(
-            lambda bs: evaluate_loss(model, eval_data.rows, pad_id, bs, t.precision),
-            t.eval_batch_size, events, faults, device, trainer.state.step,
+        preds = files.run_dir / "eval_predictions.jsonl" if t.eval_exact_match else None
+        results |= evaluate_after(
+            model, tokenizer, eval_data, pad_id, t.precision, t.eval_batch_size,
+            t.max_new_tokens, preds, events, faults, trainer.state.step,
         )  # fmt: skip
-        results.update(eval_loss=ev["loss"], eval_perplexity=ev["perplexity"])
-        if t.eval_exact_match:
-            preds_file = run_dir / "eval_predictions.jsonl"
-            results["eval_exact_match"] = evaluate_retrying(
-                lambda bs: exact_match(
-                    model, tokenizer, eval_data.records, t.precision, bs, t.max_new_tokens,
-                    preds_file,
-                ),
-                t.eval_batch_size, events, faults, device, trainer.state.step,
-            )  # fmt: skip
     results["wall_time_s"] = round(time.perf_counter() - started, 2)  # this invocation
-    return write_summary(run_dir, trainer.state, trainable, total, results, log)
+    return write_summary(files.run_dir, trainer.state, trainable, total, results, log)
+
+
+def _run_files(cfg: Config, inputs: list[Path]) -> RunFiles:
+    """The run's paths and resolved config (written by `start_state`, never over an input)."""
+    run_dir = cfg.run_dir
+    text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    write = check_config_writable(run_dir, text, inputs)
+    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir.mkdir(exist_ok=True)
+    return RunFiles(run_dir, ckpt_dir, cfg.train.keep_last, text, write)
+
+
+def _device(name: str, precision: str, log: Log) -> torch.device:
+    device = pick_device(name)
+    if device.type == "cpu" and precision == "bf16" and (slow := bf16_slowdown_on_cpu()) > 4:
+        log(
+            f"warning: train.precision=bf16: bf16 matmul is {slow:.0f}x slower than fp32 on this "
+            "CPU (no native bf16 units); train.precision=fp32 will be much faster here"
+        )
+    return device
+
+
+def _explained(exc: Interrupted, ckpt_dir: Path) -> Interrupted:
+    """A signal that stopped `train` at once, with where the run can go on from."""
+    if exc.message:
+        return exc
+    done = list_complete_checkpoints(ckpt_dir)
+    where = (
+        f"the newest checkpoint is {done[-1]}; the same command resumes from it"
+        if done
+        else "no checkpoint was written; the same command starts over"
+    )
+    return Interrupted(exc.signum, exc.at_boundary, f"{exc.name}: stopped at once; {where}.")
 
 
 def build_trainer(
@@ -607,12 +674,14 @@ def build_trainer(
     device: torch.device,
     events: EventLog,
     faults: FaultHooks,
+    stop: StopSignals | None = None,
 ) -> Trainer:
     """Optimizer, schedule, scaler, sample stream and guard around the wrapped model."""
     t = cfg.train
     lr = t.lr if t.lr is not None else DEFAULT_LR[cfg.method.name]
     optimizer = build_optimizer(params, lr, t.weight_decay, t.optimizer, device.type)
     budget = parse_memory_size(t.memory_budget, "train.memory_budget") if t.memory_budget else None
+    schedule = default_schedule(t.max_steps, t.warmup_ratio, t.min_lr_ratio)
     return Trainer(
         model=model,
         params=params,
@@ -623,7 +692,7 @@ def build_trainer(
         data=train_data,
         pad_id=pad_id,
         device=device,
-        state=TrainingState(step=0, micro_batches_seen=0, extra={}),
+        state=TrainingState(step=0, micro_batches_seen=0, extra={"schedule": schedule.to_json()}),
         global_batch=int(t.micro_batch_size) * t.grad_accum,
         micro_batch_size=int(t.micro_batch_size),
         events=events,
@@ -631,18 +700,27 @@ def build_trainer(
         budget=MemoryBudget(budget),
         faults=faults,
         levers=levers_message(cfg.data.max_seq_len, t.gradient_checkpointing, cfg.method.name),
+        stop=stop if stop is not None else StopSignals(),
     )
 
 
-def start_state(tr: Trainer, cfg: Config, files: RunFiles, log: Log) -> None:
-    """Resume if asked, lift a pause, and make sure a rollback has a checkpoint to go to."""
-    if cfg.run.resume == "auto":
+def start_state(tr: Trainer, cfg: Config, files: RunFiles, plan: ResumePlan, log: Log) -> None:
+    """Resume or continue as `plan` says, record the run, lift a pause, and make sure a
+    rollback has a checkpoint to go to."""
+    if plan.action != "fresh":
+        check_weights_fit(plan, tr.params)
         restore(tr, files.ckpt_dir, log)
-    marker = files.run_dir / PAUSED_MARKER
-    if marker.is_file():
-        reason = json.loads(marker.read_text()).get("reason", "")
-        marker.unlink()
-        tr.events.emit("resume", tr.state.step + 1, f"resuming a paused run (paused for: {reason})")
+        use_schedule(tr.scheduler, recorded_schedule(tr.state.extra, cfg.train))
+        if plan.action == "force":
+            lr = cfg.train.lr if cfg.train.lr is not None else DEFAULT_LR[cfg.method.name]
+            apply_force(tr.optimizer, tr.scheduler, tr.params, tr.state, cfg.train, lr, plan, log)
+    if files.write_config:
+        write_file(files.run_dir / "config.yaml", files.config_yaml)
+    if plan.action == "force":
+        # The checkpoint holds the forced settings before the record says the run has them.
+        checkpoint(tr, files.ckpt_dir, files.keep_last, files.config_yaml)
+    write_record(files.run_dir, plan.fingerprint, plan.split)
+    lift_pause(files.run_dir / PAUSED_MARKER, tr.events, tr.state.step, log)
     g = cfg.guard
     rollback_on = "rollback" in (g.nonfinite, g.loss_spike, g.grad_norm)
     if rollback_on and latest_checkpoint(files.ckpt_dir) is None:
@@ -653,7 +731,11 @@ def run_loop(
     tr: Trainer, cfg: Config, files: RunFiles, log: Log, evaluator: PeriodicEval | None = None
 ) -> None:
     """Steps until `train.max_steps` updates are applied; evaluates and checkpoints as
-    configured."""
+    configured. A stop signal ends it with a checkpoint of the last applied step.
+
+    Raises:
+        Interrupted: SIGTERM or SIGINT arrived (the message says where the checkpoint is).
+    """
     t = cfg.train
     extra = tr.state.extra
     metrics = MetricsLog(files.run_dir / "metrics.jsonl", tr.state.step)
@@ -662,36 +744,54 @@ def run_loop(
     bar = progress_bar(t.max_steps, tr.state.step, cfg.run.progress)
     tr.model.train()
     try:
-        while tr.state.step < t.max_steps:
-            try:
-                result = train_step(tr, t.precision, t.max_grad_norm, t.kl_coef)
-            except OutOfMemoryAtMinimum as exc:
-                path = checkpoint(tr, files.ckpt_dir, t.keep_last, files.config_yaml)
-                tr.events.emit("oom", tr.state.step + 1, f"{exc} Checkpoint {path}.")
-                raise
-            extra["train_time_s"] = extra.get("train_time_s", 0.0) + result.record["step_time_s"]
-            if result.decision.action != "step" and act_on_guard(tr, result, files, cfg.guard):
-                metrics = MetricsLog(files.run_dir / "metrics.jsonl", tr.state.step)
-                eval_log = MetricsLog(eval_path, tr.state.step) if eval_log is not None else None
-                bar.n = tr.state.step
-                bar.refresh()
-                continue
-            if not result.decision.applies_update:
-                continue
-            record = result.record
-            extra["last_loss"] = record["loss"]
-            metrics.write(record)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-            bar.update(1)
-            step = tr.state.step
-            if evaluator is not None and eval_log is not None and step % t.eval_every == 0:
-                row = evaluator(step)
-                eval_log.write(row)
-                log(", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)))
-            if (t.save_every and step % t.save_every == 0) or step == t.max_steps:
-                checkpoint(tr, files.ckpt_dir, t.keep_last, files.config_yaml)
+        with tr.stop.deferred():
+            while tr.state.step < t.max_steps:
+                try:
+                    result = train_step(tr, t.precision, t.max_grad_norm, t.kl_coef)
+                except OutOfMemoryAtMinimum as exc:
+                    path = checkpoint(tr, files.ckpt_dir, t.keep_last, files.config_yaml)
+                    tr.events.emit("oom", tr.state.step + 1, f"{exc} Checkpoint {path}.")
+                    raise
+                extra["train_time_s"] = (
+                    extra.get("train_time_s", 0.0) + result.record["step_time_s"]
+                )
+                if result.decision.action != "step" and act_on_guard(tr, result, files, cfg.guard):
+                    metrics = MetricsLog(files.run_dir / "metrics.jsonl", tr.state.step)
+                    eval_log = (
+                        MetricsLog(eval_path, tr.state.step) if eval_log is not None else None
+                    )
+                    bar.n = tr.state.step
+                    bar.refresh()
+                    continue
+                if not result.decision.applies_update:
+                    continue
+                record = result.record
+                extra["last_loss"] = record["loss"]
+                metrics.write(record)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                bar.update(1)
+                step = tr.state.step
+                if evaluator is not None and eval_log is not None and step % t.eval_every == 0:
+                    row = evaluator(step)
+                    eval_log.write(row)
+                    log(", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)))
+                if (t.save_every and step % t.save_every == 0) or step == t.max_steps:
+                    checkpoint(tr, files.ckpt_dir, t.keep_last, files.config_yaml)
+    except Interrupted as exc:
+        if not exc.at_boundary:
+            raise
+        raise _stopped(tr, files, exc) from None
     finally:
         bar.close()
+
+
+def _stopped(tr: Trainer, files: RunFiles, exc: Interrupted) -> Interrupted:
+    """Checkpoint the last applied step after a stop signal; the error to exit with."""
+    path = checkpoint(tr, files.ckpt_dir, files.keep_last, files.config_yaml)
+    step = tr.state.step
+    message = f"{exc.name}: stopped before step {step + 1}; checkpoint {path} (step {step})"
+    tr.events.emit("signal", step + 1, message, checkpoint=str(path))
+    return Interrupted(exc.signum, True, f"{message}. Run the same command to resume from it.")
 
 
 def guard_settings(g: GuardConfig) -> GuardSettings:

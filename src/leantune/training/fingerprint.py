@@ -1,0 +1,261 @@
+"""The fingerprint of a run: everything that decides its trajectory, as flat ``section.field`` keys.
+
+Two runs with the same fingerprint compute the same steps: the same base model (its files'
+contents, ``model.files``, and its shapes, ``model.architecture``), the same data (the train
+file's contents, or a prepared directory's cache key, ``data.train``) and data settings, the same
+method settings, optimiser, schedule, seed and global batch (``train.global_batch``: how the batch
+is split into micro-batches does not change the result beyond float rounding, and an OOM recovery
+changes the split itself). ``train.lr`` is resolved to the method's default when unset.
+
+Not in the fingerprint, so free to change between a run and its resume: ``run.*``, evaluation
+(``data.eval``, ``train.eval_*``, ``max_new_tokens``), ``save_every``, ``keep_last``, the guard
+(``guard.*``: it only acts on anomalies, and relaxing it after a pause is how a run goes on),
+``train.device``, ``memory_budget``, ``gradient_checkpointing`` (same numbers, other memory),
+``micro_batch_size``/``grad_accum`` at the same global batch, ``model.trust_remote_code`` and the
+data preparation engine and cache (``data.cache_dir``, ``engine``, ``scheduler``, ``partition_mb``,
+``max_bad_fraction``).
+
+Hashing a large file costs seconds per GB, so the digest of every file of 16 MiB or more is cached
+under ``$LEANTUNE_HOME/hashes`` (or ``~/.cache/leantune``), keyed by (path, size, mtime_ns).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from leantune.config import Config
+from leantune.data.prepare.pipeline import file_digest, read_report
+from leantune.methods.registry import DEFAULT_LR
+from leantune.models.demo_model import leantune_home
+
+DATA_FIELDS = (
+    "format",
+    "max_seq_len",
+    "pack",
+    "system_prompt",
+    "clean",
+    "dedup",
+    "near_dup_threshold",
+    "min_tokens",
+    "truncate",
+)
+MODEL_FIELDS = ("dtype", "attn_implementation", "rope_scaling")
+TRAIN_FIELDS = (
+    "optimizer",
+    "weight_decay",
+    "warmup_ratio",
+    "min_lr_ratio",
+    "max_grad_norm",
+    "max_steps",
+    "kl_coef",
+    "precision",
+    "seed",
+)
+# The config.json keys that decide the shapes of a model's weights.
+ARCHITECTURE_KEYS = (
+    "model_type",
+    "architectures",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+HASH_CACHE_MIN_BYTES = 16 * 2**20
+"""Files at least this large have their digest cached (smaller ones hash in milliseconds)."""
+HASHED_KEYS = ("model.files", "data.train")
+"""Fingerprint keys whose values are content digests, reported with the file they came from."""
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """A run's fingerprint and, for the digests in it, where each input was read."""
+
+    fields: dict[str, Any]
+    """``section.field`` -> JSON value; two runs match when these are equal."""
+    sources: dict[str, str]
+    """``model.files`` / ``data.train`` -> the path that was hashed (not compared)."""
+
+
+@dataclass(frozen=True)
+class Change:
+    """One fingerprint field that differs between a recorded run and a config."""
+
+    key: str
+    old: Any
+    new: Any
+
+    def describe(self, old_sources: dict[str, str], new_sources: dict[str, str]) -> str:
+        """``key: old -> new``, digests shown with the file they were read from."""
+        if self.key in HASHED_KEYS:
+            old = _hashed(self.old, old_sources.get(self.key))
+            new = _hashed(self.new, new_sources.get(self.key))
+            return f"{self.key}: {old} -> {new}"
+        return f"{self.key}: {format_value(self.old)} -> {format_value(self.new)}"
+
+
+def format_value(value: Any) -> str:
+    """A config value as a user would type it (null, true, 0.005, [a, b])."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value)
+
+
+def _hashed(value: Any, source: str | None) -> str:
+    if not isinstance(value, str) or source is None:
+        return format_value(value)
+    kind, _, digest = value.partition(":")
+    return f"{Path(source).name} ({kind} {digest[:12]})"
+
+
+def trajectory_settings(cfg: Config) -> dict[str, Any]:
+    """The fingerprint fields that come from the config alone (no file is read)."""
+    t = cfg.train
+    fields: dict[str, Any] = {}
+    for name in MODEL_FIELDS:
+        fields[f"model.{name}"] = _plain(getattr(cfg.model, name))
+    for name in DATA_FIELDS:
+        fields[f"data.{name}"] = _plain(getattr(cfg.data, name))
+    for f in dataclasses.fields(cfg.method):
+        fields[f"method.{f.name}"] = _plain(getattr(cfg.method, f.name))
+    for name in TRAIN_FIELDS:
+        fields[f"train.{name}"] = _plain(getattr(t, name))
+    fields["train.lr"] = t.lr if t.lr is not None else DEFAULT_LR[cfg.method.name]
+    fields["train.global_batch"] = global_batch(
+        t.micro_batch_size, t.grad_accum, t.global_batch_size
+    )
+    return fields
+
+
+def global_batch(
+    micro_batch_size: int | str, grad_accum: int, global_batch_size: int | None
+) -> int:
+    """Rows per optimizer step: micro-batch x accumulation, or the planner's global batch."""
+    if micro_batch_size == "auto":
+        assert global_batch_size is not None, "validate() requires it with micro_batch_size=auto"
+        return global_batch_size
+    return int(micro_batch_size) * grad_accum
+
+
+def _plain(value: Any) -> Any:
+    """Dataclasses and tuples as JSON values, so a recorded fingerprint compares equal."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {k: _plain(v) for k, v in dataclasses.asdict(value).items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def run_fingerprint(cfg: Config, model_location: str, gguf_file: str | None) -> Fingerprint:
+    """The full fingerprint: config settings plus the digests of the model and train data.
+
+    Args:
+        cfg: The run's validated config (``data.train`` set).
+        model_location: The resolved model: a local directory, or a hub id.
+        gguf_file: The GGUF file inside ``model_location``, if the model is one.
+    """
+    assert cfg.data.train is not None
+    fields = trajectory_settings(cfg)
+    sources: dict[str, str] = {}
+    model_dir = local_model_dir(model_location)
+    if model_dir is None:
+        fields["model.files"] = f"hub:{model_location}"
+        fields["model.architecture"] = None
+    else:
+        fields["model.files"] = model_digest(model_dir, gguf_file)
+        fields["model.architecture"] = architecture(model_dir / "config.json")
+        sources["model.files"] = str(model_dir.resolve())
+    data = Path(cfg.data.train)
+    fields["data.train"] = data_digest(data)
+    sources["data.train"] = str(data.resolve())
+    return Fingerprint(fields, sources)
+
+
+def compare(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
+    """The fields that differ, sorted by key (a field missing on one side counts as null)."""
+    keys = sorted(set(old) | set(new))
+    return [Change(k, old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)]
+
+
+def local_model_dir(location: str) -> Path | None:
+    """The directory holding the model's files: the location itself, or the hub cache's
+    snapshot of a hub id (None when it is not cached here)."""
+    path = Path(location).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(location, local_files_only=True))
+    except Exception:  # not a valid id, not cached: the id itself identifies the model
+        return None
+
+
+def model_digest(model_dir: Path, gguf_file: str | None = None) -> str:
+    """sha256 over the names and contents of the model's files (weights, config, tokenizer).
+
+    A GGUF model is its one file; a directory is every regular top-level file not starting
+    with a dot.
+    """
+    if gguf_file is not None:
+        files = [model_dir / gguf_file]
+    else:
+        files = sorted(p for p in model_dir.iterdir() if p.is_file() and p.name[0] != ".")
+    h = hashlib.sha256()
+    for file in files:
+        h.update(f"{file.name}\0{cached_file_digest(file)}\n".encode())
+    return f"sha256:{h.hexdigest()}"
+
+
+def architecture(config_json: Path) -> dict[str, Any] | None:
+    """The shape-deciding keys of a model's config.json (None without one, e.g. GGUF)."""
+    try:
+        raw = json.loads(config_json.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    return {k: _plain(raw[k]) for k in ARCHITECTURE_KEYS if k in raw}
+
+
+def data_digest(path: Path) -> str:
+    """A train file's sha256, or a prepared directory's cache key (it covers its inputs)."""
+    if path.is_dir():
+        try:
+            report = read_report(path) or {}
+        except (OSError, ValueError):
+            report = {}  # loading it reports what is wrong
+        return f"prepared:{report.get('cache_key')}"
+    return f"sha256:{cached_file_digest(path)}"
+
+
+def cached_file_digest(path: Path) -> str:
+    """sha256 of a file, from the hash cache when (path, size, mtime_ns) is unchanged."""
+    st = path.stat()
+    if st.st_size < HASH_CACHE_MIN_BYTES:
+        return file_digest(path)
+    key = hashlib.sha256(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()
+    entry = leantune_home() / "hashes" / f"{key}.json"
+    try:
+        digest = json.loads(entry.read_text(encoding="utf-8"))["sha256"]
+        if isinstance(digest, str) and len(digest) == 64:
+            return digest
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    digest = file_digest(path)
+    with contextlib.suppress(OSError):  # a cache that cannot be written only costs time
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.with_name(f".{entry.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({"path": str(path.resolve()), "sha256": digest}) + "\n")
+        os.replace(tmp, entry)
+    return digest

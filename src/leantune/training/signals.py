@@ -1,0 +1,96 @@
+"""SIGTERM and SIGINT during `train`: stop at a micro-batch boundary with a checkpoint.
+
+:class:`StopSignals` installs one handler for both signals while `train` runs and puts the
+previous handlers back when it returns. Inside the training loop (:meth:`StopSignals.deferred`)
+the first signal only sets a flag; the loop calls :meth:`StopSignals.check` at each micro-batch
+boundary, which raises :class:`Interrupted` there, with the step state consistent, so the loop
+abandons the window in flight and saves a checkpoint of the last applied step. Everywhere else
+(loading, data preparation, the final evaluation), and for a second signal while the first is
+handled, the handler raises :class:`Interrupted` at once.
+
+The bound: after the signal, at most one micro-batch's forward and backward (or a periodic
+evaluation that is already running) plus one checkpoint save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(BaseException):
+    """A stop signal ended the command; the CLI prints the message and exits 128 + signum.
+
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the way up turns
+    it into another error.
+    """
+
+    def __init__(self, signum: int, at_boundary: bool, message: str = "") -> None:
+        super().__init__(message)
+        self.signum = signum
+        self.at_boundary = at_boundary
+        """True when raised by `check` between micro-batches: the state is consistent."""
+        self.message = message
+
+    @property
+    def name(self) -> str:
+        """SIGINT or SIGTERM."""
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        """130 for SIGINT, 143 for SIGTERM (the shell's 128 + signal number)."""
+        return 128 + self.signum
+
+    def __str__(self) -> str:
+        return self.message or f"{self.name}: stopped"
+
+
+class StopSignals:
+    """The SIGINT/SIGTERM handler of one `train` call, used as a context manager."""
+
+    def __init__(self) -> None:
+        self.requested: int | None = None
+        """The first signal received while deferring (None: none yet)."""
+        self.deferring = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        # Handlers can only be installed from the main thread; elsewhere the defaults stay.
+        if threading.current_thread() is threading.main_thread():
+            for signum in SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.deferring and self.requested is None:
+            self.requested = signum
+            return
+        self.deferring = False
+        raise Interrupted(signum, at_boundary=False)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """While inside, the first signal is only recorded, for `check` to act on."""
+        self.deferring = True
+        try:
+            yield
+        finally:
+            self.deferring = False
+
+    def check(self) -> None:
+        """Raise :class:`Interrupted` (at a boundary) if a signal arrived while deferring."""
+        if self.requested is not None and self.deferring:
+            self.deferring = False  # from here on a second signal stops at once
+            raise Interrupted(self.requested, at_boundary=True)

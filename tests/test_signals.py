@@ -1,0 +1,164 @@
+"""SIGTERM and SIGINT: a checkpoint of the last applied step, exit 143 / 130, exact resume.
+
+The signals are real: the fault hook LEANTUNE_SIGNAL_AT_MICRO_BATCH=k:SIG makes the training
+process send SIG to itself right after the backward of global micro-batch k, so the test knows
+which step is in flight without timing anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_cli, write_jsonl
+from safetensors.torch import load_file
+
+from leantune.training.metrics import read_metrics
+from leantune.training.signals import Interrupted, StopSignals
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+SIGNAL_ENV = "LEANTUNE_SIGNAL_AT_MICRO_BATCH"
+START_ENV = "LEANTUNE_SIGNAL_AT_START"
+
+
+def chat_rows(n: int) -> list[dict]:
+    items = ["lamp", "desk", "phone", "cable"]
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": f"Order {i}: a {items[i % 4]}. Status?"},
+                {"role": "assistant", "content": json.dumps({"item": items[i % 4], "id": i})},
+            ]
+        }
+        for i in range(n)
+    ]
+
+
+def common(model: Path, data: Path) -> list[str]:
+    return [
+        f"model.path={model}",
+        f"data.train={data}",
+        "data.format=chat",
+        "data.max_seq_len=128",
+        "data.eval=null",
+        "train.eval_exact_match=false",
+        "run.progress=false",
+        "train.max_steps=6",
+        "train.micro_batch_size=2",
+        "train.grad_accum=2",
+        "train.save_every=0",  # only the final checkpoint: any other one comes from the signal
+        "train.lr=1e-2",
+        "method.dropout=0.1",  # the RNG matters
+    ]
+
+
+def leantune(args: list[str], env_extra: dict[str, str] | None = None):
+    env = {**os.environ, "PYTHONPATH": str(SRC), **(env_extra or {})}
+    for name in (SIGNAL_ENV, START_ENV):
+        if name not in (env_extra or {}):
+            env.pop(name, None)
+    return subprocess.run(
+        [sys.executable, "-m", "leantune", "train", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("signals") / "train.jsonl", chat_rows(20))
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_llama_dir: Path, data_file: Path) -> Path:
+    run = data_file.parent / "straight"
+    done = leantune([*common(tiny_llama_dir, data_file), f"run.dir={run}"])
+    assert done.returncode == 0, done.stderr
+    return run
+
+
+@pytest.mark.parametrize(("sig", "code"), [("TERM", 143), ("INT", 130)])
+def test_a_signal_mid_step_saves_the_last_applied_step_and_resumes_bit_exact(
+    sig: str, code: int, tiny_llama_dir: Path, data_file: Path, straight: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    args = [*common(tiny_llama_dir, data_file), f"run.dir={run}"]
+    # Micro-batch 8 is the first of step 5's two: step 5 is abandoned half-way.
+    stopped = leantune(args, {SIGNAL_ENV: f"8:{sig}"})
+    assert stopped.returncode == code, stopped.stderr
+    assert "Traceback" not in stopped.stderr + stopped.stdout
+    ckpt = run / "checkpoints" / "step-000004"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000004"]
+    (line,) = [x for x in stopped.stderr.splitlines() if f"SIG{sig}" in x]
+    assert str(ckpt) in line and "same command" in line
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["step"] == 4 and state["micro_batches_seen"] == 8
+    assert state["extra"]["batching"]["samples_seen"] == 16
+    assert not (run / "final").exists()
+    resumed = leantune(args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout and "step 4" in resumed.stdout
+    a, b = read_metrics(straight / "metrics.jsonl"), read_metrics(run / "metrics.jsonl")
+    for key in ("step", "loss", "lr", "grad_norm"):
+        assert [m[key] for m in a] == [m[key] for m in b], key
+    wa = load_file(straight / "final" / "adapter_model.safetensors")
+    wb = load_file(run / "final" / "adapter_model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_signal_during_start_up_exits_130_with_one_line_and_no_run_dir(
+    tiny_llama_dir: Path, data_file: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "fresh" / "run"
+    stopped = leantune([*common(tiny_llama_dir, data_file), f"run.dir={run}"], {START_ENV: "INT"})
+    assert stopped.returncode == 130, stopped.stderr
+    assert "Traceback" not in stopped.stderr and "KeyboardInterrupt" not in stopped.stderr
+    (line,) = [x for x in stopped.stderr.splitlines() if "SIGINT" in x]
+    assert "no checkpoint was written" in line and "starts over" in line
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_the_first_signal_is_deferred_and_a_second_one_stops_at_once() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with StopSignals() as stop:
+        with stop.deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop.requested == signal.SIGTERM  # only noted
+            with pytest.raises(Interrupted) as first:
+                stop.check()  # at the next micro-batch boundary
+            assert first.value.at_boundary and first.value.exit_code == 143
+            # While that stop saves its checkpoint, another signal ends it at once.
+            with pytest.raises(Interrupted) as second:
+                os.kill(os.getpid(), signal.SIGINT)
+            assert not second.value.at_boundary and second.value.exit_code == 130
+        with pytest.raises(Interrupted):  # outside the loop: at once
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_train_restores_the_previous_handlers(
+    tiny_llama_dir: Path, data_file: Path, tmp_path: Path
+) -> None:
+    before = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    result = run_cli(["train", *common(tiny_llama_dir, data_file), f"run.dir={tmp_path / 'r'}"])
+    assert result.code == 0, result.err
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_ctrl_c_in_any_command_is_one_line_and_130(monkeypatch, capsys) -> None:
+    from leantune import cli
+
+    def interrupted(_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_validate", interrupted)
+    assert cli.main(["validate"]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted (SIGINT)"
