@@ -512,6 +512,25 @@ def test_cli_every_checkpoint_damaged_exits_2_naming_each_and_keeps_them(
     assert {p: p.read_bytes() for p in ckpts.rglob("*") if p.is_file()} == kept
 
 
+def test_cli_every_checkpoint_cut_short_exits_2_and_never_starts_over(
+    tiny_llama_dir: Path, train_file: Path, tmp_path: Path
+) -> None:
+    """Damage the cheap size check sees (a partial copy): still no silent fresh start."""
+    run = tmp_path / "run"
+    args = _train_args(tiny_llama_dir, train_file, run)
+    assert run_cli(args).code == 0
+    ckpts = run / "checkpoints"
+    for step in ("step-000002", "step-000004"):
+        (ckpts / step / "model.safetensors").write_bytes(b"cut")
+    kept = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+    result = run_cli(args)
+    assert result.code == 2, result
+    assert "step-000002" in result.err and "step-000004" in result.err
+    assert "model.safetensors of 3 bytes" in result.err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == kept
+
+
 def test_cli_a_damaged_newest_checkpoint_resumes_from_the_older_one(
     tiny_llama_dir: Path, train_file: Path, tmp_path: Path
 ) -> None:
@@ -552,15 +571,21 @@ def test_cli_a_symlinked_tmp_directory_is_unlinked_and_its_target_kept(
     tiny_llama_dir: Path, train_file: Path, tmp_path: Path
 ) -> None:
     run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
+    args = _train_args(tiny_llama_dir, train_file, run)
+    assert run_cli(args).code == 0
+    shutil.rmtree(run / "checkpoints" / "step-000004")  # as if it stopped after step 2
     target = tmp_path / "mine"
     target.mkdir()
     (target / "notes.txt").write_text("mine")
-    (run / "checkpoints" / ".tmp-step-000001-1").symlink_to(target, target_is_directory=True)
-    result = run_cli(_train_args(tiny_llama_dir, train_file, run, "train.max_steps=2"))
+    (run / "checkpoints" / ".tmp-step-000003-1").symlink_to(target, target_is_directory=True)
+    result = run_cli(args)
     assert result.code == 0, result
+    assert "resumed from" in result.out
     assert (target / "notes.txt").read_text() == "mine"
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step-000002",
+        "step-000004",
+    ]
 
 
 def test_cli_a_full_disk_mid_run_exits_2_and_the_next_run_resumes_exactly(

@@ -416,6 +416,28 @@ def latest_checkpoint(root: Path) -> Path | None:
     return complete[-1][1] if complete else None
 
 
+def newest_checkpoint(root: Path) -> Path | None:
+    """The newest checkpoint by the cheap size check: is there a run to resume, and where?
+
+    Cleans up like :func:`latest_checkpoint`. Unlike it, checkpoints that all fail the size
+    check are an error, not "no run": the caller must not start over on top of them.
+
+    Raises:
+        DamagedCheckpoints: ``step-*`` directories with a marker exist but none is whole.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    _clean(root)
+    complete, damaged = _scan(root)
+    if complete:
+        return complete[-1][1]
+    if damaged:
+        problems = [f"{path} cannot be used: it {why}" for path, why in damaged]
+        raise DamagedCheckpoints(root, problems)
+    return None
+
+
 def resume_checkpoint(
     root: Path, map_location: str = "cpu", warn: Warn | None = None
 ) -> Checkpoint | None:

@@ -26,7 +26,7 @@ from safetensors import safe_open
 
 from leantune.config import Config, TrainConfig
 from leantune.errors import UserError
-from leantune.training.checkpoint import WEIGHTS_FILE, TrainingState, latest_checkpoint
+from leantune.training.checkpoint import WEIGHTS_FILE, TrainingState, newest_checkpoint
 from leantune.training.fingerprint import Change, Fingerprint, compare, run_fingerprint
 from leantune.training.optim import (
     Schedule,
@@ -113,7 +113,7 @@ def plan_run(cfg: Config, location: str, gguf_file: str | None, log: Log) -> Res
         log: Where the decision is explained.
     """
     run_dir = cfg.run_dir
-    newest = latest_checkpoint(run_dir / "checkpoints")
+    newest = newest_checkpoint(run_dir / "checkpoints")
     fingerprint = run_fingerprint(cfg, location, gguf_file)
     split = (cfg.train.micro_batch_size, cfg.train.grad_accum)
     record = read_record(run_dir)
