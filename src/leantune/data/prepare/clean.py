@@ -74,7 +74,7 @@ class _TextExtractor(HTMLParser):
         elif tag in BLOCK_ELEMENTS:
             self.parts.append("\n")
 
-    def parse_marked_section(self, i: int, report: int = 1) -> int:
+    def parse_marked_section(self, i: int, report: bool = True) -> int:
         # html.parser raises AssertionError on "<![" followed by anything but the keywords it
         # knows (CDATA, if, ...): such text is not markup, so it stays as text.
         try:
