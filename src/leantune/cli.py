@@ -113,20 +113,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _detect_format(path: Path) -> str:
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError:
-                    break
-                if isinstance(obj, dict):
-                    if "messages" in obj:
-                        return "chat"
-                    if "instruction" in obj:
-                        return "alpaca"
-                return "text"
-    return "text"
+    from leantune.data.formats import detect_format
+
+    return detect_format(path)
 
 
 def _lm_eval(args: argparse.Namespace, model: Any, tokenizer: Any) -> dict[str, dict[str, float]]:

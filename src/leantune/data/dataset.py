@@ -1,4 +1,4 @@
-"""From a JSONL file to training rows: read, validate, tokenise, length-check, pack."""
+"""From a data file to training rows: read, validate, tokenise, length-check, pack."""
 
 from __future__ import annotations
 
@@ -7,14 +7,12 @@ from pathlib import Path
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from leantune.data.formats import BadLine, Record, read_jsonl
+from leantune.data.errors import DataError
+from leantune.data.formats import BadLine, Record, read_records
 from leantune.data.packing import Row, pack_examples, single_rows
-from leantune.data.tokenize import Example, encode_record
-from leantune.errors import UserError
+from leantune.data.tokenize import Example, TemplateError, TooLong, encode_within
 
-
-class DataError(ValueError, UserError):
-    """The data cannot be trained on; the message says which file and lines and why."""
+__all__ = ["DataError", "PreparedData", "check_usable", "prepare_file"]
 
 
 @dataclass
@@ -44,10 +42,14 @@ def prepare_file(
 ) -> PreparedData:
     """Read, validate and tokenise `path` (its first `limit` records if given); pack when asked.
 
+    A record certainly longer than `max_seq_len` is rejected before it is tokenised, and one
+    the chat template refuses is a bad line like any other.
+
     Raises:
-        DataError: more than `max_bad_fraction` of the lines are bad, or nothing is supervised.
+        DataError: more than `max_bad_fraction` of the lines are bad, nothing is supervised, or
+            the file cannot be read as its kind.
     """
-    records, bad = read_jsonl(path, fmt, system_prompt)
+    records, bad = read_records(path, fmt, system_prompt)
     if limit is not None:  # the first `limit` valid records (and the bad lines among them)
         records = records[:limit]
         last = records[-1].line if records else 0
@@ -55,8 +57,14 @@ def prepare_file(
     kept_records: list[Record] = []
     examples: list[Example] = []
     for rec in records:
-        ex = encode_record(tokenizer, rec)
-        if len(ex.input_ids) > max_seq_len:
+        try:
+            ex = encode_within(tokenizer, rec, max_seq_len)
+        except TemplateError as e:
+            bad.append(BadLine(rec.source, rec.line, str(e)))
+            continue
+        if isinstance(ex, TooLong):
+            bad.append(BadLine(rec.source, rec.line, str(ex)))
+        elif len(ex.input_ids) > max_seq_len:
             reason = f"too long: {len(ex.input_ids)} tokens > data.max_seq_len={max_seq_len}"
             bad.append(BadLine(rec.source, rec.line, reason))
         elif ex.num_supervised == 0:

@@ -3,6 +3,10 @@
 Labels are stored already shifted: `labels[i]` is the token that position `i` must predict, or
 -100. Shifting per example (not per packed row) means no position ever learns to predict the
 first token of the next packed example.
+
+A chat record is rendered once with the tokenizer's chat template and its assistant turns are
+found in that render (`leantune.data.chat_spans`); `encode_within` rejects a record that is
+certainly longer than a limit before tokenising it (`leantune.data.bounds`).
 """
 
 from __future__ import annotations
@@ -10,9 +14,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from leantune.data import chat_spans
+from leantune.data.bounds import token_floor
+from leantune.data.chat_spans import NoChatTemplateError, Span, TemplateError, renderer
 from leantune.data.formats import Record
+
+__all__ = [
+    "IGNORE_INDEX",
+    "Example",
+    "NoChatTemplateError",
+    "TemplateError",
+    "TooLong",
+    "answer_spans",
+    "encode_chat",
+    "encode_record",
+    "encode_rendered",
+    "encode_text",
+    "encode_within",
+    "render_chat",
+    "shifted_labels",
+    "supervised_mask",
+    "too_long",
+]
 
 IGNORE_INDEX = -100
 
@@ -29,49 +55,81 @@ class Example:
         return sum(1 for x in self.labels if x != IGNORE_INDEX)
 
 
-class TemplateError(ValueError):
-    """The tokenizer's chat template cannot be used to locate answer tokens."""
+@dataclass(frozen=True)
+class TooLong:
+    """A record rejected before tokenising: it certainly has more than `limit` tokens."""
+
+    at_least: int
+    limit: int
+
+    def __str__(self) -> str:
+        return (
+            f"too long: at least {self.at_least} tokens > data.max_seq_len={self.limit} "
+            "(known from its length, without tokenising it)"
+        )
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], gen: bool) -> str:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
-    if not isinstance(text, str):
-        raise TemplateError("the chat template did not render to a string")
-    return text
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
+    """The conversation as the chat template writes it (no generation prompt).
+
+    Raises:
+        NoChatTemplateError: the tokenizer has none. TemplateError: the template refused it.
+    """
+    return renderer(tokenizer)(messages, False)
 
 
 def answer_spans(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]
-) -> tuple[str, list[tuple[int, int]]]:
+) -> tuple[str, list[Span]]:
     """Render the conversation and find the character span of each assistant turn.
 
     A span starts after the template's assistant header (the generation prompt) and ends after
     the turn's closing tokens, so the model also learns to stop.
     """
-    full = _render(tokenizer, messages, gen=False)
-    spans: list[tuple[int, int]] = []
-    for i, msg in enumerate(messages):
-        if msg["role"] != "assistant":
-            continue
-        before = _render(tokenizer, messages[:i], gen=True) if i else ""
-        last = i == len(messages) - 1  # the whole conversation is already rendered
-        through = full if last else _render(tokenizer, messages[: i + 1], gen=False)
-        if not (full.startswith(before) and full.startswith(through)):
-            raise TemplateError(
-                "the chat template renders a conversation differently from its prefixes; "
-                "answer tokens cannot be located"
-            )
-        spans.append((len(before), len(through)))
-    return full, spans
+    full = render_chat(tokenizer, messages)
+    return full, chat_spans.answer_spans(tokenizer, messages, full)
+
+
+def too_long(tokenizer: PreTrainedTokenizerBase, text: str, limit: int | None) -> TooLong | None:
+    """`TooLong` when `text` certainly has more than `limit` tokens (decided without
+    tokenising: see `leantune.data.bounds`), else None."""
+    floor = token_floor(tokenizer) if limit is not None else None
+    if floor is None or limit is None:
+        return None
+    n = floor.exceeds(text, limit)
+    return TooLong(n, limit) if n is not None else None
+
+
+def supervised_mask(starts: np.ndarray, spans: list[Span]) -> np.ndarray:
+    """Which tokens start inside one of `spans` (sorted, disjoint): a merge, not tokens x spans."""
+    starts = np.asarray(starts, dtype=np.int64)
+    if not spans:
+        return np.zeros(starts.size, dtype=bool)
+    bounds = np.asarray(spans, dtype=np.int64)
+    k = np.searchsorted(bounds[:, 0], starts, side="right") - 1
+    return (k >= 0) & (starts < bounds[np.maximum(k, 0), 1])
+
+
+def shifted_labels(ids: np.ndarray, supervised: np.ndarray) -> np.ndarray:
+    """Labels for `ids`: the next token where it is supervised, else IGNORE_INDEX."""
+    labels = np.full(ids.size, IGNORE_INDEX, dtype=ids.dtype)
+    labels[:-1] = np.where(supervised[1:], ids[1:], IGNORE_INDEX)
+    return labels
+
+
+def encode_rendered(tokenizer: PreTrainedTokenizerBase, full: str, spans: list[Span]) -> Example:
+    """Tokenise a rendered conversation; supervise the tokens that start inside `spans`."""
+    enc: Any = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(enc["input_ids"], dtype=np.int64)
+    starts = np.fromiter((s for s, _ in enc["offset_mapping"]), dtype=np.int64, count=ids.size)
+    labels = shifted_labels(ids, supervised_mask(starts, spans))
+    return Example(input_ids=ids.tolist(), labels=labels.tolist())
 
 
 def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> Example:
     """Tokenise a conversation with the tokenizer's chat template; supervise assistant turns."""
     full, spans = answer_spans(tokenizer, messages)
-    enc: Any = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids: list[int] = list(enc["input_ids"])
-    supervised = [any(s <= start < e for s, e in spans) for start, _ in enc["offset_mapping"]]
-    return _shift(ids, supervised)
+    return encode_rendered(tokenizer, full, spans)
 
 
 def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> Example:
@@ -93,3 +151,23 @@ def encode_record(tokenizer: PreTrainedTokenizerBase, record: Record) -> Example
         return encode_chat(tokenizer, list(record.messages))
     assert record.text is not None
     return encode_text(tokenizer, record.text)
+
+
+def encode_within(
+    tokenizer: PreTrainedTokenizerBase, record: Record, max_tokens: int | None
+) -> Example | TooLong:
+    """`encode_record`, or `TooLong` without tokenising when the record certainly has more
+    than `max_tokens` tokens (None: no limit).
+
+    Raises:
+        TemplateError: the chat template refused the record or hides its answers.
+    """
+    if record.messages is None:
+        assert record.text is not None
+        return too_long(tokenizer, record.text, max_tokens) or encode_text(tokenizer, record.text)
+    messages = list(record.messages)
+    full = render_chat(tokenizer, messages)
+    rejected = too_long(tokenizer, full, max_tokens)
+    if rejected is not None:
+        return rejected
+    return encode_rendered(tokenizer, full, chat_spans.answer_spans(tokenizer, messages, full))

@@ -74,6 +74,15 @@ class _TextExtractor(HTMLParser):
         elif tag in BLOCK_ELEMENTS:
             self.parts.append("\n")
 
+    def parse_marked_section(self, i: int, report: bool = True) -> int:
+        # html.parser raises AssertionError on "<![" followed by anything but the keywords it
+        # knows (CDATA, if, ...): such text is not markup, so it stays as text.
+        try:
+            return super().parse_marked_section(i, report)
+        except AssertionError:
+            self.handle_data("<![")
+            return i + 3
+
     def handle_endtag(self, tag: str) -> None:
         if tag not in HTML_ELEMENTS:
             self.parts.append(f"</{tag}>")

@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = load_tokenizer(resolve_model(model_path), trust)
     out = args.out or str(Path(files[0]).with_suffix("")) + ".prepared"
     opts = engine_options(data)
-    return prepare_dataset(
+    report = prepare_dataset(
         [str(f) for f in files],
         settings,
         tokenizer,
@@ -132,6 +132,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         partition_mb=opts["partition_mb"],
         force=args.force,
         log=print,
+    )
+    check_kept(report, out)
+    return report
+
+
+def check_kept(report: dict[str, Any], out: str | Path) -> None:
+    """Refuse a preparation that kept nothing: exit 2 with the drops by reason and where
+    they are listed (the directory stays, for its rejected.jsonl).
+
+    Raises:
+        DataError: no record was kept.
+    """
+    from leantune.data.errors import DataError
+    from leantune.data.prepare.pipeline import REJECTED
+
+    if report["rows_out"] > 0:
+        return
+    dropped = ", ".join(f"{k} {n}" for k, n in sorted(report["dropped"].items())) or "none"
+    files = ", ".join(report["files"])
+    raise DataError(
+        f"prepare: kept 0 of {report['rows_in']} records of {files}; dropped: {dropped}; "
+        f"each rejected record, with its file, line and reason, is in {Path(out) / REJECTED}"
     )
 
 

@@ -22,17 +22,24 @@ from typing import Any
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from leantune.data.errors import DataError
 from leantune.data.prepare.chunks import ChunkStore
 from leantune.data.prepare.dedup import DedupIndex
 from leantune.data.prepare.engines import ENGINES, run_dask, run_local
+from leantune.data.prepare.readers import ReaderError, file_kind
 from leantune.data.prepare.records import ChunkResult, Kept, PrepareSettings, Rejection
 from leantune.data.prepare.shards import SHARD_TOKENS, ShardBuffer, write_shard
 from leantune.data.tokenize import IGNORE_INDEX
+from leantune.errors import UserError
 
-PIPELINE_VERSION = 2  # bump when the output for the same key changes
+PIPELINE_VERSION = 3  # bump when the output for the same key changes
 REPORT = "prepare_report.json"
 REJECTED = "rejected.jsonl"
 Log = Callable[[str], None]
+
+
+class OutputExistsError(FileExistsError, UserError):
+    """The output directory holds something that is not a prepared directory."""
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -201,7 +208,7 @@ def _replace_dir(tmp: Path, out: Path) -> None:
     if out.exists():
         if any(out.iterdir()) and read_report(out) is None:
             shutil.rmtree(tmp)
-            raise FileExistsError(
+            raise OutputExistsError(
                 f"{out}: exists and is not a prepared directory (no {REPORT}); "
                 "choose another --out or remove it"
             )
@@ -230,13 +237,18 @@ def prepare_dataset(
 
     Raises:
         ValueError: unknown engine. FileNotFoundError: a missing input.
+        DataError: an input that cannot be read as its kind (a directory, an unsupported
+            suffix, a damaged archive, ...): nothing is written.
         FileExistsError: `out` holds something else.
     """
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r} is not one of {' | '.join(ENGINES)}")
     for f in files:
+        if Path(f).is_dir():
+            raise ReaderError(f"{f}: is a directory, not a data file")
         if not Path(f).is_file():
             raise FileNotFoundError(f"{f}: no such data file")
+        file_kind(f)
     started = time.perf_counter()
     out = Path(out)
     key = cache_key(files, settings, tokenizer)
@@ -263,9 +275,11 @@ def prepare_dataset(
         ):
             writer.add_chunk(result)
         writer.close()
-    except BaseException:
+    except BaseException as e:
         writer.rejected.close()
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, DataError):  # an input refused whole: its chunks are of no use
+            partial.remove()
         raise
     info["chunks_reused"] = partial.reused
     info["resume_data_bytes"] = partial.disk_bytes()  # its peak: removed once `out` is complete

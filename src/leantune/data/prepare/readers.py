@@ -4,18 +4,31 @@ Each item keeps its source file and line so a rejected record can be found: the 
 for JSONL and JSON arrays, the row number for Parquet (1-based) and the line a CSV record starts
 on (the header is line 1). JSONL, Parquet and CSV are read in bounded memory; a JSON array is
 parsed whole (the standard library has no streaming JSON parser), so use JSONL at scale.
+
+A file that is not what its name says (a damaged or truncated archive, a file that is not
+Parquet, a JSON array that does not parse, a CSV whose quoting breaks) is refused whole with a
+`ReaderError` naming the file and where: what it holds is not what the user thinks. A bad
+record in a readable file becomes an item that `decode_item` rejects, to be counted. A UTF-8
+byte order mark at the start of a file is skipped.
 """
 
 from __future__ import annotations
 
 import csv
-import gzip
-import io
 import json
-from collections.abc import Iterator
+import re
+from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
+
+from leantune.data.errors import DataError
+from leantune.data.prepare.archive import (
+    ArchiveError,
+    check_zstd_frames,
+    decompression_errors,
+    open_jsonl,
+)
 
 SUFFIXES = {
     ".jsonl": "jsonl",
@@ -26,14 +39,40 @@ SUFFIXES = {
     ".parquet": "parquet",
     ".csv": "csv",
 }
+BOM = b"\xef\xbb\xbf"
+# csv's own limit (128 KiB) refused real long conversations; past this, an unclosed quote is
+# the likely cause, and the rest of the file would be read as one field.
+CSV_FIELD_LIMIT = 64 << 20
+_SURROGATE = re.compile("[\ud800-\udfff]")  # what undecodable bytes become (surrogateescape)
+_REFUSED = "the whole file is refused"
+
+
+class ReaderError(DataError):
+    """A data file that cannot be read as what its name says; it is refused whole."""
+
+
+class DecodeError(ValueError):
+    """A record that is not valid JSON (or not readable at all); `kind` names the reason."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """The payload of a record that could not be read, with the kind and reason of its drop."""
+
+    kind: str
+    reason: str
 
 
 @dataclass(frozen=True)
 class RawItem:
     """One input record before validation.
 
-    `payload` is the raw line (bytes) for JSONL, or the decoded value for the other kinds.
-    `size` approximates its bytes, to cut partitions of a given size.
+    `payload` is the raw line (bytes) for JSONL, the decoded value for the other kinds, or an
+    `Unreadable`. `size` approximates its bytes, to cut partitions of a given size.
     """
 
     source: str
@@ -46,51 +85,76 @@ def file_kind(path: str | Path) -> str:
     """The reader a file needs, from its suffix.
 
     Raises:
-        ValueError: unknown suffix, listing the supported ones.
+        ReaderError: unknown suffix, listing the supported ones.
     """
     name = str(path).lower()
     for suffix in sorted(SUFFIXES, key=len, reverse=True):
         if name.endswith(suffix):
             return SUFFIXES[suffix]
-    raise ValueError(f"{path}: unsupported file type; use one of {', '.join(SUFFIXES)}")
+    raise ReaderError(f"{path}: unsupported file type; use one of {', '.join(SUFFIXES)}")
 
 
-def _open_jsonl(path: Path, kind: str) -> IO[bytes]:
-    if kind == "jsonl.gz":
-        return gzip.open(path, "rb")  # type: ignore[return-value]
-    if kind == "jsonl.zst":
-        import zstandard
+def _read_jsonl(path: Path, kind: str) -> Generator[RawItem, None, None]:
+    lineno = 0
+    try:
+        if kind == "jsonl.zst":
+            check_zstd_frames(path)
+        with open_jsonl(path, kind) as f:
+            for lineno, raw in enumerate(f, start=1):
+                if lineno == 1 and raw.startswith(BOM):
+                    raw = raw[len(BOM) :]
+                yield RawItem(str(path), lineno, raw, len(raw))
+    except ArchiveError as e:
+        raise ReaderError(
+            f"{path}: {e}; {_REFUSED}, since it is not the data that was compressed: "
+            "write or download it again"
+        ) from e
+    except decompression_errors(kind) as e:
+        raise ReaderError(
+            f"{path}: the compressed data is damaged or truncated after line {lineno} ({e}); "
+            f"{_REFUSED}, since it is not the data that was compressed: write or download "
+            "it again"
+        ) from e
 
-        raw = zstandard.ZstdDecompressor().stream_reader(path.open("rb"), closefd=True)
-        return io.BufferedReader(raw, buffer_size=1 << 20)
-    return path.open("rb")
 
-
-def _read_jsonl(path: Path, kind: str) -> Iterator[RawItem]:
-    with _open_jsonl(path, kind) as f:
-        for lineno, raw in enumerate(f, start=1):
-            yield RawItem(str(path), lineno, raw, len(raw))
-
-
-def _read_json_array(path: Path) -> Iterator[RawItem]:
-    text = path.read_text(encoding="utf-8")
+def _read_json_array(path: Path) -> Generator[RawItem, None, None]:
+    raw = path.read_bytes()
+    raw = raw[len(BOM) :] if raw.startswith(BOM) else raw
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ReaderError(f"{path}:{line}: not valid UTF-8 (byte {e.start}); {_REFUSED}") from e
     decoder = json.JSONDecoder()
     pos = _skip_ws(text, 0)
     if pos >= len(text) or text[pos] != "[":
-        raise ValueError(f"{path}:1: a .json file must hold an array of records; use .jsonl")
+        raise ReaderError(f"{path}:1: a .json file must hold an array of records; use .jsonl")
     pos = _skip_ws(text, pos + 1)
     line, counted = 1, 0
-    while pos < len(text) and text[pos] != "]":
+    while pos >= len(text) or text[pos] != "]":
         line += text.count("\n", counted, pos)
         counted = pos
+        if pos >= len(text):
+            raise ReaderError(f"{path}:{line}: the array is not closed (a truncated file?)")
         try:
             obj, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from e
+            raise ReaderError(f"{path}:{e.lineno}: invalid JSON: {e.msg}; {_REFUSED}") from e
+        except RecursionError:
+            raise ReaderError(f"{path}:{line}: nested too deeply; {_REFUSED}") from None
+        except ValueError as e:  # e.g. an integer of more digits than Python converts
+            raise ReaderError(f"{path}:{line}: invalid JSON: {e}; {_REFUSED}") from e
         yield RawItem(str(path), line, obj, end - pos)
         pos = _skip_ws(text, end)
         if pos < len(text) and text[pos] == ",":
             pos = _skip_ws(text, pos + 1)
+        elif pos < len(text) and text[pos] != "]":
+            where = line + text.count("\n", counted, pos)
+            raise ReaderError(f"{path}:{where}: expected ',' or ']' after a record; {_REFUSED}")
+    end = _skip_ws(text, pos + 1)
+    if end < len(text):
+        where = text.count("\n", 0, end) + 1
+        raise ReaderError(f"{path}:{where}: unexpected text after the array; {_REFUSED}")
 
 
 def _skip_ws(text: str, pos: int) -> int:
@@ -99,32 +163,65 @@ def _skip_ws(text: str, pos: int) -> int:
     return pos
 
 
-def _read_parquet(path: Path) -> Iterator[RawItem]:
+def _read_parquet(path: Path) -> Generator[RawItem, None, None]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
+    try:
+        batches = pq.ParquetFile(path).iter_batches(batch_size=4096)
+    except (pa.ArrowException, OSError) as e:
+        raise ReaderError(f"{path}: not a Parquet file ({e})") from e
     row = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
-        for obj in batch.to_pylist():
-            row += 1
-            yield RawItem(str(path), row, obj, 64 + sum(len(str(v)) for v in obj.values()))
+    try:
+        for batch in batches:
+            for obj in batch.to_pylist():
+                row += 1
+                yield RawItem(str(path), row, obj, 64 + sum(len(str(v)) for v in obj.values()))
+    except (pa.ArrowException, OSError) as e:
+        raise ReaderError(f"{path}: damaged after row {row} ({e}); {_REFUSED}") from e
 
 
-def _read_csv(path: Path) -> Iterator[RawItem]:
-    with path.open(encoding="utf-8", newline="") as f:
-        reader = csv.DictReader(f)
-        start = 2
-        for obj in reader:
-            yield RawItem(str(path), start, dict(obj), 64 + sum(len(v or "") for v in obj.values()))
+def _csv_payload(obj: dict[Any, Any], columns: int) -> dict[str, Any] | Unreadable:
+    if None in obj:  # DictReader puts the fields past the header's under None
+        n = columns + len(obj[None])
+        return Unreadable("bad_csv_row", f"{n} fields, but the header has {columns}")
+    if any(isinstance(v, str) and _SURROGATE.search(v) for v in (*obj, *obj.values())):
+        return Unreadable("not_utf8", "not valid UTF-8")
+    return obj
+
+
+def _read_csv(path: Path) -> Generator[RawItem, None, None]:
+    if csv.field_size_limit() < CSV_FIELD_LIMIT:
+        csv.field_size_limit(CSV_FIELD_LIMIT)
+    # surrogateescape: a record with bytes that are not UTF-8 is dropped alone (see
+    # `_csv_payload`), not the file; the quoting, in ASCII, is unaffected.
+    with path.open(encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
+        reader = csv.DictReader(f, strict=True)
+        start = 1
+        try:
+            columns = len(reader.fieldnames or [])
             start = reader.line_num + 1
+            for obj in reader:
+                size = 64 + sum(len(v or "") for v in obj.values() if isinstance(v, str))
+                yield RawItem(str(path), start, _csv_payload(obj, columns), size)
+                start = reader.line_num + 1
+        except csv.Error as e:
+            raise ReaderError(
+                f"{path}:{start}: {e}; {_REFUSED}, since past broken quoting the records "
+                "cannot be told apart"
+            ) from e
 
 
-def read_items(path: str | Path) -> Iterator[RawItem]:
+def read_items(path: str | Path) -> Generator[RawItem, None, None]:
     """Stream the raw records of one file.
 
     Raises:
-        FileNotFoundError: the file does not exist. ValueError: unsupported type.
+        FileNotFoundError: the file does not exist. ReaderError: unsupported type, a
+            directory, or a file that cannot be read as its kind (raised while iterating).
     """
     path = Path(path)
+    if path.is_dir():
+        raise ReaderError(f"{path}: is a directory, not a data file")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such data file")
     kind = file_kind(path)
@@ -134,27 +231,38 @@ def read_items(path: str | Path) -> Iterator[RawItem]:
     return readers[kind](path)
 
 
+def parse_json(text: str | bytes, where: str = "") -> Any:
+    """`json.loads`, with every way it fails as a `DecodeError` (`where` prefixes the reason)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DecodeError(
+            "invalid_json", f"{where}invalid JSON: {e.msg} at column {e.colno}"
+        ) from e
+    except RecursionError:
+        raise DecodeError("too_deep", f"{where}nested too deeply for the JSON parser") from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise DecodeError("invalid_json", f"{where}invalid JSON: {e}") from e
+
+
 def decode_item(item: RawItem) -> Any:
     """The record's JSON value. Chat `messages` stored as a JSON string (CSV) are decoded too.
 
     Raises:
-        ValueError: with the reason (not UTF-8, invalid JSON, empty line).
+        DecodeError: with its kind and reason (not UTF-8, invalid JSON, nested too deeply,
+            empty line, an unreadable CSV row).
     """
     payload = item.payload
+    if isinstance(payload, Unreadable):
+        raise DecodeError(payload.kind, payload.reason)
     if isinstance(payload, bytes):
         try:
             text = payload.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"not valid UTF-8 (byte {e.start})") from e
+            raise DecodeError("not_utf8", f"not valid UTF-8 (byte {e.start})") from e
         if not text.strip():
-            raise ValueError("empty line")
-        try:
-            payload = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"invalid JSON: {e.msg} at column {e.colno}") from e
+            raise DecodeError("empty_line", "empty line")
+        payload = parse_json(text)
     if isinstance(payload, dict) and isinstance(payload.get("messages"), str):
-        try:
-            payload = {**payload, "messages": json.loads(payload["messages"])}
-        except json.JSONDecodeError as e:
-            raise ValueError(f"field 'messages': invalid JSON: {e.msg}") from e
+        payload = {**payload, "messages": parse_json(payload["messages"], "field 'messages': ")}
     return payload

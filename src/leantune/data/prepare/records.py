@@ -15,11 +15,19 @@ from typing import Any
 import numpy as np
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from leantune.data import chat_spans
 from leantune.data.formats import FORMATS, BadRecordError, parse_record
 from leantune.data.prepare.clean import check_rules, clean_record
 from leantune.data.prepare.dedup import DEDUP_MODES, content_hash, minhash, record_text
-from leantune.data.prepare.readers import RawItem, decode_item
-from leantune.data.tokenize import IGNORE_INDEX, answer_spans
+from leantune.data.prepare.readers import DecodeError, RawItem, decode_item
+from leantune.data.tokenize import (
+    IGNORE_INDEX,
+    TemplateError,
+    render_chat,
+    shifted_labels,
+    supervised_mask,
+    too_long,
+)
 
 
 @dataclass(frozen=True)
@@ -94,14 +102,9 @@ def _bad_kind(reason: str) -> str:
         return "missing_field"
     if "is empty" in reason or "empty assistant answer" in reason:
         return "empty_field"
+    if "not valid Unicode" in reason:
+        return "not_unicode"
     return "invalid_record"
-
-
-def _decode_kind(reason: str) -> str:
-    for prefix, kind in (("not valid UTF-8", "not_utf8"), ("empty line", "empty_line")):
-        if reason.startswith(prefix):
-            return kind
-    return "invalid_json"
 
 
 def _after_cleaning(parsed: dict[str, Any]) -> str | None:
@@ -114,25 +117,52 @@ def _after_cleaning(parsed: dict[str, Any]) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Dropped:
+    """A record `encode_batch` did not tokenise: the kind and reason of its rejection."""
+
+    kind: str
+    reason: str
+
+
+Encoded = tuple[np.ndarray, np.ndarray]
+
+
 def encode_batch(
-    tokenizer: PreTrainedTokenizerBase, parsed: list[dict[str, Any]]
-) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Tokenise records in one tokenizer call per kind; equals `encode_record` per record."""
-    out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(parsed)
-    chats = [i for i, p in enumerate(parsed) if "messages" in p]
-    texts = [i for i, p in enumerate(parsed) if "text" in p]
+    tokenizer: PreTrainedTokenizerBase,
+    parsed: list[dict[str, Any]],
+    max_tokens: int | None = None,
+) -> list[Encoded | Dropped]:
+    """Tokenise records in one tokenizer call per kind; equals `encode_record` per record.
+
+    A record certainly longer than `max_tokens` (None: no limit) is `Dropped` as too long
+    before tokenising; one whose chat template fails is `Dropped` as a template error.
+    """
+    out: list[Encoded | Dropped | None] = [None] * len(parsed)
+    chats: list[tuple[int, str, list[tuple[int, int]]]] = []
+    texts: list[int] = []
+    for i, p in enumerate(parsed):
+        text = p.get("text")
+        try:
+            if text is None:
+                text = render_chat(tokenizer, p["messages"])
+            rejected = too_long(tokenizer, text, max_tokens)
+            if rejected is not None:
+                out[i] = Dropped("too_long", str(rejected))
+            elif "messages" in p:
+                chats.append((i, text, chat_spans.answer_spans(tokenizer, p["messages"], text)))
+            else:
+                texts.append(i)
+        except TemplateError as e:
+            out[i] = Dropped("template_error", str(e))
     if chats:
-        rendered = [answer_spans(tokenizer, parsed[i]["messages"]) for i in chats]
         enc: Any = tokenizer(
-            [full for full, _ in rendered], add_special_tokens=False, return_offsets_mapping=True
+            [full for _, full, _ in chats], add_special_tokens=False, return_offsets_mapping=True
         )
-        for j, i in enumerate(chats):
+        for j, (i, _, spans) in enumerate(chats):
             ids = np.asarray(enc["input_ids"][j], dtype=np.int32)
             starts = np.asarray([s for s, _ in enc["offset_mapping"][j]], dtype=np.int64)
-            mask = np.zeros(ids.size, dtype=bool)
-            for s, e in rendered[j][1]:
-                mask |= (starts >= s) & (starts < e)
-            out[i] = (ids, _shifted_labels(ids, mask))
+            out[i] = (ids, shifted_labels(ids, supervised_mask(starts, spans)))
     if texts:
         enc = tokenizer([parsed[i]["text"] for i in texts], add_special_tokens=True)
         eos = tokenizer.eos_token_id
@@ -141,14 +171,8 @@ def encode_batch(
             if eos is not None and (not toks or toks[-1] != eos):
                 toks.append(eos)
             ids = np.asarray(toks, dtype=np.int32)
-            out[i] = (ids, _shifted_labels(ids, np.ones(ids.size, dtype=bool)))
+            out[i] = (ids, shifted_labels(ids, np.ones(ids.size, dtype=bool)))
     return [o for o in out if o is not None]
-
-
-def _shifted_labels(ids: np.ndarray, supervised: np.ndarray) -> np.ndarray:
-    labels = np.full(ids.size, IGNORE_INDEX, dtype=np.int32)
-    labels[:-1] = np.where(supervised[1:], ids[1:], IGNORE_INDEX)
-    return labels
 
 
 def _length_check(
@@ -189,8 +213,8 @@ def process_chunk(
     for pos, item in enumerate(items):
         try:
             obj = decode_item(item)
-        except ValueError as e:
-            outcome[pos] = Rejection(item.source, item.line, _decode_kind(str(e)), str(e))
+        except DecodeError as e:
+            outcome[pos] = Rejection(item.source, item.line, e.kind, str(e))
             continue
         try:
             parsed = parse_record(obj, settings.format, settings.system_prompt)
@@ -203,11 +227,16 @@ def process_chunk(
             outcome[pos] = Rejection(item.source, item.line, "empty_after_cleaning", empty)
             continue
         valid.append((pos, parsed))
-    encoded = encode_batch(tokenizer, [p for _, p in valid])
+    # With truncate, an over-long record is cut, not dropped: it must be tokenised.
+    limit = None if settings.truncate else settings.max_seq_len
+    encoded = encode_batch(tokenizer, [p for _, p in valid], limit)
     kept_at: dict[int, Kept] = {}
-    for (pos, parsed), (ids, labels) in zip(valid, encoded, strict=True):
+    for (pos, parsed), enc in zip(valid, encoded, strict=True):
         item = items[pos]
-        ids, labels, kind, reason = _length_check(ids, labels, settings)
+        if isinstance(enc, Dropped):
+            outcome[pos] = Rejection(item.source, item.line, enc.kind, enc.reason)
+            continue
+        ids, labels, kind, reason = _length_check(enc[0], enc[1], settings)
         if kind:
             outcome[pos] = Rejection(item.source, item.line, kind, reason)
             continue
