@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.config import RopeScalingConfig
+from leantune.errors import UserError
 from leantune.models.demo_model import DEMO_MODEL_NAMES, ensure_demo_model
 from leantune.models.quantize import Quantization, bnb_config
 from leantune.models.rope import apply_rope_scaling
@@ -34,7 +35,7 @@ class ModelSource:
     gguf_file: str | None = None
 
 
-class ModelNotFoundError(FileNotFoundError):
+class ModelNotFoundError(FileNotFoundError, UserError):
     """Raised when a model path is neither a directory, a GGUF file nor a cached hub id."""
 
 
