@@ -170,7 +170,7 @@ CASES: dict[str, Case] = {
     "eval --model run dir": Case(
         lambda p: _model(_eval(p), p.run_with_final),
         lambda p: [
-            f"--model {p.run_with_final}: a run directory; give its model, {p.run_with_final / 'final'}"
+            f"--model {p.run_with_final}: a run directory; give its model, {p.run_with_final}/"
         ],
     ),
     "eval --model run without final": Case(
