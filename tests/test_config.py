@@ -337,3 +337,17 @@ def test_unreadable_config_files_are_config_errors(tmp_path: Path) -> None:
         load_config(deep)
     with pytest.raises(ConfigError, match="nested too deeply"):
         load_config(None, ["train.lr=" + "[" * 100_000])
+
+
+def test_unknown_sections_and_unprintable_text_are_config_errors(tmp_path: Path) -> None:
+    # Found by tests/test_fuzz_config.py: an unknown section was reported as "expected a mapping
+    # of fields" without naming it, and a control character escaped as a ReaderError.
+    path = _write(tmp_path, "'': 1\n")
+    with pytest.raises(ConfigError, match=rf"{path}:1: '': unknown section; valid: model, data"):
+        load_config(path)
+    path = _write(tmp_path, "train:\n  lr: 1e-4\n  seed: \x07\n")
+    with pytest.raises(ConfigError, match=rf"{path}: invalid YAML: unacceptable character #x0007"):
+        load_config(path)
+    path = _write(tmp_path, "data:\n  train: train.jsonl\n  format: text\ntrain:\n  true: 1\n")
+    with pytest.raises(ConfigError, match=rf"{path}:4: train.True: unknown field"):
+        load_config(path)

@@ -339,13 +339,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if not isinstance(data, dict):
         raise ConfigError(f"{cfg_path}: expected a mapping of sections at the top level")
     base = cfg_path.parent.resolve()
+    sections = [f.name for f in dataclasses.fields(Config)]
     for section, values in data.items():
-        where = f"{cfg_path}:{lines.get(str(section), 1)}: "
+        line = lines.get(str(section), 1)
+        where = f"{cfg_path}:{line}: "
+        if section not in sections:
+            raise ConfigError(
+                f"{where}{show(section)}: unknown section; valid: {', '.join(sections)}"
+            )
         if not isinstance(values, dict):
             raise ConfigError(f"{where}{section}: expected a mapping of fields")
         for name, value in values.items():
             key = f"{section}.{name}"
-            _set(cfg, key, value, f"{cfg_path}:{lines.get(key, 1)}: ")
+            # A key YAML reads as another type (true, 1) is found by its section's line.
+            _set(cfg, key, value, f"{cfg_path}:{lines.get(key, line)}: ")
     # Relative data paths in a file are relative to that file.
     for name in ("train", "eval"):
         value = getattr(cfg.data, name)

@@ -37,8 +37,9 @@ def load_yaml(text: str, where: str) -> tuple[Any, dict[str, int]]:
     Raises:
         ParseError: invalid YAML, a duplicated key, or nesting too deep to parse.
     """
-    loader = yaml.SafeLoader(text)
+    loader: yaml.SafeLoader | None = None
     try:
+        loader = yaml.SafeLoader(text)  # refuses non-printable characters
         node = loader.get_single_node()
         lines: dict[str, int] = {}
         if node is not None:
@@ -51,7 +52,8 @@ def load_yaml(text: str, where: str) -> tuple[Any, dict[str, int]]:
     except ValueError as e:  # e.g. an integer longer than Python converts (4300 digits)
         raise ParseError(f"{where}: invalid YAML: {e}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def _check_keys(
