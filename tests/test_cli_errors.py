@@ -38,6 +38,7 @@ class Paths:
     bad_config_dir: Path
     export_dir: Path
     no_records: Path
+    duplicated: Path
     tmp: Path
 
 
@@ -75,6 +76,10 @@ def paths(tmp_path_factory: pytest.TempPathFactory, tiny_qwen2_dir: Path) -> Pat
     shutil.copytree(tiny_qwen2_dir, export_dir)
     (export_dir / "export_report.json").write_text('{"passed": true}\n')
     no_records = write_jsonl(tmp / "no_records.jsonl", ["{oops", '{"messages": []}'])
+    duplicated = tmp / "duplicated.yaml"
+    duplicated.write_text(
+        "method:\n  name: lora\ntrain:\n  lr: 1.0e-4\n  max_steps: 3\n  lr: 1.0e-3\n"
+    )
     return Paths(
         tiny_qwen2_dir,
         data,
@@ -86,6 +91,7 @@ def paths(tmp_path_factory: pytest.TempPathFactory, tiny_qwen2_dir: Path) -> Pat
         bad_config,
         export_dir,
         no_records,
+        duplicated,
         tmp,
     )
 
@@ -229,6 +235,39 @@ CASES: dict[str, Case] = {
         lambda p: ["bench", "methods", "--steps", "-2", "--out", str(p.tmp / "bench")],
         lambda p: ["--steps: must be >= 1, got -2"],
     ),
+    "bench methods --lr lora=nan": Case(
+        lambda p: ["bench", "methods", "--lr", "lora=nan", "--out", str(p.tmp / "bench")],
+        lambda p: ["--lr 'lora=nan': the rate must be a finite number in (0, 1)"],
+    ),
+    "bench methods --lr unknown method": Case(
+        lambda p: ["bench", "methods", "--lr", "lroa=2e-3", "--out", str(p.tmp / "bench")],
+        lambda p: ["--lr 'lroa=2e-3': unknown method 'lroa'; choose from full, lora"],
+    ),
+    "bench methods --out is a file": Case(
+        lambda p: ["bench", "methods", "--methods", "lora", "--out", str(p.text_file)],
+        lambda p: [f"--out {p.text_file}: is a file; give a directory"],
+    ),
+    # config mistakes through the commands that read a config
+    "validate train.max_grad_norm=.nan": Case(
+        lambda p: ["validate", "train.max_grad_norm=.nan"],
+        lambda p: ["error: override train.max_grad_norm: must be a finite number, got nan"],
+    ),
+    "validate a duplicated key": Case(
+        lambda p: ["validate", str(p.duplicated)],
+        lambda p: [f"error: {p.duplicated}:6: train.lr: duplicated key (first on line 4)"],
+    ),
+    "train train.weight_decay=.inf": Case(
+        lambda p: [
+            *("train", f"model.path={p.model}", f"data.train={p.data}", "data.eval=null"),
+            *("train.eval_exact_match=false", "train.weight_decay=.inf"),
+            f"run.dir={p.tmp / 'x'}",
+        ],
+        lambda p: ["error: override train.weight_decay: must be a finite number, got inf"],
+    ),
+    "plan --budget nan": Case(
+        lambda p: ["plan", "--budget", "nan"],
+        lambda p: ["error: --budget: 'nan' is not a memory size"],
+    ),
     # export
     "export run without final": Case(
         lambda p: ["export", str(p.run_without_final), "--format", "hf", "--out", str(p.tmp / "x")],
@@ -294,6 +333,16 @@ CASES: dict[str, Case] = {
         lambda p: ["--format adapter: the source is a full model"],
     ),
 }
+
+
+@pytest.fixture(autouse=True)
+def no_benchmark_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused `bench methods` must refuse before training; fail fast if it would train."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the benchmark started training")
+
+    monkeypatch.setattr("leantune.bench.methods.run_methods", refuse)
 
 
 @pytest.mark.parametrize("name", list(CASES))

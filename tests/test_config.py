@@ -259,14 +259,14 @@ def test_duplicated_yaml_keys_name_the_key_and_both_lines(tmp_path: Path) -> Non
     )
     with pytest.raises(ConfigError) as err:
         load_config(path)
-    assert f"{path}:7: train.lr: duplicated key (first on line 5)" in str(err.value)
+    assert f"{path}:7: train.lr: duplicated key (first on line 5)" == str(err.value).split(";")[0]
     path = _write(
         tmp_path,
         "train:\n  lr: 1e-4\ndata:\n  train: train.jsonl\n  format: text\ntrain:\n  max_steps: 3\n",
     )
     with pytest.raises(ConfigError) as err:
         load_config(path)
-    assert f"{path}:6: train: duplicated key (first on line 1)" in str(err.value)
+    assert f"{path}:6: train: duplicated key (first on line 1)" == str(err.value).split(";")[0]
     path = _write(
         tmp_path,
         "data:\n  train: train.jsonl\n  format: text\nmodel:\n"
@@ -274,8 +274,8 @@ def test_duplicated_yaml_keys_name_the_key_and_both_lines(tmp_path: Path) -> Non
     )
     with pytest.raises(ConfigError) as err:
         load_config(path)
-    assert f"{path}:8: model.rope_scaling.factor: duplicated key (first on line 7)" in str(
-        err.value
+    assert str(err.value).startswith(
+        f"{path}:8: model.rope_scaling.factor: duplicated key (first on line 7)"
     )
 
 

@@ -138,9 +138,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from leantune.config import load_config
+    from leantune.config import load_config, parse_memory_size
     from leantune.memory.report import format_text, plan
 
+    if args.budget is not None:
+        parse_memory_size(args.budget, "--budget")  # names the flag; plan() parses it again
     config, overrides = _split_config_args(args.args)
     cfg = load_config(config, overrides)
     _quiet_libraries()
@@ -272,15 +274,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = None
 
 
-def _parse_lrs(text: str | None) -> dict[str, float]:
+def _parse_lrs(text: str | None, methods: list[str]) -> dict[str, float]:
+    """`--lr lora=2e-3,full=5e-5`: a finite rate in (0, 1) for each named method."""
     lrs: dict[str, float] = {}
     for item in (text or "").split(","):
         if item.strip():
             name, _, value = item.partition("=")
+            name = name.strip()
             try:
-                lrs[name.strip()] = float(value)
+                rate = float(value)
             except ValueError:
                 raise ValueError(f"--lr {item!r}: expected method=rate, e.g. lora=2e-4") from None
+            if name not in methods:
+                raise ValueError(
+                    f"--lr {item!r}: unknown method {name!r}; choose from {', '.join(methods)}"
+                )
+            # NaN passes a range check, and train.lr must be in (0, 1).
+            if not (math.isfinite(rate) and 0 < rate < 1):
+                raise ValueError(f"--lr {item!r}: the rate must be a finite number in (0, 1)")
+            lrs[name] = rate
     return lrs
 
 
@@ -298,11 +310,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
     lrs = {m: DEFAULT_LR[m] for m in methods}
     try:
-        given = _parse_lrs(args.lr)
+        given = _parse_lrs(args.lr, list(METHODS))
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    lrs.update({m: v for m, v in given.items() if m in lrs})
+    lrs.update({m: v for m, v in given.items() if m in lrs})  # rates of unselected methods
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: is a file; give a directory for the benchmark's runs")
     log = lambda m: print(m, flush=True)  # noqa: E731
     results, base = run_methods(config, methods, lrs, out, overrides, log, args.reuse)
     meta = {

@@ -45,6 +45,8 @@ def load_yaml(text: str, where: str) -> tuple[Any, dict[str, int]]:
         if node is not None:
             _check_keys(node, "", lines, where, set())
         return (loader.construct_document(node) if node is not None else None), lines
+    except ParseError:
+        raise
     except yaml.YAMLError as e:
         raise ParseError(f"{where}: invalid YAML: {e}") from None
     except RecursionError:
