@@ -152,6 +152,17 @@ CASES: dict[str, Case] = {
     "eval --lm-eval-limit 0": Case(
         lambda p: _eval(p, "--lm-eval-limit", "0"), lambda p: ["--lm-eval-limit: must be >= 1"]
     ),
+    "eval --lm-eval-include missing": Case(
+        lambda p: _eval(p, "--lm-eval", "t", "--lm-eval-include", str(p.tmp / "no_tasks")),
+        lambda p: [f"--lm-eval-include {p.tmp / 'no_tasks'}: no such directory"],
+    ),
+    "eval --lm-eval without tasks": Case(
+        lambda p: _eval(p, "--lm-eval", " , "), lambda p: ["--lm-eval: no task names in ' , '"]
+    ),
+    "eval --lm-eval unknown task": Case(
+        lambda p: _eval(p, "--lm-eval", "no_such_task", "--lm-eval-include", str(p.empty_dir)),
+        lambda p: ["--lm-eval no_such_task: Spec 'no_such_task' is not a registered task"],
+    ),
     # eval: model paths that are not models
     "eval --model missing": Case(
         lambda p: _model(_eval(p), p.tmp / "nope"),

@@ -173,18 +173,36 @@ def _detect_format(path: Path) -> str:
     return "text"
 
 
-def _lm_eval(args: argparse.Namespace, model: Any, tokenizer: Any) -> dict[str, dict[str, float]]:
-    from leantune.eval.harness import run_lm_eval, summarize
+def _lm_eval_tasks(args: argparse.Namespace) -> list[str]:
+    """The --lm-eval task names, checked with --lm-eval-include before any model loads."""
+    from leantune.errors import UserError
 
     tasks = [t.strip() for t in args.lm_eval.split(",") if t.strip()]
-    out = run_lm_eval(
-        model,
-        tokenizer,
-        tasks,
-        limit=args.lm_eval_limit,
-        include_path=args.lm_eval_include,
-        batch_size=args.batch_size,
-    )
+    if not tasks:
+        raise UserError(f"--lm-eval: no task names in {args.lm_eval!r}; e.g. --lm-eval hellaswag")
+    include = args.lm_eval_include
+    if include is not None and not Path(include).is_dir():
+        raise UserError(f"--lm-eval-include {include}: no such directory (of task YAML files)")
+    return tasks
+
+
+def _lm_eval(args: argparse.Namespace, model: Any, tokenizer: Any) -> dict[str, dict[str, float]]:
+    from leantune.errors import UserError
+    from leantune.eval.harness import run_lm_eval, summarize
+
+    try:
+        out = run_lm_eval(
+            model,
+            tokenizer,
+            _lm_eval_tasks(args),
+            limit=args.lm_eval_limit,
+            include_path=args.lm_eval_include,
+            batch_size=args.batch_size,
+        )
+    except ImportError as e:  # lm-eval is an optional extra; the message says how to install it
+        raise UserError(str(e)) from e
+    except KeyError as e:  # lm-eval's way of saying a task name is unknown
+        raise UserError(f"--lm-eval {args.lm_eval}: {e.args[0] if e.args else e}") from e
     return summarize(out)
 
 
@@ -193,6 +211,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print("error: eval needs --data FILE and/or --lm-eval TASKS", file=sys.stderr)
         return 2
     path = _check_data_file(args.data, "--data") if args.data is not None else None
+    if args.lm_eval:
+        _lm_eval_tasks(args)
     _quiet_libraries()
     import torch
 
