@@ -275,6 +275,24 @@ CASES: dict[str, Case] = {
         ],
         lambda p: ["error: override train.weight_decay: must be a finite number, got inf"],
     ),
+    "train model.path=an empty dir": Case(
+        lambda p: [
+            *("train", f"model.path={p.empty_dir}", f"data.train={p.data}", "data.eval=null"),
+            *("train.eval_exact_match=false", f"run.dir={p.tmp / 'run_x'}"),
+        ],
+        lambda p: [f"error: {p.empty_dir}: cannot be loaded as a model"],
+    ),
+    "prepare --model an empty dir": Case(
+        lambda p: [
+            *("prepare", "--data", str(p.data), "--format", "chat"),
+            *("--model", str(p.empty_dir), "--out", str(p.tmp / "prepared_x")),
+        ],
+        lambda p: [f"error: {p.empty_dir}: cannot be loaded as a model"],
+    ),
+    "export --out under a file": Case(
+        lambda p: ["export", str(p.model), "--format", "hf", "--out", str(p.text_file / "sub")],
+        lambda p: [f"--out {p.text_file / 'sub'}: cannot be created (Not a directory)"],
+    ),
     "plan --budget nan": Case(
         lambda p: ["plan", "--budget", "nan"],
         lambda p: ["error: --budget: 'nan' is not a memory size"],

@@ -18,18 +18,15 @@ import dataclasses
 import json
 import os
 import shutil
-import struct
 from pathlib import Path
 
 import torch
 from peft import PeftModel
-from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.config import RopeScalingConfig
-from leantune.errors import UserError
 from leantune.methods.adapter import (
     adapter_settings,
     is_bottleneck_adapter_dir,
@@ -38,7 +35,14 @@ from leantune.methods.adapter import (
 )
 from leantune.methods.lora import quiet_peft
 from leantune.models.demo_model import DEMO_MODEL_NAMES
-from leantune.models.loading import ModelSource, load_model, load_tokenizer, resolve_model
+from leantune.models.loading import (
+    ModelPathError,
+    ModelSource,
+    load_model,
+    load_tokenizer,
+    loading,
+    resolve_model,
+)
 from leantune.models.quantize import Quantization
 
 BASE_POINTER = "leantune_base.json"
@@ -106,10 +110,6 @@ def _base_of(adapter_dir: Path) -> tuple[ModelSource, dict]:
     if not isinstance(base, str):
         raise ModelPathError(f"{adapter_dir}: adapter_config.json names no base model")
     return resolve_model(base), {}
-
-
-class ModelPathError(UserError):
-    """A path given as a model is not one (or cannot be loaded); the message names it."""
 
 
 def _is_run_dir(p: Path) -> bool:
@@ -183,13 +183,8 @@ def load_for_inference(
             a truncated GGUF, a hub id not in the cache when offline, an adapter whose base
             model cannot be found).
     """
-    try:
+    with loading(path):  # also the adapter's pointer file and peft's loading of the adapter
         return _load_for_inference(path, dtype, trust_remote_code)
-    except UserError:
-        raise
-    except (OSError, ValueError, struct.error, SafetensorError) as e:
-        damaged = " (truncated, or not a GGUF file?)" if path.lower().endswith(".gguf") else ""
-        raise ModelPathError(f"{path}: cannot be loaded as a model{damaged}: {e}") from e
 
 
 def _load_for_inference(
