@@ -3,6 +3,8 @@
 `load_config(path, overrides)` parses, applies `section.key=value` overrides, resolves relative
 data paths against the config file's folder, and validates every field before anything loads.
 Every error names the field (and the YAML line when it came from a file) and what would be valid.
+Reading YAML and coercing a value to its field's type are in `config_parse`; the sections and
+the checks across fields are here.
 """
 
 from __future__ import annotations
