@@ -396,7 +396,12 @@ def test_eval_limit_keeps_the_first_n_examples(paths: Paths) -> None:
 def test_uncached_hub_id_offline_is_a_clear_error(
     paths: Paths, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # read by leantune's loader
+    # huggingface_hub read the variable when it was imported; without this it retries the
+    # network for ~20 s before giving up.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     result = run_cli(_model(_eval(paths), "nobody-here/no-such-model"))
     assert result.code == 2, result
     assert "nobody-here/no-such-model: cannot be loaded as a model" in result.err
