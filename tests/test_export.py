@@ -263,8 +263,10 @@ def test_export_uses_held_out_data_and_refuses_a_foreign_out_dir(
 def test_cli_export_exit_codes(lora_run: Path, llama_dir: Path, tmp_path: Path) -> None:
     assert main(["export", str(lora_run), "--format", "hf", "--out", str(tmp_path / "a")]) == 0
     assert json.loads((tmp_path / "a" / REPORT_NAME).read_text())["passed"] is True
+    # A full model has no adapter: the user's mistake (exit 2), not a failed parity check (1).
     rc = main(["export", str(llama_dir), "--format", "adapter", "--out", str(tmp_path / "b")])
-    assert rc == 1
+    assert rc == 2
+    assert not (tmp_path / "b").exists()
 
 
 def test_merge_dequantises_a_4bit_base_first(llama_dir: Path, tmp_path: Path) -> None:

@@ -23,8 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,53 @@ def _quiet_import_noise() -> None:
     can act on. Set before any command imports peft."""
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _count(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high]; argparse names the flag in its error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high}, got {text}")
+        return value
+
+    return parse
+
+
+def _number(ok: Callable[[float], bool], rule: str) -> Callable[[str], float]:
+    """An argparse type: a finite float for which `ok` holds (`rule` says which, e.g. ">= 0")."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        # float() reads "nan" and "inf", and NaN would pass any range check.
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+
+    return parse
+
+
+def _check_data_file(text: str, flag: str) -> Path:
+    """The JSONL file given as `flag`, or a UserError naming the flag and the path."""
+    from leantune.errors import UserError
+
+    path = Path(text)
+    if path.is_dir():
+        raise UserError(f"{flag} {path}: is a directory; give a JSONL file")
+    if not path.is_file():
+        raise UserError(f"{flag} {path}: no such file")
+    return path
 
 
 def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -96,9 +145,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from leantune.config import load_config
+    from leantune.config import load_config, parse_memory_size
     from leantune.memory.report import format_text, plan
 
+    if args.budget is not None:
+        parse_memory_size(args.budget, "--budget")  # names the flag; plan() parses it again
     config, overrides = _split_config_args(args.args)
     cfg = load_config(config, overrides)
     _quiet_libraries()
@@ -118,18 +169,36 @@ def _detect_format(path: Path) -> str:
     return detect_format(path)
 
 
-def _lm_eval(args: argparse.Namespace, model: Any, tokenizer: Any) -> dict[str, dict[str, float]]:
-    from leantune.eval.harness import run_lm_eval, summarize
+def _lm_eval_tasks(args: argparse.Namespace) -> list[str]:
+    """The --lm-eval task names, checked with --lm-eval-include before any model loads."""
+    from leantune.errors import UserError
 
     tasks = [t.strip() for t in args.lm_eval.split(",") if t.strip()]
-    out = run_lm_eval(
-        model,
-        tokenizer,
-        tasks,
-        limit=args.lm_eval_limit,
-        include_path=args.lm_eval_include,
-        batch_size=args.batch_size,
-    )
+    if not tasks:
+        raise UserError(f"--lm-eval: no task names in {args.lm_eval!r}; e.g. --lm-eval hellaswag")
+    include = args.lm_eval_include
+    if include is not None and not Path(include).is_dir():
+        raise UserError(f"--lm-eval-include {include}: no such directory (of task YAML files)")
+    return tasks
+
+
+def _lm_eval(args: argparse.Namespace, model: Any, tokenizer: Any) -> dict[str, dict[str, float]]:
+    from leantune.errors import UserError
+    from leantune.eval.harness import run_lm_eval, summarize
+
+    try:
+        out = run_lm_eval(
+            model,
+            tokenizer,
+            _lm_eval_tasks(args),
+            limit=args.lm_eval_limit,
+            include_path=args.lm_eval_include,
+            batch_size=args.batch_size,
+        )
+    except ImportError as e:  # lm-eval is an optional extra; the message says how to install it
+        raise UserError(str(e)) from e
+    except KeyError as e:  # lm-eval's way of saying a task name is unknown
+        raise UserError(f"--lm-eval {args.lm_eval}: {e.args[0] if e.args else e}") from e
     return summarize(out)
 
 
@@ -137,26 +206,29 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.data is None and not args.lm_eval:
         print("error: eval needs --data FILE and/or --lm-eval TASKS", file=sys.stderr)
         return 2
+    path = _check_data_file(args.data, "--data") if args.data is not None else None
+    if args.lm_eval:
+        _lm_eval_tasks(args)
     _quiet_libraries()
     import torch
 
     from leantune.data.dataset import prepare_file
     from leantune.eval.exact_match import evaluate_exact_match
     from leantune.eval.loss import evaluate_loss
-    from leantune.models.artifacts import load_for_inference
+    from leantune.models.artifacts import check_model_path, load_for_inference
 
+    check_model_path(args.model, "--model")
     torch.manual_seed(0)
     model, tokenizer = load_for_inference(args.model, args.dtype)
-    if args.data is None:
+    if path is None:
         lm_eval = _lm_eval(args, model, tokenizer)
         print(json.dumps({"model": args.model, "lm_eval": lm_eval}, indent=2))
         return 0
-    path = Path(args.data)
     fmt = args.format or _detect_format(path)
     data = prepare_file(path, fmt, tokenizer, args.max_seq_len, pack=False, max_bad_fraction=1.0)
     for bad in data.bad:
         print(f"bad line skipped: {bad}", file=sys.stderr)
-    if args.limit:
+    if args.limit is not None:  # >= 1 (checked by argparse)
         data.rows, data.records = data.rows[: args.limit], data.records[: args.limit]
     pad = int(tokenizer.pad_token_id)
     result: dict[str, object] = {"model": args.model, "data": str(path), "format": fmt}
@@ -178,8 +250,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     _quiet_libraries()
     from leantune.eval.generation import SamplingSettings, generate_texts, render_prompt
-    from leantune.models.artifacts import load_for_inference
+    from leantune.models.artifacts import check_model_path, load_for_inference
 
+    check_model_path(args.model, "--model")
     model, tokenizer = load_for_inference(args.model, args.dtype)
     settings = SamplingSettings(
         max_new_tokens=args.max_new_tokens,
@@ -217,15 +290,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = None
 
 
-def _parse_lrs(text: str | None) -> dict[str, float]:
+def _parse_lrs(text: str | None, methods: list[str]) -> dict[str, float]:
+    """`--lr lora=2e-3,full=5e-5`: a finite rate in (0, 1) for each named method."""
     lrs: dict[str, float] = {}
     for item in (text or "").split(","):
         if item.strip():
             name, _, value = item.partition("=")
+            name = name.strip()
             try:
-                lrs[name.strip()] = float(value)
+                rate = float(value)
             except ValueError:
                 raise ValueError(f"--lr {item!r}: expected method=rate, e.g. lora=2e-4") from None
+            if name not in methods:
+                raise ValueError(
+                    f"--lr {item!r}: unknown method {name!r}; choose from {', '.join(methods)}"
+                )
+            # NaN passes a range check, and train.lr must be in (0, 1).
+            if not (math.isfinite(rate) and 0 < rate < 1):
+                raise ValueError(f"--lr {item!r}: the rate must be a finite number in (0, 1)")
+            lrs[name] = rate
     return lrs
 
 
@@ -243,11 +326,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
     lrs = {m: DEFAULT_LR[m] for m in methods}
     try:
-        given = _parse_lrs(args.lr)
+        given = _parse_lrs(args.lr, list(METHODS))
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    lrs.update({m: v for m, v in given.items() if m in lrs})
+    lrs.update({m: v for m, v in given.items() if m in lrs})  # rates of unselected methods
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: is a file; give a directory for the benchmark's runs")
     log = lambda m: print(m, flush=True)  # noqa: E731
     results, base = run_methods(config, methods, lrs, out, overrides, log, args.reuse)
     meta = {
@@ -273,14 +358,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     _quiet_libraries()
     from leantune.export.parity import ParityError
     from leantune.export.run import export_model
-    from leantune.export.source import ExportError
 
     data = Path(args.data) if args.data else None
     try:
         report = export_model(
             args.model, args.format, Path(args.out), args.gguf_type, data, args.samples
         )
-    except (ExportError, ParityError) as e:
+    except ParityError as e:  # the export was written but does not reproduce the source
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(report, indent=2))
@@ -289,19 +373,23 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _add_eval_parsers(sub: Any) -> None:
     """The `eval` and `generate` subcommands."""
+    from leantune.config import MAX_SEQ_LEN
+
     e = sub.add_parser("eval", help="loss, perplexity and exact match of a model on a JSONL file")
     e.add_argument("--model", required=True, help="model dir, run final/ dir, .gguf or demo name")
     e.add_argument("--data", default=None, help="JSONL file (alpaca, chat or text)")
     e.add_argument("--format", choices=["alpaca", "chat", "text"], help="default: detected")
-    e.add_argument("--limit", type=int, default=None, help="evaluate the first N examples")
-    e.add_argument("--batch-size", type=int, default=16)
-    e.add_argument("--max-new-tokens", type=int, default=128)
-    e.add_argument("--max-seq-len", type=int, default=4096)
+    e.add_argument("--limit", type=_count(1), default=None, help="evaluate the first N examples")
+    e.add_argument("--batch-size", type=_count(1), default=16)
+    e.add_argument("--max-new-tokens", type=_count(1), default=128)
+    e.add_argument("--max-seq-len", type=_count(1, MAX_SEQ_LEN), default=4096)
     e.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     e.add_argument(
         "--lm-eval", default=None, metavar="TASKS", help="lm-eval tasks, comma-separated"
     )
-    e.add_argument("--lm-eval-limit", type=int, default=None, help="first N documents per task")
+    e.add_argument(
+        "--lm-eval-limit", type=_count(1), default=None, help="first N documents per task"
+    )
     e.add_argument("--lm-eval-include", default=None, help="directory of custom task YAML files")
     e.set_defaults(func=cmd_eval)
 
@@ -311,12 +399,16 @@ def _add_eval_parsers(sub: Any) -> None:
     g.add_argument("--chat", action="store_true", help="multi-turn conversation on stdin")
     g.add_argument("--system", default=None, help="system message")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=0.9)
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--repetition-penalty", type=float, default=1.2)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=_count(1), default=256)
+    g.add_argument(
+        "--temperature", type=_number(lambda v: v >= 0, ">= 0"), default=0.7, help="0 = greedy"
+    )
+    g.add_argument("--top-p", type=_number(lambda v: 0 < v <= 1, "in (0, 1]"), default=0.9)
+    g.add_argument("--top-k", type=_count(0), default=0, help="0 = off")
+    g.add_argument(
+        "--repetition-penalty", type=_number(lambda v: v > 0, "> 0"), default=1.2, help="1 = off"
+    )
+    g.add_argument("--seed", type=_count(0, 2**63 - 1), default=0)
     g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     g.set_defaults(func=cmd_generate)
 
@@ -364,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     bm = bsub.add_parser("methods", help="train each method on the same data and compare")
     bm.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
     bm.add_argument("--methods", default=None, help="comma-separated (default: all)")
-    bm.add_argument("--steps", type=int, default=None, help="override train.max_steps")
+    bm.add_argument("--steps", type=_count(1), default=None, help="override train.max_steps")
     bm.add_argument("--lr", default=None, help="per-method rates, e.g. lora=2e-3,full=5e-5")
     bm.add_argument("--out", default="runs/bench-methods", help="output folder")
     bm.add_argument(
@@ -379,7 +471,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--out", required=True, help="output directory (new or an earlier export)")
     x.add_argument("--gguf-type", choices=["f16", "bf16", "q8_0"], default="f16")
     x.add_argument("--data", default=None, help="held-out JSONL for the parity check")
-    x.add_argument("--samples", type=int, default=4, help="held-out samples for the parity check")
+    x.add_argument(
+        "--samples", type=_count(1), default=4, help="held-out samples for the parity check"
+    )
     x.set_defaults(func=cmd_export)
     return p
 
@@ -388,7 +482,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `leantune` console script."""
     from leantune.errors import UserError
 
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     _quiet_import_noise()
     try:
         return int(args.func(args))

@@ -3,20 +3,29 @@
 `load_config(path, overrides)` parses, applies `section.key=value` overrides, resolves relative
 data paths against the config file's folder, and validates every field before anything loads.
 Every error names the field (and the YAML line when it came from a file) and what would be valid.
+Reading YAML and coercing a value to its field's type are in `config_parse`; the sections and
+the checks across fields are here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
 
 import yaml
 
+from leantune.config_parse import (
+    ParseError,
+    check_value,
+    field_types,
+    load_yaml,
+    shorten,
+    show,
+)
 from leantune.errors import UserError
 
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
@@ -58,7 +67,7 @@ class DataConfig:
     format: Literal["alpaca", "chat", "text"] = "chat"
     """Record format: alpaca (instruction/input/output), chat (messages), text (text)."""
     max_seq_len: int = 1024
-    """Longest tokenised example; longer ones are reported as bad lines."""
+    """Longest tokenised example (at most 1,048,576); longer ones are reported as bad lines."""
     pack: bool = True
     """Pack several examples into one sequence (they never attend to each other)."""
     max_bad_fraction: float = 0.05
@@ -172,7 +181,7 @@ class TrainConfig:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Autocast precision; fp16 uses a GradScaler and needs CUDA."""
     seed: int = 42
-    """Seed for initialisation, data order and dropout."""
+    """Seed for initialisation, data order and dropout (0 .. 2**32 - 1)."""
     save_every: int = 50
     """Write a checkpoint every N optimizer steps (0 = only at the end)."""
     keep_last: int = 2
@@ -280,97 +289,6 @@ class ConfigError(ValueError, UserError):
 # Parsing
 
 
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _check_value(key: str, value: Any, tp: Any) -> Any:
-    """Coerce `value` to the annotated type `tp` or raise ConfigError naming `key`."""
-    origin = get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        options = get_args(tp)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _check_value(key, value, option)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        return _check_mapping(key, value, tp)
-    if origin is Literal:
-        choices = get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{key}: {value!r} is not one of {' | '.join(map(str, choices))}")
-        return value
-    if origin is list:
-        (item_tp,) = get_args(tp)
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return [_check_value(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 2e-4 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
-    raise ConfigError(f"{key}: unsupported type {tp}")
-
-
-def _check_mapping(key: str, value: Any, cls: type) -> Any:
-    """Build the nested dataclass `cls` from a mapping, checking every key like a field."""
-    if isinstance(value, cls):
-        return value
-    types_ = _field_types(cls)
-    if not isinstance(value, dict):
-        raise ConfigError(f"{key}: expected a mapping with keys {', '.join(types_)}, got {value!r}")
-    unknown = sorted(set(value) - set(types_))
-    if unknown:
-        raise ConfigError(
-            f"{key}: unknown key(s) {', '.join(map(str, unknown))}; valid: {', '.join(types_)}"
-        )
-    required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
-    missing = [name for name in required if name not in value]
-    if missing:
-        raise ConfigError(f"{key}: missing {', '.join(missing)}")
-    return cls(**{k: _check_value(f"{key}.{k}", v, types_[k]) for k, v in value.items()})
-
-
-def _yaml_lines(text: str) -> dict[str, int]:
-    """Map `section.key` to its 1-based line in the YAML text."""
-    lines: dict[str, int] = {}
-    root = yaml.compose(text)
-    if not isinstance(root, yaml.MappingNode):
-        return lines
-    for k, v in root.value:
-        lines[str(k.value)] = k.start_mark.line + 1
-        if isinstance(v, yaml.MappingNode):
-            for k2, _ in v.value:
-                lines[f"{k.value}.{k2.value}"] = k2.start_mark.line + 1
-    return lines
-
-
 def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
     sections = {f.name: f for f in dataclasses.fields(Config)}
     parts = dotted.split(".")
@@ -381,12 +299,15 @@ def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
         )
     section, name = parts
     obj = getattr(cfg, section)
-    types_ = _field_types(type(obj))
+    types_ = field_types(type(obj))
     if name not in types_:
         raise ConfigError(
             f"{where}{dotted}: unknown field of '{section}'; valid: {', '.join(sorted(types_))}"
         )
-    setattr(obj, name, _check_value(f"{where}{dotted}", value, types_[name]))
+    try:
+        setattr(obj, name, check_value(f"{where}{dotted}", value, types_[name]))
+    except ParseError as e:
+        raise ConfigError(str(e)) from None
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -394,8 +315,32 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected section.key=value")
     key, raw = text.split("=", 1)
-    value = yaml.safe_load(raw) if raw.strip() else None
+    if not raw.strip():
+        return key.strip(), None
+    try:
+        value, _ = load_yaml(raw, f"override {shorten(text)}")
+    except ParseError as e:
+        raise ConfigError(str(e).replace(": invalid YAML:", ": invalid YAML value:", 1)) from None
     return key.strip(), value
+
+
+def _read_config_file(cfg_path: Path) -> str:
+    """The text of a config file, or ConfigError saying why it cannot be read."""
+    try:
+        if cfg_path.is_dir():
+            raise ConfigError(f"config file {cfg_path} is a directory; give a YAML file")
+        if not cfg_path.is_file():
+            raise ConfigError(f"config file {cfg_path} does not exist")
+        raw = cfg_path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"config file {cfg_path}: cannot be read ({e.strerror})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{cfg_path}: not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start}); "
+            "save it as UTF-8"
+        ) from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -406,24 +351,29 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """
     cfg = Config()
     cfg_path = Path(path) if path is not None else DEMO_CONFIG
-    if not cfg_path.is_file():
-        raise ConfigError(f"config file {cfg_path} does not exist")
-    text = cfg_path.read_text(encoding="utf-8")
+    text = _read_config_file(cfg_path)
     try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{cfg_path}: invalid YAML: {e}") from e
+        data, lines = load_yaml(text, str(cfg_path))
+    except ParseError as e:
+        raise ConfigError(str(e)) from None
+    data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(f"{cfg_path}: expected a mapping of sections at the top level")
-    lines = _yaml_lines(text)
     base = cfg_path.parent.resolve()
+    sections = [f.name for f in dataclasses.fields(Config)]
     for section, values in data.items():
-        where = f"{cfg_path}:{lines.get(str(section), 1)}: "
+        line = lines.get(str(section), 1)
+        where = f"{cfg_path}:{line}: "
+        if section not in sections:
+            raise ConfigError(
+                f"{where}{show(section)}: unknown section; valid: {', '.join(sections)}"
+            )
         if not isinstance(values, dict):
             raise ConfigError(f"{where}{section}: expected a mapping of fields")
         for name, value in values.items():
             key = f"{section}.{name}"
-            _set(cfg, key, value, f"{cfg_path}:{lines.get(key, 1)}: ")
+            # A key YAML reads as another type (true, 1) is found by its section's line.
+            _set(cfg, key, value, f"{cfg_path}:{lines.get(key, line)}: ")
     # Relative data paths in a file are relative to that file.
     for name in ("train", "eval"):
         value = getattr(cfg.data, name)
@@ -439,6 +389,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def validate(cfg: Config) -> list[str]:
     """Cross-field checks: raises ConfigError when invalid, returns warnings for risky settings."""
     t, d, m = cfg.train, cfg.data, cfg.method
+    _check_finite(cfg)
+    _check_sizes(cfg)
     positive = {
         "train.max_steps": t.max_steps,
         "train.micro_batch_size": 1 if t.micro_batch_size == "auto" else t.micro_batch_size,
@@ -504,13 +456,58 @@ def validate(cfg: Config) -> list[str]:
     return warnings
 
 
+MAX_SEQ_LEN = 2**20
+"""Longest data.max_seq_len: packing allocates per token of it (1,048,576 = a 1M context)."""
+MAX_ROWS_PER_STEP = 2**20
+"""Most rows in one optimizer step: the step's sample order is built in memory."""
+MAX_METHOD_SIZE = 2**16
+"""Largest LoRA rank, virtual-token count or prefix MLP width: each allocates that many rows."""
+
+
+def _check_finite(obj: Any, prefix: str = "") -> None:
+    """Refuse NaN and infinity in every float field of `obj` and its nested sections."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}: must be a finite number, got {value}")
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            _check_finite(value, f"{key}.")
+
+
+def _check_sizes(cfg: Config) -> None:
+    """Upper bounds on integers that would otherwise exhaust memory or overflow later."""
+    t, d, m = cfg.train, cfg.data, cfg.method
+    micro = 1 if t.micro_batch_size == "auto" else t.micro_batch_size
+    limits: dict[str, tuple[int | None, int]] = {
+        "data.max_seq_len": (d.max_seq_len, MAX_SEQ_LEN),
+        "train.micro_batch_size": (micro, MAX_ROWS_PER_STEP),
+        "train.grad_accum": (t.grad_accum, MAX_ROWS_PER_STEP),
+        "train.global_batch_size": (t.global_batch_size, MAX_ROWS_PER_STEP),
+        "method.r": (m.r, MAX_METHOD_SIZE),
+        "method.num_virtual_tokens": (m.num_virtual_tokens, MAX_METHOD_SIZE),
+        "method.prefix_hidden_size": (m.prefix_hidden_size, MAX_METHOD_SIZE),
+    }
+    for key, (value, limit) in limits.items():
+        if value is not None and value > limit:
+            raise ConfigError(f"{key}: must be <= {limit}, got {value}")
+    if t.micro_batch_size != "auto" and micro * t.grad_accum > MAX_ROWS_PER_STEP:
+        raise ConfigError(
+            f"train.micro_batch_size x train.grad_accum = {micro * t.grad_accum} rows per "
+            f"optimizer step: must be <= {MAX_ROWS_PER_STEP}"
+        )
+    # torch seeds are 64-bit and the data order seeds its generator with seed x 1,000,003.
+    if not 0 <= t.seed < 2**32:
+        raise ConfigError(f"train.seed: must be in [0, 2**32 - 1], got {t.seed}")
+
+
 def _validate_data(cfg: Config) -> None:
     t, d = cfg.train, cfg.data
     if d.train is None:
         raise ConfigError("data.train: required; set it to a JSONL file (data.train=path.jsonl)")
     for key, file in (("data.train", d.train), ("data.eval", d.eval)):
         # A directory is a prepared dataset (from `leantune prepare`).
-        if file is not None and not (Path(file).is_file() or Path(file).is_dir()):
+        if file is not None and not _exists(Path(file)):
             raise ConfigError(f"{key}: file {file} does not exist")
     if not 0 < d.near_dup_threshold <= 1:
         raise ConfigError(f"data.near_dup_threshold: must be in (0, 1], got {d.near_dup_threshold}")
@@ -520,6 +517,14 @@ def _validate_data(cfg: Config) -> None:
         raise ConfigError(
             "train.eval_exact_match: needs data.eval and a chat or alpaca data.format"
         )
+
+
+def _exists(path: Path) -> bool:
+    """True for an existing file or directory; False also for names the OS refuses (too long)."""
+    try:
+        return path.is_file() or path.is_dir()
+    except (OSError, ValueError):
+        return False
 
 
 def _validate_method(cfg: Config) -> None:
@@ -621,8 +626,10 @@ def parse_memory_size(text: str, key: str = "memory size") -> int:
     try:
         value = float(number) * _SIZE_UNITS[unit]
     except (ValueError, KeyError):
+        value = math.nan
+    if not math.isfinite(value):  # float() also reads "nan", "inf" and "1e999"
         raise ConfigError(
-            f"{key}: {text!r} is not a memory size; write e.g. 20GiB, 512MiB or 1.5GB"
+            f"{key}: {show(text)} is not a memory size; write e.g. 20GiB, 512MiB or 1.5GB"
         ) from None
     if value < 1:
         raise ConfigError(f"{key}: must be positive, got {text!r}")

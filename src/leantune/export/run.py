@@ -29,7 +29,13 @@ from leantune.export.parity import (
     compare,
     sample_logits,
 )
-from leantune.export.source import ExportError, ExportSource, load_source, merge_into_base
+from leantune.export.source import (
+    ExportError,
+    ExportSource,
+    load_source,
+    merge_into_base,
+    resolve_export_input,
+)
 from leantune.export.source import model_logits_fn as _model_logits_fn
 from leantune.export.torchscript import example_input, load_torchscript, write_torchscript
 
@@ -109,13 +115,40 @@ FORMATS: dict[str, ExportFormat] = {
 }
 
 
-def _prepare_out(out: Path) -> None:
-    if out.exists() and any(out.iterdir()) and not (out / REPORT_NAME).is_file():
+def _check_out(out: Path, source: str) -> None:
+    """Refuse an --out that is a file, overlaps the source, or holds something else."""
+    if out.is_file() or (out.exists() and not out.is_dir()):
+        raise ExportError(f"--out {out}: is a file; give a directory (new, empty or an export)")
+    src = Path(source).expanduser()
+    if src.is_dir():
+        # Writing into the model being read would replace files the loaded model may still
+        # map from disk.
+        if out.resolve() == src.resolve():
+            raise ExportError(f"--out {out}: is the model being exported; choose another folder")
+        if out.resolve().is_relative_to(src.resolve()):
+            raise ExportError(
+                f"--out {out}: is inside the model being exported ({source}); choose a folder "
+                "outside it"
+            )
+    if out.is_dir() and any(out.iterdir()) and not (out / REPORT_NAME).is_file():
         raise ExportError(
             f"--out {out}: directory exists and is not an earlier export; "
             "choose an empty or new one"
         )
-    out.mkdir(parents=True, exist_ok=True)
+
+
+def _check_data(data: Path | None) -> None:
+    if data is not None and data.is_dir():
+        raise ExportError(f"--data {data}: is a directory; give a JSONL file")
+    if data is not None and not data.is_file():
+        raise ExportError(f"--data {data}: no such file")
+
+
+def _make_out(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ExportError(f"--out {out}: cannot be created ({e.strerror})") from None
 
 
 def check_export(
@@ -155,7 +188,9 @@ def export_model(
     then check parity; returns the report written to `out/export_report.json`.
 
     Raises:
-        ExportError: the format cannot be made from this input (before anything is written).
+        ExportError: the format cannot be made from this input, or `out`/`data` are unusable
+            (before anything is written).
+        ModelPathError: `path` is not a model (a run without `final/` says how to finish it).
         ParityError: the written export does not reproduce the source.
     """
     if fmt not in FORMATS:
@@ -164,11 +199,17 @@ def export_model(
         raise ExportError(f"--gguf-type {gguf_type!r}: choose one of {sorted(GGUF_TYPES)}")
     if num_samples < 1:
         raise ExportError(f"--samples {num_samples}: the parity check needs at least 1 sample")
-    _prepare_out(out)
+    # Every input is checked, and the source loaded, before --out is created.
+    _check_out(out, resolve_export_input(path))
+    _check_data(data)
     source = load_source(path)
     if fmt == "adapter" and source.adapter_dir is None:
         write_adapter(None, out)  # raises the explanatory error
-    samples = build_samples(source.tokenizer, data, num_samples)
+    try:
+        samples = build_samples(source.tokenizer, data, num_samples)
+    except ValueError as e:  # no valid record in --data
+        raise ExportError(str(e)) from None
+    _make_out(out)
     reference = sample_logits(_model_logits_fn(source.model), samples)
     job = ExportJob(source, out, samples, gguf_type)
     written = FORMATS[fmt].write(job)

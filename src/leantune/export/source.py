@@ -20,14 +20,18 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from leantune.errors import UserError
 from leantune.export.parity import LogitsFn
 from leantune.methods.lora import quiet_peft
-from leantune.models.artifacts import is_adapter_dir, load_for_inference
+from leantune.models.artifacts import check_model_path, is_adapter_dir, load_for_inference
 from leantune.models.quantize import canonical_4bit
 
 
-class ExportError(ValueError):
-    """The requested export cannot be made from this input; the message says why and what to do."""
+class ExportError(ValueError, UserError):
+    """The requested export cannot be made from this input; the message says why and what to do.
+
+    A user's mistake (exit 2), told apart from a written export that fails its parity check
+    (`ParityError`, exit 1)."""
 
 
 @dataclass
@@ -49,8 +53,14 @@ def resolve_export_input(path: str) -> str:
 
 
 def load_source(path: str) -> ExportSource:
-    """Load a run, model directory, adapter directory or demo name in float32 for export."""
+    """Load a run, model directory, adapter directory or demo name in float32 for export.
+
+    Raises:
+        ModelPathError: the path is not a model (e.g. a run without `final/`, saying how to
+            finish it) or cannot be loaded.
+    """
     resolved = resolve_export_input(path)
+    check_model_path(resolved)
     model, tokenizer = load_for_inference(resolved, "fp32")
     p = Path(resolved)
     adapter_dir = p if p.is_dir() and is_adapter_dir(p) else None

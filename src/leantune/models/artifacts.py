@@ -34,7 +34,15 @@ from leantune.methods.adapter import (
     save_adapter,
 )
 from leantune.methods.lora import quiet_peft
-from leantune.models.loading import ModelSource, load_model, load_tokenizer, resolve_model
+from leantune.models.demo_model import DEMO_MODEL_NAMES
+from leantune.models.loading import (
+    ModelPathError,
+    ModelSource,
+    load_model,
+    load_tokenizer,
+    loading,
+    resolve_model,
+)
 from leantune.models.quantize import Quantization
 
 BASE_POINTER = "leantune_base.json"
@@ -91,11 +99,78 @@ def _base_of(adapter_dir: Path) -> tuple[ModelSource, dict]:
     pointer = adapter_dir / BASE_POINTER
     if pointer.is_file():
         info = json.loads(pointer.read_text())
-        return resolve_model(info["base_model"], info.get("gguf_file")), info
+        base = info.get("base_model") if isinstance(info, dict) else None
+        if not isinstance(base, str):
+            raise ModelPathError(f"{pointer}: no 'base_model' naming the adapter's base model")
+        return resolve_model(base, info.get("gguf_file")), info
     if not is_adapter_dir(adapter_dir):
         raise FileNotFoundError(f"{adapter_dir}: no {BASE_POINTER} naming the base model")
     cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
-    return resolve_model(cfg["base_model_name_or_path"]), {}
+    base = cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
+    if not isinstance(base, str):
+        raise ModelPathError(f"{adapter_dir}: adapter_config.json names no base model")
+    return resolve_model(base), {}
+
+
+def _is_run_dir(p: Path) -> bool:
+    """True for a leantune run directory (it holds the resolved config or checkpoints)."""
+    return (p / "config.yaml").is_file() or (p / "checkpoints").is_dir()
+
+
+def unfinished_run_message(run: Path) -> str:
+    """Why a run directory without `final/` has no model, and how to get one."""
+    steps = sorted(c.name for c in (run / "checkpoints").glob("step-*") if c.is_dir())
+    newest = f"newest checkpoint: {steps[-1]}" if steps else "no checkpoint saved yet"
+    return (
+        f"a leantune run without a final model ({newest}): final/ is written when training "
+        "finishes. Run the same `leantune train` command again; it resumes from the newest "
+        f"checkpoint and writes {run / 'final'}. Checkpoints hold what resuming needs "
+        "(trainable weights, optimizer state), not a model to load"
+    )
+
+
+def check_model_path(path: str, label: str = "") -> None:
+    """Refuse, before anything loads, a local path that cannot be a model.
+
+    A model is the demo name, a hub id (`org/name`), a `.gguf` file, or a directory holding an
+    HF model (`config.json`), a peft adapter or a bottleneck adapter.
+
+    Raises:
+        ModelPathError: naming `label` (e.g. `--model`) and the path, and what to give instead.
+    """
+    where = f"{label} {path}" if label else path
+    if path.lower() in DEMO_MODEL_NAMES:
+        return
+    p = Path(path).expanduser()
+    try:
+        is_file, is_dir = p.is_file(), p.is_dir()
+    except (OSError, ValueError) as e:  # a name the OS refuses, e.g. too long
+        raise ModelPathError(f"{where}: not a usable path ({e})") from None
+    if is_file:
+        if p.suffix.lower() != ".gguf":
+            raise ModelPathError(
+                f"{where}: a file that is not a .gguf model; give a .gguf file or a model directory"
+            )
+        return
+    if is_dir:
+        if (p / "config.json").is_file() or is_adapter_dir(p) or is_bottleneck_adapter_dir(p):
+            return
+        if (p / "final").is_dir():
+            raise ModelPathError(f"{where}: a run directory; give its model, {p / 'final'}")
+        if _is_run_dir(p):
+            raise ModelPathError(f"{where}: {unfinished_run_message(p)}")
+        ggufs = sorted(p.glob("*.gguf"))
+        hint = f"; for its GGUF model give the file, e.g. {ggufs[0]}" if ggufs else ""
+        raise ModelPathError(
+            f"{where}: not a model directory (no config.json, adapter_config.json or "
+            f"leantune adapter){hint}"
+        )
+    if path.count("/") == 1 and not path.startswith((".", "/", "~")):
+        return  # a hub id, served from the local HF cache when offline
+    raise ModelPathError(
+        f"{where}: no such file or directory; give a model directory, a .gguf file, a hub id "
+        f"'org/name' or '{sorted(DEMO_MODEL_NAMES)[0]}'"
+    )
 
 
 def load_for_inference(
@@ -104,8 +179,17 @@ def load_for_inference(
     """Load a model directory, GGUF file, hub id, demo name, or adapter directory (with its base).
 
     Raises:
-        FileNotFoundError: an adapter directory whose base model cannot be found.
+        ModelPathError: `path` is not a model or cannot be loaded (unreadable config or weights,
+            a truncated GGUF, a hub id not in the cache when offline, an adapter whose base
+            model cannot be found).
     """
+    with loading(path):  # also the adapter's pointer file and peft's loading of the adapter
+        return _load_for_inference(path, dtype, trust_remote_code)
+
+
+def _load_for_inference(
+    path: str, dtype: str, trust_remote_code: bool
+) -> tuple[PreTrainedModel | PeftModel, PreTrainedTokenizerBase]:
     p = Path(path)
     if p.is_dir() and (is_adapter_dir(p) or is_bottleneck_adapter_dir(p)):
         base, info = _base_of(p)

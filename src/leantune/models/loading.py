@@ -6,15 +6,20 @@ The demo model name `smollm2-135m-instruct` resolves through `leantune.models.de
 from __future__ import annotations
 
 import os
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.config import RopeScalingConfig
+from leantune.errors import UserError
 from leantune.models.demo_model import DEMO_MODEL_NAMES, ensure_demo_model
 from leantune.models.quantize import Quantization, bnb_config, keep_training_layout
 from leantune.models.rope import apply_rope_scaling
@@ -34,8 +39,29 @@ class ModelSource:
     gguf_file: str | None = None
 
 
-class ModelNotFoundError(FileNotFoundError):
+class ModelNotFoundError(FileNotFoundError, UserError):
     """Raised when a model path is neither a directory, a GGUF file nor a cached hub id."""
+
+
+class ModelPathError(UserError):
+    """A path given as a model is not one, or cannot be loaded; the message names it."""
+
+
+# What the loaders raise for files that are missing, unreadable or not what they claim (a broken
+# config.json is an OSError, an empty directory a ValueError, a truncated GGUF a struct.error).
+LOAD_ERRORS = (OSError, ValueError, struct.error, SafetensorError)
+
+
+@contextmanager
+def loading(location: str) -> Iterator[None]:
+    """Turn a loader's failure on `location` into a ModelPathError naming it."""
+    try:
+        yield
+    except UserError:
+        raise
+    except LOAD_ERRORS as e:
+        damaged = " (truncated, or not a GGUF file?)" if location.lower().endswith(".gguf") else ""
+        raise ModelPathError(f"{location}: cannot be loaded as a model{damaged}: {e}") from e
 
 
 def resolve_model(path: str, gguf_file: str | None = None) -> ModelSource:
@@ -69,10 +95,15 @@ def resolve_model(path: str, gguf_file: str | None = None) -> ModelSource:
 
 
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """Load the tokenizer and make sure it has a pad token (falls back to eos)."""
-    tok = AutoTokenizer.from_pretrained(
-        source.location, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code
-    )
+    """Load the tokenizer and make sure it has a pad token (falls back to eos).
+
+    Raises:
+        ModelPathError: the source holds no loadable tokenizer.
+    """
+    with loading(_name(source)):
+        tok = AutoTokenizer.from_pretrained(
+            source.location, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code
+        )
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -98,7 +129,36 @@ def load_model(
         quantization: quantise the blocks' linear layers to 4 bits while loading (QLoRA); the
             model is then loaded straight onto `device`, where bitsandbytes quantises it.
         device: target device of a quantised load (others load on CPU and are moved by the caller).
+
+    Raises:
+        ModelPathError: the source holds no loadable model (missing or broken config or weights).
     """
+    with loading(_name(source)):
+        return _load_model(
+            source,
+            dtype,
+            trust_remote_code,
+            attn_implementation,
+            rope_scaling,
+            quantization,
+            device,
+        )
+
+
+def _name(source: ModelSource) -> str:
+    """How messages name a source: the GGUF file itself when there is one."""
+    return str(Path(source.location) / source.gguf_file) if source.gguf_file else source.location
+
+
+def _load_model(
+    source: ModelSource,
+    dtype: str,
+    trust_remote_code: bool,
+    attn_implementation: str,
+    rope_scaling: RopeScalingConfig | None,
+    quantization: Quantization | None,
+    device: torch.device | str,
+) -> PreTrainedModel:
     local_only = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
     kwargs: dict[str, Any] = {}
     if rope_scaling is not None:

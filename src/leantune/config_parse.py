@@ -1,0 +1,198 @@
+"""The config parser's generic half: YAML text to data, and values checked against annotations.
+
+`load_yaml` reads one document with the line of every key. Plain `yaml.safe_load` lets a key
+given twice silently keep its last value and a document nested deeper than Python's recursion
+limit raise `RecursionError`; here a duplicated key is refused with both of its lines.
+`check_value` coerces a value to a dataclass field's annotated type (numbers must be finite,
+integers fit 64 bits). Every failure is a :class:`ParseError` whose message names where it is
+(file, line, field); `leantune.config`, which knows the config sections, turns it into a
+`ConfigError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import types
+import typing
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class ParseError(ValueError):
+    """A config text or value cannot be used; the message names the file, line or field."""
+
+
+def load_yaml(text: str, where: str) -> tuple[Any, dict[str, int]]:
+    """Parse one YAML document; returns its data and `key.subkey` -> 1-based line of each key.
+
+    Args:
+        text: the YAML text.
+        where: how messages name the text (a file name, or `override train.lr=...`).
+
+    Raises:
+        ParseError: invalid YAML, a duplicated key, or nesting too deep to parse.
+    """
+    loader: yaml.SafeLoader | None = None
+    try:
+        loader = yaml.SafeLoader(text)  # refuses non-printable characters
+        node = loader.get_single_node()
+        lines: dict[str, int] = {}
+        if node is not None:
+            _check_keys(node, "", lines, where, set())
+        return (loader.construct_document(node) if node is not None else None), lines
+    except ParseError:
+        raise
+    except yaml.YAMLError as e:
+        raise ParseError(f"{where}: invalid YAML: {e}") from None
+    except RecursionError:
+        raise ParseError(f"{where}: invalid YAML: nested too deeply") from None
+    except ValueError as e:  # e.g. an integer longer than Python converts (4300 digits)
+        raise ParseError(f"{where}: invalid YAML: {e}") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def _check_keys(
+    node: yaml.Node, prefix: str, lines: dict[str, int], where: str, seen: set[int]
+) -> None:
+    """Record each mapping key's line under `prefix`; refuse a key given twice in one mapping."""
+    if id(node) in seen:  # an alias: its node was checked where it was defined
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_keys(item, f"{prefix}[{i}].", lines, where, seen)
+        return
+    if not isinstance(node, yaml.MappingNode):
+        return
+    first: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        if isinstance(key_node, yaml.ScalarNode) and key_node.tag != _MERGE_TAG:
+            key = f"{prefix}{key_node.value}"
+            line = key_node.start_mark.line + 1
+            if key in first:
+                raise ParseError(
+                    f"{where}:{line}: {key}: duplicated key (first on line {first[key]}); "
+                    "keep one of them"
+                )
+            first[key] = line
+            lines.setdefault(key, line)
+            _check_keys(value_node, f"{key}.", lines, where, seen)
+        # A merge key (<<: *defaults) brings keys checked where they were defined; a complex
+        # (non-scalar) key is refused when the document is constructed.
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """The resolved annotation of each field of the dataclass `cls`."""
+    return typing.get_type_hints(cls)
+
+
+INT_LIMIT = 2**63 - 1
+"""Largest magnitude of an integer field: torch, numpy and safetensors take 64-bit integers."""
+
+
+def shorten(text: str, limit: int = 80) -> str:
+    """`text`, cut to about `limit` characters: a message must stay readable whatever was given."""
+    return text if len(text) <= limit else f"{text[: limit - 20]}... ({len(text)} characters)"
+
+
+def show(value: Any) -> str:
+    """`repr(value)`, shortened."""
+    return shorten(repr(value))
+
+
+def _check_number(key: str, value: Any) -> float:
+    """A finite float from a number or numeric string, or ParseError naming `key`."""
+    number: float | None = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond float range
+            number = math.inf
+    elif isinstance(value, str):  # YAML 1.1 reads 2e-4 (no dot) as a string
+        with contextlib.suppress(ValueError):
+            number = float(value)
+    if number is None:
+        raise ParseError(f"{key}: expected a number, got {show(value)}")
+    # NaN passes every range check (all its comparisons are false) and inf trains NaN weights.
+    if not math.isfinite(number):
+        raise ParseError(f"{key}: must be a finite number, got {show(value)}")
+    return number
+
+
+def check_value(key: str, value: Any, tp: Any) -> Any:
+    """Coerce `value` to the annotated type `tp` or raise ParseError naming `key`."""
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return check_value(key, value, option)
+            except ParseError as e:
+                errors.append(str(e))
+        raise ParseError(errors[0] if errors else f"{key}: invalid value {show(value)}")
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return _check_mapping(key, value, tp)
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise ParseError(f"{key}: {show(value)} is not one of {' | '.join(map(str, choices))}")
+        return value
+    if origin is list:
+        (item_tp,) = get_args(tp)
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ParseError(f"{key}: expected a list, got {show(value)}")
+        return [check_value(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ParseError(f"{key}: expected true or false, got {show(value)}")
+    if tp is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ParseError(f"{key}: expected an integer, got {show(value)}")
+        if not -INT_LIMIT <= value <= INT_LIMIT:
+            raise ParseError(
+                f"{key}: must be between -(2**63 - 1) and 2**63 - 1, got {show(value)}"
+            )
+        return value
+    if tp is float:
+        return _check_number(key, value)
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ParseError(f"{key}: expected a string, got {show(value)}")
+    raise ParseError(f"{key}: unsupported type {tp}")
+
+
+def _check_mapping(key: str, value: Any, cls: type) -> Any:
+    """Build the nested dataclass `cls` from a mapping, checking every key like a field."""
+    if isinstance(value, cls):
+        return value
+    types_ = field_types(cls)
+    if not isinstance(value, dict):
+        raise ParseError(
+            f"{key}: expected a mapping with keys {', '.join(types_)}, got {show(value)}"
+        )
+    unknown = sorted(str(k) for k in value if k not in types_)  # keys may be of any type
+    if unknown:
+        raise ParseError(
+            f"{key}: unknown key(s) {shorten(', '.join(unknown))}; valid: {', '.join(types_)}"
+        )
+    required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
+    missing = [name for name in required if name not in value]
+    if missing:
+        raise ParseError(f"{key}: missing {', '.join(missing)}")
+    return cls(**{k: check_value(f"{key}.{k}", v, types_[k]) for k, v in value.items()})
