@@ -263,7 +263,9 @@ def test_consecutive_nan_stops_with_a_checkpoint_and_exit_code(
     assert main(["train", *args]) == EXIT_GUARD_STOPPED
     err = capsys.readouterr().err
     assert "3 consecutive steps skipped" in err
-    assert "`leantune train` resumes" in err and "diverged" not in err  # the weights are finite
+    assert "command resumes from it" in err and "diverged" not in err  # the weights are finite
+    # A changed train.lr is another trajectory: resume refuses it without force.
+    assert "run.resume=force" in err
     kinds = [(e["kind"], e.get("action")) for e in read_events(run / "events.jsonl")]
     assert kinds == [
         ("nonfinite", "skip"),

@@ -446,7 +446,7 @@ def diverging(env: Env) -> list[str]:
 
 
 def no_nan_checkpoint(env: Env, result: CliResult) -> None:
-    assert "leantune train` resumes" not in result.err
+    assert "resumes" not in result.err
     ckpts = env.tmp / "run" / "checkpoints"
     assert not ckpts.exists() or not any(ckpts.iterdir())
 

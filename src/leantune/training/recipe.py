@@ -487,8 +487,9 @@ def act_on_guard(tr: Trainer, result: StepResult, files: RunFiles, g: GuardConfi
         )
     tr.events.emit("stop", step, f"stopped; checkpoint {path}", checkpoint=str(path))
     raise TrainingStopped(
-        f"training stopped at step {step}: {reason}. Checkpoint {path}. A lower train.lr, "
-        "train.max_grad_norm or a data check usually helps; `leantune train` resumes."
+        f"training stopped at step {step}: {reason}. Checkpoint {path}. The same `leantune "
+        "train` command resumes from it as it is; a lower train.lr or train.max_grad_norm, or "
+        "a data check, usually helps: add run.resume=force to continue with changed settings."
     )
 
 
