@@ -546,7 +546,37 @@ CASES: dict[str, Case] = {
     ),
     "a duplicated YAML key": Case(duplicated_key, 2, ("dup.yaml:4: train.lr", "line 2")),
     "weights that diverge": Case(diverging, 4, ("diverged",), no_nan_checkpoint),
+    # Found while fixing the above: settings only the model's shape can check, and prepare's flags
+    "method.last_blocks beyond the model's blocks": Case(
+        lambda env: env.args(env.tmp / "r", "method.name=freeze", "method.last_blocks=5"),
+        2,
+        ("method.last_blocks=5", "only 2 blocks"),
+        lambda env, result: no_dir_left_at(env.tmp / "r"),
+    ),
+    "method.adapter_reduction beyond the hidden size": Case(
+        lambda env: env.args(env.tmp / "r", "method.name=adapter", "method.adapter_reduction=1000"),
+        2,
+        ("method.adapter_reduction=1000", "1..64"),
+    ),
+    "prepare --near-dup-threshold nan": Case(
+        lambda env: [*prepare_args(env, env.chat), "--near-dup-threshold", "nan"],
+        2,
+        ("--near-dup-threshold", "finite"),
+    ),
+    "prepare --min-tokens -1": Case(
+        lambda env: [*prepare_args(env, env.chat), "--min-tokens", "-1"], 2, ("data.min_tokens",)
+    ),
+    "prepare --clean with an unknown rule": Case(
+        lambda env: [*prepare_args(env, env.chat), "--clean", "html,bogus"], 2, ("--clean", "bogus")
+    ),
+    "prepare --workers 0": Case(
+        lambda env: [*prepare_args(env, env.chat), "--workers", "0"], 2, ("--workers",)
+    ),
 }
+
+
+def no_dir_left_at(path: Path) -> None:
+    assert not path.exists()
 
 
 @pytest.fixture(scope="module")

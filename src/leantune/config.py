@@ -289,6 +289,15 @@ class ConfigError(ValueError, UserError):
 # Parsing
 
 
+def set_field(cfg: Config, dotted: str, value: Any, where: str = "") -> None:
+    """Set `section.field` from user input, type-checked as if it came from a config file.
+
+    Raises:
+        ConfigError: unknown key or a value of the wrong type, prefixed with `where`.
+    """
+    _set(cfg, dotted, value, where)
+
+
 def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
     sections = {f.name: f for f in dataclasses.fields(Config)}
     parts = dotted.split(".")

@@ -18,6 +18,7 @@ import torch
 from leantune.config import Config, MethodConfig, TrainConfig
 from leantune.memory.estimate import GIB, Breakdown, StepSettings, estimate
 from leantune.memory.facts import ModelFacts, build_meta_model, model_facts
+from leantune.methods.errors import MethodError
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Methods whose trainable parameters equal another's when counted on a meta model (QLoRA trains
@@ -89,7 +90,9 @@ def model_facts_for(
             lambda m: apply_method(m, counted),
             trust_remote_code,
         )
-    except Exception as e:  # a method's own validation, or one that needs real weights
+    except MethodError:  # the method's settings do not fit this model: the user's to fix
+        raise
+    except Exception as e:  # one that needs real weights
         raise ValueError(f"memory planner: cannot apply method.name={method.name}: {e}") from e
     return model_facts(model, config)
 
@@ -314,7 +317,7 @@ def plan_for_run(
         longest = max((len(row) for row in labels_per_row), default=0) or None
         inputs = plan_inputs(cfg, device, max_supervised_per_row(labels_per_row), longest)
     except Exception as e:  # a prediction is advice: it must never stop a configured run
-        if t.micro_batch_size == "auto":
+        if t.micro_batch_size == "auto" or isinstance(e, MethodError):  # nor let one go wrong
             raise
         return t, f"memory planner: no prediction ({e})"
     if t.micro_batch_size == "auto":

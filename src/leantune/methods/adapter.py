@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from leantune.methods.errors import MethodError
 from leantune.methods.freeze import decoder_layers
 
 CONFIG_FILE = "bottleneck_adapter.json"
@@ -95,11 +96,12 @@ def apply_adapter(model: nn.Module, settings: AdapterSettings) -> nn.Module:
     """Add bottleneck adapters to every block of `model` in place; only they train.
 
     Raises:
-        ValueError: a bad reduction factor, or blocks without the expected sub-layers.
+        MethodError: a reduction factor the hidden size cannot take.
+        ValueError: blocks without the expected sub-layers.
     """
     hidden = _hidden_size(model)
     if settings.reduction_factor < 1 or hidden // settings.reduction_factor < 1:
-        raise ValueError(
+        raise MethodError(
             f"method.adapter_reduction={settings.reduction_factor}: must be in 1..{hidden} "
             f"(hidden size {hidden})"
         )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from leantune.methods.errors import MethodError
+
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The list of transformer blocks of an HF causal LM.
@@ -22,15 +24,16 @@ def apply_freeze(model: nn.Module, last_blocks: int, norms: bool) -> nn.Module:
     """Freeze everything, then unfreeze the last `last_blocks` blocks and, if `norms`, every norm.
 
     Raises:
-        ValueError: nothing would train, or more blocks are asked for than the model has.
+        MethodError: nothing would train, or more blocks are asked for than the model has.
     """
     layers = decoder_layers(model)
     if last_blocks > len(layers):
-        raise ValueError(
-            f"method.last_blocks={last_blocks} but the model has only {len(layers)} blocks"
+        raise MethodError(
+            f"method.last_blocks={last_blocks}, but the model has only {len(layers)} blocks: "
+            f"use 0..{len(layers)}"
         )
     if last_blocks == 0 and not norms:
-        raise ValueError("method.name=freeze trains nothing: set method.last_blocks or norms")
+        raise MethodError("method.name=freeze trains nothing: set method.last_blocks or norms")
     for p in model.parameters():
         p.requires_grad_(False)
     for layer in list(layers)[len(layers) - last_blocks :]:

@@ -80,43 +80,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     it, `--data`, `--format` and `--model` are required and prepare cleans with every rule and
     removes near duplicates unless told otherwise (the command exists to clean).
     """
-    from leantune.config import ConfigError, DataConfig, load_config
+    from leantune.config import Config, ConfigError, DataConfig, load_config
     from leantune.data.prepare.pipeline import prepare_dataset
     from leantune.models.loading import load_tokenizer, resolve_model
 
     if args.config is not None:
         cfg = load_config(args.config, args.overrides)
-        data, model_path, trust = cfg.data, cfg.model.path, cfg.model.trust_remote_code
-        files = args.data or [data.train]
+        model_path, trust = cfg.model.path, cfg.model.trust_remote_code
+        files = args.data or [cfg.data.train]
     else:
         if args.overrides:
             raise ConfigError("prepare: overrides need a CONFIG file")
         if not args.data or not args.format or not args.model:
             raise ConfigError("prepare: give CONFIG, or --data FILE... --format F --model PATH")
         data = DataConfig(format=args.format, clean=list(RULES), dedup="near")  # type: ignore[arg-type]
+        cfg = Config(data=data)
         model_path, trust, files = args.model, False, args.data
-    flags = {
-        "format": args.format,
-        "max_seq_len": args.max_seq_len,
-        "dedup": args.dedup,
-        "near_dup_threshold": args.near_dup_threshold,
-        "min_tokens": args.min_tokens,
-        "system_prompt": args.system_prompt,
-        "engine": args.engine,
-        "scheduler": args.scheduler,
-        "partition_mb": args.partition_mb,
-    }
-    for name, value in flags.items():
-        if value is not None:
-            setattr(data, name, value)
-    if args.clean is not None:
-        data.clean = [] if args.clean == "none" else [r for r in args.clean.split(",") if r]
-    data.pack = data.pack and not args.no_pack
-    data.truncate = data.truncate or args.truncate
-    if args.model:
-        model_path = args.model
     if not files or files[0] is None:
         raise ConfigError("prepare: no input; set data.train or --data")
+    data = _apply_flags(cfg, args, str(files[0]))
+    if args.model:
+        model_path = args.model
     settings = settings_from_config(data)
     tokenizer = load_tokenizer(resolve_model(model_path), trust)
     out = args.out or str(Path(files[0]).with_suffix("")) + ".prepared"
@@ -135,6 +119,47 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     check_kept(report, out)
     return report
+
+
+_FLAGS = {
+    "format": "format",
+    "max_seq_len": "max-seq-len",
+    "dedup": "dedup",
+    "near_dup_threshold": "near-dup-threshold",
+    "min_tokens": "min-tokens",
+    "system_prompt": "system-prompt",
+    "engine": "engine",
+    "scheduler": "scheduler",
+    "partition_mb": "partition-mb",
+}
+
+
+def _apply_flags(cfg: Any, args: argparse.Namespace, first_file: str) -> Any:
+    """Put the flags into `cfg.data`, checked like config values, and validate the result.
+
+    Raises:
+        ConfigError: a flag's value is out of range or of the wrong kind, naming the flag.
+    """
+    from leantune.config import ConfigError, set_field, validate
+
+    for name, flag in _FLAGS.items():
+        value = getattr(args, name)
+        if value is not None:
+            set_field(cfg, f"data.{name}", value, f"--{flag}: ")
+    if args.clean is not None:
+        rules = [] if args.clean == "none" else [r for r in args.clean.split(",") if r]
+        set_field(cfg, "data.clean", rules, "--clean: ")
+    cfg.data.pack = cfg.data.pack and not args.no_pack
+    cfg.data.truncate = cfg.data.truncate or args.truncate
+    if args.workers < 1:
+        raise ConfigError(f"--workers: must be >= 1, got {args.workers}")
+    train = cfg.data.train
+    cfg.data.train = first_file  # validated like data.train: it must exist
+    try:
+        validate(cfg)
+    finally:
+        cfg.data.train = train
+    return cfg.data
 
 
 def check_kept(report: dict[str, Any], out: str | Path) -> None:
