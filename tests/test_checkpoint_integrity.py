@@ -672,6 +672,9 @@ def test_cli_a_periodic_save_of_nan_weights_is_refused(
     assert result.code == EXIT_GUARD_STOPPED, result
     assert "diverged" in result.err and "step 4" in result.err and "step-000002" in result.err
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002"]
+    (stop,) = read_events(run / "events.jsonl")
+    assert (stop["kind"], stop["step"], stop["checkpoint"]) == ("stop", 4, None)
+    assert "diverged" in stop["message"]
 
 
 def test_cli_nan_weights_from_the_first_update_leave_no_checkpoint(

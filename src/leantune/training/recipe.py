@@ -777,13 +777,22 @@ def run_loop(
                     eval_log.write(row)
                     log(", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)))
                 if (t.save_every and step % t.save_every == 0) or step == t.max_steps:
-                    checkpoint(tr, files.ckpt_dir, t.keep_last, files.config_yaml)
+                    _periodic_checkpoint(tr, files)
     except Interrupted as exc:
         if not exc.at_boundary:
             raise
         raise _stopped(tr, files, exc) from None
     finally:
         bar.close()
+
+
+def _periodic_checkpoint(tr: Trainer, files: RunFiles) -> None:
+    """A scheduled save; weights gone NaN/inf stop the run, and events.jsonl says so."""
+    try:
+        checkpoint(tr, files.ckpt_dir, files.keep_last, files.config_yaml)
+    except WeightsDiverged as exc:
+        tr.events.emit("stop", tr.state.step, f"stopped; {exc}", checkpoint=None)
+        raise
 
 
 def _stopped(tr: Trainer, files: RunFiles, exc: Interrupted) -> Interrupted:
