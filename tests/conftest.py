@@ -144,6 +144,27 @@ def write_jsonl(path: Path, rows: list[object]) -> Path:
     return path
 
 
+def tiny_train_args(model: Path, data: Path, run_dir: Path | None, *extra: str) -> list[str]:
+    """`leantune train` on a tiny model and a chat file: no evaluation, no progress bar,
+    micro-batch 2, lr 1e-2. `extra` overrides come last, so they win; no `run.dir` when
+    `run_dir` is None (the default runs/<run.name>)."""
+    where = [f"run.dir={run_dir}"] if run_dir is not None else []
+    return [
+        "train",
+        f"model.path={model}",
+        f"data.train={data}",
+        "data.format=chat",
+        "data.max_seq_len=128",
+        "data.eval=null",
+        "train.eval_exact_match=false",
+        "run.progress=false",
+        "train.micro_batch_size=2",
+        "train.lr=1e-2",
+        *where,
+        *extra,
+    ]
+
+
 @dataclass
 class CliResult:
     """What one `leantune` invocation returned and printed."""

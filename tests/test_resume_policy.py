@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli, save_tiny_model, write_jsonl
+from conftest import run_cli, save_tiny_model, tiny_train_args, write_jsonl
 from safetensors.torch import load_file
 
 from leantune.config import load_config
@@ -54,23 +54,9 @@ def chat_file(tmp_path: Path) -> Path:
 
 
 def args(model: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [
-        "train",
-        f"model.path={model}",
-        f"data.train={data}",
-        "data.format=chat",
-        "data.max_seq_len=128",
-        "data.eval=null",
-        "train.eval_exact_match=false",
-        "run.progress=false",
-        "train.max_steps=4",
-        "train.micro_batch_size=2",
-        "train.lr=1e-2",
-        "train.seed=3",
-        "train.save_every=2",
-        f"run.dir={run_dir}",
-        *extra,
-    ]
+    return tiny_train_args(
+        model, data, run_dir, "train.max_steps=4", "train.seed=3", "train.save_every=2", *extra
+    )
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:

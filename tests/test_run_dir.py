@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_cli, write_jsonl
+from conftest import run_cli, tiny_train_args, write_jsonl
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -44,22 +44,7 @@ def chat_file(tmp_path: Path) -> Path:
 
 
 def args(model: Path, data: Path, run_dir: Path | None, *extra: str) -> list[str]:
-    where = [f"run.dir={run_dir}"] if run_dir is not None else []
-    return [
-        "train",
-        f"model.path={model}",
-        f"data.train={data}",
-        "data.format=chat",
-        "data.max_seq_len=128",
-        "data.eval=null",
-        "train.eval_exact_match=false",
-        "run.progress=false",
-        "train.max_steps=2",
-        "train.micro_batch_size=2",
-        "train.lr=1e-2",
-        *where,
-        *extra,
-    ]
+    return tiny_train_args(model, data, run_dir, "train.max_steps=2", *extra)
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli, write_jsonl
+from conftest import run_cli, tiny_train_args, write_jsonl
 from safetensors.torch import load_file
 
 from leantune.training.metrics import read_metrics
@@ -41,21 +41,14 @@ def chat_rows(n: int) -> list[dict]:
 
 
 def common(model: Path, data: Path) -> list[str]:
-    return [
-        f"model.path={model}",
-        f"data.train={data}",
-        "data.format=chat",
-        "data.max_seq_len=128",
-        "data.eval=null",
-        "train.eval_exact_match=false",
-        "run.progress=false",
+    """Without the leading "train" (`leantune` adds it)."""
+    return tiny_train_args(
+        model, data, None,
         "train.max_steps=6",
-        "train.micro_batch_size=2",
         "train.grad_accum=2",
         "train.save_every=0",  # only the final checkpoint: any other one comes from the signal
-        "train.lr=1e-2",
         "method.dropout=0.1",  # the RNG matters
-    ]
+    )[1:]  # fmt: skip
 
 
 def leantune(args: list[str], env_extra: dict[str, str] | None = None):
