@@ -106,13 +106,14 @@ def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from leantune.config import load_config
+    from leantune.config import describe_base, load_config
     from leantune.training.events import TrainingHalted
     from leantune.training.recipe import train
     from leantune.training.signals import Interrupted
 
     config, overrides = _split_config_args(args.args)
     cfg = load_config(config, overrides)
+    print(describe_base(config, overrides), flush=True)
     _quiet_libraries()
     try:
         train(cfg, log=lambda m: print(m, flush=True), config_file=Path(config) if config else None)
@@ -126,13 +127,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from leantune.config import load_config, validate
+    from leantune.config import config_base, load_config, validate
 
     config, overrides = _split_config_args(args.args)
     cfg = load_config(config, overrides)
     for w in validate(cfg):
         print(f"warning: {w}")
-    print(f"ok: {config or 'built-in demo config'} is valid")
+    demo = config_base(config, overrides) == "demo"
+    print(f"ok: {config or ('built-in demo config' if demo else 'the overrides')} is valid")
     return 0
 
 
