@@ -294,3 +294,20 @@ def test_micro_batch_size_auto_is_the_default_for_own_data(
     (line,) = [x for x in result.out.splitlines() if x.startswith("micro_batch_size=auto")]
     assert "needs real weights" in line and "micro-batch 4 x grad_accum 2" in line
     assert read_metrics(other / "metrics.jsonl")[0]["micro_batch_size"] == 4
+
+
+def test_micro_batch_size_auto_over_budget_trains_at_one_with_a_warning(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """auto is the default: a prediction over the budget is advice, not a stop (an explicit
+    train.memory_budget still stops a real out of memory at micro-batch 1 with exit 5)."""
+    import leantune.memory.planner as planner
+
+    monkeypatch.setattr(planner, "default_budget", lambda device: 1000)
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(8))
+    run = tmp_path / "run"
+    result = run_cli(own_data_args(tiny_llama_dir, data, run, "train.max_steps=1"))
+    assert result.code == 0, result
+    (line,) = [x for x in result.out.splitlines() if "micro_batch_size=auto" in x]
+    assert line.startswith("warning:") and "even micro-batch 1" in line and "1 x grad_accum" in line
+    assert read_metrics(run / "metrics.jsonl")[0]["micro_batch_size"] == 1

@@ -322,10 +322,8 @@ def plan_for_run(
 
     auto is the default, so a planner that cannot model the model or method (it builds it on the
     meta device) does not stop the run: auto then means micro-batch 4 (or the global batch when
-    smaller), said in the log line.
-
-    Raises:
-        MemoryError: auto, and not even micro-batch 1 fits the budget.
+    smaller), said in the log line; and a prediction that not even micro-batch 1 fits is a
+    warning with micro-batch 1 (an out of memory then stops the run with exit 5).
     """
     t = cfg.train
     try:
@@ -350,9 +348,13 @@ def plan_for_run(
         headroom = device == "cpu" and t.memory_budget is None
         if headroom:  # nothing catches an out of memory on CPU without a budget
             budget = int(budget / CPU_RSS_FACTOR)
-        mb, accum, b = resolve_micro_batch(
-            inputs.facts, inputs.step, inputs.global_batch, budget, inputs.weight_itemsize
-        )
+        try:
+            mb, accum, b = resolve_micro_batch(
+                inputs.facts, inputs.step, inputs.global_batch, budget, inputs.weight_itemsize
+            )
+        except MemoryError as e:  # a prediction: the run (and its OOM handling) decides
+            t = replace(t, micro_batch_size=1, grad_accum=inputs.global_batch)
+            return t, f"warning: {e}; training with 1 x grad_accum {inputs.global_batch}"
         t = replace(t, micro_batch_size=mb, grad_accum=accum)
         return t, (
             f"micro_batch_size=auto: {mb} x grad_accum {accum} (global batch "

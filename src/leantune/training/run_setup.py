@@ -297,7 +297,6 @@ def set_up_run(
 
     Raises:
         RunMismatch: the run directory holds a run with other settings (exit 2).
-        MemoryError: micro_batch_size=auto, and not even micro-batch 1 fits.
     """
     d = cfg.data
     note = _describe_pack(d.pack, cfg.method.name)
