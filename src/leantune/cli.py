@@ -133,8 +133,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
     cfg = load_config(config, overrides)
     for w in validate(cfg):
         print(f"warning: {w}")
-    demo = config_base(config, overrides) == "demo"
-    print(f"ok: {config or ('built-in demo config' if demo else 'the overrides')} is valid")
+    if config is not None:
+        print(f"ok: {config} is valid")
+    elif config_base(config, overrides) == "demo":
+        print("ok: built-in demo config is valid")
+    else:
+        print("ok: the library defaults with these overrides are valid")
     return 0
 
 
@@ -420,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser(
         "train",
-        help="fine-tune (no CONFIG: the built-in demo)",
+        help="fine-tune (no CONFIG and no data.train=...: the built-in demo)",
         epilog=__doc__.split("\n\n")[2],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -450,7 +450,8 @@ def act_on_guard(tr: Trainer, result: StepResult, files: RunFiles, g: GuardConfi
     raise TrainingStopped(
         f"training stopped at step {step}: {reason}. Checkpoint {path}. The same `leantune "
         "train` command resumes from it as it is; a lower train.lr or train.max_grad_norm, or "
-        "a data check, usually helps: add run.resume=force to continue with changed settings."
+        f"a data check, usually helps: add run.resume=force run.dir={files.run_dir} to continue "
+        "it with changed settings (without run.dir they would name another run)."
     )
 
 
@@ -512,7 +513,7 @@ def train(cfg: Config, log: Log = print, config_file: Path | None = None) -> dic
     cfg = copy.deepcopy(cfg)  # what the run resolves (its name, lengths, steps) stays its own
     source = resolve_model(cfg.model.path, cfg.model.gguf_file)
     cfg = named_run(cfg, source.location, source.gguf_file)
-    log(f"run directory: {cfg.run_dir}")
+    log(f"run directory: {cfg.run_dir}")  # a derived name changes with the settings
     with StopSignals() as stop, claim_run_dir(cfg.run_dir, cfg.run.resume == "never", log) as run:
         try:
             inputs = [config_file] if config_file else []
