@@ -13,7 +13,7 @@ from conftest import tiny_llama_config, write_jsonl
 from transformers import AutoModelForCausalLM
 
 from leantune.cli import main
-from leantune.config import ConfigError, MethodConfig, load_config
+from leantune.config import ConfigError, MethodConfig, configured_global_batch, load_config
 from leantune.memory.estimate import GIB, StepSettings, estimate
 from leantune.memory.planner import (
     max_supervised_per_row,
@@ -170,8 +170,11 @@ def _config_file(tmp_path: Path, model_dir: Path) -> Path:
 
 def test_auto_config_fields(tmp_path: Path, tiny_llama_dir: Path) -> None:
     cfg = _config_file(tmp_path, tiny_llama_dir)
+    # auto is the default now, so it needs no global_batch_size: unset is 8 rows per step.
+    auto = load_config(cfg, ["train.micro_batch_size=auto"])
+    assert configured_global_batch(auto.train) == 8
     with pytest.raises(ConfigError, match="global_batch_size"):
-        load_config(cfg, ["train.micro_batch_size=auto"])
+        load_config(cfg, ["train.micro_batch_size=auto", "train.global_batch_size=0"])
     with pytest.raises(ConfigError, match="memory_budget"):
         load_config(cfg, ["train.memory_budget=much"])
     loaded = load_config(cfg, ["train.micro_batch_size=auto", "train.global_batch_size=8"])
@@ -221,6 +224,9 @@ def test_train_resolves_auto_and_logs_memory(
         [
             "train.micro_batch_size=auto",
             "train.global_batch_size=4",
+            # 8 unpacked rows: packed, the 8 examples fill 3 rows, fewer than the global batch
+            # of 4, and every step would be those 3 rows.
+            "data.pack=false",
             "train.max_steps=2",
             f"run.dir={tmp_path / 'run'}",
             "run.progress=false",
@@ -228,8 +234,10 @@ def test_train_resolves_auto_and_logs_memory(
         ],
     )
     assert cfg.data.train is not None
-    data = prepare_file(cfg.data.train, "chat", tokenizer, 64, True)
-    inputs = plan_inputs(cfg, "cpu", max_supervised_per_row([r.labels for r in data.rows]))
+    data = prepare_file(cfg.data.train, "chat", tokenizer, 64, False)
+    longest = max(len(r.input_ids) for r in data.rows)
+    labels = [r.labels for r in data.rows]
+    inputs = plan_inputs(cfg, "cpu", max_supervised_per_row(labels), longest)
     peak = {
         mb: estimate(inputs.facts, dc_replace(inputs.step, micro_batch=mb)).peak for mb in (2, 4)
     }

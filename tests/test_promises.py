@@ -117,25 +117,38 @@ def other_format(env: Env) -> list[str]:
     return env.args(env.run_copy(), "data.format=alpaca", data=data)
 
 
-def chat_then_alpaca(env: Env) -> list[str]:
-    """The README's example command without run.name, twice: the default run dir collides."""
-    os.chdir(env.tmp)
-    first = [a for a in env.args(env.tmp / "x") if not a.startswith("run.dir=")]
-    assert run_cli(first).code == 0
-    final = env.tmp / "runs" / "demo" / "final" / "adapter_model.safetensors"
-    env.saved = {
-        "final": final.read_bytes(),
-        "config": final.parents[1].joinpath("config.yaml").read_bytes(),
-    }
-    data = write_jsonl(env.tmp / "alpaca.jsonl", alpaca_rows(24))
-    second = [a for a in env.args(env.tmp / "x", data=data) if not a.startswith("run.dir=")]
-    return [*second, "data.format=alpaca"]
+def chat_then_alpaca(*name: str) -> Callable[[Env], list[str]]:
+    """The README's example command twice, with a chat file, then an alpaca file, in
+    runs/<run.name> (`name` = run.name=..., or nothing for the default name)."""
+
+    def setup(env: Env) -> list[str]:
+        os.chdir(env.tmp)
+        first = [a for a in env.args(env.tmp / "x", *name) if not a.startswith("run.dir=")]
+        assert run_cli(first).code == 0
+        (run,) = (env.tmp / "runs").iterdir()
+        final = run / "final" / "adapter_model.safetensors"
+        env.saved = {
+            "run": str(run).encode(),
+            "final": final.read_bytes(),
+            "config": (run / "config.yaml").read_bytes(),
+        }
+        data = write_jsonl(env.tmp / "alpaca.jsonl", alpaca_rows(24))
+        second = env.args(env.tmp / "x", *name, data=data)
+        return [*(a for a in second if not a.startswith("run.dir=")), "data.format=alpaca"]
+
+    return setup
 
 
 def final_unchanged(env: Env, result: CliResult) -> None:
-    run = env.tmp / "runs" / "demo"
+    run = Path(env.saved["run"].decode())
     assert (run / "final" / "adapter_model.safetensors").read_bytes() == env.saved["final"]
     assert (run / "config.yaml").read_bytes() == env.saved["config"]
+
+
+def two_run_dirs(env: Env, result: CliResult) -> None:
+    runs = sorted(p.name for p in (env.tmp / "runs").iterdir())
+    assert [r.split("-")[0] for r in runs] == ["alpaca", "chat"], runs
+    final_unchanged(env, result)
 
 
 def old_run_moved_aside(env: Env, result: CliResult) -> None:
@@ -469,8 +482,14 @@ CASES: dict[str, Case] = {
     "force onto another method": Case(
         resumed_with("method.name=ia3", "run.resume=force"), 2, ("method.name", "even with")
     ),
-    "a chat file, then an alpaca file, in the default run dir": Case(
-        chat_then_alpaca, 2, ("data.format: chat -> alpaca", "run.name"), final_unchanged
+    "a chat file, then an alpaca file, in the same named run dir": Case(
+        chat_then_alpaca("run.name=mine"),
+        2,
+        ("data.format: chat -> alpaca", "run.name"),
+        final_unchanged,
+    ),
+    "a chat file, then an alpaca file, without run.name: two run dirs": Case(
+        chat_then_alpaca(), 0, ("run directory: runs/alpaca-lora-",), two_run_dirs
     ),
     "run.resume=never over an older run": Case(
         resumed_with("run.resume=never"), 0, ("moved",), old_run_moved_aside

@@ -63,10 +63,11 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
 
-def test_new_user_chat_then_alpaca_in_the_default_run_dir_is_refused(
+def test_new_user_chat_then_alpaca_in_the_same_named_run_dir_is_refused(
     tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The README's command twice, first with a chat file, then with an alpaca file."""
+    """The README's command twice with the same run.name, first with a chat file, then with an
+    alpaca file. (Without run.name the two get two run directories: test_defaults.py.)"""
     monkeypatch.chdir(tmp_path)
     write_jsonl(tmp_path / "chat.jsonl", chat_rows(12))
     write_jsonl(tmp_path / "alpaca.jsonl", alpaca_rows(12))
@@ -76,10 +77,11 @@ def test_new_user_chat_then_alpaca_in_the_default_run_dir_is_refused(
         "train.eval_exact_match=false",
         "train.max_steps=3",
         "run.progress=false",
+        "run.name=mine",
     ]
     first = run_cli(["train", "data.train=chat.jsonl", "data.format=chat", *tiny])
     assert first.code == 0, first.err
-    run = tmp_path / "runs" / "demo"
+    run = tmp_path / "runs" / "mine"
     before = snapshot(run / "final")
     config_before = (run / "config.yaml").read_text()
     second = run_cli(["train", "data.train=alpaca.jsonl", "data.format=alpaca", *tiny])

@@ -84,8 +84,10 @@ def test_a_signal_mid_step_saves_the_last_applied_step_and_resumes_bit_exact(
 ) -> None:
     run = tmp_path / "run"
     args = [*common(tiny_llama_dir, data_file), f"run.dir={run}"]
-    # Micro-batch 8 is the first of step 5's two: step 5 is abandoned half-way.
-    stopped = leantune(args, {SIGNAL_ENV: f"8:{sig}"})
+    # 10 packed rows in steps of 4: the third step of each epoch holds the 2 rows left, one
+    # micro-batch, so steps 1-4 hold micro-batches 0-6 and 7 is the first of step 5's two:
+    # step 5 is abandoned half-way.
+    stopped = leantune(args, {SIGNAL_ENV: f"7:{sig}"})
     assert stopped.returncode == code, stopped.stderr
     assert "Traceback" not in stopped.stderr + stopped.stdout
     ckpt = run / "checkpoints" / "step-000004"
@@ -93,8 +95,8 @@ def test_a_signal_mid_step_saves_the_last_applied_step_and_resumes_bit_exact(
     (line,) = [x for x in stopped.stderr.splitlines() if f"SIG{sig}" in x]
     assert str(ckpt) in line and "same command" in line
     state = json.loads((ckpt / "trainer_state.json").read_text())
-    assert state["step"] == 4 and state["micro_batches_seen"] == 8
-    assert state["extra"]["batching"]["samples_seen"] == 16
+    assert state["step"] == 4 and state["micro_batches_seen"] == 7
+    assert state["extra"]["batching"]["samples_seen"] == 14  # 4 + 4 + 2, then 4
     assert not (run / "final").exists()
     resumed = leantune(args)
     assert resumed.returncode == 0, resumed.stderr

@@ -106,13 +106,14 @@ def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from leantune.config import load_config
+    from leantune.config import describe_base, load_config
     from leantune.training.events import TrainingHalted
     from leantune.training.recipe import train
     from leantune.training.signals import Interrupted
 
     config, overrides = _split_config_args(args.args)
     cfg = load_config(config, overrides)
+    print(describe_base(config, overrides), flush=True)
     _quiet_libraries()
     try:
         train(cfg, log=lambda m: print(m, flush=True), config_file=Path(config) if config else None)
@@ -126,13 +127,18 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from leantune.config import load_config, validate
+    from leantune.config import config_base, load_config, validate
 
     config, overrides = _split_config_args(args.args)
     cfg = load_config(config, overrides)
     for w in validate(cfg):
         print(f"warning: {w}")
-    print(f"ok: {config or 'built-in demo config'} is valid")
+    if config is not None:
+        print(f"ok: {config} is valid")
+    elif config_base(config, overrides) == "demo":
+        print("ok: built-in demo config is valid")
+    else:
+        print("ok: the library defaults with these overrides are valid")
     return 0
 
 
@@ -418,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser(
         "train",
-        help="fine-tune (no CONFIG: the built-in demo)",
+        help="fine-tune (no CONFIG and no data.train=...: the built-in demo)",
         epilog=__doc__.split("\n\n")[2],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -29,6 +29,14 @@ from leantune.config_parse import (
 from leantune.errors import UserError
 
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
+AUTO_RUN_NAME = "auto"
+"""run.name that `train` replaces with one derived from the run (training.run_setup)."""
+DEFAULT_GLOBAL_BATCH = 8
+"""Rows per optimizer step with micro_batch_size=auto and no train.global_batch_size."""
+UNPACKED_METHODS = ("prefix", "ptuning_v2", "prompt")
+"""Methods that need one example per row: packed rows keep examples apart through restarting
+position ids without a mask or KV cache, and virtual tokens (a prefix cache, or prepended
+embeddings) defeat that."""
 
 
 @dataclass
@@ -66,10 +74,13 @@ class DataConfig:
     """Held-out JSONL file (loss, perplexity and, for chat/alpaca, exact match)."""
     format: Literal["alpaca", "chat", "text"] = "chat"
     """Record format: alpaca (instruction/input/output), chat (messages), text (text)."""
-    max_seq_len: int = 1024
-    """Longest tokenised example (at most 1,048,576); longer ones are reported as bad lines."""
-    pack: bool = True
-    """Pack several examples into one sequence (they never attend to each other)."""
+    max_seq_len: int | Literal["auto"] = "auto"
+    """Longest tokenised example (at most 1,048,576); longer ones are reported as bad lines.
+    auto = the longest example of data.train, up to the model's context (max_position_embeddings,
+    times model.rope_scaling's factor); examples beyond the context are the bad lines then."""
+    pack: bool | Literal["auto"] = "auto"
+    """Pack several examples into one sequence (they never attend to each other); auto = pack
+    unless the method needs one example per row (prefix, ptuning_v2, prompt)."""
     max_bad_fraction: float = 0.05
     """Refuse to start when more than this share of lines is bad (0 = any bad line stops)."""
     system_prompt: str | None = None
@@ -151,13 +162,20 @@ class MethodConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 100
-    """Optimizer steps to run."""
-    micro_batch_size: int | Literal["auto"] = 4
-    """Sequences per forward/backward pass; auto = the largest divisor of train.global_batch_size
-    that the memory planner predicts fits train.memory_budget (grad_accum then fills the rest)."""
+    max_steps: int | None = None
+    """Optimizer steps to run; unset = as many as train.epochs take. With train.epochs set too,
+    the fewer of the two."""
+    epochs: int | None = None
+    """Passes over the training rows: rows / global batch (rounded up) steps each. Unset = 1,
+    unless train.max_steps is set (then max_steps steps, the data repeating as needed)."""
+    micro_batch_size: int | Literal["auto"] = "auto"
+    """Sequences per forward/backward pass; auto = the largest divisor of the global batch that
+    the memory planner predicts fits train.memory_budget (grad_accum then fills the rest; where
+    the planner cannot model the run, 4)."""
     global_batch_size: int | None = None
-    """Rows per optimizer step when micro_batch_size=auto (required then; ignored otherwise)."""
+    """Rows per optimizer step with micro_batch_size=auto (unset: 8); with a fixed micro-batch
+    the global batch is micro_batch_size x grad_accum and this is ignored. Data with fewer rows
+    makes every step one pass over all of them."""
     memory_budget: str | None = None
     """Memory the run may use, e.g. 20GiB. micro_batch_size=auto plans within it (unset: 90% of
     free CUDA memory or available RAM); on CPU a micro-batch whose resident memory goes above it
@@ -246,16 +264,19 @@ class RunConfig:
     settings (format, max_seq_len, pack, system_prompt, clean, dedup, near_dup_threshold,
     min_tokens, truncate), model dtype/attn_implementation/rope_scaling, every method setting,
     the optimizer and schedule (lr resolved, optimizer, weight_decay, warmup_ratio,
-    min_lr_ratio, max_grad_norm, max_steps, kl_coef, precision), seed and the global batch
-    (micro_batch_size x grad_accum; another split of the same global batch is allowed).
+    min_lr_ratio, max_grad_norm, max_steps, epochs, kl_coef, precision), seed and the global
+    batch (micro_batch_size x grad_accum; another split of the same global batch is allowed).
+    max_seq_len, pack and max_steps are recorded as the run resolved them from the data.
     Free to change on resume: run.*, evaluation settings and data.eval, save_every, keep_last,
     guard.*, device, memory_budget, gradient_checkpointing, trust_remote_code and the data
     preparation engine and cache.
     """
 
-    name: str = "demo"
+    name: str = "auto"
     """Run name (1-100 letters, digits, '.', '_', '-'; no path); the run directory is
-    runs/<name> unless run.dir is set."""
+    runs/<name> unless run.dir is set. auto = <data file stem>-<method>-<8 hex digits of the
+    run's settings and input digests>: another run gets another directory, the same command
+    the same one (and resumes)."""
     dir: str | None = None
     """Run directory (default runs/<name>): new, empty, or a leantune run."""
     resume: Literal["auto", "never", "force"] = "auto"
@@ -278,7 +299,14 @@ class Config:
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.run.dir) if self.run.dir else Path("runs") / self.run.name
+        """The run directory; run.name=auto must have been named first (`train` does it)."""
+        if self.run.dir:
+            return Path(self.run.dir)
+        if self.run.name == AUTO_RUN_NAME:
+            raise RuntimeError(
+                "run.name=auto: the run is named when it starts (training.run_setup.named_run)"
+            )
+        return Path("runs") / self.run.name
 
 
 class ConfigError(ValueError, UserError):
@@ -352,14 +380,53 @@ def _read_config_file(cfg_path: Path) -> str:
         ) from None
 
 
+def config_base(
+    path: str | Path | None, overrides: list[str] | None = None
+) -> Literal["demo", "defaults"]:
+    """What `load_config` starts from: the built-in demo config when there is no CONFIG and no
+    `data.train=...` override; the library defaults (the dataclasses here) otherwise."""
+    if path is not None:
+        return "defaults"
+    keys = {item.split("=", 1)[0].strip() for item in overrides or [] if "=" in item}
+    return "defaults" if "data.train" in keys else "demo"
+
+
+def describe_base(path: str | Path | None, overrides: list[str] | None = None) -> str:
+    """One line saying which base `load_config(path, overrides)` uses."""
+    if config_base(path, overrides) == "demo":
+        return (
+            f"config: the built-in demo ({DEMO_CONFIG.name}); give a CONFIG or data.train=... "
+            "to start from the library defaults instead"
+        )
+    if path is None:
+        return "config: the library defaults and the overrides (no CONFIG file)"
+    return f"config: {path} over the library defaults"
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Build a validated Config from a YAML file (None = the built-in demo) and overrides.
+    """Build a validated Config from a YAML file and overrides.
+
+    The base is the built-in demo config when there is neither a file nor a `data.train`
+    override (`config_base`), else the library defaults; the file, then the overrides, apply
+    on top of it.
 
     Raises:
         ConfigError: unknown keys, wrong types or invalid combinations, naming the field.
     """
     cfg = Config()
-    cfg_path = Path(path) if path is not None else DEMO_CONFIG
+    if config_base(path, overrides) == "demo":
+        _apply_file(cfg, DEMO_CONFIG)
+    elif path is not None:
+        _apply_file(cfg, Path(path))
+    for item in overrides or []:
+        key, value = parse_override(item)
+        _set(cfg, key, value, "override ")
+    validate(cfg)
+    return cfg
+
+
+def _apply_file(cfg: Config, cfg_path: Path) -> None:
+    """Set every field a YAML config file gives; relative data paths are the file's."""
     text = _read_config_file(cfg_path)
     try:
         data, lines = load_yaml(text, str(cfg_path))
@@ -388,11 +455,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         value = getattr(cfg.data, name)
         if value is not None and not Path(value).is_absolute():
             setattr(cfg.data, name, str(base / value))
-    for item in overrides or []:
-        key, value = parse_override(item)
-        _set(cfg, key, value, "override ")
-    validate(cfg)
-    return cfg
 
 
 def validate(cfg: Config) -> list[str]:
@@ -402,25 +464,22 @@ def validate(cfg: Config) -> list[str]:
     _check_sizes(cfg)
     positive = {
         "train.max_steps": t.max_steps,
-        "train.micro_batch_size": 1 if t.micro_batch_size == "auto" else t.micro_batch_size,
+        "train.epochs": t.epochs,
+        "train.micro_batch_size": None if t.micro_batch_size == "auto" else t.micro_batch_size,
+        "train.global_batch_size": t.global_batch_size,
         "train.grad_accum": t.grad_accum,
         "train.keep_last": t.keep_last,
         "train.eval_batch_size": t.eval_batch_size,
         "train.max_new_tokens": t.max_new_tokens,
-        "data.max_seq_len": d.max_seq_len,
+        "data.max_seq_len": None if d.max_seq_len == "auto" else d.max_seq_len,
     }
     for key, value in positive.items():
-        if value < 1:
+        if value is not None and value < 1:
             raise ConfigError(f"{key}: must be >= 1, got {value}")
     if t.eval_every < 0 or t.eval_every_sample < 0:
         raise ConfigError("train.eval_every and train.eval_every_sample must be >= 0")
     if t.eval_every and d.eval is None:
         raise ConfigError("train.eval_every: needs data.eval (a held-out file)")
-    if t.micro_batch_size == "auto" and (t.global_batch_size or 0) < 1:
-        raise ConfigError(
-            "train.micro_batch_size=auto needs train.global_batch_size (rows per optimizer "
-            "step, >= 1); the planner splits it into micro-batch x grad_accum"
-        )
     if t.save_every < 0:
         raise ConfigError(
             f"train.save_every: must be >= 0 (0 = only at the end), got {t.save_every}"
@@ -460,7 +519,7 @@ def validate(cfg: Config) -> list[str]:
         )
     if m.name in ("lora", "dora", "qlora") and m.r is not None and m.r > 64:
         warnings.append(f"method.r={m.r}: LoRA ranks above 64 rarely help; 8..64 is usual")
-    if t.max_steps >= 30 and 0 < t.warmup_ratio < 0.03:
+    if (t.max_steps or 0) >= 30 and 0 < t.warmup_ratio < 0.03:
         warnings.append(f"train.warmup_ratio={t.warmup_ratio:g} is short; 0.03..0.1 is usual")
     return warnings
 
@@ -489,7 +548,7 @@ def _check_sizes(cfg: Config) -> None:
     t, d, m = cfg.train, cfg.data, cfg.method
     micro = 1 if t.micro_batch_size == "auto" else t.micro_batch_size
     limits: dict[str, tuple[int | None, int]] = {
-        "data.max_seq_len": (d.max_seq_len, MAX_SEQ_LEN),
+        "data.max_seq_len": (None if d.max_seq_len == "auto" else d.max_seq_len, MAX_SEQ_LEN),
         "train.micro_batch_size": (micro, MAX_ROWS_PER_STEP),
         "train.grad_accum": (t.grad_accum, MAX_ROWS_PER_STEP),
         "train.global_batch_size": (t.global_batch_size, MAX_ROWS_PER_STEP),
@@ -559,12 +618,11 @@ def _validate_method(cfg: Config) -> None:
             f"train.gradient_checkpointing does not work with method.name={m.name}: transformers "
             "drops the KV cache, which holds the prefix, in checkpointed blocks; set it to false"
         )
-    if m.name in ("prefix", "ptuning_v2", "prompt") and d.pack:
-        # Packed rows keep examples apart through restarting position ids without a mask or KV
-        # cache; virtual tokens (a prefix cache, or prepended embeddings) defeat that.
+    if m.name in UNPACKED_METHODS and d.pack is True:
         raise ConfigError(
-            f"method.name={m.name} needs data.pack=false: in a packed row every example after "
-            "the first would be computed differently from the same example alone"
+            f"method.name={m.name} needs data.pack=false (or auto, the default): in a packed row "
+            "every example after the first would be computed differently from the same example "
+            "alone"
         )
 
 
@@ -594,6 +652,20 @@ def _validate_guard(g: GuardConfig) -> None:
 RUN_NAME_MAX = 100
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _MAX_NAME_BYTES = 255  # the longest file name ext4, xfs, btrfs, APFS and NTFS allow
+
+
+def effective_pack(pack: bool | str, method: str) -> bool:
+    """data.pack as the run uses it: auto packs unless `method` needs one example per row."""
+    if pack == "auto":
+        return method not in UNPACKED_METHODS
+    return bool(pack)
+
+
+def configured_global_batch(t: TrainConfig) -> int:
+    """Rows per optimizer step as configured (a smaller dataset lowers it; see run_setup)."""
+    if t.micro_batch_size == "auto":
+        return t.global_batch_size or DEFAULT_GLOBAL_BATCH
+    return t.micro_batch_size * t.grad_accum
 
 
 def _validate_run(r: RunConfig) -> None:

@@ -48,8 +48,9 @@ class SampleStream:
     """The run's sample order: seeded per-epoch permutations of the rows, back to back.
 
     Position `p` of the stream is a pure function of (num_rows, seed, p), so a step's window of
-    samples can be split into micro-batches of any size without changing which samples it holds
-    or their order (OOM recovery halves the micro-batch and replays the same window). For
+    samples (`window`) can be split into micro-batches of any size without changing which
+    samples it holds or their order (OOM recovery halves the micro-batch and replays the same
+    window), and a checkpoint needs only the position to resume exactly. For
     micro-batch sizes that divide `num_rows`, micro-batch `k` of `BatchSchedule` is the stream's
     positions `[k * size, (k + 1) * size)`.
     """
@@ -60,6 +61,18 @@ class SampleStream:
     @property
     def num_rows(self) -> int:
         return self._order.num_rows
+
+    def window(self, start: int, size: int) -> list[int]:
+        """The rows of the step that starts at stream position `start`: the next `size`
+        positions, cut at the end of the epoch.
+
+        A step never crosses an epoch boundary, so it never holds a row twice: the last step
+        of an epoch takes the rows left (fewer than `size`), and with fewer rows than `size`
+        every step is one pass over all of them.
+        """
+        n = self._order.num_rows
+        end = min(start + size, (start // n + 1) * n)
+        return self.rows(start, end - start)
 
     def rows(self, start: int, count: int) -> list[int]:
         """Row indices at stream positions `[start, start + count)` (may cross epochs)."""

@@ -31,6 +31,16 @@ def single_rows(examples: list[Example]) -> list[Row]:
     ]
 
 
+def rows_for(examples: list[Example], pack: bool, seq_len: int) -> list[Row]:
+    """Training rows: examples packed into rows of at most `seq_len` tokens, or one per row."""
+    return pack_examples(examples, seq_len) if pack else single_rows(examples)
+
+
+def longest_example(examples: Sequence[Example]) -> int:
+    """Tokens in the longest example (0 for none)."""
+    return max((len(e.input_ids) for e in examples), default=0)
+
+
 def pack_examples(examples: list[Example], seq_len: int) -> list[Row]:
     """Best-fit-decreasing packing into rows of at most `seq_len` tokens (see
     `best_fit_decreasing`; the same packer writes prepared shards).

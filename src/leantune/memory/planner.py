@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from leantune.config import Config, MethodConfig, TrainConfig
+from leantune.config import Config, MethodConfig, TrainConfig, configured_global_batch
 from leantune.memory.estimate import GIB, Breakdown, StepSettings, estimate
 from leantune.memory.facts import ModelFacts, build_meta_model, model_facts
 from leantune.methods.errors import MethodError
@@ -225,11 +225,14 @@ def plan_inputs(
     device: str,
     supervised_per_row: int | None = None,
     longest_row: int | None = None,
+    global_batch: int | None = None,
 ) -> PlanInputs:
     """Build the planner's inputs from `cfg` (the model on the meta device; no weights read).
 
     `longest_row` (tokens, from the data) bounds the sequence length: a micro-batch is padded to
-    its longest row, which for unpacked data is usually far below data.max_seq_len.
+    its longest row, which for unpacked data is usually far below data.max_seq_len (with
+    max_seq_len=auto and no data, the model's context). `global_batch` replaces the configured
+    one (a run whose data has fewer rows).
     """
     from transformers import AutoConfig
 
@@ -247,14 +250,14 @@ def plan_inputs(
         cfg.model.trust_remote_code,
     )
     t = cfg.train
-    if t.micro_batch_size == "auto":
-        global_batch = int(t.global_batch_size or 1)
-        micro = global_batch
-    else:
-        micro, global_batch = t.micro_batch_size, t.micro_batch_size * t.grad_accum
+    global_batch = global_batch or configured_global_batch(t)
+    micro = global_batch if t.micro_batch_size == "auto" else min(t.micro_batch_size, global_batch)
+    limit = cfg.data.max_seq_len
+    if limit == "auto":
+        limit = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
     step = StepSettings(
         micro_batch=micro,
-        seq_len=min(cfg.data.max_seq_len, longest_row or cfg.data.max_seq_len),
+        seq_len=min(limit, longest_row or limit),
         supervised_per_row=supervised_per_row,
         gradient_checkpointing=t.gradient_checkpointing,
         attn_implementation=cfg.model.attn_implementation,
@@ -300,36 +303,64 @@ def available_optimizers() -> tuple[str, ...]:
     return tuple(o for o in OPTIMIZER_LADDER if o in known)
 
 
+CPU_RSS_FACTOR = 1.7
+"""CPU RSS measured up to 1.7x a run's live tensors with glibc's default malloc
+(benchmarks/plan_accuracy.py): micro_batch_size=auto on CPU without train.memory_budget plans
+within the default budget divided by it."""
+FALLBACK_MICRO_BATCH = 4
+"""micro_batch_size=auto where the planner cannot model the run (an OOM still halves it)."""
+
+
 def plan_for_run(
-    cfg: Config, device: str, labels_per_row: list[list[int]]
+    cfg: Config, device: str, labels_per_row: list[list[int]], global_batch: int | None = None
 ) -> tuple[TrainConfig, str]:
     """At the start of `train`: resolve `micro_batch_size=auto` and describe the prediction.
 
     Returns the train config to use (a copy with micro_batch_size and grad_accum resolved when
-    auto; `cfg.train` itself otherwise) and the log line with the predicted peak.
+    auto; `cfg.train` itself otherwise) and the log line with the predicted peak. `global_batch`
+    is the run's rows per step when its data holds fewer than the configured global batch.
 
-    Raises:
-        MemoryError: auto, and not even micro-batch 1 fits the budget.
-        ValueError: auto, and the planner cannot model this model or method.
+    auto is the default, so a planner that cannot model the model or method (it builds it on the
+    meta device) does not stop the run: auto then means micro-batch 4 (or the global batch when
+    smaller), said in the log line; and a prediction that not even micro-batch 1 fits is a
+    warning with micro-batch 1 (an out of memory then stops the run with exit 5).
     """
     t = cfg.train
     try:
         longest = max((len(row) for row in labels_per_row), default=0) or None
-        inputs = plan_inputs(cfg, device, max_supervised_per_row(labels_per_row), longest)
+        supervised = max_supervised_per_row(labels_per_row)
+        inputs = plan_inputs(cfg, device, supervised, longest, global_batch)
     except Exception as e:  # a prediction is advice: it must never stop a configured run
-        if t.micro_batch_size == "auto" or isinstance(e, MethodError):  # nor let one go wrong
+        if isinstance(e, MethodError):  # nor let one go wrong
             raise
-        return t, f"memory planner: no prediction ({e})"
+        if t.micro_batch_size != "auto":
+            return t, f"memory planner: no prediction ({e})"
+        batch = global_batch or configured_global_batch(t)
+        mb = min(FALLBACK_MICRO_BATCH, batch)
+        t = replace(t, micro_batch_size=mb, grad_accum=-(-batch // mb))
+        return t, (
+            f"micro_batch_size=auto: the memory planner cannot model this run ({e}); "
+            f"micro-batch {mb} x grad_accum {t.grad_accum} (global batch {batch}; an out of "
+            "memory halves it)"
+        )
     if t.micro_batch_size == "auto":
         budget = budget_for(cfg, device)
-        mb, accum, b = resolve_micro_batch(
-            inputs.facts, inputs.step, inputs.global_batch, budget, inputs.weight_itemsize
-        )
+        headroom = device == "cpu" and t.memory_budget is None
+        if headroom:  # nothing catches an out of memory on CPU without a budget
+            budget = int(budget / CPU_RSS_FACTOR)
+        try:
+            mb, accum, b = resolve_micro_batch(
+                inputs.facts, inputs.step, inputs.global_batch, budget, inputs.weight_itemsize
+            )
+        except MemoryError as e:  # a prediction: the run (and its OOM handling) decides
+            t = replace(t, micro_batch_size=1, grad_accum=inputs.global_batch)
+            return t, f"warning: {e}; training with 1 x grad_accum {inputs.global_batch}"
         t = replace(t, micro_batch_size=mb, grad_accum=accum)
         return t, (
             f"micro_batch_size=auto: {mb} x grad_accum {accum} (global batch "
             f"{inputs.global_batch}); planner predicts peak {b.peak / GIB:.2f} GiB of a "
             f"{budget / GIB:.2f} GiB budget"
+            + (f" (available RAM / {CPU_RSS_FACTOR:g} for the allocator)" if headroom else "")
         )
     b = estimate(inputs.facts, inputs.step, inputs.weight_itemsize)
     return t, (

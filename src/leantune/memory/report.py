@@ -30,27 +30,33 @@ def row_stats_from_data(cfg: Config) -> tuple[int | None, int | None]:
     """(most supervised tokens in one training row, longest row) from the data (tokenizer only,
     no weights); (None, None) when the data cannot be read (the planner then assumes full rows
     of data.max_seq_len, all supervised)."""
+    from leantune.config import effective_pack
     from leantune.data.dataset import prepare_file
+    from leantune.data.packing import longest_example, rows_for
     from leantune.memory.planner import max_supervised_per_row
     from leantune.models.loading import load_tokenizer, resolve_model
+    from leantune.training.run_setup import FALLBACK_CONTEXT, model_context
 
-    if cfg.data.train is None:
+    d = cfg.data
+    if d.train is None:
         return None, None
     try:
-        tok = load_tokenizer(resolve_model(cfg.model.path, cfg.model.gguf_file))
-        data = prepare_file(
-            cfg.data.train,
-            cfg.data.format,
-            tok,
-            cfg.data.max_seq_len,
-            cfg.data.pack,
-            cfg.data.system_prompt,
-            1.0,
+        source = resolve_model(cfg.model.path, cfg.model.gguf_file)
+        tok = load_tokenizer(source)
+        auto = d.max_seq_len == "auto"
+        limit = (
+            int(d.max_seq_len)
+            if not auto
+            else (model_context(source.location, source.gguf_file, cfg.model) or FALLBACK_CONTEXT)
         )
+        pack = effective_pack(d.pack, cfg.method.name)
+        # max_seq_len=auto packs up to the longest example, as `train` does.
+        data = prepare_file(d.train, d.format, tok, limit, pack and not auto, d.system_prompt, 1.0)
+        rows = rows_for(data.examples, pack, longest_example(data.examples)) if auto else data.rows
     except Exception:
         return None, None
-    longest = max((len(r.input_ids) for r in data.rows), default=0) or None
-    return max_supervised_per_row([r.labels for r in data.rows]), longest
+    longest = max((len(r.input_ids) for r in rows), default=0) or None
+    return max_supervised_per_row([r.labels for r in rows]), longest
 
 
 def plan(cfg: Config, device: str, budget: str | None = None) -> dict[str, Any]:

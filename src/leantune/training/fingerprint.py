@@ -5,7 +5,9 @@ contents, ``model.files``, and its shapes, ``model.architecture``), the same dat
 file's contents, or a prepared directory's cache key, ``data.train``) and data settings, the same
 method settings, optimiser, schedule, seed and global batch (``train.global_batch``: how the batch
 is split into micro-batches does not change the result beyond float rounding, and an OOM recovery
-changes the split itself). ``train.lr`` is resolved to the method's default when unset.
+changes the split itself). ``train.lr`` is resolved to the method's default when unset;
+``data.max_seq_len``, ``data.pack`` and ``train.max_steps`` are the values the run resolved from
+its data and method (``training.run_setup``), next to the ``train.epochs`` they came from.
 
 Not in the fingerprint, so free to change between a run and its resume: ``run.*``, evaluation
 (``data.eval``, ``train.eval_*``, ``max_new_tokens``), ``save_every``, ``keep_last``, the guard
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from leantune.config import Config
+from leantune.config import Config, configured_global_batch
 from leantune.data.prepare.pipeline import file_digest, read_report
 from leantune.methods.registry import DEFAULT_LR
 from leantune.models.demo_model import leantune_home
@@ -54,6 +56,7 @@ TRAIN_FIELDS = (
     "min_lr_ratio",
     "max_grad_norm",
     "max_steps",
+    "epochs",
     "kl_coef",
     "precision",
     "seed",
@@ -131,20 +134,8 @@ def trajectory_settings(cfg: Config) -> dict[str, Any]:
     for name in TRAIN_FIELDS:
         fields[f"train.{name}"] = _plain(getattr(t, name))
     fields["train.lr"] = t.lr if t.lr is not None else DEFAULT_LR[cfg.method.name]
-    fields["train.global_batch"] = global_batch(
-        t.micro_batch_size, t.grad_accum, t.global_batch_size
-    )
+    fields["train.global_batch"] = configured_global_batch(t)
     return fields
-
-
-def global_batch(
-    micro_batch_size: int | str, grad_accum: int, global_batch_size: int | None
-) -> int:
-    """Rows per optimizer step: micro-batch x accumulation, or the planner's global batch."""
-    if micro_batch_size == "auto":
-        assert global_batch_size is not None, "validate() requires it with micro_batch_size=auto"
-        return global_batch_size
-    return int(micro_batch_size) * grad_accum
 
 
 def _plain(value: Any) -> Any:

@@ -19,9 +19,9 @@ step (`training.signals`, checked in `accumulate` only).
 
 from __future__ import annotations
 
+import copy
 import json
 import math
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,14 +31,10 @@ from typing import Any, TypeVar
 import torch
 import yaml
 from torch import nn
-from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.config import Config, GuardConfig, parse_memory_size, to_dict, validate
 from leantune.data.dataset import PreparedData
 from leantune.data.loader import SampleStream, collate, split_window
-from leantune.data.prepare.command import engine_options, settings_from_config
-from leantune.data.prepare.training import prepared_data
-from leantune.memory.planner import plan_for_run
 from leantune.methods.registry import (
     DEFAULT_LR,
     apply_method,
@@ -49,6 +45,7 @@ from leantune.methods.registry import (
 )
 from leantune.models.artifacts import save_final
 from leantune.models.loading import (
+    ModelSource,
     enable_gradient_checkpointing,
     load_model,
     load_tokenizer,
@@ -101,8 +98,14 @@ from leantune.training.resume_policy import (
     ResumePlan,
     apply_force,
     check_weights_fit,
-    plan_run,
     recorded_schedule,
+)
+from leantune.training.run_setup import (
+    check_resumable,
+    guard_settings,
+    named_run,
+    seed_everything,
+    set_up_run,
 )
 from leantune.training.rundir import (
     RunDir,
@@ -167,48 +170,6 @@ class StepResult:
     rows: list[int]
     end: int
     """Stream position just after this window."""
-
-
-def seed_everything(seed: int) -> None:
-    """Seed python, numpy (if present) and torch."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
-
-
-def load_datasets(
-    cfg: Config, tokenizer: PreTrainedTokenizerBase, log: Log
-) -> tuple[PreparedData, PreparedData | None]:
-    """Validate and tokenise the train (and eval) files once (cached); bad lines are reported."""
-    d = cfg.data
-    assert d.train is not None
-    prepared: list[PreparedData | None] = []
-    for path, limit in ((d.train, None), (d.eval, cfg.train.eval_limit)):
-        if path is None:
-            prepared.append(None)
-            continue
-        cache = d.cache_dir or cfg.run_dir / "prepared"
-        settings, engine = settings_from_config(d), engine_options(d)
-        data = prepared_data(
-            path, settings, tokenizer, cache, d.max_bad_fraction, limit, log, engine
-        )
-        for bad in data.bad[:20]:
-            log(f"bad line skipped: {bad}")
-        if len(data.bad) > 20:
-            log(f"... {len(data.bad) - 20} more bad lines in {path}")
-        log(
-            f"data {Path(path).name}: {len(data.examples)} examples, {len(data.rows)} rows, "
-            f"{data.supervised_tokens} supervised tokens, {len(data.bad)} bad lines"
-        )
-        prepared.append(data)
-    train_data, eval_data = prepared
-    assert train_data is not None
-    return train_data, eval_data
 
 
 def restore(trainer: Trainer, ckpt_dir: Path, log: Log) -> None:
@@ -381,7 +342,7 @@ def train_step(
     """One window: backward -> unscale -> clip (measure) -> guard -> step or skip."""
     start = time.perf_counter()
     step = tr.state.step + 1
-    window = tr.stream.rows(tr.samples_seen, tr.global_batch)
+    window = tr.stream.window(tr.samples_seen, tr.global_batch)
     loss, batches = accumulate(tr, window, precision, kl_coef)
     loss = tr.faults.spike(step, loss, tr.params.values())
     if tr.scaler is not None:
@@ -489,7 +450,8 @@ def act_on_guard(tr: Trainer, result: StepResult, files: RunFiles, g: GuardConfi
     raise TrainingStopped(
         f"training stopped at step {step}: {reason}. Checkpoint {path}. The same `leantune "
         "train` command resumes from it as it is; a lower train.lr or train.max_grad_norm, or "
-        "a data check, usually helps: add run.resume=force to continue with changed settings."
+        f"a data check, usually helps: add run.resume=force run.dir={files.run_dir} to continue "
+        "it with changed settings (without run.dir they would name another run)."
     )
 
 
@@ -548,30 +510,39 @@ def train(cfg: Config, log: Log = print, config_file: Path | None = None) -> dic
     started = time.perf_counter()
     for warning in validate(cfg):
         log(f"warning: {warning}")
+    cfg = copy.deepcopy(cfg)  # what the run resolves (its name, lengths, steps) stays its own
+    source = resolve_model(cfg.model.path, cfg.model.gguf_file)
+    cfg = named_run(cfg, source.location, source.gguf_file)
+    log(f"run directory: {cfg.run_dir}")  # a derived name changes with the settings
     with StopSignals() as stop, claim_run_dir(cfg.run_dir, cfg.run.resume == "never", log) as run:
         try:
-            return _train(cfg, log, stop, run, [config_file] if config_file else [], started)
+            inputs = [config_file] if config_file else []
+            return _train(cfg, source, log, stop, run, inputs, started)
         except Interrupted as exc:
             raise _explained(exc, cfg.run_dir / "checkpoints") from None
 
 
 def _train(
-    cfg: Config, log: Log, stop: StopSignals, run: RunDir, inputs: list[Path], started: float
+    cfg: Config,
+    source: ModelSource,
+    log: Log,
+    stop: StopSignals,
+    run: RunDir,
+    inputs: list[Path],
+    started: float,
 ) -> dict[str, Any]:
     """`train` inside its claimed run directory, with the stop signals handled."""
     signal_at_start()
-    source = resolve_model(cfg.model.path, cfg.model.gguf_file)
-    plan = plan_run(cfg, source.location, source.gguf_file, log)
+    check_resumable(cfg, source.location, source.gguf_file)  # before anything is written
     files = _run_files(cfg, inputs)
     events = EventLog(files.run_dir / EVENTS_FILE, log)
     faults = FaultHooks()
     seed_everything(cfg.train.seed)
     device = _device(cfg.train.device, cfg.train.precision, log)
     tokenizer = load_tokenizer(source, cfg.model.trust_remote_code)
-    train_data, eval_data = load_datasets(cfg, tokenizer, log)
-    t, memory_note = plan_for_run(cfg, device.type, [r.labels for r in train_data.rows])
-    cfg.train = t  # micro_batch_size=auto resolved; build_trainer reads cfg.train
-    log(memory_note)
+    setup = set_up_run(cfg, source, tokenizer, device.type, log)
+    cfg, plan, train_data, eval_data = setup.cfg, setup.plan, setup.train_data, setup.eval_data
+    t = cfg.train
     quantization = base_quantization(cfg.method, t.precision)
     model: nn.Module = load_model(
         source,
@@ -602,7 +573,9 @@ def _train(
         f"({100 * trainable / total:.3f}%)"
     )
     pad_id = int(tokenizer.pad_token_id)
-    trainer = build_trainer(cfg, model, params, train_data, pad_id, device, events, faults, stop)
+    trainer = build_trainer(
+        cfg, model, params, train_data, pad_id, device, events, faults, stop, setup.global_batch
+    )
     start_state(trainer, cfg, files, plan, log)
     extra = trainer.state.extra
     if base_exact_match is not None and "base_exact_match" not in extra:
@@ -676,9 +649,17 @@ def build_trainer(
     events: EventLog,
     faults: FaultHooks,
     stop: StopSignals | None = None,
+    global_batch: int | None = None,
 ) -> Trainer:
-    """Optimizer, schedule, scaler, sample stream and guard around the wrapped model."""
+    """Optimizer, schedule, scaler, sample stream and guard around the wrapped model.
+
+    `cfg.train` has its steps and micro-batch resolved; `global_batch` (default micro-batch x
+    grad_accum, or every row when there are fewer) is the rows per step.
+    """
     t = cfg.train
+    assert t.max_steps is not None and t.micro_batch_size != "auto", "resolved by train()"
+    rows = len(train_data.rows)
+    global_batch = global_batch or min(t.micro_batch_size * t.grad_accum, rows)
     lr = t.lr if t.lr is not None else DEFAULT_LR[cfg.method.name]
     optimizer = build_optimizer(params, lr, t.weight_decay, t.optimizer, device.type)
     budget = parse_memory_size(t.memory_budget, "train.memory_budget") if t.memory_budget else None
@@ -689,18 +670,18 @@ def build_trainer(
         optimizer=optimizer,
         scheduler=build_scheduler(optimizer, t.max_steps, t.warmup_ratio, t.min_lr_ratio),
         scaler=make_grad_scaler(t.precision, device.type),
-        stream=SampleStream(len(train_data.rows), t.seed),
+        stream=SampleStream(rows, t.seed),
         data=train_data,
         pad_id=pad_id,
         device=device,
         state=TrainingState(step=0, micro_batches_seen=0, extra={"schedule": schedule.to_json()}),
-        global_batch=int(t.micro_batch_size) * t.grad_accum,
-        micro_batch_size=int(t.micro_batch_size),
+        global_batch=global_batch,
+        micro_batch_size=min(t.micro_batch_size, global_batch),
         events=events,
         guard=guard_settings(cfg.guard),
         budget=MemoryBudget(budget),
         faults=faults,
-        levers=levers_message(cfg.data.max_seq_len, t.gradient_checkpointing, cfg.method.name),
+        levers=levers_message(int(cfg.data.max_seq_len), t.gradient_checkpointing, cfg.method.name),
         stop=stop if stop is not None else StopSignals(),
     )
 
@@ -738,6 +719,7 @@ def run_loop(
         Interrupted: SIGTERM or SIGINT arrived (the message says where the checkpoint is).
     """
     t = cfg.train
+    assert t.max_steps is not None, "resolved by train()"
     extra = tr.state.extra
     metrics = MetricsLog(files.run_dir / "metrics.jsonl", tr.state.step)
     eval_path = files.run_dir / "eval.jsonl"
@@ -802,22 +784,6 @@ def _stopped(tr: Trainer, files: RunFiles, exc: Interrupted) -> Interrupted:
     message = f"{exc.name}: stopped before step {step + 1}; checkpoint {path} (step {step})"
     tr.events.emit("signal", step + 1, message, checkpoint=str(path))
     return Interrupted(exc.signum, True, f"{message}. Run the same command to resume from it.")
-
-
-def guard_settings(g: GuardConfig) -> GuardSettings:
-    """The guard's settings from its config section."""
-    return GuardSettings(
-        nonfinite=g.nonfinite,
-        loss_spike=g.loss_spike,
-        grad_norm=g.grad_norm,
-        loss_sigmas=g.loss_sigmas,
-        loss_min_ratio=g.loss_min_ratio,
-        grad_sigmas=g.grad_sigmas,
-        grad_min_ratio=g.grad_min_ratio,
-        window=g.window,
-        warmup=g.warmup,
-        max_consecutive_skips=g.max_consecutive_skips,
-    )
 
 
 def _base_path(path: str) -> str:

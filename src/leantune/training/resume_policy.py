@@ -53,6 +53,7 @@ FORCE_MEANINGS: dict[str, str] = {
     "train.max_steps": "the LR schedule continues without a jump: a cosine from the LR reached "
     "down to the floor at the new max_steps (a run still in warmup finishes it first)",
     "train.min_lr_ratio": "the new floor of the continued cosine",
+    "train.epochs": "the run's length follows from it (its train.max_steps is listed too)",
     "train.warmup_ratio": "changes only a run that is still within the new warmup; after "
     "warmup the LR continues as for a new max_steps",
     "train.global_batch": "each step from the next one takes the new number of samples; the "
@@ -249,6 +250,7 @@ def recorded_schedule(extra: dict[str, Any], t: TrainConfig) -> Schedule:
     except (KeyError, TypeError, ValueError):
         schedule = None
     if schedule is None:
+        assert t.max_steps is not None, "train() resolves it from train.epochs and the data"
         schedule = default_schedule(t.max_steps, t.warmup_ratio, t.min_lr_ratio)
     extra["schedule"] = schedule.to_json()
     return schedule
@@ -272,6 +274,7 @@ def apply_force(
     (:meth:`Schedule.continued`); the new schedule goes into ``state.extra`` so that resuming
     the continued run is exact.
     """
+    assert t.max_steps is not None, "train() resolves it from train.epochs and the data"
     extra = state.extra
     schedule = recorded_schedule(extra, t)
     at = scheduler.last_epoch

@@ -13,14 +13,20 @@ if TYPE_CHECKING:  # records imports transformers; `leantune --help` should not 
     from leantune.data.prepare.records import PrepareSettings
 
 
+PREPARE_MAX_SEQ_LEN = 1024
+"""Row length of `leantune prepare` with data.max_seq_len=auto: it packs while it streams, so
+it needs the length before it has seen the data (`train` finds it from the data instead)."""
+
+
 def settings_from_config(data: Any) -> PrepareSettings:
-    """PrepareSettings from a `DataConfig` (the `data` section)."""
+    """PrepareSettings from a `DataConfig` (the `data` section); auto values as prepare uses
+    them (max_seq_len 1024, packing on)."""
     from leantune.data.prepare.records import PrepareSettings
 
     return PrepareSettings(
         format=data.format,
-        max_seq_len=data.max_seq_len,
-        pack=data.pack,
+        max_seq_len=PREPARE_MAX_SEQ_LEN if data.max_seq_len == "auto" else data.max_seq_len,
+        pack=data.pack is not False,
         system_prompt=data.system_prompt,
         clean=tuple(data.clean),
         dedup=data.dedup,
@@ -140,7 +146,7 @@ def _apply_flags(cfg: Any, args: argparse.Namespace, first_file: str) -> Any:
     Raises:
         ConfigError: a flag's value is out of range or of the wrong kind, naming the flag.
     """
-    from leantune.config import ConfigError, set_field, validate
+    from leantune.config import ConfigError, effective_pack, set_field, validate
 
     for name, flag in _FLAGS.items():
         value = getattr(args, name)
@@ -149,7 +155,7 @@ def _apply_flags(cfg: Any, args: argparse.Namespace, first_file: str) -> Any:
     if args.clean is not None:
         rules = [] if args.clean == "none" else [r for r in args.clean.split(",") if r]
         set_field(cfg, "data.clean", rules, "--clean: ")
-    cfg.data.pack = cfg.data.pack and not args.no_pack
+    cfg.data.pack = effective_pack(cfg.data.pack, cfg.method.name) and not args.no_pack
     cfg.data.truncate = cfg.data.truncate or args.truncate
     if args.workers < 1:
         raise ConfigError(f"--workers: must be >= 1, got {args.workers}")

@@ -1,0 +1,346 @@
+"""What a run derives before it trains: its name, and the settings its model and data decide.
+
+- ``run.name=auto`` (the default without run.dir) becomes ``<data file stem>-<method>-<8 hex>``,
+  the hex digits hashing the run's fingerprint as configured (its settings, and the digests of
+  the model's files and the train data): another run gets another directory, the same command
+  the same one, so it resumes.
+- ``data.pack=auto`` packs unless the method needs one example per row (`effective_pack`).
+- ``data.max_seq_len=auto``: the data is tokenised once with the model's context as the limit
+  (the tokenise-once cache is keyed by that), then packed up to its longest example.
+- The global batch: data with fewer rows than one global batch makes every step one pass over
+  all of them (a step's window never crosses an epoch: `SampleStream.window`).
+- ``train.epochs`` and ``train.max_steps`` give the number of steps (`steps_for`).
+
+`set_up_run` does all of this at the start of `train` and returns the config with these values
+resolved (``data.max_seq_len`` and ``data.pack`` concrete, ``train.max_steps`` the steps), which
+is what the run's fingerprint records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from leantune.config import (
+    AUTO_RUN_NAME,
+    MAX_SEQ_LEN,
+    Config,
+    GuardConfig,
+    ModelConfig,
+    TrainConfig,
+    configured_global_batch,
+    effective_pack,
+)
+from leantune.data.dataset import PreparedData
+from leantune.data.packing import longest_example, rows_for
+from leantune.data.prepare.command import engine_options, settings_from_config
+from leantune.data.prepare.pipeline import read_report
+from leantune.data.prepare.training import prepared_data
+from leantune.memory.planner import plan_for_run
+from leantune.models.loading import ModelSource
+from leantune.training.fingerprint import run_fingerprint
+from leantune.training.guard import GuardSettings
+from leantune.training.resume_policy import ResumePlan, plan_run
+from leantune.training.rundir import read_record
+
+Log = Callable[[str], None]
+
+FALLBACK_CONTEXT = 2048
+"""The length limit for data.max_seq_len=auto when the model's config names no context."""
+_STEM_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
+_STEM_MAX = 60  # leaves room for -<method>-<hash> within a run name's 100 characters
+
+
+@dataclass
+class RunSetup:
+    """The run's config with its derived values resolved, its data, and what to do with its
+    run directory."""
+
+    cfg: Config
+    plan: ResumePlan
+    train_data: PreparedData
+    eval_data: PreparedData | None
+    global_batch: int
+    """Rows per optimizer step: the configured global batch, or all rows when fewer."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The run's name
+
+
+def default_run_name(cfg: Config, model_location: str, gguf_file: str | None) -> str:
+    """``<data file stem>-<method>-<8 hex digits of the configured fingerprint>``."""
+    assert cfg.data.train is not None
+    fields = run_fingerprint(cfg, model_location, gguf_file).fields
+    text = json.dumps(fields, sort_keys=True, default=str)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:8]
+    return f"{_stem(cfg.data.train)}-{cfg.method.name}-{digest}"
+
+
+def _stem(path: str) -> str:
+    """A data file's name without its suffixes, as run-name characters."""
+    name = Path(path).name
+    for compressed in (".gz", ".zst"):
+        name = name.removesuffix(compressed)
+    stem = Path(name).stem if Path(name).suffix else name
+    return _STEM_CHARS.sub("_", stem).strip("._-")[:_STEM_MAX].strip("._-") or "run"
+
+
+def named_run(cfg: Config, model_location: str, gguf_file: str | None) -> Config:
+    """`cfg` with run.name=auto replaced by its default name (a copy; as is with run.dir)."""
+    if cfg.run.dir or cfg.run.name != AUTO_RUN_NAME:
+        return cfg
+    name = default_run_name(cfg, model_location, gguf_file)
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=name))
+
+
+def check_resumable(cfg: Config, location: str, gguf_file: str | None) -> None:
+    """Refuse a run directory that holds another run before anything is tokenised or written.
+
+    The values this config leaves to the data (data.max_seq_len=auto, data.pack=auto, unset
+    train.max_steps) are taken as the recorded run's; what they resolve to is compared once the
+    data is read (`plan_run` in `train`).
+
+    Raises:
+        RunMismatch: the recorded run's fingerprint differs (see `resume_policy.plan_resume`).
+    """
+    record = read_record(cfg.run_dir)
+    if record is None or cfg.run.resume == "never":
+        return
+    recorded, d, t = record.fingerprint, cfg.data, cfg.train
+    data = dataclasses.replace(
+        d,
+        max_seq_len=recorded.get("data.max_seq_len", "auto")
+        if d.max_seq_len == "auto"
+        else d.max_seq_len,
+        pack=recorded.get("data.pack", "auto") if d.pack == "auto" else d.pack,
+    )
+    steps = recorded.get("train.max_steps") if t.max_steps is None else t.max_steps
+    assumed = dataclasses.replace(cfg, data=data, train=dataclasses.replace(t, max_steps=steps))
+    plan_run(assumed, location, gguf_file, lambda _message: None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Steps
+
+
+def steps_for(rows: int, global_batch: int, epochs: int | None, max_steps: int | None) -> int:
+    """Optimizer steps of a run: `epochs` passes of ceil(rows / global batch) steps, capped at
+    `max_steps`; `max_steps` alone is the number of steps; neither is one pass."""
+    per_epoch = -(-rows // global_batch)
+    if epochs is None:
+        return max_steps if max_steps is not None else per_epoch
+    total = epochs * per_epoch
+    return total if max_steps is None else min(total, max_steps)
+
+
+def describe_steps(rows: int, batch: int, epochs: int | None, max_steps: int | None) -> str:
+    """The log line saying how the run's steps follow from its data."""
+    per_epoch = -(-rows // batch)
+    steps = steps_for(rows, batch, epochs, max_steps)
+    shape = f"{per_epoch} steps each ({rows} rows / global batch {batch}, rounded up)"
+    if epochs is None and max_steps is not None:
+        return f"{steps} steps (train.max_steps): {steps / per_epoch:.3g} epochs of {shape}"
+    count = epochs or 1
+    line = f"{steps} steps: {count} epoch{'s' if count != 1 else ''} of {shape}"
+    if max_steps is not None and max_steps < count * per_epoch:
+        line += f", capped at train.max_steps={max_steps}"
+    if epochs is None:
+        line += "; train.epochs or train.max_steps train longer"
+    return line
+
+
+def _batch_and_steps(t: TrainConfig, data: PreparedData, log: Log) -> tuple[int, int]:
+    """(global batch, steps) for `data`; says so when the data is smaller than one batch."""
+    rows = len(data.rows)
+    configured = configured_global_batch(t)
+    batch = min(configured, rows)
+    if batch < configured:
+        log(
+            f"warning: data: {rows} row{'s' if rows != 1 else ''} ({len(data.examples)} "
+            f"examples), fewer than the global batch of {configured}: every step is one pass "
+            f"over all of them (global batch {batch}), never a row twice"
+        )
+    log(describe_steps(rows, batch, t.epochs, t.max_steps))
+    return batch, steps_for(rows, batch, t.epochs, t.max_steps)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+
+def model_context(location: str, gguf_file: str | None, model: ModelConfig) -> int | None:
+    """The longest input the model takes: max_position_embeddings, times a RoPE scaling
+    factor when model.rope_scaling is set; None when its config does not say."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(
+            location, gguf_file=gguf_file, trust_remote_code=model.trust_remote_code
+        )
+    except Exception:  # loading the model reports what is wrong with it
+        return None
+    context = getattr(config, "max_position_embeddings", None) or getattr(
+        config, "n_positions", None
+    )
+    if not isinstance(context, int) or context < 1:
+        return None
+    rope = model.rope_scaling
+    if rope is not None:
+        context = int((rope.original_max_position_embeddings or context) * rope.factor)
+    return min(context, MAX_SEQ_LEN)
+
+
+def _prepared_len(path: Path) -> int | None:
+    """The max_seq_len a prepared directory was packed with."""
+    try:
+        value = ((read_report(path) or {}).get("settings") or {}).get("max_seq_len")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+def load_datasets(
+    cfg: Config, tokenizer: PreTrainedTokenizerBase, context: int | None, log: Log
+) -> tuple[PreparedData, PreparedData | None, int]:
+    """Tokenise the train (and eval) files once (cached); bad lines are reported.
+
+    Returns (train, eval, max_seq_len). With data.max_seq_len=auto the limit is the model's
+    `context` and the rows are packed up to the longest train example, which is the
+    max_seq_len returned; a prepared directory keeps its rows and its length.
+    """
+    d = cfg.data
+    assert d.train is not None
+    pack = effective_pack(d.pack, cfg.method.name)
+    auto = d.max_seq_len == "auto"
+    train_path = Path(d.train)
+    if not auto:
+        limit = int(d.max_seq_len)
+    else:
+        limit = (_prepared_len(train_path) if train_path.is_dir() else None) or (
+            context or FALLBACK_CONTEXT
+        )
+    # auto: tokenise one example per row, so the cache does not depend on the length found.
+    settings = settings_from_config(
+        dataclasses.replace(d, max_seq_len=limit, pack=pack and not auto)
+    )
+    cache = d.cache_dir or cfg.run_dir / "prepared"
+
+    def prepare(path: str, eval_limit: int | None) -> PreparedData:
+        data = prepared_data(
+            path, settings, tokenizer, cache, d.max_bad_fraction, eval_limit, log, engine_options(d)
+        )
+        for bad in data.bad[:20]:
+            log(f"bad line skipped: {bad}")
+        if len(data.bad) > 20:
+            log(f"... {len(data.bad) - 20} more bad lines in {path}")
+        return data
+
+    train = prepare(d.train, None)
+    max_seq_len = limit
+    if auto and not train_path.is_dir():
+        max_seq_len = longest_example(train.examples)
+        train.rows = rows_for(train.examples, pack, max_seq_len)
+        where = (
+            f"the model's context is {context}"
+            if context
+            else (f"the model's config names no context; {limit} was the limit")
+        )
+        log(
+            f"data.max_seq_len=auto: {max_seq_len} tokens, the longest example ({where}; longer "
+            "examples are bad lines)"
+        )
+    evaluation = prepare(d.eval, cfg.train.eval_limit) if d.eval is not None else None
+    if evaluation is not None and auto and pack:
+        length = max(max_seq_len, longest_example(evaluation.examples))
+        evaluation.rows = rows_for(evaluation.examples, True, length)
+    for path, data in ((d.train, train), (d.eval, evaluation)):
+        if data is not None and path is not None:
+            log(
+                f"data {Path(path).name}: {len(data.examples)} examples, {len(data.rows)} rows, "
+                f"{data.supervised_tokens} supervised tokens, {len(data.bad)} bad lines"
+            )
+    return train, evaluation, max_seq_len
+
+
+def _describe_pack(pack: bool | str, method: str) -> str | None:
+    """The log line for data.pack=auto (None when it was set)."""
+    if pack != "auto":
+        return None
+    if effective_pack(pack, method):
+        return f"data.pack=auto: packed rows (method.name={method} allows packing)"
+    return (
+        f"data.pack=auto: one example per row (method.name={method} needs unpacked rows: its "
+        "virtual tokens would join the examples of a packed row)"
+    )
+
+
+def set_up_run(
+    cfg: Config,
+    source: ModelSource,
+    tokenizer: PreTrainedTokenizerBase,
+    device: str,
+    log: Log,
+) -> RunSetup:
+    """Tokenise the data, resolve what follows from it and the method (data.pack,
+    data.max_seq_len, the global batch, the steps), decide fresh / resume / force on the
+    fingerprint of those values, then let the memory planner resolve micro_batch_size=auto.
+
+    Raises:
+        RunMismatch: the run directory holds a run with other settings (exit 2).
+    """
+    d = cfg.data
+    note = _describe_pack(d.pack, cfg.method.name)
+    if note is not None:
+        log(note)
+    location, gguf_file = source.location, source.gguf_file
+    context = model_context(location, gguf_file, cfg.model) if d.max_seq_len == "auto" else None
+    train_data, eval_data, max_seq_len = load_datasets(cfg, tokenizer, context, log)
+    batch, steps = _batch_and_steps(cfg.train, train_data, log)
+    data = dataclasses.replace(
+        d, max_seq_len=max_seq_len, pack=effective_pack(d.pack, cfg.method.name)
+    )
+    cfg = dataclasses.replace(cfg, data=data, train=dataclasses.replace(cfg.train, max_steps=steps))
+    # The fingerprint holds the configured micro-batch split (auto, or the numbers given).
+    plan = plan_run(cfg, location, gguf_file, log)
+    labels = [r.labels for r in train_data.rows]
+    t, memory_note = plan_for_run(cfg, device, labels, batch)
+    log(memory_note)
+    return RunSetup(dataclasses.replace(cfg, train=t), plan, train_data, eval_data, batch)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy (if present) and torch."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+def guard_settings(g: GuardConfig) -> GuardSettings:
+    """The guard's settings from its config section."""
+    return GuardSettings(
+        nonfinite=g.nonfinite,
+        loss_spike=g.loss_spike,
+        grad_norm=g.grad_norm,
+        loss_sigmas=g.loss_sigmas,
+        loss_min_ratio=g.loss_min_ratio,
+        grad_sigmas=g.grad_sigmas,
+        grad_min_ratio=g.grad_min_ratio,
+        window=g.window,
+        warmup=g.warmup,
+        max_consecutive_skips=g.max_consecutive_skips,
+    )
