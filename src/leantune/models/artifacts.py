@@ -129,11 +129,30 @@ def unfinished_run_message(run: Path) -> str:
     )
 
 
+def _holds_model(p: Path) -> bool:
+    return (p / "config.json").is_file() or is_adapter_dir(p) or is_bottleneck_adapter_dir(p)
+
+
+def model_of_run(path: str) -> str:
+    """The model a path stands for: a run directory's `final/`, else the path as given.
+
+    A directory that itself holds a model is that model, even with a `final/` inside it.
+    """
+    p = Path(path).expanduser()
+    try:
+        if p.is_dir() and not _holds_model(p) and (p / "final").is_dir():
+            return str(p / "final")
+    except OSError:  # a name the OS refuses; check_model_path says so
+        pass
+    return path
+
+
 def check_model_path(path: str, label: str = "") -> None:
     """Refuse, before anything loads, a local path that cannot be a model.
 
-    A model is the demo name, a hub id (`org/name`), a `.gguf` file, or a directory holding an
-    HF model (`config.json`), a peft adapter or a bottleneck adapter.
+    A model is the demo name, a hub id (`org/name`), a `.gguf` file, a directory holding an
+    HF model (`config.json`), a peft adapter or a bottleneck adapter, or a run directory with a
+    `final/` model (see `model_of_run`).
 
     Raises:
         ModelPathError: naming `label` (e.g. `--model`) and the path, and what to give instead.
@@ -141,7 +160,7 @@ def check_model_path(path: str, label: str = "") -> None:
     where = f"{label} {path}" if label else path
     if path.lower() in DEMO_MODEL_NAMES:
         return
-    p = Path(path).expanduser()
+    p = Path(model_of_run(path)).expanduser()
     try:
         is_file, is_dir = p.is_file(), p.is_dir()
     except (OSError, ValueError) as e:  # a name the OS refuses, e.g. too long
@@ -153,10 +172,8 @@ def check_model_path(path: str, label: str = "") -> None:
             )
         return
     if is_dir:
-        if (p / "config.json").is_file() or is_adapter_dir(p) or is_bottleneck_adapter_dir(p):
+        if _holds_model(p):
             return
-        if (p / "final").is_dir():
-            raise ModelPathError(f"{where}: a run directory; give its model, {p / 'final'}")
         if _is_run_dir(p):
             raise ModelPathError(f"{where}: {unfinished_run_message(p)}")
         ggufs = sorted(p.glob("*.gguf"))
@@ -176,7 +193,8 @@ def check_model_path(path: str, label: str = "") -> None:
 def load_for_inference(
     path: str, dtype: str = "fp32", trust_remote_code: bool = False
 ) -> tuple[PreTrainedModel | PeftModel, PreTrainedTokenizerBase]:
-    """Load a model directory, GGUF file, hub id, demo name, or adapter directory (with its base).
+    """Load a model directory, GGUF file, hub id, demo name, adapter directory (with its base),
+    or a run directory's `final/` model.
 
     Raises:
         ModelPathError: `path` is not a model or cannot be loaded (unreadable config or weights,
@@ -190,9 +208,13 @@ def load_for_inference(
 def _load_for_inference(
     path: str, dtype: str, trust_remote_code: bool
 ) -> tuple[PreTrainedModel | PeftModel, PreTrainedTokenizerBase]:
-    p = Path(path)
+    path = model_of_run(path)
+    p = Path(path).expanduser()
     if p.is_dir() and (is_adapter_dir(p) or is_bottleneck_adapter_dir(p)):
         base, info = _base_of(p)
+        # The tokenizer first: it loads in a moment, and a missing one is the user's to fix.
+        tok_source = ModelSource(str(p)) if (p / "tokenizer_config.json").is_file() else base
+        tokenizer = load_tokenizer(tok_source, trust_remote_code)
         rope = RopeScalingConfig(**info["rope_scaling"]) if info.get("rope_scaling") else None
         quant = Quantization.from_json(info["quantization"]) if info.get("quantization") else None
         device = "cuda" if quant is not None and torch.cuda.is_available() else "cpu"
@@ -205,10 +227,10 @@ def _load_for_inference(
         else:
             with quiet_peft():
                 adapted = PeftModel.from_pretrained(model, p)
-        tok_source = ModelSource(str(p)) if (p / "tokenizer_config.json").is_file() else base
         adapted.eval()
-        return adapted, load_tokenizer(tok_source, trust_remote_code)
+        return adapted, tokenizer
     source = resolve_model(path)
+    tokenizer = load_tokenizer(source, trust_remote_code)
     model = load_model(source, dtype, trust_remote_code)
     model.eval()
-    return model, load_tokenizer(source, trust_remote_code)
+    return model, tokenizer
