@@ -71,6 +71,8 @@ def paths(tmp_path_factory: pytest.TempPathFactory, tiny_qwen2_dir: Path) -> Pat
     (tmp / "five.gguf").write_bytes(b"GGUF\x03")
     bad_config = tmp / "bad_config"
     bad_config.mkdir()
+    for f in tiny_qwen2_dir.glob("tokenizer*"):  # a model whose only fault is its config
+        shutil.copy(f, bad_config)
     (bad_config / "config.json").write_text("{oops")
     export_dir = tmp / "earlier_export"
     shutil.copytree(tiny_qwen2_dir, export_dir)
@@ -295,16 +297,14 @@ CASES: dict[str, Case] = {
             *("train", f"model.path={p.empty_dir}", f"data.train={p.data}", "data.eval=null"),
             *("train.eval_exact_match=false", f"run.dir={p.tmp / 'run_x'}"),
         ],
-        lambda p: [f"error: {p.empty_dir}: cannot be loaded as a model"],
-        loads=True,
+        lambda p: [f"error: {p.empty_dir}: not a model directory (no config.json"],
     ),
     "prepare --model an empty dir": Case(
         lambda p: [
             *("prepare", "--data", str(p.data), "--format", "chat"),
             *("--model", str(p.empty_dir), "--out", str(p.tmp / "prepared_x")),
         ],
-        lambda p: [f"error: {p.empty_dir}: cannot be loaded as a model"],
-        loads=True,
+        lambda p: [f"error: {p.empty_dir}: not a model directory (no config.json"],
     ),
     "export --out under a file": Case(
         lambda p: ["export", str(p.model), "--format", "hf", "--out", str(p.text_file / "sub")],
@@ -456,7 +456,7 @@ def test_uncached_hub_id_offline_is_a_clear_error(
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     result = run_cli(_model(_eval(paths), "nobody-here/no-such-model"))
     assert result.code == 2, result
-    assert "nobody-here/no-such-model: cannot be loaded as a model" in result.err
+    assert "nobody-here/no-such-model: not a local path, and not in the HF cache" in result.err
 
 
 def test_export_parity_failure_still_exits_1(paths: Paths, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -82,6 +82,13 @@ def _number(ok: Callable[[float], bool], rule: str) -> Callable[[str], float]:
     return parse
 
 
+def check_model_path(path: str, label: str) -> None:
+    """`models.paths.check_model_path`: refuse a path that is not a model, importing no torch."""
+    from leantune.models.paths import check_model_path as check
+
+    check(path, label)
+
+
 def _check_data_file(text: str, flag: str) -> Path:
     """The JSONL file given as `flag`, or a UserError naming the flag and the path."""
     from leantune.errors import UserError
@@ -228,15 +235,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     path = _check_data_file(args.data, "--data") if args.data is not None else None
     if args.lm_eval:
         _lm_eval_tasks(args)
+    check_model_path(args.model, "--model")  # before the libraries that load it are imported
     _quiet_libraries()
     import torch
 
     from leantune.data.dataset import prepare_file
     from leantune.eval.exact_match import evaluate_exact_match
     from leantune.eval.loss import evaluate_loss
-    from leantune.models.artifacts import check_model_path, load_for_inference
+    from leantune.models.artifacts import load_for_inference
 
-    check_model_path(args.model, "--model")
     torch.manual_seed(0)
     model, tokenizer = load_for_inference(args.model, args.dtype)
     if path is None:
@@ -297,11 +304,11 @@ def _decoding(args: argparse.Namespace, model: Any) -> Any:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     _check_generate_args(args)
+    check_model_path(args.model, "--model")  # before the libraries that load it are imported
     _quiet_libraries()
     from leantune.eval.generation import generate_texts, render_prompt
-    from leantune.models.artifacts import check_model_path, load_for_inference
+    from leantune.models.artifacts import load_for_inference
 
-    check_model_path(args.model, "--model")
     model, tokenizer = load_for_inference(args.model, args.dtype)
     settings = _decoding(args, model)
     has_template = getattr(tokenizer, "chat_template", None) is not None

@@ -40,7 +40,7 @@ from leantune.export.source import (
 )
 from leantune.export.source import model_logits_fn as _model_logits_fn
 from leantune.export.torchscript import example_input, load_torchscript, write_torchscript
-from leantune.models.artifacts import check_model_path, is_adapter_dir
+from leantune.models.paths import check_model_path, is_adapter_dir
 
 
 @dataclass

@@ -234,11 +234,16 @@ def plan_inputs(
     from transformers import AutoConfig
 
     from leantune.models.loading import resolve_model
+    from leantune.models.paths import downloads_allowed, hub_offline_unless_allowed
 
     source = resolve_model(cfg.model.path, cfg.model.gguf_file)
-    hf_config = AutoConfig.from_pretrained(
-        source.location, gguf_file=source.gguf_file, trust_remote_code=cfg.model.trust_remote_code
-    )
+    with hub_offline_unless_allowed():
+        hf_config = AutoConfig.from_pretrained(
+            source.location,
+            gguf_file=source.gguf_file,
+            trust_remote_code=cfg.model.trust_remote_code,
+            local_files_only=not downloads_allowed(),
+        )
     facts = model_facts_for(
         hf_config,
         cfg.model.dtype,

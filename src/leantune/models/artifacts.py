@@ -14,10 +14,13 @@ full-precision base instead would evaluate a different model (W + BA rather than
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -27,25 +30,37 @@ from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.config import RopeScalingConfig
-from leantune.methods.adapter import (
-    adapter_settings,
-    is_bottleneck_adapter_dir,
-    load_adapter,
-    save_adapter,
-)
+from leantune.methods.adapter import adapter_settings, load_adapter, save_adapter
 from leantune.methods.lora import quiet_peft
-from leantune.models.demo_model import DEMO_MODEL_NAMES
 from leantune.models.loading import (
-    ModelPathError,
     ModelSource,
     load_model,
     load_tokenizer,
     loading,
     resolve_model,
 )
+from leantune.models.paths import (
+    ModelPathError,
+    hub_offline_unless_allowed,
+    is_adapter_dir,
+    is_bottleneck_adapter_dir,
+    model_of_run,
+)
+from leantune.models.paths import check_model_path as check_model_path  # where export finds it
 from leantune.models.quantize import Quantization
 
 BASE_POINTER = "leantune_base.json"
+
+
+@contextlib.contextmanager
+def _offline_save() -> Iterator[None]:
+    """peft's save of an adapter on a hub-id base asks the hub whether the base's config.json
+    exists (to tell a resized vocabulary, which leantune never makes): offline, it warns twice
+    that it cannot, which says nothing to the user."""
+    with hub_offline_unless_allowed(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Unable to fetch remote file")
+        warnings.filterwarnings("ignore", message="Could not find a config file in")
+        yield
 
 
 def save_final(
@@ -70,7 +85,8 @@ def save_final(
     if bottleneck:
         save_adapter(model, tmp)
     else:
-        model.save_pretrained(tmp)  # type: ignore[operator]
+        with _offline_save():
+            model.save_pretrained(tmp)  # type: ignore[operator]
     tokenizer.save_pretrained(tmp)
     if isinstance(model, PeftModel) or bottleneck:
         pointer: dict[str, object] = {"base_model": base_path, "gguf_file": base_gguf_file}
@@ -89,11 +105,6 @@ def save_final(
     return out_dir
 
 
-def is_adapter_dir(path: Path) -> bool:
-    """True for a peft adapter directory."""
-    return (path / "adapter_config.json").is_file()
-
-
 def _base_of(adapter_dir: Path) -> tuple[ModelSource, dict]:
     """The adapter's base model and its pointer file's contents (empty without one)."""
     pointer = adapter_dir / BASE_POINTER
@@ -110,84 +121,6 @@ def _base_of(adapter_dir: Path) -> tuple[ModelSource, dict]:
     if not isinstance(base, str):
         raise ModelPathError(f"{adapter_dir}: adapter_config.json names no base model")
     return resolve_model(base), {}
-
-
-def _is_run_dir(p: Path) -> bool:
-    """True for a leantune run directory (it holds the resolved config or checkpoints)."""
-    return (p / "config.yaml").is_file() or (p / "checkpoints").is_dir()
-
-
-def unfinished_run_message(run: Path) -> str:
-    """Why a run directory without `final/` has no model, and how to get one."""
-    steps = sorted(c.name for c in (run / "checkpoints").glob("step-*") if c.is_dir())
-    newest = f"newest checkpoint: {steps[-1]}" if steps else "no checkpoint saved yet"
-    return (
-        f"a leantune run without a final model ({newest}): final/ is written when training "
-        "finishes. Run the same `leantune train` command again; it resumes from the newest "
-        f"checkpoint and writes {run / 'final'}. Checkpoints hold what resuming needs "
-        "(trainable weights, optimizer state), not a model to load"
-    )
-
-
-def _holds_model(p: Path) -> bool:
-    return (p / "config.json").is_file() or is_adapter_dir(p) or is_bottleneck_adapter_dir(p)
-
-
-def model_of_run(path: str) -> str:
-    """The model a path stands for: a run directory's `final/`, else the path as given.
-
-    A directory that itself holds a model is that model, even with a `final/` inside it.
-    """
-    p = Path(path).expanduser()
-    try:
-        if p.is_dir() and not _holds_model(p) and (p / "final").is_dir():
-            return str(p / "final")
-    except OSError:  # a name the OS refuses; check_model_path says so
-        pass
-    return path
-
-
-def check_model_path(path: str, label: str = "") -> None:
-    """Refuse, before anything loads, a local path that cannot be a model.
-
-    A model is the demo name, a hub id (`org/name`), a `.gguf` file, a directory holding an
-    HF model (`config.json`), a peft adapter or a bottleneck adapter, or a run directory with a
-    `final/` model (see `model_of_run`).
-
-    Raises:
-        ModelPathError: naming `label` (e.g. `--model`) and the path, and what to give instead.
-    """
-    where = f"{label} {path}" if label else path
-    if path.lower() in DEMO_MODEL_NAMES:
-        return
-    p = Path(model_of_run(path)).expanduser()
-    try:
-        is_file, is_dir = p.is_file(), p.is_dir()
-    except (OSError, ValueError) as e:  # a name the OS refuses, e.g. too long
-        raise ModelPathError(f"{where}: not a usable path ({e})") from None
-    if is_file:
-        if p.suffix.lower() != ".gguf":
-            raise ModelPathError(
-                f"{where}: a file that is not a .gguf model; give a .gguf file or a model directory"
-            )
-        return
-    if is_dir:
-        if _holds_model(p):
-            return
-        if _is_run_dir(p):
-            raise ModelPathError(f"{where}: {unfinished_run_message(p)}")
-        ggufs = sorted(p.glob("*.gguf"))
-        hint = f"; for its GGUF model give the file, e.g. {ggufs[0]}" if ggufs else ""
-        raise ModelPathError(
-            f"{where}: not a model directory (no config.json, adapter_config.json or "
-            f"leantune adapter){hint}"
-        )
-    if path.count("/") == 1 and not path.startswith((".", "/", "~")):
-        return  # a hub id, served from the local HF cache when offline
-    raise ModelPathError(
-        f"{where}: no such file or directory; give a model directory, a .gguf file, a hub id "
-        f"'org/name' or '{sorted(DEMO_MODEL_NAMES)[0]}'"
-    )
 
 
 def load_for_inference(
