@@ -189,12 +189,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _detect_format(path: Path) -> str:
-    from leantune.data.formats import detect_format
-
-    return detect_format(path)
-
-
 def _lm_eval_tasks(args: argparse.Namespace) -> list[str]:
     """The --lm-eval task names, checked with --lm-eval-include before any model loads."""
     from leantune.errors import UserError
@@ -239,34 +233,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
     _quiet_libraries()
     import torch
 
-    from leantune.data.dataset import prepare_file
-    from leantune.eval.exact_match import evaluate_exact_match
-    from leantune.eval.loss import evaluate_loss
+    from leantune.eval.run import evaluate_file
     from leantune.models.artifacts import load_for_inference
 
     torch.manual_seed(0)
     model, tokenizer = load_for_inference(args.model, args.dtype)
-    if path is None:
-        lm_eval = _lm_eval(args, model, tokenizer)
-        print(json.dumps({"model": args.model, "lm_eval": lm_eval}, indent=2))
-        return 0
-    fmt = args.format or _detect_format(path)
-    data = prepare_file(path, fmt, tokenizer, args.max_seq_len, pack=False, max_bad_fraction=1.0)
-    for bad in data.bad:
-        print(f"bad line skipped: {bad}", file=sys.stderr)
-    if args.limit is not None:  # >= 1 (checked by argparse)
-        data.rows, data.records = data.rows[: args.limit], data.records[: args.limit]
-    pad = int(tokenizer.pad_token_id)
-    result: dict[str, object] = {"model": args.model, "data": str(path), "format": fmt}
-    result.update(evaluate_loss(model, data.rows, pad, args.batch_size))
-    result["examples"] = len(data.rows)
-    result["bad_lines"] = len(data.bad)
-    if fmt in ("chat", "alpaca"):
-        convs = [list(r.messages) for r in data.records if r.messages is not None]
-        score, _ = evaluate_exact_match(
-            model, tokenizer, convs, args.batch_size, args.max_new_tokens
+    result: dict[str, object] = {"model": args.model}
+    if path is not None:
+        result |= evaluate_file(
+            model,
+            tokenizer,
+            path,
+            args.format,
+            args.limit,
+            args.batch_size,
+            args.max_new_tokens,
+            args.max_seq_len,
+            on_bad_line=lambda bad: print(f"bad line skipped: {bad}", file=sys.stderr),
         )
-        result["exact_match"] = score
     if args.lm_eval:
         result["lm_eval"] = _lm_eval(args, model, tokenizer)
     print(json.dumps(result, indent=2))
