@@ -1,11 +1,11 @@
 """Command line: a thin layer over the library.
 
 leantune train [CONFIG.yaml] [section.key=value ...]
-leantune validate CONFIG.yaml [section.key=value ...]
+leantune validate CONFIG.yaml [section.key=value ...] | --help-fields
 leantune prepare CONFIG.yaml | --data FILE... --format F --model PATH [--out DIR] [--engine dask]
 leantune plan [CONFIG.yaml] [--budget 24GiB] [--device cpu|cuda] [--json] [section.key=value ...]
-leantune eval --model PATH --data FILE [--limit N] [--lm-eval TASKS [--lm-eval-limit N]]
-leantune generate --model PATH --prompt TEXT [--chat] [sampling options]
+leantune eval --model MODEL_OR_RUN --data FILE [--limit N] [--lm-eval TASKS [--lm-eval-limit N]]
+leantune generate --model MODEL_OR_RUN --prompt TEXT [--chat] [sampling options]
 leantune bench methods [CONFIG.yaml] [--methods a,b] [--out DIR] [section.key=value ...]
 leantune export RUN_OR_MODEL --format hf|adapter|gguf|torchscript|int8 --out DIR
 
@@ -409,8 +409,8 @@ MODEL_HELP = "model dir, run dir (its final/), adapter dir, .gguf file, cached h
 DTYPES = ("fp32", "bf16", "fp16")
 
 
-def _add_eval_parsers(sub: Any) -> None:
-    """The `eval` and `generate` subcommands."""
+def _add_eval_parser(sub: Any) -> None:
+    """The `eval` subcommand."""
     from leantune.config import MAX_SEQ_LEN
 
     e = sub.add_parser("eval", help="loss, perplexity and exact match of a model on a JSONL file")
@@ -447,6 +447,9 @@ def _add_eval_parsers(sub: Any) -> None:
     )
     e.set_defaults(func=cmd_eval)
 
+
+def _add_generate_parser(sub: Any) -> None:
+    """The `generate` subcommand."""
     g = sub.add_parser(
         "generate",
         help="generate a reply (or chat with --chat)",
@@ -512,10 +515,58 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
+def _add_bench_parser(sub: Any) -> None:
+    """The `bench` subcommands."""
+    b = sub.add_parser("bench", help="benchmarks: `bench methods` compares fine-tuning methods")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bm = bsub.add_parser("methods", help="train each method on the same data and compare")
+    bm.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
+    bm.add_argument("--methods", default=None, help="comma-separated (default: all)")
+    bm.add_argument(
+        "--steps", type=_count(1), default=None, help="override train.max_steps (default: config's)"
+    )
+    bm.add_argument(
+        "--lr",
+        default=None,
+        help="per-method rates, e.g. lora=2e-3,full=5e-5 (default: each method's default lr)",
+    )
+    bm.add_argument("--out", default="runs/bench-methods", help="output folder")
+    bm.add_argument(
+        "--reuse",
+        action="store_true",
+        help="read back methods whose run in --out already finished instead of training again",
+    )
+    bm.set_defaults(func=cmd_bench)
+
+
+def _add_export_parser(sub: Any) -> None:
+    """The `export` subcommand."""
+    x = sub.add_parser("export", help="export a model, then check parity with the source")
+    x.add_argument("model", metavar="RUN_OR_MODEL", help="run dir (exports final/) or model dir")
+    x.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="what to write")
+    x.add_argument("--out", required=True, help="output directory (new or an earlier export)")
+    x.add_argument(
+        "--gguf-type", choices=["f16", "bf16", "q8_0"], default="f16", help="GGUF weight type"
+    )
+    x.add_argument(
+        "--data",
+        default=None,
+        help="held-out JSONL for the parity check (default: built-in prompts)",
+    )
+    x.add_argument(
+        "--samples", type=_count(1), default=4, help="held-out samples for the parity check"
+    )
+    x.set_defaults(func=cmd_export)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from leantune import __version__
 
-    p = _Parser(prog="leantune", description=__doc__.split("\n\n")[0])
+    p = _Parser(
+        prog="leantune",
+        description="Fine-tune text-generation LLMs on the hardware you have. "
+        "`leantune COMMAND --help` shows a command's flags and their defaults.",
+    )
     p.add_argument("--version", action="version", version=f"leantune {__version__}")
     sub = p.add_subparsers(dest="command", required=True)  # parsers of the same class, _Parser
     t = sub.add_parser(
@@ -556,44 +607,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     pl.set_defaults(func=cmd_plan)
 
-    _add_eval_parsers(sub)
+    _add_eval_parser(sub)
+    _add_generate_parser(sub)
 
-    b = sub.add_parser("bench", help="benchmarks: `bench methods` compares fine-tuning methods")
-    bsub = b.add_subparsers(dest="bench", required=True)
-    bm = bsub.add_parser("methods", help="train each method on the same data and compare")
-    bm.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
-    bm.add_argument("--methods", default=None, help="comma-separated (default: all)")
-    bm.add_argument(
-        "--steps", type=_count(1), default=None, help="override train.max_steps (default: config's)"
-    )
-    bm.add_argument(
-        "--lr",
-        default=None,
-        help="per-method rates, e.g. lora=2e-3,full=5e-5 (default: each method's default lr)",
-    )
-    bm.add_argument("--out", default="runs/bench-methods", help="output folder")
-    bm.add_argument(
-        "--reuse",
-        action="store_true",
-        help="read back methods whose run in --out already finished instead of training again",
-    )
-    bm.set_defaults(func=cmd_bench)
-    x = sub.add_parser("export", help="export a model, then check parity with the source")
-    x.add_argument("model", metavar="RUN_OR_MODEL", help="run dir (exports final/) or model dir")
-    x.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="what to write")
-    x.add_argument("--out", required=True, help="output directory (new or an earlier export)")
-    x.add_argument(
-        "--gguf-type", choices=["f16", "bf16", "q8_0"], default="f16", help="GGUF weight type"
-    )
-    x.add_argument(
-        "--data",
-        default=None,
-        help="held-out JSONL for the parity check (default: built-in prompts)",
-    )
-    x.add_argument(
-        "--samples", type=_count(1), default=4, help="held-out samples for the parity check"
-    )
-    x.set_defaults(func=cmd_export)
+    _add_bench_parser(sub)
+    _add_export_parser(sub)
     return p
 
 
