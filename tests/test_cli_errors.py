@@ -71,6 +71,8 @@ def paths(tmp_path_factory: pytest.TempPathFactory, tiny_qwen2_dir: Path) -> Pat
     (tmp / "five.gguf").write_bytes(b"GGUF\x03")
     bad_config = tmp / "bad_config"
     bad_config.mkdir()
+    for f in tiny_qwen2_dir.glob("tokenizer*"):  # a model whose only fault is its config
+        shutil.copy(f, bad_config)
     (bad_config / "config.json").write_text("{oops")
     export_dir = tmp / "earlier_export"
     shutil.copytree(tiny_qwen2_dir, export_dir)
@@ -103,6 +105,8 @@ class Case:
     args: Callable[[Paths], list[str]]
     needles: Callable[[Paths], list[str]]
     code: int = 2
+    loads: bool = False
+    """True where telling the mistake needs an attempt to load the model (a damaged file)."""
 
 
 def _eval(p: Paths, *extra: str) -> list[str]:
@@ -162,6 +166,7 @@ CASES: dict[str, Case] = {
     "eval --lm-eval unknown task": Case(
         lambda p: _eval(p, "--lm-eval", "no_such_task", "--lm-eval-include", str(p.empty_dir)),
         lambda p: ["--lm-eval no_such_task: Spec 'no_such_task' is not a registered task"],
+        loads=True,
     ),
     # eval: model paths that are not models
     "eval --model missing": Case(
@@ -179,20 +184,24 @@ CASES: dict[str, Case] = {
     "eval --model 5-byte gguf": Case(
         lambda p: _model(_eval(p), p.bad_gguf),
         lambda p: [f"{p.bad_gguf}: cannot be loaded as a model"],
+        loads=True,
     ),
     "eval --model bad config.json": Case(
         lambda p: _model(_eval(p), p.bad_config_dir),
         lambda p: [f"{p.bad_config_dir}: cannot be loaded as a model"],
-    ),
-    "eval --model run dir": Case(
-        lambda p: _model(_eval(p), p.run_with_final),
-        lambda p: [
-            f"--model {p.run_with_final}: a run directory; give its model, {p.run_with_final}/"
-        ],
+        loads=True,
     ),
     "eval --model run without final": Case(
         lambda p: _model(_eval(p), p.run_without_final),
         lambda p: [f"{p.run_without_final}: a leantune run without a final model", "step-000002"],
+    ),
+    "generate --model run without final": Case(
+        lambda p: _model(_generate(p), p.run_without_final),
+        lambda p: [
+            f"{p.run_without_final}: a leantune run without a final model",
+            "newest checkpoint: step-000002",
+            "leantune train",
+        ],
     ),
     # generate: sampling flags
     "generate --temperature -1": Case(
@@ -237,6 +246,14 @@ CASES: dict[str, Case] = {
         lambda p: _model(_generate(p), p.tmp / "nope"),
         lambda p: [f"--model {p.tmp / 'nope'}: no such file or directory"],
     ),
+    "generate without --prompt or --chat": Case(
+        lambda p: ["generate", "--model", str(p.model)],
+        lambda p: ["generate needs --prompt TEXT, or --chat"],
+    ),
+    "generate --prompt empty": Case(
+        lambda p: ["generate", "--model", str(p.model), "--prompt", "  "],
+        lambda p: ["--prompt: empty"],
+    ),
     # bench
     "bench methods --steps 0": Case(
         lambda p: ["bench", "methods", "--steps", "0", "--out", str(p.tmp / "bench")],
@@ -280,14 +297,14 @@ CASES: dict[str, Case] = {
             *("train", f"model.path={p.empty_dir}", f"data.train={p.data}", "data.eval=null"),
             *("train.eval_exact_match=false", f"run.dir={p.tmp / 'run_x'}"),
         ],
-        lambda p: [f"error: {p.empty_dir}: cannot be loaded as a model"],
+        lambda p: [f"error: {p.empty_dir}: not a model directory (no config.json"],
     ),
     "prepare --model an empty dir": Case(
         lambda p: [
             *("prepare", "--data", str(p.data), "--format", "chat"),
             *("--model", str(p.empty_dir), "--out", str(p.tmp / "prepared_x")),
         ],
-        lambda p: [f"error: {p.empty_dir}: cannot be loaded as a model"],
+        lambda p: [f"error: {p.empty_dir}: not a model directory (no config.json"],
     ),
     "export --out under a file": Case(
         lambda p: ["export", str(p.model), "--format", "hf", "--out", str(p.text_file / "sub")],
@@ -384,6 +401,41 @@ def test_cli_mistake_exits_2_naming_the_flag_or_path(name: str, paths: Paths) ->
     assert not (paths.tmp / "x").exists(), "a refused export must not leave its --out behind"
 
 
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if not c.loads])
+def test_cli_mistake_is_refused_before_any_model_or_tokenizer_loads(
+    name: str, paths: Paths, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every flag and path check runs first: with loading made impossible, the same message."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"loaded {args[:1]} before checking the arguments")
+
+    for cls in (AutoModelForCausalLM, AutoTokenizer, AutoConfig):
+        monkeypatch.setattr(cls, "from_pretrained", refuse)
+    case = CASES[name]
+    result = run_cli(case.args(paths))
+    assert result.code == case.code, result
+    for needle in case.needles(paths):
+        assert needle in result.err, (needle, result.err)
+
+
+def test_eval_and_generate_take_a_run_directory(paths: Paths) -> None:
+    """A run directory stands for its final/ model, as it does for export."""
+    run = paths.run_with_final
+    result = run_cli(
+        ["eval", "--model", str(run), "--data", str(paths.data), "--max-new-tokens", "2"]
+    )
+    assert result.code == 0, result
+    assert json.loads(result.out)["examples"] == len(ROWS)
+    by_run = run_cli(["generate", "--model", str(run), "--prompt", "hi", "--max-new-tokens", "4"])
+    by_final = run_cli(
+        ["generate", "--model", str(run / "final"), "--prompt", "hi", "--max-new-tokens", "4"]
+    )
+    assert by_run.code == 0 and by_final.code == 0, (by_run, by_final)
+    assert by_run.out == by_final.out
+
+
 def test_eval_limit_keeps_the_first_n_examples(paths: Paths) -> None:
     result = run_cli(_eval(paths, "--limit", str(len(ROWS) - 1), "--max-new-tokens", "2"))
     assert result.code == 0, result
@@ -404,7 +456,7 @@ def test_uncached_hub_id_offline_is_a_clear_error(
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     result = run_cli(_model(_eval(paths), "nobody-here/no-such-model"))
     assert result.code == 2, result
-    assert "nobody-here/no-such-model: cannot be loaded as a model" in result.err
+    assert "nobody-here/no-such-model: not a local path, and not in the HF cache" in result.err
 
 
 def test_export_parity_failure_still_exits_1(paths: Paths, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,13 +8,14 @@ would make equality checks pass vacuously.
 from __future__ import annotations
 
 import copy
+import shutil
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_qwen2_config
+from conftest import run_cli, tiny_qwen2_config
 from peft import LoraConfig, get_peft_model
 from transformers import (
     AutoModelForCausalLM,
@@ -29,8 +30,10 @@ from leantune.eval.generation import (
     GREEDY,
     SamplingSettings,
     generate_texts,
+    model_sampling,
     render_prompt,
     stop_token_ids,
+    with_overrides,
 )
 
 # Deliberately not sorted by length, so that the length-sorted batching has to restore the order.
@@ -231,6 +234,84 @@ def test_seeded_sampling_is_reproducible_and_differs_from_greedy(
     # With top_k=1 only the argmax survives, so sampling collapses to greedy decoding.
     top1 = replace(hot, top_k=1)
     assert generate_texts(qwen2, tokenizer, prompts, top1, batch_size=2, seed=5) == greedy
+
+
+# ---------------------------------------------------------------------------------------------
+# decoding settings of `leantune generate`: the model's generation_config, else greedy
+
+
+def test_model_sampling_follows_the_generation_config() -> None:
+    qwen_like = GenerationConfig(
+        do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05
+    )
+    got = model_sampling(qwen_like)
+    assert (got.temperature, got.top_p, got.top_k, got.repetition_penalty) == (0.7, 0.8, 20, 1.05)
+    assert got.max_new_tokens == 256 and not got.greedy
+    assert model_sampling(GenerationConfig(do_sample=True, max_new_tokens=64)) == SamplingSettings(
+        max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=50, repetition_penalty=1.0
+    )  # unset fields: transformers' own defaults
+
+
+@pytest.mark.parametrize(
+    "config",
+    [None, GenerationConfig(), GenerationConfig(do_sample=False, temperature=0.6, top_p=0.9)],
+    ids=["none", "unset", "do_sample false"],
+)
+def test_model_sampling_is_greedy_without_do_sample(config: GenerationConfig | None) -> None:
+    got = model_sampling(config)
+    assert got.greedy and got.repetition_penalty == 1.0 and got.max_new_tokens == 256
+
+
+def test_model_sampling_names_a_bad_generation_config() -> None:
+    with pytest.raises(ValueError, match=r"generation_config: SamplingSettings\.top_p"):
+        model_sampling(GenerationConfig(do_sample=True, top_p=1.5))
+
+
+def test_flags_replace_only_what_they_give() -> None:
+    greedy = model_sampling(None)
+    assert with_overrides(greedy) == greedy
+    assert with_overrides(greedy, max_new_tokens=9) == replace(greedy, max_new_tokens=9)
+    hot = with_overrides(greedy, temperature=0.8)
+    assert (hot.temperature, hot.top_p, hot.top_k) == (0.8, 1.0, 50)
+    # A sampling filter on a greedy model asks for sampling, at transformers' temperature 1.
+    assert with_overrides(greedy, top_p=0.9).temperature == 1.0
+    assert with_overrides(greedy, top_k=5, temperature=0).greedy
+    sampling = model_sampling(GenerationConfig(do_sample=True, temperature=0.7, top_k=20))
+    assert with_overrides(sampling, temperature=0).greedy
+    assert with_overrides(sampling, top_k=3) == replace(sampling, top_k=3)
+
+
+def _generate(model: Path, *flags: str) -> str:
+    result = run_cli(["generate", "--model", str(model), "--prompt", "hi", *flags])
+    assert result.code == 0, result
+    return result.out
+
+
+def test_generate_is_greedy_for_a_model_without_generation_config(tiny_qwen2_dir: Path) -> None:
+    """The tiny model's generation_config.json is the one transformers derives from its config
+    (no do_sample): replies do not depend on the seed, and equal --temperature 0's."""
+    short = ("--max-new-tokens", "12")
+    first = _generate(tiny_qwen2_dir, *short, "--seed", "1")
+    assert first.strip(), "an empty reply would make the comparison vacuous"
+    assert _generate(tiny_qwen2_dir, *short, "--seed", "2") == first
+    assert _generate(tiny_qwen2_dir, *short, "--temperature", "0") == first
+    # A sampling flag given on the command line samples.
+    hot = ("--temperature", "1.5", "--top-k", "0")
+    assert _generate(tiny_qwen2_dir, *short, *hot, "--seed", "1") != first
+
+
+def test_generate_follows_a_sampling_generation_config(
+    tiny_qwen2_dir: Path, tmp_path: Path
+) -> None:
+    model = tmp_path / "sampling_model"
+    shutil.copytree(tiny_qwen2_dir, model)
+    GenerationConfig(
+        do_sample=True, temperature=1.5, top_k=0, max_new_tokens=12, eos_token_id=2
+    ).save_pretrained(model)
+    seeded = {_generate(model, "--seed", str(seed)) for seed in range(3)}
+    assert len(seeded) > 1, "sampling from the generation_config: the seed matters"
+    greedy = _generate(tiny_qwen2_dir, "--max-new-tokens", "12")
+    assert _generate(model, "--temperature", "0") == greedy  # the flag wins
 
 
 # ---------------------------------------------------------------------------------------------

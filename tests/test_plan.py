@@ -273,3 +273,48 @@ def test_unpacked_rows_are_planned_at_their_real_length(
     assert (
         estimate(short.facts, short.step).activations < estimate(full.facts, full.step).activations
     )
+
+
+def test_available_optimizers_are_the_installed_low_bit_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.util
+
+    from leantune.memory.planner import available_optimizers
+
+    installed = {n for n in ("bitsandbytes", "torchao") if importlib.util.find_spec(n)}
+    expected = ["adamw_8bit"] if installed else []
+    expected += ["adamw_4bit"] if "torchao" in installed else []
+    assert available_optimizers("cpu") == tuple(expected)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in ("bitsandbytes", "torchao") else real(name, *a),
+    )
+    assert available_optimizers("cpu") == ()
+
+
+def test_plan_recommends_low_bit_optimizer_state_when_adamw_does_not_fit(
+    tmp_path: Path, tiny_llama_dir: Path
+) -> None:
+    """A full fine-tune over a budget that adamw misses even at micro-batch 1 with gradient
+    checkpointing, and 8-bit state meets: the checklist's next step is the optimizer."""
+    from leantune.memory.planner import available_optimizers, plan_inputs
+    from leantune.memory.report import plan
+
+    lighter = available_optimizers("cpu")
+    if not lighter:
+        pytest.skip("neither bitsandbytes nor torchao is installed")
+    cfg = load_config(_config_file(tmp_path, tiny_llama_dir), ["method.name=full"])
+    inputs = plan_inputs(cfg, "cpu")
+    smallest = replace(inputs.step, micro_batch=1, gradient_checkpointing=True)
+    adamw = estimate(inputs.facts, smallest).peak
+    low_bit = estimate(inputs.facts, replace(smallest, optimizer=lighter[-1])).peak
+    assert low_bit < adamw
+    result = plan(cfg, "cpu", str((adamw + low_bit) // 2))
+    rec = result["recommended"]
+    assert result["fits"] is False and rec is not None, result
+    assert rec["method"] == "full" and rec["optimizer"] in ("adamw_8bit", "adamw_4bit"), rec
+    assert rec["micro_batch"] * rec["grad_accum"] == 8
+    assert rec["breakdown"]["peak"] <= (adamw + low_bit) // 2

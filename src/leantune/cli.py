@@ -1,11 +1,11 @@
 """Command line: a thin layer over the library.
 
 leantune train [CONFIG.yaml] [section.key=value ...]
-leantune validate CONFIG.yaml [section.key=value ...]
+leantune validate CONFIG.yaml [section.key=value ...] | --help-fields
 leantune prepare CONFIG.yaml | --data FILE... --format F --model PATH [--out DIR] [--engine dask]
 leantune plan [CONFIG.yaml] [--budget 24GiB] [--device cpu|cuda] [--json] [section.key=value ...]
-leantune eval --model PATH --data FILE [--limit N] [--lm-eval TASKS [--lm-eval-limit N]]
-leantune generate --model PATH --prompt TEXT [--chat] [sampling options]
+leantune eval --model MODEL_OR_RUN --data FILE [--limit N] [--lm-eval TASKS [--lm-eval-limit N]]
+leantune generate --model MODEL_OR_RUN --prompt TEXT [--chat] [sampling options]
 leantune bench methods [CONFIG.yaml] [--methods a,b] [--out DIR] [section.key=value ...]
 leantune export RUN_OR_MODEL --format hf|adapter|gguf|torchscript|int8 --out DIR
 
@@ -82,6 +82,13 @@ def _number(ok: Callable[[float], bool], rule: str) -> Callable[[str], float]:
     return parse
 
 
+def check_model_path(path: str, label: str) -> None:
+    """`models.paths.check_model_path`: refuse a path that is not a model, importing no torch."""
+    from leantune.models.paths import check_model_path as check
+
+    check(path, label)
+
+
 def _check_data_file(text: str, flag: str) -> Path:
     """The JSONL file given as `flag`, or a UserError naming the flag and the path."""
     from leantune.errors import UserError
@@ -126,9 +133,28 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_fields() -> None:
+    """Every config field as `section.key=default` (an override that sets the library default)
+    with its one-line docstring."""
+    import dataclasses
+
+    from leantune.config import Config, field_docs
+
+    cfg, docs = Config(), field_docs()
+    for section in dataclasses.fields(Config):
+        print(f"{section.name}:")
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            key = f"{section.name}.{f.name}"
+            default = json.dumps(getattr(getattr(cfg, section.name), f.name), default=str)
+            print(f"  {key}={default}\n      {docs.get(key, '')}")
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     from leantune.config import config_base, load_config, validate
 
+    if args.help_fields:
+        _print_fields()
+        return 0
     config, overrides = _split_config_args(args.args)
     cfg = load_config(config, overrides)
     for w in validate(cfg):
@@ -167,12 +193,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(result) if args.json else format_text(result))
     return 0
-
-
-def _detect_format(path: Path) -> str:
-    from leantune.data.formats import detect_format
-
-    return detect_format(path)
 
 
 def _lm_eval_tasks(args: argparse.Namespace) -> list[str]:
@@ -215,74 +235,88 @@ def cmd_eval(args: argparse.Namespace) -> int:
     path = _check_data_file(args.data, "--data") if args.data is not None else None
     if args.lm_eval:
         _lm_eval_tasks(args)
+    check_model_path(args.model, "--model")  # before the libraries that load it are imported
     _quiet_libraries()
     import torch
 
-    from leantune.data.dataset import prepare_file
-    from leantune.eval.exact_match import evaluate_exact_match
-    from leantune.eval.loss import evaluate_loss
-    from leantune.models.artifacts import check_model_path, load_for_inference
+    from leantune.eval.run import evaluate_file
+    from leantune.models.artifacts import load_for_inference
 
-    check_model_path(args.model, "--model")
     torch.manual_seed(0)
     model, tokenizer = load_for_inference(args.model, args.dtype)
-    if path is None:
-        lm_eval = _lm_eval(args, model, tokenizer)
-        print(json.dumps({"model": args.model, "lm_eval": lm_eval}, indent=2))
-        return 0
-    fmt = args.format or _detect_format(path)
-    data = prepare_file(path, fmt, tokenizer, args.max_seq_len, pack=False, max_bad_fraction=1.0)
-    for bad in data.bad:
-        print(f"bad line skipped: {bad}", file=sys.stderr)
-    if args.limit is not None:  # >= 1 (checked by argparse)
-        data.rows, data.records = data.rows[: args.limit], data.records[: args.limit]
-    pad = int(tokenizer.pad_token_id)
-    result: dict[str, object] = {"model": args.model, "data": str(path), "format": fmt}
-    result.update(evaluate_loss(model, data.rows, pad, args.batch_size))
-    result["examples"] = len(data.rows)
-    result["bad_lines"] = len(data.bad)
-    if fmt in ("chat", "alpaca"):
-        convs = [list(r.messages) for r in data.records if r.messages is not None]
-        score, _ = evaluate_exact_match(
-            model, tokenizer, convs, args.batch_size, args.max_new_tokens
+    result: dict[str, object] = {"model": args.model}
+    if path is not None:
+        result |= evaluate_file(
+            model,
+            tokenizer,
+            path,
+            args.format,
+            args.limit,
+            args.batch_size,
+            args.max_new_tokens,
+            args.max_seq_len,
+            on_bad_line=lambda bad: print(f"bad line skipped: {bad}", file=sys.stderr),
         )
-        result["exact_match"] = score
     if args.lm_eval:
         result["lm_eval"] = _lm_eval(args, model, tokenizer)
     print(json.dumps(result, indent=2))
     return 0
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    _quiet_libraries()
-    from leantune.eval.generation import SamplingSettings, generate_texts, render_prompt
-    from leantune.models.artifacts import check_model_path, load_for_inference
+def _check_generate_args(args: argparse.Namespace) -> None:
+    """The checks of `generate` that need no model: run before it loads."""
+    from leantune.errors import UserError
 
-    check_model_path(args.model, "--model")
-    model, tokenizer = load_for_inference(args.model, args.dtype)
-    settings = SamplingSettings(
+    if args.prompt is None and not args.chat:
+        raise UserError("generate needs --prompt TEXT, or --chat for a conversation on stdin")
+    if args.prompt is not None and not args.prompt.strip():
+        raise UserError("--prompt: empty; give the text to answer")
+
+
+def _decoding(args: argparse.Namespace, model: Any) -> Any:
+    """The model's generation_config (else greedy), with the sampling flags given applied."""
+    from leantune.errors import UserError
+    from leantune.eval.generation import model_sampling, with_overrides
+
+    try:
+        base = model_sampling(getattr(model, "generation_config", None))
+    except ValueError as e:
+        raise UserError(f"--model {args.model}: {e}; set the sampling flags instead") from None
+    return with_overrides(
+        base,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         repetition_penalty=args.repetition_penalty,
     )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    _check_generate_args(args)
+    check_model_path(args.model, "--model")  # before the libraries that load it are imported
+    _quiet_libraries()
+    from leantune.eval.generation import generate_texts, render_prompt
+    from leantune.models.artifacts import load_for_inference
+
+    model, tokenizer = load_for_inference(args.model, args.dtype)
+    settings = _decoding(args, model)
     has_template = getattr(tokenizer, "chat_template", None) is not None
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
     prompt = args.prompt
     while True:
-        if prompt is None:
-            if not args.chat:
-                print("error: --prompt is required without --chat", file=sys.stderr)
-                return 2
+        if prompt is None:  # --chat: the next turn from stdin
             try:
                 prompt = input("you> ")
             except EOFError:
                 return 0
             if prompt.strip() in ("/exit", "/quit"):
                 return 0
+            if not prompt.strip():
+                prompt = None
+                continue
         if has_template and not args.raw:
             history.append({"role": "user", "content": prompt})
             text = render_prompt(tokenizer, history)
@@ -377,61 +411,185 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_eval_parsers(sub: Any) -> None:
-    """The `eval` and `generate` subcommands."""
+MODEL_HELP = "model dir, run dir (its final/), adapter dir, .gguf file, cached hub id or demo name"
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+def _add_eval_parser(sub: Any) -> None:
+    """The `eval` subcommand."""
     from leantune.config import MAX_SEQ_LEN
 
     e = sub.add_parser("eval", help="loss, perplexity and exact match of a model on a JSONL file")
-    e.add_argument("--model", required=True, help="model dir, run final/ dir, .gguf or demo name")
+    e.add_argument("--model", required=True, help=MODEL_HELP)
     e.add_argument("--data", default=None, help="JSONL file (alpaca, chat or text)")
     e.add_argument("--format", choices=["alpaca", "chat", "text"], help="default: detected")
-    e.add_argument("--limit", type=_count(1), default=None, help="evaluate the first N examples")
-    e.add_argument("--batch-size", type=_count(1), default=16)
-    e.add_argument("--max-new-tokens", type=_count(1), default=128)
-    e.add_argument("--max-seq-len", type=_count(1, MAX_SEQ_LEN), default=4096)
-    e.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     e.add_argument(
-        "--lm-eval", default=None, metavar="TASKS", help="lm-eval tasks, comma-separated"
+        "--limit", type=_count(1), default=None, help="evaluate the first N examples (default: all)"
+    )
+    e.add_argument("--batch-size", type=_count(1), default=16, help="examples per forward pass")
+    e.add_argument(
+        "--max-new-tokens", type=_count(1), default=128, help="longest answer for exact match"
     )
     e.add_argument(
-        "--lm-eval-limit", type=_count(1), default=None, help="first N documents per task"
+        "--max-seq-len", type=_count(1, MAX_SEQ_LEN), default=4096, help="longest example, tokens"
     )
-    e.add_argument("--lm-eval-include", default=None, help="directory of custom task YAML files")
+    e.add_argument("--dtype", choices=DTYPES, default="fp32", help="dtype of the weights")
+    e.add_argument(
+        "--lm-eval",
+        default=None,
+        metavar="TASKS",
+        help="lm-eval tasks, comma-separated (default: none)",
+    )
+    e.add_argument(
+        "--lm-eval-limit",
+        type=_count(1),
+        default=None,
+        help="first N documents per task (default: all)",
+    )
+    e.add_argument(
+        "--lm-eval-include",
+        default=None,
+        help="directory of custom task YAML files (default: lm-eval's own tasks only)",
+    )
     e.set_defaults(func=cmd_eval)
 
-    g = sub.add_parser("generate", help="generate a reply (or chat with --chat)")
-    g.add_argument("--model", required=True)
+
+def _add_generate_parser(sub: Any) -> None:
+    """The `generate` subcommand."""
+    g = sub.add_parser(
+        "generate",
+        help="generate a reply (or chat with --chat)",
+        description="Decoding follows the model's generation_config.json (do_sample, "
+        "temperature, top_p, top_k, repetition_penalty, max_new_tokens) and is greedy without "
+        "one; each flag given replaces that one value. --top-p or --top-k on a greedy model "
+        "samples at temperature 1.",
+    )
+    g.add_argument("--model", required=True, help=MODEL_HELP)
     g.add_argument("--prompt", default=None, help="the user message (first turn with --chat)")
     g.add_argument("--chat", action="store_true", help="multi-turn conversation on stdin")
-    g.add_argument("--system", default=None, help="system message")
+    g.add_argument("--system", default=None, help="system message (default: none)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    g.add_argument("--max-new-tokens", type=_count(1), default=256)
+    from_model = "default: the model's generation_config, else %s"
+    g.add_argument("--max-new-tokens", type=_count(1), default=None, help=from_model % "256")
     g.add_argument(
-        "--temperature", type=_number(lambda v: v >= 0, ">= 0"), default=0.7, help="0 = greedy"
+        "--temperature",
+        type=_number(lambda v: v >= 0, ">= 0"),
+        default=None,
+        help="0 = greedy; " + from_model % "greedy",
     )
-    g.add_argument("--top-p", type=_number(lambda v: 0 < v <= 1, "in (0, 1]"), default=0.9)
-    g.add_argument("--top-k", type=_count(0), default=0, help="0 = off")
     g.add_argument(
-        "--repetition-penalty", type=_number(lambda v: v > 0, "> 0"), default=1.2, help="1 = off"
+        "--top-p",
+        type=_number(lambda v: 0 < v <= 1, "in (0, 1]"),
+        default=None,
+        help="nucleus sampling; " + from_model % "1 (off)",
     )
-    g.add_argument("--seed", type=_count(0, 2**63 - 1), default=0)
-    g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    g.add_argument("--top-k", type=_count(0), default=None, help="0 = off; " + from_model % "50")
+    g.add_argument(
+        "--repetition-penalty",
+        type=_number(lambda v: v > 0, "> 0"),
+        default=None,
+        help="1 = off; " + from_model % "1",
+    )
+    g.add_argument("--seed", type=_count(0, 2**63 - 1), default=0, help="seeds sampling")
+    g.add_argument("--dtype", choices=DTYPES, default="fp32", help="dtype of the weights")
     g.set_defaults(func=cmd_generate)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Options show their default: the value, or the help's own words for one that is not a
+    plain value (`default: ...` in the help, e.g. "detected"). On/off flags are off unless given.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or not action.option_strings or action.nargs == 0:
+            return text
+        if action.default is None or action.default is argparse.SUPPRESS:
+            return text
+        return text + " (default: %(default)s)"
+
+
+class _RawEpilogHelpFormatter(_HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown, and the description and epilog kept as written (a table)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose help shows defaults; subcommand parsers are made of it too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def _add_bench_parser(sub: Any) -> None:
+    """The `bench` subcommands."""
+    b = sub.add_parser("bench", help="benchmarks: `bench methods` compares fine-tuning methods")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bm = bsub.add_parser("methods", help="train each method on the same data and compare")
+    bm.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
+    bm.add_argument("--methods", default=None, help="comma-separated (default: all)")
+    bm.add_argument(
+        "--steps", type=_count(1), default=None, help="override train.max_steps (default: config's)"
+    )
+    bm.add_argument(
+        "--lr",
+        default=None,
+        help="per-method rates, e.g. lora=2e-3,full=5e-5 (default: each method's default lr)",
+    )
+    bm.add_argument("--out", default="runs/bench-methods", help="output folder")
+    bm.add_argument(
+        "--reuse",
+        action="store_true",
+        help="read back methods whose run in --out already finished instead of training again",
+    )
+    bm.set_defaults(func=cmd_bench)
+
+
+def _add_export_parser(sub: Any) -> None:
+    """The `export` subcommand."""
+    x = sub.add_parser("export", help="export a model, then check parity with the source")
+    x.add_argument("model", metavar="RUN_OR_MODEL", help="run dir (exports final/) or model dir")
+    x.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="what to write")
+    x.add_argument("--out", required=True, help="output directory (new or an earlier export)")
+    x.add_argument(
+        "--gguf-type", choices=["f16", "bf16", "q8_0"], default="f16", help="GGUF weight type"
+    )
+    x.add_argument(
+        "--data",
+        default=None,
+        help="held-out JSONL for the parity check (default: built-in prompts)",
+    )
+    x.add_argument(
+        "--samples", type=_count(1), default=4, help="held-out samples for the parity check"
+    )
+    x.set_defaults(func=cmd_export)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="leantune", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    from leantune import __version__
+
+    p = _Parser(
+        prog="leantune",
+        description="Fine-tune text-generation LLMs on the hardware you have. "
+        "`leantune COMMAND --help` shows a command's flags and their defaults.",
+    )
+    p.add_argument("--version", action="version", version=f"leantune {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)  # parsers of the same class, _Parser
     t = sub.add_parser(
         "train",
         help="fine-tune (no CONFIG and no data.train=...: the built-in demo)",
         epilog=__doc__.split("\n\n")[2],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_RawEpilogHelpFormatter,
     )
     t.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
     t.set_defaults(func=cmd_train)
     v = sub.add_parser("validate", help="check a config without loading a model")
     v.add_argument("args", nargs="*", help="CONFIG.yaml [section.key=value ...]")
+    v.add_argument(
+        "--help-fields",
+        action="store_true",
+        help="list every config field with its default and what it means, then exit",
+    )
     v.set_defaults(func=cmd_validate)
     from leantune.data.prepare.command import add_arguments
 
@@ -455,32 +613,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     pl.set_defaults(func=cmd_plan)
 
-    _add_eval_parsers(sub)
+    _add_eval_parser(sub)
+    _add_generate_parser(sub)
 
-    b = sub.add_parser("bench", help="benchmarks: `bench methods` compares fine-tuning methods")
-    bsub = b.add_subparsers(dest="bench", required=True)
-    bm = bsub.add_parser("methods", help="train each method on the same data and compare")
-    bm.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
-    bm.add_argument("--methods", default=None, help="comma-separated (default: all)")
-    bm.add_argument("--steps", type=_count(1), default=None, help="override train.max_steps")
-    bm.add_argument("--lr", default=None, help="per-method rates, e.g. lora=2e-3,full=5e-5")
-    bm.add_argument("--out", default="runs/bench-methods", help="output folder")
-    bm.add_argument(
-        "--reuse",
-        action="store_true",
-        help="read back methods whose run in --out already finished instead of training again",
-    )
-    bm.set_defaults(func=cmd_bench)
-    x = sub.add_parser("export", help="export a model, then check parity with the source")
-    x.add_argument("model", metavar="RUN_OR_MODEL", help="run dir (exports final/) or model dir")
-    x.add_argument("--format", required=True, choices=EXPORT_FORMATS)
-    x.add_argument("--out", required=True, help="output directory (new or an earlier export)")
-    x.add_argument("--gguf-type", choices=["f16", "bf16", "q8_0"], default="f16")
-    x.add_argument("--data", default=None, help="held-out JSONL for the parity check")
-    x.add_argument(
-        "--samples", type=_count(1), default=4, help="held-out samples for the parity check"
-    )
-    x.set_defaults(func=cmd_export)
+    _add_bench_parser(sub)
+    _add_export_parser(sub)
     return p
 
 
@@ -504,6 +641,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C outside `train`, which handles its own signals
         print("interrupted (SIGINT)", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `leantune ... | head`: the reader has all it wanted
+        # Python would report the pipe again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

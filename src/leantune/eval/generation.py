@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
@@ -66,6 +66,74 @@ class SamplingSettings:
 
 GREEDY = SamplingSettings(temperature=0.0, repetition_penalty=1.0)
 """Plain greedy decoding, for deterministic evaluation."""
+
+# What transformers' `generate` uses for a field the model's generation_config leaves unset
+# (`GenerationConfig._get_default_generation_params`); max_new_tokens is ours: transformers'
+# max_length of 20 tokens, prompt included, cuts most answers.
+_UNSET_DEFAULTS: dict[str, Any] = {
+    "do_sample": False,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 50,
+    "repetition_penalty": 1.0,
+    "max_new_tokens": GREEDY.max_new_tokens,
+}
+
+
+def model_sampling(config: GenerationConfig | None) -> SamplingSettings:
+    """How `config` (a model's `generation_config`) says to decode, as its `generate` would.
+
+    Unset fields take transformers' defaults, so a model without a generation_config.json, or
+    one without `do_sample: true`, decodes greedily (repetition penalty 1 unless it sets one).
+
+    Raises:
+        ValueError: the config holds a value SamplingSettings refuses (named in the message).
+    """
+
+    def value(name: str) -> Any:
+        got = getattr(config, name, None) if config is not None else None
+        return _UNSET_DEFAULTS[name] if got is None else got
+
+    sampling = bool(value("do_sample")) and float(value("temperature")) != 0.0
+    try:
+        # A greedy result keeps the sampling values too: `with_overrides` starts from them
+        # when the command line asks for sampling.
+        return SamplingSettings(
+            max_new_tokens=int(value("max_new_tokens")),
+            temperature=float(value("temperature")) if sampling else 0.0,
+            top_p=float(value("top_p")),
+            top_k=int(value("top_k")),
+            repetition_penalty=float(value("repetition_penalty")),
+        )
+    except ValueError as e:
+        raise ValueError(f"the model's generation_config: {e}") from None
+
+
+def with_overrides(
+    base: SamplingSettings,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    repetition_penalty: float | None = None,
+) -> SamplingSettings:
+    """`base` with every value that is given (not None) replaced.
+
+    `top_p` or `top_k` without `temperature` on a greedy `base` samples at temperature 1
+    (transformers' default): the filters only act when sampling.
+    """
+    given: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "repetition_penalty": repetition_penalty,
+    }
+    changes = {k: v for k, v in given.items() if v is not None}
+    filters = top_p is not None or top_k is not None
+    if base.greedy and temperature is None and filters:
+        changes["temperature"] = _UNSET_DEFAULTS["temperature"]
+    return replace(base, **changes)
 
 
 def _as_id_list(ids: int | Iterable[int] | None) -> list[int]:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from leantune.data.formats import read_jsonl
 from leantune.export.adapter import load_adapter, write_adapter
 from leantune.export.gguf_file import GGUF_TYPES, check_gguf_tokenizer, load_gguf, write_gguf
 from leantune.export.hf import load_hf, write_hf
@@ -27,6 +28,7 @@ from leantune.export.parity import (
     build_samples,
     check_and_report,
     compare,
+    detect_format,
     sample_logits,
 )
 from leantune.export.source import (
@@ -38,6 +40,7 @@ from leantune.export.source import (
 )
 from leantune.export.source import model_logits_fn as _model_logits_fn
 from leantune.export.torchscript import example_input, load_torchscript, write_torchscript
+from leantune.models.paths import check_model_path, is_adapter_dir
 
 
 @dataclass
@@ -138,10 +141,25 @@ def _check_out(out: Path, source: str) -> None:
 
 
 def _check_data(data: Path | None) -> None:
-    if data is not None and data.is_dir():
+    if data is None:
+        return
+    if data.is_dir():
         raise ExportError(f"--data {data}: is a directory; give a JSONL file")
-    if data is not None and not data.is_file():
+    if not data.is_file():
         raise ExportError(f"--data {data}: no such file")
+    fmt = detect_format(data)
+    records, _ = read_jsonl(data, fmt)  # build_samples renders them once the tokenizer is loaded
+    if not records:
+        raise ExportError(f"--data {data}: no valid {fmt} record to check parity on")
+
+
+def _check_creatable(out: Path) -> None:
+    """Refuse an --out below a file: mkdir would fail only after the model had loaded."""
+    above = out.absolute().parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise ExportError(f"--out {out}: cannot be created (Not a directory): {above} is a file")
 
 
 def _make_out(out: Path) -> None:
@@ -199,12 +217,16 @@ def export_model(
         raise ExportError(f"--gguf-type {gguf_type!r}: choose one of {sorted(GGUF_TYPES)}")
     if num_samples < 1:
         raise ExportError(f"--samples {num_samples}: the parity check needs at least 1 sample")
-    # Every input is checked, and the source loaded, before --out is created.
-    _check_out(out, resolve_export_input(path))
+    # Every input is checked before the source loads, and the source loaded before --out is
+    # created.
+    resolved = resolve_export_input(path)
+    _check_out(out, resolved)
+    _check_creatable(out)
     _check_data(data)
-    source = load_source(path)
-    if fmt == "adapter" and source.adapter_dir is None:
+    check_model_path(resolved)
+    if fmt == "adapter" and not is_adapter_dir(Path(resolved).expanduser()):
         write_adapter(None, out)  # raises the explanatory error
+    source = load_source(path)
     try:
         samples = build_samples(source.tokenizer, data, num_samples)
     except ValueError as e:  # no valid record in --data

@@ -237,11 +237,16 @@ def plan_inputs(
     from transformers import AutoConfig
 
     from leantune.models.loading import resolve_model
+    from leantune.models.paths import downloads_allowed, hub_offline_unless_allowed
 
     source = resolve_model(cfg.model.path, cfg.model.gguf_file)
-    hf_config = AutoConfig.from_pretrained(
-        source.location, gguf_file=source.gguf_file, trust_remote_code=cfg.model.trust_remote_code
-    )
+    with hub_offline_unless_allowed():
+        hf_config = AutoConfig.from_pretrained(
+            source.location,
+            gguf_file=source.gguf_file,
+            trust_remote_code=cfg.model.trust_remote_code,
+            local_files_only=not downloads_allowed(),
+        )
     facts = model_facts_for(
         hf_config,
         cfg.model.dtype,
@@ -294,13 +299,20 @@ def alternatives(cfg: Config, inputs: PlanInputs) -> dict[str, ModelFacts]:
     return out
 
 
-def available_optimizers() -> tuple[str, ...]:
-    """Lighter optimizers the installed leantune offers (the 8/4-bit ones come with bitsandbytes
-    support in training.optim)."""
-    from leantune.training import optim
+def available_optimizers(device: str) -> tuple[str, ...]:
+    """The lighter optimizers of OPTIMIZER_LADDER that can run on `device` ("cpu" or "cuda")
+    here: one of their backends there has its library installed (see
+    `training.optim.resolve_optimizer`, which training uses to build them)."""
+    from leantune.training.optim import OptimizerUnavailable, resolve_optimizer
 
-    known = getattr(optim, "OPTIMIZERS", {})
-    return tuple(o for o in OPTIMIZER_LADDER if o in known)
+    offered = []
+    for name in OPTIMIZER_LADDER:
+        try:
+            resolve_optimizer(name, device)
+        except OptimizerUnavailable:
+            continue
+        offered.append(name)
+    return tuple(offered)
 
 
 CPU_RSS_FACTOR = 1.7

@@ -71,7 +71,7 @@ def plan(cfg: Config, device: str, budget: str | None = None) -> dict[str, Any]:
         inputs.global_batch,
         limit,
         inputs.weight_itemsize,
-        available_optimizers(),
+        available_optimizers(device),
     )
     return {
         "device": device,

@@ -14,10 +14,13 @@ full-precision base instead would evaluate a different model (W + BA rather than
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -27,25 +30,37 @@ from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.config import RopeScalingConfig
-from leantune.methods.adapter import (
-    adapter_settings,
-    is_bottleneck_adapter_dir,
-    load_adapter,
-    save_adapter,
-)
+from leantune.methods.adapter import adapter_settings, load_adapter, save_adapter
 from leantune.methods.lora import quiet_peft
-from leantune.models.demo_model import DEMO_MODEL_NAMES
 from leantune.models.loading import (
-    ModelPathError,
     ModelSource,
     load_model,
     load_tokenizer,
     loading,
     resolve_model,
 )
+from leantune.models.paths import (
+    ModelPathError,
+    hub_offline_unless_allowed,
+    is_adapter_dir,
+    is_bottleneck_adapter_dir,
+    model_of_run,
+)
+from leantune.models.paths import check_model_path as check_model_path  # where export finds it
 from leantune.models.quantize import Quantization
 
 BASE_POINTER = "leantune_base.json"
+
+
+@contextlib.contextmanager
+def _offline_save() -> Iterator[None]:
+    """peft's save of an adapter on a hub-id base asks the hub whether the base's config.json
+    exists (to tell a resized vocabulary, which leantune never makes): offline, it warns twice
+    that it cannot, which says nothing to the user."""
+    with hub_offline_unless_allowed(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Unable to fetch remote file")
+        warnings.filterwarnings("ignore", message="Could not find a config file in")
+        yield
 
 
 def save_final(
@@ -70,7 +85,8 @@ def save_final(
     if bottleneck:
         save_adapter(model, tmp)
     else:
-        model.save_pretrained(tmp)  # type: ignore[operator]
+        with _offline_save():
+            model.save_pretrained(tmp)  # type: ignore[operator]
     tokenizer.save_pretrained(tmp)
     if isinstance(model, PeftModel) or bottleneck:
         pointer: dict[str, object] = {"base_model": base_path, "gguf_file": base_gguf_file}
@@ -87,11 +103,6 @@ def save_final(
     else:
         os.replace(tmp, out_dir)
     return out_dir
-
-
-def is_adapter_dir(path: Path) -> bool:
-    """True for a peft adapter directory."""
-    return (path / "adapter_config.json").is_file()
 
 
 def _base_of(adapter_dir: Path) -> tuple[ModelSource, dict]:
@@ -112,71 +123,11 @@ def _base_of(adapter_dir: Path) -> tuple[ModelSource, dict]:
     return resolve_model(base), {}
 
 
-def _is_run_dir(p: Path) -> bool:
-    """True for a leantune run directory (it holds the resolved config or checkpoints)."""
-    return (p / "config.yaml").is_file() or (p / "checkpoints").is_dir()
-
-
-def unfinished_run_message(run: Path) -> str:
-    """Why a run directory without `final/` has no model, and how to get one."""
-    steps = sorted(c.name for c in (run / "checkpoints").glob("step-*") if c.is_dir())
-    newest = f"newest checkpoint: {steps[-1]}" if steps else "no checkpoint saved yet"
-    return (
-        f"a leantune run without a final model ({newest}): final/ is written when training "
-        "finishes. Run the same `leantune train` command again; it resumes from the newest "
-        f"checkpoint and writes {run / 'final'}. Checkpoints hold what resuming needs "
-        "(trainable weights, optimizer state), not a model to load"
-    )
-
-
-def check_model_path(path: str, label: str = "") -> None:
-    """Refuse, before anything loads, a local path that cannot be a model.
-
-    A model is the demo name, a hub id (`org/name`), a `.gguf` file, or a directory holding an
-    HF model (`config.json`), a peft adapter or a bottleneck adapter.
-
-    Raises:
-        ModelPathError: naming `label` (e.g. `--model`) and the path, and what to give instead.
-    """
-    where = f"{label} {path}" if label else path
-    if path.lower() in DEMO_MODEL_NAMES:
-        return
-    p = Path(path).expanduser()
-    try:
-        is_file, is_dir = p.is_file(), p.is_dir()
-    except (OSError, ValueError) as e:  # a name the OS refuses, e.g. too long
-        raise ModelPathError(f"{where}: not a usable path ({e})") from None
-    if is_file:
-        if p.suffix.lower() != ".gguf":
-            raise ModelPathError(
-                f"{where}: a file that is not a .gguf model; give a .gguf file or a model directory"
-            )
-        return
-    if is_dir:
-        if (p / "config.json").is_file() or is_adapter_dir(p) or is_bottleneck_adapter_dir(p):
-            return
-        if (p / "final").is_dir():
-            raise ModelPathError(f"{where}: a run directory; give its model, {p / 'final'}")
-        if _is_run_dir(p):
-            raise ModelPathError(f"{where}: {unfinished_run_message(p)}")
-        ggufs = sorted(p.glob("*.gguf"))
-        hint = f"; for its GGUF model give the file, e.g. {ggufs[0]}" if ggufs else ""
-        raise ModelPathError(
-            f"{where}: not a model directory (no config.json, adapter_config.json or "
-            f"leantune adapter){hint}"
-        )
-    if path.count("/") == 1 and not path.startswith((".", "/", "~")):
-        return  # a hub id, served from the local HF cache when offline
-    raise ModelPathError(
-        f"{where}: no such file or directory; give a model directory, a .gguf file, a hub id "
-        f"'org/name' or '{sorted(DEMO_MODEL_NAMES)[0]}'"
-    )
-
-
 def load_for_inference(
     path: str, dtype: str = "fp32", trust_remote_code: bool = False
 ) -> tuple[PreTrainedModel | PeftModel, PreTrainedTokenizerBase]:
-    """Load a model directory, GGUF file, hub id, demo name, or adapter directory (with its base).
+    """Load a model directory, GGUF file, hub id, demo name, adapter directory (with its base),
+    or a run directory's `final/` model.
 
     Raises:
         ModelPathError: `path` is not a model or cannot be loaded (unreadable config or weights,
@@ -190,9 +141,13 @@ def load_for_inference(
 def _load_for_inference(
     path: str, dtype: str, trust_remote_code: bool
 ) -> tuple[PreTrainedModel | PeftModel, PreTrainedTokenizerBase]:
-    p = Path(path)
+    path = model_of_run(path)
+    p = Path(path).expanduser()
     if p.is_dir() and (is_adapter_dir(p) or is_bottleneck_adapter_dir(p)):
         base, info = _base_of(p)
+        # The tokenizer first: it loads in a moment, and a missing one is the user's to fix.
+        tok_source = ModelSource(str(p)) if (p / "tokenizer_config.json").is_file() else base
+        tokenizer = load_tokenizer(tok_source, trust_remote_code)
         rope = RopeScalingConfig(**info["rope_scaling"]) if info.get("rope_scaling") else None
         quant = Quantization.from_json(info["quantization"]) if info.get("quantization") else None
         device = "cuda" if quant is not None and torch.cuda.is_available() else "cpu"
@@ -205,10 +160,10 @@ def _load_for_inference(
         else:
             with quiet_peft():
                 adapted = PeftModel.from_pretrained(model, p)
-        tok_source = ModelSource(str(p)) if (p / "tokenizer_config.json").is_file() else base
         adapted.eval()
-        return adapted, load_tokenizer(tok_source, trust_remote_code)
+        return adapted, tokenizer
     source = resolve_model(path)
+    tokenizer = load_tokenizer(source, trust_remote_code)
     model = load_model(source, dtype, trust_remote_code)
     model.eval()
-    return model, load_tokenizer(source, trust_remote_code)
+    return model, tokenizer

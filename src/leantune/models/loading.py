@@ -1,11 +1,12 @@
 """Load a causal LM and its tokenizer from a local directory, a hub id, or a GGUF file.
 
-The demo model name `smollm2-135m-instruct` resolves through `leantune.models.demo_model`.
+The demo model name `smollm2-135m-instruct` resolves through `leantune.models.demo_model`. Hub
+ids are read from the local HF cache only, unless the user sets HF_HUB_OFFLINE=0 explicitly
+(`downloads_allowed`): nothing waits on the network by default.
 """
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +22,15 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from leantune.config import RopeScalingConfig
 from leantune.errors import UserError
 from leantune.models.demo_model import DEMO_MODEL_NAMES, ensure_demo_model
+from leantune.models.paths import (
+    ModelPathError,
+    downloads_allowed,
+    hub_id_problem,
+    hub_offline_unless_allowed,
+    hub_snapshot,
+    looks_like_hub_id,
+    missing_path_message,
+)
 from leantune.models.quantize import Quantization, bnb_config, keep_training_layout
 from leantune.models.rope import apply_rope_scaling
 
@@ -43,10 +53,6 @@ class ModelNotFoundError(FileNotFoundError, UserError):
     """Raised when a model path is neither a directory, a GGUF file nor a cached hub id."""
 
 
-class ModelPathError(UserError):
-    """A path given as a model is not one, or cannot be loaded; the message names it."""
-
-
 # What the loaders raise for files that are missing, unreadable or not what they claim (a broken
 # config.json is an OSError, an empty directory a ValueError, a truncated GGUF a struct.error).
 LOAD_ERRORS = (OSError, ValueError, struct.error, SafetensorError)
@@ -54,9 +60,11 @@ LOAD_ERRORS = (OSError, ValueError, struct.error, SafetensorError)
 
 @contextmanager
 def loading(location: str) -> Iterator[None]:
-    """Turn a loader's failure on `location` into a ModelPathError naming it."""
+    """Turn a loader's failure on `location` into a ModelPathError naming it; the hub stays
+    offline inside unless the user opted in (`downloads_allowed`)."""
     try:
-        yield
+        with hub_offline_unless_allowed():
+            yield
     except UserError:
         raise
     except LOAD_ERRORS as e:
@@ -68,15 +76,15 @@ def resolve_model(path: str, gguf_file: str | None = None) -> ModelSource:
     """Turn a user-facing model path into a loadable source.
 
     Args:
-        path: a local directory, a `.gguf` file, a hub id (`org/name`, served from the local HF
-            cache when offline), or the demo model name `smollm2-135m-instruct`.
+        path: a local directory, a `.gguf` file, a hub id (`org/name`) in the local HF cache
+            (or any hub id with `downloads_allowed()`), or the demo name `smollm2-135m-instruct`.
         gguf_file: a GGUF file name inside `path`, when `path` is a directory.
 
     Returns:
         The resolved source.
 
     Raises:
-        ModelNotFoundError: the path does not exist locally and does not look like a hub id.
+        ModelNotFoundError: the path does not exist locally, and is not a hub id in the cache.
     """
     if path.lower() in DEMO_MODEL_NAMES:
         return ModelSource(str(ensure_demo_model()))
@@ -85,24 +93,99 @@ def resolve_model(path: str, gguf_file: str | None = None) -> ModelSource:
         return ModelSource(str(p.parent), p.name)
     if p.is_dir():
         return ModelSource(str(p), gguf_file)
-    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
-    if looks_like_hub_id:
-        return ModelSource(path, gguf_file)
-    raise ModelNotFoundError(
-        f"model.path={path!r}: no such directory or .gguf file, and not a hub id 'org/name'. "
-        f"Use a local HF model directory, a .gguf file, or '{sorted(DEMO_MODEL_NAMES)[0]}'."
+    where = f"model.path={path}"
+    if not looks_like_hub_id(path):
+        raise ModelNotFoundError(missing_path_message(path, where))
+    problem = hub_id_problem(path, where, gguf_file or "config.json")
+    if problem is not None:
+        raise ModelNotFoundError(problem)
+    return ModelSource(path, gguf_file)
+
+
+# Files that hold a tokenizer's vocabulary; a directory with none of them has no tokenizer
+# (transformers then builds an empty one for some models, or fails about sentencepiece).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tiktoken.model",
+    "tekken.json",
+)
+
+
+def _local_dir(source: ModelSource) -> Path | None:
+    """The directory the tokenizer is read from, when it is on this machine."""
+    p = Path(source.location)
+    if p.is_dir():
+        return p
+    if not downloads_allowed() and looks_like_hub_id(source.location):
+        return hub_snapshot(source.location)
+    return None
+
+
+def check_tokenizer_files(source: ModelSource, trust_remote_code: bool = False) -> None:
+    """Refuse a model directory without tokenizer files, naming it and what is missing.
+
+    Raises:
+        ModelPathError: no tokenizer file in the directory.
+    """
+    folder = None if source.gguf_file else _local_dir(source)  # a GGUF file holds its own
+    if folder is None:
+        return
+    if any((folder / f).is_file() for f in TOKENIZER_FILES) or any(folder.glob("*.tiktoken")):
+        return
+    if trust_remote_code and (folder / "tokenizer_config.json").is_file():
+        return  # a tokenizer of its own code may keep its vocabulary under any name
+    if not (folder / "config.json").is_file() and not (folder / "tokenizer_config.json").is_file():
+        raise ModelPathError(
+            f"{_name(source)}: not a model directory (no config.json, no tokenizer files such "
+            "as tokenizer.json); give a Hugging Face model directory"
+        )
+    raise ModelPathError(
+        f"{_name(source)}: no tokenizer (none of {', '.join(TOKENIZER_FILES[:4])}, ... is "
+        "there). Copy the tokenizer files of the model it came from into it (tokenizer.json "
+        "and tokenizer_config.json, or what that model has), or give that model instead"
     )
+
+
+@contextmanager
+def _tokenizer_loading(source: ModelSource) -> Iterator[None]:
+    """`loading`, with a tokenizer that needs a missing package said in one line (transformers
+    says it in six, about converting a slow tokenizer)."""
+    name = _name(source)
+    try:
+        with loading(name):
+            yield
+    except ModelPathError as e:
+        cause = e.__cause__
+        needs = isinstance(cause, (ValueError, ImportError)) and any(
+            package in str(cause) for package in ("sentencepiece", "tiktoken")
+        )
+        if not needs:
+            raise
+        raise ModelPathError(
+            f"{name}: its tokenizer needs the sentencepiece or tiktoken package to load "
+            "(pip install sentencepiece tiktoken), or a tokenizer.json beside it"
+        ) from cause
 
 
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """Load the tokenizer and make sure it has a pad token (falls back to eos).
 
     Raises:
-        ModelPathError: the source holds no loadable tokenizer.
+        ModelPathError: the source holds no loadable tokenizer (no tokenizer files, or a
+            tokenizer that needs a package that is not installed).
     """
-    with loading(_name(source)):
+    check_tokenizer_files(source, trust_remote_code)
+    with _tokenizer_loading(source):
         tok = AutoTokenizer.from_pretrained(
-            source.location, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code
+            source.location,
+            gguf_file=source.gguf_file,
+            trust_remote_code=trust_remote_code,
+            local_files_only=not downloads_allowed(),
         )
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -159,7 +242,7 @@ def _load_model(
     quantization: Quantization | None,
     device: torch.device | str,
 ) -> PreTrainedModel:
-    local_only = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    local_only = not downloads_allowed()
     kwargs: dict[str, Any] = {}
     if rope_scaling is not None:
         config = AutoConfig.from_pretrained(

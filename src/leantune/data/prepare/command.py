@@ -41,31 +41,51 @@ def engine_options(data: Any) -> dict[str, Any]:
     return {"engine": data.engine, "scheduler": data.scheduler, "partition_mb": data.partition_mb}
 
 
+def _default(field: str) -> str:
+    """Help text of a flag that overrides a data field."""
+    return f"default: CONFIG's data.{field}, else leantune's (`leantune validate --help-fields`)"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `leantune prepare`."""
     p.add_argument("config", nargs="?", default=None, help="CONFIG.yaml (its data + model)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides of CONFIG")
     p.add_argument("--data", nargs="+", help="input files: .jsonl(.gz|.zst), .json, .parquet, .csv")
-    p.add_argument("--format", choices=["alpaca", "chat", "text"], default=None)
+    p.add_argument(
+        "--format",
+        choices=["alpaca", "chat", "text"],
+        default=None,
+        help="required without CONFIG (default: CONFIG's data.format)",
+    )
     p.add_argument(
         "--out", default=None, help="prepared directory (default <first input>.prepared)"
     )
-    p.add_argument("--model", default=None, help="model path or name (its tokenizer is used)")
-    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model path or name, its tokenizer is used (default: CONFIG's model.path)",
+    )
+    p.add_argument("--max-seq-len", type=int, default=None, help=_default("max_seq_len"))
     p.add_argument("--no-pack", action="store_true", help="one example per row")
     p.add_argument(
         "--clean",
         default=None,
-        help=f"comma-separated rules or 'none' (without CONFIG: all of {','.join(RULES)})",
+        help=f"comma-separated rules or 'none' (default: CONFIG's data.clean; without CONFIG: "
+        f"all of {','.join(RULES)})",
     )
     p.add_argument(
-        "--dedup", choices=["none", "exact", "near"], default=None, help="without CONFIG: near"
+        "--dedup",
+        choices=["none", "exact", "near"],
+        default=None,
+        help="default: CONFIG's data.dedup; without CONFIG: near",
     )
-    p.add_argument("--near-dup-threshold", type=float, default=None)
-    p.add_argument("--min-tokens", type=int, default=None)
+    p.add_argument(
+        "--near-dup-threshold", type=float, default=None, help=_default("near_dup_threshold")
+    )
+    p.add_argument("--min-tokens", type=int, default=None, help=_default("min_tokens"))
     p.add_argument("--truncate", action="store_true", help="cut over-long examples, do not drop")
-    p.add_argument("--system-prompt", default=None)
-    p.add_argument("--engine", choices=["local", "dask"], default=None)
+    p.add_argument("--system-prompt", default=None, help=_default("system_prompt"))
+    p.add_argument("--engine", choices=["local", "dask"], default=None, help=_default("engine"))
     p.add_argument(
         "--scheduler", default=None, help="Dask scheduler address (default LocalCluster)"
     )

@@ -1,0 +1,139 @@
+"""The Python API: what `leantune train`, `eval` and `export` do, callable from Python.
+
+    from leantune import load_config, train, evaluate
+    cfg = load_config(None, ["data.train=my.jsonl", "data.format=chat", "run.name=mine"])
+    summary = train(cfg)                      # runs/mine/: final/, metrics, checkpoints
+    scores = evaluate("runs/mine", "held_out.jsonl")
+
+Each call quiets the libraries as the CLI does: transformers logs errors only and shows no
+progress bars, and the import-time warnings of torchao and torch's pytree (nothing a user can
+act on) are not shown. Errors that are the user's to fix raise `leantune.errors.UserError`
+subclasses whose message names the file, field or flag.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from leantune.config import Config, load_config
+
+
+def _quiet() -> None:
+    """The CLI's warning hygiene (kept in one place, the CLI's own functions)."""
+    from leantune.cli import _quiet_import_noise, _quiet_libraries
+
+    _quiet_import_noise()
+    _quiet_libraries()
+
+
+def _silent(_: str) -> None:
+    pass
+
+
+def train(
+    config: Config | str | Path | None = None,
+    overrides: Sequence[str] = (),
+    log: Callable[[str], None] | None = print,
+) -> dict[str, Any]:
+    """Run (or resume) a fine-tune, as `leantune train [CONFIG] [overrides]` does.
+
+    Args:
+        config: A Config (see `load_config`), a YAML file, or None for the built-in demo.
+        overrides: `section.key=value` strings over a YAML file or the demo (give them to
+            `load_config` instead when passing a Config).
+        log: Where progress lines go; None for none.
+
+    Returns:
+        The run summary, also written to the run directory.
+
+    Raises:
+        ConfigError: an invalid config or override, naming the field.
+        UserError: bad data, or a run directory that is not this run's (exit code 2 in the CLI).
+        TrainingHalted: the stability guard paused or stopped the run (`exit_code` 3 or 4), or
+            one sequence does not fit in memory (5).
+        Interrupted: SIGINT or SIGTERM, after a checkpoint.
+    """
+    if isinstance(config, Config):
+        if overrides:
+            raise TypeError("train(): give overrides to load_config() when passing a Config")
+        cfg, config_file = config, None
+    else:
+        cfg = load_config(config, list(overrides))
+        config_file = Path(config) if config is not None else None
+    _quiet()  # before the imports that log the noise
+    from leantune.training.recipe import train as run
+
+    return run(cfg, log=log or _silent, config_file=config_file)
+
+
+def evaluate(
+    model: str | Path,
+    data: str | Path,
+    format: str | None = None,
+    limit: int | None = None,
+    batch_size: int = 16,
+    max_new_tokens: int = 128,
+    max_seq_len: int = 4096,
+    dtype: str = "fp32",
+) -> dict[str, Any]:
+    """Loss, perplexity and exact match of a model on a JSONL file, as `leantune eval --data`.
+
+    Args:
+        model: A run directory (its final/), model or adapter directory, .gguf file, cached hub
+            id or the demo name.
+        data: The JSONL file.
+        format: alpaca, chat or text; None detects it.
+        limit: Evaluate the first `limit` examples only.
+        batch_size: Examples per forward pass.
+        max_new_tokens: Longest generated answer for exact match.
+        max_seq_len: Longest example in tokens.
+        dtype: fp32, bf16 or fp16 weights.
+
+    Returns:
+        The same object `leantune eval` prints.
+
+    Raises:
+        ModelPathError: `model` is not a model or cannot be loaded.
+        UserError: `data` is not a file.
+    """
+    from leantune.errors import UserError
+    from leantune.models.paths import check_model_path
+
+    check_model_path(str(model), "model")
+    if not Path(data).is_file():
+        raise UserError(f"data {data}: no such file; give a JSONL file")
+    _quiet()  # before the imports that log the noise
+    import torch
+
+    from leantune.eval.run import evaluate_file
+    from leantune.models.artifacts import load_for_inference
+
+    torch.manual_seed(0)
+    loaded, tokenizer = load_for_inference(str(model), dtype)
+    result = evaluate_file(
+        loaded, tokenizer, Path(data), format, limit, batch_size, max_new_tokens, max_seq_len
+    )
+    return {"model": str(model), **result}
+
+
+def export_model(
+    model: str | Path,
+    format: str,
+    out: str | Path,
+    gguf_type: str = "f16",
+    data: str | Path | None = None,
+    samples: int = 4,
+) -> dict[str, Any]:
+    """Export a run or model and check parity, as `leantune export`; returns the report.
+
+    Raises:
+        ExportError: the format cannot be made from this input, or `out`/`data` are unusable.
+        ModelPathError: `model` is not a model.
+        ParityError: the written export does not reproduce the source (the report is written).
+    """
+    _quiet()  # before the imports that log the noise
+    from leantune.export.run import export_model as run
+
+    return run(str(model), format, Path(out), gguf_type, Path(data) if data else None, samples)

@@ -1,0 +1,66 @@
+"""`evaluate_file`: loss, perplexity and exact match of a loaded model on a JSONL file.
+
+What `leantune eval --data` computes, without the command line: the CLI and the Python API
+(`leantune.evaluate`) both call it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from peft import PeftModel
+from transformers import PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from leantune.data.dataset import prepare_file
+from leantune.data.formats import detect_format
+from leantune.eval.exact_match import evaluate_exact_match
+from leantune.eval.loss import evaluate_loss
+
+
+def evaluate_file(
+    model: PreTrainedModel | PeftModel,
+    tokenizer: PreTrainedTokenizerBase,
+    path: Path,
+    fmt: str | None = None,
+    limit: int | None = None,
+    batch_size: int = 16,
+    max_new_tokens: int = 128,
+    max_seq_len: int = 4096,
+    on_bad_line: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Evaluate `model` on the JSONL file `path`.
+
+    Args:
+        model: A causal LM (plain or peft), in eval mode.
+        tokenizer: Its tokenizer.
+        path: The JSONL file.
+        fmt: Its record format; None detects it.
+        limit: Evaluate only the first `limit` examples (None: all).
+        batch_size: Examples per forward pass and per generate call.
+        max_new_tokens: Longest generated answer for exact match.
+        max_seq_len: Longest example in tokens; longer ones count as bad lines.
+        on_bad_line: Called with each bad line's description (file, line, reason).
+
+    Returns:
+        `data`, `format`, the loss and perplexity keys of `evaluate_loss`, `examples`,
+        `bad_lines`, and `exact_match` (greedy) for records with conversations.
+    """
+    fmt = fmt or detect_format(path)
+    data = prepare_file(path, fmt, tokenizer, max_seq_len, pack=False, max_bad_fraction=1.0)
+    for bad in data.bad:
+        if on_bad_line is not None:
+            on_bad_line(str(bad))
+    if limit is not None:
+        data.rows, data.records = data.rows[:limit], data.records[:limit]
+    result: dict[str, Any] = {"data": str(path), "format": fmt}
+    result.update(evaluate_loss(model, data.rows, int(tokenizer.pad_token_id), batch_size))
+    result["examples"] = len(data.rows)
+    result["bad_lines"] = len(data.bad)
+    conversations = [list(r.messages) for r in data.records if r.messages is not None]
+    if conversations:
+        score, _ = evaluate_exact_match(model, tokenizer, conversations, batch_size, max_new_tokens)
+        result["exact_match"] = score
+    return result

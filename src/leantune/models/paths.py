@@ -1,0 +1,211 @@
+"""What a model path names, told without loading anything (no torch, no transformers).
+
+A model is the demo name, a local directory holding an HF model (`config.json`), a peft adapter
+or a leantune bottleneck adapter, a run directory with a `final/` model, a `.gguf` file, or a hub
+id `org/name`. Hub ids are read from the local HF cache only unless the user opts in to downloads
+with HF_HUB_OFFLINE=0 (`downloads_allowed`), so a mistyped path fails at once instead of after
+minutes of network retries. The commands check their `--model` here before they import the
+libraries that load it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from leantune.errors import UserError
+from leantune.models.demo_model import DEMO_MODEL_NAMES
+
+# The file `methods.adapter.save_adapter` writes (kept here, without importing torch; a test
+# checks they agree).
+BOTTLENECK_CONFIG_FILE = "bottleneck_adapter.json"
+
+
+class ModelPathError(UserError):
+    """A path given as a model is not one, or cannot be loaded; the message names it."""
+
+
+# Names that end like a file are paths, never hub ids (a hub id names a repository).
+PATH_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".onnx", ".json", ".yaml")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def downloads_allowed() -> bool:
+    """Whether loading may reach the Hugging Face hub: only when the user opts in by setting
+    HF_HUB_OFFLINE=0 (or false/no/off) explicitly. Otherwise hub ids are read from the local
+    HF cache only, so a mistyped path fails at once instead of after minutes of retries."""
+    value = os.environ.get("HF_HUB_OFFLINE")
+    return value is not None and value.strip().lower() in ("0", "false", "no", "off")
+
+
+@contextmanager
+def hub_offline_unless_allowed() -> Iterator[None]:
+    """Put huggingface_hub in offline mode for the block, unless `downloads_allowed()`.
+
+    Passing `local_files_only` is not enough: transformers 5 looks for an adapter config
+    without it, and huggingface_hub fetches its user-agent registry, each with network retries.
+    """
+    from huggingface_hub import constants
+
+    if downloads_allowed():
+        yield
+        return
+    saved = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = saved
+
+
+def looks_like_hub_id(path: str) -> bool:
+    """`org/name`: one slash and no other separator, not starting with `.`, `~` or `/`, and not
+    ending like a file (`.gguf`, `.safetensors`, ...). Anything else is a local path."""
+    return (
+        _HUB_ID.fullmatch(path) is not None
+        and ".." not in path
+        and not path.lower().endswith(PATH_SUFFIXES)
+    )
+
+
+def hub_snapshot(repo_id: str, filename: str = "config.json") -> Path | None:
+    """The local HF cache's snapshot directory of `repo_id` if it holds `filename`, else None.
+
+    Reads only the cache directory, never the network.
+    """
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, filename)
+    except ValueError:  # huggingface_hub refuses the name as a repo id
+        return None
+    if not isinstance(found, str):
+        return None
+    return Path(found).parents[len(Path(filename).parts) - 1]
+
+
+def missing_path_message(path: str, where: str) -> str:
+    """A local path that does not exist: say so, with the closest names in its folder."""
+    import difflib
+
+    p = Path(path).expanduser()
+    hint = ""
+    try:
+        if p.parent.is_dir():
+            near = difflib.get_close_matches(p.name, [c.name for c in p.parent.iterdir()], n=3)
+            names = ", ".join(str(p.parent / n) for n in near)
+            hint = f" (did you mean {names}?)" if near else ""
+    except OSError:  # an unreadable folder gives no hint
+        pass
+    return (
+        f"{where}: no such file or directory{hint}; give a model directory, a .gguf file, a hub "
+        f"id 'org/name' in the HF cache or '{sorted(DEMO_MODEL_NAMES)[0]}'"
+    )
+
+
+def hub_id_problem(path: str, where: str, filename: str = "config.json") -> str | None:
+    """None when the hub id `path` can load (in the HF cache, or `downloads_allowed()`), else
+    why not: a missing local path when its first part is a local folder (`runs/dmeo` beside
+    `runs/`), otherwise a hub id that is not in the cache."""
+    if downloads_allowed() or hub_snapshot(path, filename) is not None:
+        return None
+    if Path(path.split("/")[0]).is_dir():
+        return missing_path_message(path, where)
+    from huggingface_hub import constants
+
+    return (
+        f"{where}: not a local path, and not in the HF cache ({constants.HF_HUB_CACHE}). For a "
+        "local model give its directory (a typo?); a hub model is read from the cache only: "
+        f"download it first (`hf download {path}`), or set HF_HUB_OFFLINE=0 to let leantune "
+        "download it"
+    )
+
+
+def is_adapter_dir(path: Path) -> bool:
+    """True for a peft adapter directory."""
+    return (path / "adapter_config.json").is_file()
+
+
+def is_bottleneck_adapter_dir(path: Path) -> bool:
+    """True for a directory written by `methods.adapter.save_adapter`."""
+    return (path / BOTTLENECK_CONFIG_FILE).is_file()
+
+
+def _is_run_dir(p: Path) -> bool:
+    """True for a leantune run directory (it holds the resolved config or checkpoints)."""
+    return (p / "config.yaml").is_file() or (p / "checkpoints").is_dir()
+
+
+def unfinished_run_message(run: Path) -> str:
+    """Why a run directory without `final/` has no model, and how to get one."""
+    steps = sorted(c.name for c in (run / "checkpoints").glob("step-*") if c.is_dir())
+    newest = f"newest checkpoint: {steps[-1]}" if steps else "no checkpoint saved yet"
+    return (
+        f"a leantune run without a final model ({newest}): final/ is written when training "
+        "finishes. Run the same `leantune train` command again; it resumes from the newest "
+        f"checkpoint and writes {run / 'final'}. Checkpoints hold what resuming needs "
+        "(trainable weights, optimizer state), not a model to load"
+    )
+
+
+def _holds_model(p: Path) -> bool:
+    return (p / "config.json").is_file() or is_adapter_dir(p) or is_bottleneck_adapter_dir(p)
+
+
+def model_of_run(path: str) -> str:
+    """The model a path stands for: a run directory's `final/`, else the path as given.
+
+    A directory that itself holds a model is that model, even with a `final/` inside it.
+    """
+    p = Path(path).expanduser()
+    try:
+        if p.is_dir() and not _holds_model(p) and (p / "final").is_dir():
+            return str(p / "final")
+    except OSError:  # a name the OS refuses; check_model_path says so
+        pass
+    return path
+
+
+def check_model_path(path: str, label: str = "") -> None:
+    """Refuse, before anything loads, a local path that cannot be a model.
+
+    A model is the demo name, a hub id (`org/name`) in the local HF cache (any hub id when
+    `downloads_allowed()`), a `.gguf` file, a directory holding an
+    HF model (`config.json`), a peft adapter or a bottleneck adapter, or a run directory with a
+    `final/` model (see `model_of_run`).
+
+    Raises:
+        ModelPathError: naming `label` (e.g. `--model`) and the path, and what to give instead.
+    """
+    where = f"{label} {path}" if label else path
+    if path.lower() in DEMO_MODEL_NAMES:
+        return
+    p = Path(model_of_run(path)).expanduser()
+    try:
+        is_file, is_dir = p.is_file(), p.is_dir()
+    except (OSError, ValueError) as e:  # a name the OS refuses, e.g. too long
+        raise ModelPathError(f"{where}: not a usable path ({e})") from None
+    if is_file:
+        if p.suffix.lower() != ".gguf":
+            raise ModelPathError(
+                f"{where}: a file that is not a .gguf model; give a .gguf file or a model directory"
+            )
+        return
+    if is_dir:
+        if _holds_model(p):
+            return
+        if _is_run_dir(p):
+            raise ModelPathError(f"{where}: {unfinished_run_message(p)}")
+        ggufs = sorted(p.glob("*.gguf"))
+        hint = f"; for its GGUF model give the file, e.g. {ggufs[0]}" if ggufs else ""
+        raise ModelPathError(
+            f"{where}: not a model directory (no config.json, adapter_config.json or "
+            f"leantune adapter){hint}"
+        )
+    problem = hub_id_problem(path, where) if looks_like_hub_id(path) else None
+    if looks_like_hub_id(path) and problem is None:
+        return
+    raise ModelPathError(problem or missing_path_message(path, where))
