@@ -40,7 +40,8 @@ def train(
     """Run (or resume) a fine-tune, as `leantune train [CONFIG] [overrides]` does.
 
     Args:
-        config: A Config (see `load_config`), a YAML file, or None for the built-in demo.
+        config: A Config (see `load_config`), a YAML file, or None: the built-in demo, unless
+            `overrides` set data.train (then the library defaults, as on the command line).
         overrides: `section.key=value` strings over a YAML file or the demo (give them to
             `load_config` instead when passing a Config).
         log: Where progress lines go; None for none.
