@@ -235,7 +235,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     result.update(evaluate_loss(model, data.rows, pad, args.batch_size))
     result["examples"] = len(data.rows)
     result["bad_lines"] = len(data.bad)
-    if fmt in ("chat", "alpaca"):
+    if fmt != "text":
         convs = [list(r.messages) for r in data.records if r.messages is not None]
         score, _ = evaluate_exact_match(
             model, tokenizer, convs, args.batch_size, args.max_new_tokens
@@ -374,11 +374,12 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _add_eval_parsers(sub: Any) -> None:
     """The `eval` and `generate` subcommands."""
     from leantune.config import MAX_SEQ_LEN
+    from leantune.data.formats import FORMATS
 
     e = sub.add_parser("eval", help="loss, perplexity and exact match of a model on a JSONL file")
     e.add_argument("--model", required=True, help="model dir, run final/ dir, .gguf or demo name")
-    e.add_argument("--data", default=None, help="JSONL file (alpaca, chat or text)")
-    e.add_argument("--format", choices=["alpaca", "chat", "text"], help="default: detected")
+    e.add_argument("--data", default=None, help=f"data file ({', '.join(FORMATS)})")
+    e.add_argument("--format", choices=FORMATS, help="default: detected")
     e.add_argument("--limit", type=_count(1), default=None, help="evaluate the first N examples")
     e.add_argument("--batch-size", type=_count(1), default=16)
     e.add_argument("--max-new-tokens", type=_count(1), default=128)

@@ -31,6 +31,7 @@ def row_stats_from_data(cfg: Config) -> tuple[int | None, int | None]:
     no weights); (None, None) when the data cannot be read (the planner then assumes full rows
     of data.max_seq_len, all supervised)."""
     from leantune.data.dataset import prepare_file
+    from leantune.data.templates import apply_chat_template
     from leantune.memory.planner import max_supervised_per_row
     from leantune.models.loading import load_tokenizer, resolve_model
 
@@ -38,6 +39,7 @@ def row_stats_from_data(cfg: Config) -> tuple[int | None, int | None]:
         return None, None
     try:
         tok = load_tokenizer(resolve_model(cfg.model.path, cfg.model.gguf_file))
+        apply_chat_template(tok, cfg.data.chat_template)
         data = prepare_file(
             cfg.data.train,
             cfg.data.format,

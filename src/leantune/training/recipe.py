@@ -38,6 +38,7 @@ from leantune.data.dataset import PreparedData
 from leantune.data.loader import SampleStream, collate, split_window
 from leantune.data.prepare.command import engine_options, settings_from_config
 from leantune.data.prepare.training import prepared_data
+from leantune.data.templates import apply_chat_template
 from leantune.memory.planner import plan_for_run
 from leantune.methods.registry import (
     DEFAULT_LR,
@@ -568,6 +569,8 @@ def _train(
     seed_everything(cfg.train.seed)
     device = _device(cfg.train.device, cfg.train.precision, log)
     tokenizer = load_tokenizer(source, cfg.model.trust_remote_code)
+    for warning in apply_chat_template(tokenizer, cfg.data.chat_template):  # saved with final/
+        log(f"warning: {warning}")
     train_data, eval_data = load_datasets(cfg, tokenizer, log)
     t, memory_note = plan_for_run(cfg, device.type, [r.labels for r in train_data.rows])
     cfg.train = t  # micro_batch_size=auto resolved; build_trainer reads cfg.train
