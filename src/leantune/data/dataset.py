@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
@@ -79,11 +81,18 @@ def prepare_file(
     return PreparedData(rows, examples, kept_records, bad, total)
 
 
+class Supervised(Protocol):
+    """An example as `check_usable` sees it: how many of its tokens are supervised."""
+
+    @property
+    def num_supervised(self) -> int: ...
+
+
 def check_usable(
     where: str | Path,
     total: int,
     bad: list[BadLine],
-    examples: list[Example],
+    examples: Sequence[Supervised],
     max_bad_fraction: float,
     fmt: str | None = None,
 ) -> None:

@@ -55,9 +55,18 @@ def row_stats_from_data(cfg: Config) -> tuple[int | None, int | None]:
     return max_supervised_per_row([r.labels for r in data.rows]), longest
 
 
-def plan(cfg: Config, device: str, budget: str | None = None) -> dict[str, Any]:
-    """Predict the configured run and recommend the fastest settings that fit the budget."""
-    inputs = plan_inputs(cfg, device, *row_stats_from_data(cfg))
+def plan(
+    cfg: Config,
+    device: str,
+    budget: str | None = None,
+    row_stats: tuple[int | None, int | None] | None = None,
+) -> dict[str, Any]:
+    """Predict the configured run and recommend the fastest settings that fit the budget.
+
+    `row_stats` is (most supervised tokens in a row, longest row) when the caller has the rows
+    already (`leantune inspect`); by default they are read from the data.
+    """
+    inputs = plan_inputs(cfg, device, *(row_stats or row_stats_from_data(cfg)))
     limit = budget_for(cfg, device, budget)
     configured = estimate(inputs.facts, inputs.step, inputs.weight_itemsize)
     best = recommend(
