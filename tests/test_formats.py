@@ -547,3 +547,18 @@ def test_the_run_fingerprint_covers_data_chat_template() -> None:
     assert (
         trajectory_settings(cfg)["data.chat_template"] == "chatml" != before["data.chat_template"]
     )
+
+
+def test_prepare_takes_a_chat_template_flag(tmp_path: Path, bare_model_dir: Path) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", [SAMPLES["chat"]] * 2)
+    args = ["prepare", "--data", str(data), "--format", "chat", "--model", str(bare_model_dir)]
+    r = run_cli([*args, "--out", str(tmp_path / "a")])
+    assert r.code == 2 and "data.chat_template=chatml" in r.err, r
+    r = run_cli([*args, "--out", str(tmp_path / "b"), "--chat-template", "chatm"])
+    assert r.code == 2 and "data.chat_template: 'chatm' is neither" in r.err, r
+    r = run_cli(
+        [*args, "--out", str(tmp_path / "c"), "--chat-template", "chatml", "--dedup", "none"]
+    )
+    assert r.code == 0, r
+    report = json.loads((tmp_path / "c" / "prepare_report.json").read_text())
+    assert report["rows_out"] == 2 and report["settings"]["format"] == "chat"

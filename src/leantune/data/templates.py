@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from leantune.errors import UserError
+from leantune.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ BUILTIN_TEMPLATES: dict[str, BuiltinTemplate] = {
 }
 
 
-class ChatTemplateError(ValueError, UserError):
+class ChatTemplateError(ConfigError):
     """data.chat_template names no built-in and no readable Jinja template file."""
 
 
@@ -91,11 +91,11 @@ def template_text(spec: str) -> str:
         return BUILTIN_TEMPLATES[spec].text
     path = Path(spec).expanduser()
     names = ", ".join(BUILTIN_TEMPLATES)
-    if not any(c in spec for c in "/\\.") and not path.exists():
-        raise ChatTemplateError(
-            f"data.chat_template: {spec!r} is neither a built-in template ({names}) nor a file"
-        )
     try:
+        if not any(c in spec for c in "/\\.") and not path.exists():
+            raise ChatTemplateError(
+                f"data.chat_template: {spec!r} is neither a built-in template ({names}) nor a file"
+            )
         if path.is_dir():
             raise ChatTemplateError(f"data.chat_template: {path}: a directory, not a Jinja file")
         text = path.read_text(encoding="utf-8")
@@ -103,8 +103,10 @@ def template_text(spec: str) -> str:
         raise ChatTemplateError(
             f"data.chat_template: {path}: no such file (built-in templates: {names})"
         ) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ChatTemplateError(f"data.chat_template: {path}: cannot be read ({e})") from None
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, a name the OS refuses
+        if isinstance(e, ChatTemplateError):
+            raise
+        raise ChatTemplateError(f"data.chat_template: {spec!r}: cannot be read ({e})") from None
     _check_syntax(text, path)
     return text
 
