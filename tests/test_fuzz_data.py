@@ -36,7 +36,7 @@ from leantune.data.prepare.readers import read_items
 from leantune.data.prepare.records import PrepareSettings, process_chunk
 
 KINDS = ("jsonl", "jsonl.gz", "jsonl.zst", "json", "parquet", "csv")
-FORMATS = ("alpaca", "chat", "text")
+FORMATS = ("alpaca", "chat", "text", "sharegpt", "prompt_completion")
 DROP_KINDS = {
     "invalid_json",
     "not_utf8",
@@ -54,6 +54,7 @@ DROP_KINDS = {
     "no_supervised",
     "answer_truncated",
     "template_error",
+    "unsupported",
 }
 MAX_SEQ_LEN = 64
 FUZZ = settings(
@@ -91,8 +92,29 @@ TURN = st.fixed_dictionaries(
 )
 ANSWER = st.fixed_dictionaries({"role": st.just("assistant"), "content": TEXT})
 CHAT = st.tuples(st.lists(TURN, max_size=4), ANSWER).map(lambda t: {"messages": [*t[0], t[1]]})
+FROM = st.sampled_from(["human", "gpt", "system", "user", "function_call", "robot"]) | JSON
+SHARE_TURN = st.fixed_dictionaries({"from": FROM, "value": TEXT | JSON}) | MESSAGE
+SHAREGPT = st.fixed_dictionaries(
+    {"conversations": st.lists(SHARE_TURN, max_size=5) | TEXT | JSON},
+    optional={"system": TEXT | JSON, "tools": TEXT | JSON, "images": JSON},
+)
+GOOD_SHAREGPT = st.tuples(
+    st.lists(
+        st.fixed_dictionaries({"from": st.sampled_from(["human", "gpt", "system"]), "value": TEXT}),
+        max_size=4,
+    ),
+    TEXT,
+).map(lambda t: {"conversations": [*t[0], {"from": "gpt", "value": t[1]}]})
+SIDE = TEXT | st.lists(MESSAGE, max_size=3) | st.lists(TURN, min_size=1, max_size=3) | JSON
+PROMPT_COMPLETION = st.fixed_dictionaries(
+    {"prompt": SIDE, "completion": SIDE | st.lists(ANSWER, min_size=1, max_size=2)},
+    optional={"label": JSON, "chosen": TEXT},
+)
 RECORD = st.one_of(
     CHAT,
+    GOOD_SHAREGPT,
+    SHAREGPT,
+    PROMPT_COMPLETION,
     st.fixed_dictionaries({"messages": st.lists(MESSAGE, max_size=5) | JSON}),
     st.fixed_dictionaries(
         {"instruction": TEXT | JSON, "output": TEXT | JSON},

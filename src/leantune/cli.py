@@ -4,6 +4,7 @@ leantune train [CONFIG.yaml] [section.key=value ...]
 leantune validate CONFIG.yaml [section.key=value ...] | --help-fields
 leantune prepare CONFIG.yaml | --data FILE... --format F --model PATH [--out DIR] [--engine dask]
 leantune plan [CONFIG.yaml] [--budget 24GiB] [--device cpu|cuda] [--json] [section.key=value ...]
+leantune inspect [CONFIG.yaml] [section.key=value ...] [-n N] [--color auto|always|never]
 leantune eval --model MODEL_OR_RUN --data FILE [--limit N] [--lm-eval TASKS [--lm-eval-limit N]]
 leantune generate --model MODEL_OR_RUN --prompt TEXT [--chat] [sampling options]
 leantune bench methods [CONFIG.yaml] [--methods a,b] [--out DIR] [section.key=value ...]
@@ -193,6 +194,77 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(result) if args.json else format_text(result))
     return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from leantune.config import load_config
+    from leantune.data.dataset import check_usable
+    from leantune.data.formats import BadLine
+    from leantune.errors import UserError
+
+    config, overrides = _split_config_args(args.args)
+    cfg = load_config(config, overrides)
+    _quiet_libraries()
+    from leantune.data.inspection import format_inspection, inspect_file
+    from leantune.data.prepare.command import settings_from_config
+    from leantune.data.templates import apply_chat_template
+    from leantune.memory.report import format_text, plan
+    from leantune.models.loading import load_tokenizer, resolve_model
+
+    d = cfg.data
+    assert d.train is not None  # load_config requires it
+    if Path(d.train).is_dir():
+        raise UserError(
+            f"data.train {d.train}: a prepared directory; inspect the file(s) it was prepared from"
+        )
+    tokenizer = load_tokenizer(
+        resolve_model(cfg.model.path, cfg.model.gguf_file), cfg.model.trust_remote_code
+    )
+    print(
+        f"leantune inspect: {d.train} as data.format={d.format}, the tokenizer of {cfg.model.path}"
+    )
+    for warning in apply_chat_template(tokenizer, d.chat_template):
+        print(f"warning: {warning}")
+    settings = settings_from_config(d)
+    ins = inspect_file(d.train, settings, tokenizer)
+    colour = args.color == "always" or (
+        args.color == "auto" and sys.stdout.isatty() and "NO_COLOR" not in os.environ
+    )
+    print(format_inspection(ins, tokenizer, settings, args.examples, colour))
+    device = "cpu" if cfg.train.device == "auto" else cfg.train.device
+    try:
+        text = format_text(plan(cfg, device, None, row_stats=ins.row_stats()))
+    except (ValueError, MemoryError, UserError) as e:
+        text = f"not available: {e}"
+    print(f"\nmemory plan (as `leantune plan` predicts it):\n{text}")
+    print("\nnothing was written and nothing was trained")
+    # Data that train would refuse exits 2 with train's message (and the format to use).
+    bad = [BadLine(r.source, r.line, r.reason) for r in ins.rejected]
+    check_usable(d.train, ins.total, bad, ins.examples, d.max_bad_fraction, d.format)
+    return 0
+
+
+def _add_inspect_parser(sub: Any) -> None:
+    """The `inspect` subcommand."""
+    i = sub.add_parser(
+        "inspect",
+        help="show what would be trained: examples with supervised tokens marked, lengths, "
+        "packing, bad lines and the memory plan (writes nothing)",
+        description="Reads the data and tokenizer only (and the model's config for the memory "
+        "plan); writes nothing. Supervised tokens are bright green on a terminal and between "
+        "[[ and ]] otherwise. Exits 2 when train would refuse the data.",
+    )
+    i.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
+    i.add_argument(
+        "-n", "--examples", type=_count(0), default=3, help="examples to show (default 3)"
+    )
+    i.add_argument(
+        "--color",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="colour the supervised tokens (auto: when stdout is a terminal and NO_COLOR is unset)",
+    )
+    i.set_defaults(func=cmd_inspect)
 
 
 def _lm_eval_tasks(args: argparse.Namespace) -> list[str]:
@@ -418,11 +490,12 @@ DTYPES = ("fp32", "bf16", "fp16")
 def _add_eval_parser(sub: Any) -> None:
     """The `eval` subcommand."""
     from leantune.config import MAX_SEQ_LEN
+    from leantune.data.formats import FORMATS
 
     e = sub.add_parser("eval", help="loss, perplexity and exact match of a model on a JSONL file")
     e.add_argument("--model", required=True, help=MODEL_HELP)
-    e.add_argument("--data", default=None, help="JSONL file (alpaca, chat or text)")
-    e.add_argument("--format", choices=["alpaca", "chat", "text"], help="default: detected")
+    e.add_argument("--data", default=None, help=f"data file ({', '.join(FORMATS)})")
+    e.add_argument("--format", choices=FORMATS, help="default: detected")
     e.add_argument(
         "--limit", type=_count(1), default=None, help="evaluate the first N examples (default: all)"
     )
@@ -615,6 +688,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_eval_parser(sub)
     _add_generate_parser(sub)
+    _add_inspect_parser(sub)
 
     _add_bench_parser(sub)
     _add_export_parser(sub)

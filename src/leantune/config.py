@@ -72,8 +72,9 @@ class DataConfig:
     """Training JSONL file, or a directory written by `leantune prepare`."""
     eval: str | None = None
     """Held-out JSONL file (loss, perplexity and, for chat/alpaca, exact match)."""
-    format: Literal["alpaca", "chat", "text"] = "chat"
-    """Record format: alpaca (instruction/input/output), chat (messages), text (text)."""
+    format: Literal["alpaca", "chat", "text", "sharegpt", "prompt_completion"] = "chat"
+    """Record format: alpaca (instruction/input/output), chat (messages), text (text), sharegpt
+    (conversations of from/value turns), prompt_completion (TRL's prompt and completion)."""
     max_seq_len: int | Literal["auto"] = "auto"
     """Longest tokenised example (at most 1,048,576); longer ones are reported as bad lines.
     auto = the longest example of data.train, up to the model's context (max_position_embeddings,
@@ -105,6 +106,10 @@ class DataConfig:
     """Dask scheduler address (tcp://host:8786); unset = a LocalCluster per preparation."""
     partition_mb: float | None = None
     """Partition size in MB of input (default 4 for local, 64 for dask)."""
+    chat_template: str | None = None
+    """Chat template to render conversations with, replacing the tokenizer's (needed when it has
+    none): chatml, zephyr, llama3, or a Jinja file (relative to the config file); it is saved
+    with the trained model."""
 
 
 @dataclass
@@ -262,7 +267,8 @@ class RunConfig:
     A run directory records a fingerprint of everything that decides the run's trajectory
     (leantune_run.json): the base model's files and shapes, the train data's contents, the data
     settings (format, max_seq_len, pack, system_prompt, clean, dedup, near_dup_threshold,
-    min_tokens, truncate), model dtype/attn_implementation/rope_scaling, every method setting,
+    min_tokens, truncate,
+    chat_template), model dtype/attn_implementation/rope_scaling, every method setting,
     the optimizer and schedule (lr resolved, optimizer, weight_decay, warmup_ratio,
     min_lr_ratio, max_grad_norm, max_steps, epochs, kl_coef, precision), seed and the global
     batch (micro_batch_size x grad_accum; another split of the same global batch is allowed).
@@ -451,9 +457,11 @@ def _apply_file(cfg: Config, cfg_path: Path) -> None:
             # A key YAML reads as another type (true, 1) is found by its section's line.
             _set(cfg, key, value, f"{cfg_path}:{lines.get(key, line)}: ")
     # Relative data paths in a file are relative to that file.
-    for name in ("train", "eval"):
+    for name in ("train", "eval", "chat_template"):
         value = getattr(cfg.data, name)
-        if value is not None and not Path(value).is_absolute():
+        if value is None or Path(value).is_absolute():
+            continue
+        if name != "chat_template" or not _is_builtin_template(value):
             setattr(cfg.data, name, str(base / value))
 
 
@@ -585,6 +593,16 @@ def _validate_data(cfg: Config) -> None:
         raise ConfigError(
             "train.eval_exact_match: needs data.eval and a chat or alpaca data.format"
         )
+    if d.chat_template is not None:
+        from leantune.data.templates import template_text
+
+        template_text(d.chat_template)  # a ChatTemplateError names the field and the file
+
+
+def _is_builtin_template(name: str) -> bool:
+    from leantune.data.templates import is_builtin
+
+    return is_builtin(name)
 
 
 def _exists(path: Path) -> bool:

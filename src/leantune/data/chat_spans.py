@@ -38,7 +38,7 @@ class TemplateError(ValueError):
 
 
 class NoChatTemplateError(DataError):
-    """Chat or alpaca data, but the tokenizer has no chat template."""
+    """Conversation data (every format but text), but the tokenizer has no chat template."""
 
 
 def renderer(tokenizer: Any) -> Render:
@@ -50,8 +50,10 @@ def renderer(tokenizer: Any) -> Render:
     if getattr(tokenizer, "chat_template", None) is None:
         raise NoChatTemplateError(
             f"the tokenizer of {getattr(tokenizer, 'name_or_path', '') or 'this model'} has no "
-            "chat template, and chat and alpaca records are rendered with it; use a model "
-            "with one (an instruct/chat model) or data.format=text"
+            "chat template, and conversations (every data.format but text) are rendered with "
+            "it; give it one with data.chat_template=chatml (or zephyr, llama3, or a Jinja "
+            "file; it is saved with the trained model), use a model with one (an instruct/chat "
+            "model), or use data.format=text"
         )
 
     def render(messages: list[Message], gen: bool) -> str:
@@ -215,19 +217,25 @@ def _opening_answer_start(render: Render, full: str) -> int:
     return i
 
 
-def answer_spans(tokenizer: Any, messages: list[Message], full: str) -> list[Span]:
-    """The character spans of the assistant turns in `full`, the rendered `messages`.
+def answer_spans(
+    tokenizer: Any, messages: list[Message], full: str, supervise_from: int = 0
+) -> list[Span]:
+    """The character spans of the assistant turns in `full`, the rendered `messages`, from
+    message `supervise_from` on (the ones before it are context, not learned).
 
     Raises:
         TemplateError: the answers cannot be located (see the module docstring).
     """
     spans = spans_by_shape(chat_shape(tokenizer), messages, full)
-    if spans is not None:
+    if spans is None:
+        if len(messages) > PREFIX_LIMIT:
+            raise TemplateError(
+                f"the chat template does not write these {len(messages)} messages verbatim and "
+                f"in order, and locating the answers of such a template renders every prefix: "
+                f"it is limited to {PREFIX_LIMIT} messages"
+            )
+        spans = spans_by_prefixes(renderer(tokenizer), messages, full)
+    if supervise_from <= 0:
         return spans
-    if len(messages) > PREFIX_LIMIT:
-        raise TemplateError(
-            f"the chat template does not write these {len(messages)} messages verbatim and in "
-            f"order, and locating the answers of such a template renders every prefix: it is "
-            f"limited to {PREFIX_LIMIT} messages"
-        )
-    return spans_by_prefixes(renderer(tokenizer), messages, full)
+    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return [s for i, s in zip(answers, spans, strict=True) if i >= supervise_from]

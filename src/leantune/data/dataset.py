@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.data.errors import DataError
-from leantune.data.formats import BadLine, Record, read_records
+from leantune.data.formats import BadLine, Record, format_hint, read_records
 from leantune.data.packing import Row, pack_examples, single_rows
 from leantune.data.tokenize import Example, TemplateError, TooLong, encode_within
 
@@ -74,31 +76,52 @@ def prepare_file(
             examples.append(ex)
     bad.sort(key=lambda b: b.line)
     total = len(examples) + len(bad)
-    check_usable(path, total, bad, examples, max_bad_fraction)
+    check_usable(path, total, bad, examples, max_bad_fraction, fmt)
     rows = pack_examples(examples, max_seq_len) if pack else single_rows(examples)
     return PreparedData(rows, examples, kept_records, bad, total)
+
+
+class Supervised(Protocol):
+    """An example as `check_usable` sees it: how many of its tokens are supervised."""
+
+    @property
+    def num_supervised(self) -> int: ...
 
 
 def check_usable(
     where: str | Path,
     total: int,
     bad: list[BadLine],
-    examples: list[Example],
+    examples: Sequence[Supervised],
     max_bad_fraction: float,
+    fmt: str | None = None,
 ) -> None:
     """Refuse data that is empty, mostly bad, or has nothing to learn from.
+
+    When most lines lack a field of `fmt` and `where` is a file in another format, the message
+    ends with the data.format to use.
 
     Raises:
         DataError: naming `where`, the share of bad lines and the first few of them.
     """
     if total == 0:
         raise DataError(f"{where}: no records (the input is empty)")
+    hint = _hint(where, total, bad, fmt)
     if bad and len(bad) / total > max_bad_fraction:
         shown = "\n  ".join(str(b) for b in bad[:10])
         more = f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else ""
         raise DataError(
             f"{where}: {len(bad)} of {total} lines are bad ({len(bad) / total:.1%} > "
-            f"data.max_bad_fraction={max_bad_fraction:g}):\n  {shown}{more}"
+            f"data.max_bad_fraction={max_bad_fraction:g}):\n  {shown}{more}{hint}"
         )
     if not examples or sum(e.num_supervised for e in examples) == 0:
-        raise DataError(f"{where}: no supervised tokens; refusing to train on nothing")
+        raise DataError(f"{where}: no supervised tokens; refusing to train on nothing{hint}")
+
+
+def _hint(where: str | Path, total: int, bad: list[BadLine], fmt: str | None) -> str:
+    """A line naming the format `where` is really in, when most of its lines miss a field."""
+    missing = sum(1 for b in bad if b.reason.startswith("missing field"))
+    if fmt is None or 2 * missing <= total or not Path(where).is_file():
+        return ""
+    hint = format_hint(where, fmt)
+    return f"\n{hint}" if hint else ""

@@ -1,34 +1,60 @@
-"""Read training data in the alpaca, chat or text format, validating every record.
+"""Read training data in the alpaca, chat, text, sharegpt or prompt_completion format.
 
-Every bad record is reported with its file, line number, field and reason; nothing is dropped
-silently. Alpaca records are normalised to chat messages so one tokeniser path serves both.
-Files are read by `leantune.data.prepare.readers` (JSONL, gzip/zstd JSONL, JSON arrays,
-Parquet, CSV), the same readers `leantune prepare` uses.
+Every record is validated, and every bad one is reported with its file, line number, field and
+reason; nothing is dropped silently. Alpaca, ShareGPT and prompt/completion records are
+normalised to chat messages (`leantune.data.conversation_formats`) so one tokeniser path serves
+them all. Files are read by `leantune.data.prepare.readers` (JSONL, gzip/zstd JSONL, JSON arrays,
+Parquet, CSV), the same readers `leantune prepare` uses. When most records lack the field that
+data.format needs, `format_hint` names the format the file is really in.
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from leantune.data.conversation_formats import parse_prompt_completion, parse_sharegpt
+from leantune.data.errors import DataError
 from leantune.data.prepare.readers import DecodeError, RawItem, decode_item, read_items
+from leantune.data.record_checks import (
+    ROLES,
+    BadRecordError,
+    check_text,
+    parse_messages,
+    require_str,
+    with_system_prompt,
+)
 
-FORMATS = ("alpaca", "chat", "text")
-ROLES = ("system", "user", "assistant")
+__all__ = [
+    "FORMATS",
+    "ROLES",
+    "BadLine",
+    "BadRecordError",
+    "Record",
+    "detect_format",
+    "format_hint",
+    "parse_record",
+    "read_records",
+]
+
+FORMATS = ("alpaca", "chat", "text", "sharegpt", "prompt_completion")
 
 
 @dataclass(frozen=True)
 class Record:
-    """One valid example: chat `messages` (chat and alpaca) or `text` (text format)."""
+    """One valid example: chat `messages` (every format but text) or `text` (text format)."""
 
     source: str
     line: int
     messages: tuple[dict[str, str], ...] | None = None
     text: str | None = None
+    supervise_from: int = 0
+    """Index of the first message whose assistant turns are learned (prompt/completion: the
+    completion's; 0 = every assistant turn)."""
 
 
 @dataclass(frozen=True)
@@ -43,52 +69,16 @@ class BadLine:
         return f"{self.file}:{self.line}: {self.reason}"
 
 
-class BadRecordError(ValueError):
-    """A record fails validation; the message names the field."""
-
-
-# A lone surrogate (JSON "\ud800", or bytes a CSV could not decode) is not text: no tokenizer
-# or UTF-8 file takes it.
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _check_text(value: str, where: str) -> str:
-    bad = _SURROGATE.search(value)
-    if bad:
-        raise BadRecordError(
-            f"{where} is not valid Unicode (a lone surrogate U+{ord(bad.group()):04X})"
-        )
-    return value
-
-
-def _describe(value: Any) -> str:
-    """A short description of a wrong value for a message (never the whole of it)."""
-    if isinstance(value, str):
-        return repr(value if len(value) <= 40 else value[:40] + "...")
-    return f"a {type(value).__name__}" if value is not None else "nothing"
-
-
-def _require_str(obj: dict[str, Any], key: str, allow_empty: bool = False) -> str:
-    if key not in obj:
-        raise BadRecordError(f"missing field '{key}'")
-    value = obj[key]
-    if not isinstance(value, str):
-        raise BadRecordError(f"field '{key}' must be a string, got {type(value).__name__}")
-    if not allow_empty and not value.strip():
-        raise BadRecordError(f"field '{key}' is empty")
-    return _check_text(value, f"field '{key}'")
-
-
 def parse_alpaca(obj: dict[str, Any], system_prompt: str | None) -> list[dict[str, str]]:
     """`instruction`, optional `input`, `output` -> system?/user/assistant messages."""
-    instruction = _require_str(obj, "instruction")
+    instruction = require_str(obj, "instruction")
     extra = obj.get("input", "")
     if extra is None:
         extra = ""
     if not isinstance(extra, str):
         raise BadRecordError(f"field 'input' must be a string, got {type(extra).__name__}")
-    _check_text(extra, "field 'input'")
-    output = _require_str(obj, "output")
+    check_text(extra, "field 'input'")
+    output = require_str(obj, "output")
     user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     return [*messages, {"role": "user", "content": user}, {"role": "assistant", "content": output}]
@@ -99,33 +89,18 @@ def parse_chat(obj: dict[str, Any], system_prompt: str | None) -> list[dict[str,
     messages = obj.get("messages")
     if messages is None:
         raise BadRecordError("missing field 'messages'")
-    if not isinstance(messages, list) or not messages:
-        raise BadRecordError("field 'messages' must be a non-empty list")
-    out: list[dict[str, str]] = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise BadRecordError(f"messages[{i}] must be an object")
-        role = msg.get("role")
-        if role not in ROLES:
-            raise BadRecordError(
-                f"messages[{i}].role must be one of {'/'.join(ROLES)}, got {_describe(role)}"
-            )
-        content = msg.get("content")
-        if not isinstance(content, str):
-            raise BadRecordError(f"messages[{i}].content must be a string")
-        out.append({"role": role, "content": _check_text(content, f"messages[{i}].content")})
+    out = parse_messages(messages, "messages")
     if out[-1]["role"] != "assistant":
         raise BadRecordError("the last message must be from the assistant (the answer to learn)")
     for i, msg in enumerate(out):
         if msg["role"] == "assistant" and not msg["content"].strip():
             raise BadRecordError(f"messages[{i}].content: empty assistant answer")
-    if system_prompt and out[0]["role"] != "system":
-        out.insert(0, {"role": "system", "content": system_prompt})
-    return out
+    return with_system_prompt(out, system_prompt)
 
 
 def parse_record(obj: Any, fmt: str, system_prompt: str | None = None) -> dict[str, Any]:
-    """Validate one decoded JSON value; returns `{"messages": ...}` or `{"text": ...}`.
+    """Validate one decoded JSON value; returns `{"messages": ...}` (with `supervise_from` when
+    not every assistant turn is learned) or `{"text": ...}`.
 
     Raises:
         BadRecordError: naming the field and the problem.
@@ -133,10 +108,13 @@ def parse_record(obj: Any, fmt: str, system_prompt: str | None = None) -> dict[s
     if not isinstance(obj, dict):
         raise BadRecordError(f"expected a JSON object, got {type(obj).__name__}")
     if fmt == "text":
-        return {"text": _require_str(obj, "text")}
+        return {"text": require_str(obj, "text")}
+    if fmt == "prompt_completion":
+        return parse_prompt_completion(obj, system_prompt)
     parsers: dict[str, Callable[[dict[str, Any], str | None], list[dict[str, str]]]] = {
         "alpaca": parse_alpaca,
         "chat": parse_chat,
+        "sharegpt": parse_sharegpt,
     }
     return {"messages": parsers[fmt](obj, system_prompt)}
 
@@ -181,6 +159,7 @@ def read_records(
                 line=item.line,
                 messages=tuple(messages) if messages is not None else None,
                 text=parsed.get("text"),
+                supervise_from=parsed.get("supervise_from", 0),
             )
         )
     return records, bad
@@ -189,14 +168,68 @@ def read_records(
 read_jsonl = read_records  # the name it had when only JSONL was read
 
 
+# The fields that mark each format, in the order detection tries them.
+SIGNATURES: dict[str, tuple[str, ...]] = {
+    "chat": ("messages",),
+    "sharegpt": ("conversations",),
+    "prompt_completion": ("prompt", "completion"),
+    "alpaca": ("instruction",),
+    "text": ("text",),
+}
+LABELS = {
+    "chat": "chat (OpenAI messages)",
+    "sharegpt": "ShareGPT",
+    "prompt_completion": "TRL prompt/completion",
+    "alpaca": "Alpaca",
+    "text": "plain text",
+}
+HINT_SCAN = 1000
+"""Records `format_hint` reads at most (the first ones of the file)."""
+
+
+def formats_of(obj: dict[str, Any]) -> list[str]:
+    """The formats whose fields `obj` has, in detection order."""
+    return [f for f, keys in SIGNATURES.items() if all(k in obj for k in keys)]
+
+
 def detect_format(path: str | Path) -> str:
-    """The format of a data file from its first record: chat (`messages`), alpaca
-    (`instruction`), else text."""
+    """The format of a data file from its first record (`messages`: chat, `conversations`:
+    sharegpt, `prompt` + `completion`: prompt_completion, `instruction`: alpaca), else text."""
     for _, obj in _items(path):
         if isinstance(obj, dict):
-            if "messages" in obj:
-                return "chat"
-            if "instruction" in obj:
-                return "alpaca"
+            found = formats_of(obj)
+            if found:
+                return found[0]
         break
     return "text"
+
+
+def format_hint(path: str | Path, fmt: str) -> str | None:
+    """Which data.format to use, when most of the first records of `path` lack the fields of
+    `fmt` and have those of another format; None otherwise (or when the file cannot be read)."""
+    seen = 0
+    other: Counter[str] = Counter()
+    lacking: dict[str, str] = {}
+    try:
+        for _, obj in _items(path):
+            if seen >= HINT_SCAN:
+                break
+            seen += 1
+            found = formats_of(obj) if isinstance(obj, dict) else []
+            if found and fmt not in found:
+                other[found[0]] += 1
+                lacking.setdefault(found[0], next(k for k in SIGNATURES[fmt] if k not in obj))
+    except (DataError, OSError):
+        return None
+    if not other:
+        return None
+    best, n = other.most_common(1)[0]
+    if 2 * n <= seen:
+        return None
+    lacks, has = lacking[best], SIGNATURES[best][0]
+    count = (
+        f"every record lacks '{lacks}' but has '{has}'"
+        if n == seen
+        else f"{n} of the first {seen} records lack '{lacks}' but have '{has}'"
+    )
+    return f"{count}: this looks like {LABELS[best]}; use data.format={best}"

@@ -79,15 +79,16 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str
 
 
 def answer_spans(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], supervise_from: int = 0
 ) -> tuple[str, list[Span]]:
-    """Render the conversation and find the character span of each assistant turn.
+    """Render the conversation and find the character span of each assistant turn (from
+    message `supervise_from` on).
 
     A span starts after the template's assistant header (the generation prompt) and ends after
     the turn's closing tokens, so the model also learns to stop.
     """
     full = render_chat(tokenizer, messages)
-    return full, chat_spans.answer_spans(tokenizer, messages, full)
+    return full, chat_spans.answer_spans(tokenizer, messages, full, supervise_from)
 
 
 def too_long(tokenizer: PreTrainedTokenizerBase, text: str, limit: int | None) -> TooLong | None:
@@ -126,9 +127,12 @@ def encode_rendered(tokenizer: PreTrainedTokenizerBase, full: str, spans: list[S
     return Example(input_ids=ids.tolist(), labels=labels.tolist())
 
 
-def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> Example:
-    """Tokenise a conversation with the tokenizer's chat template; supervise assistant turns."""
-    full, spans = answer_spans(tokenizer, messages)
+def encode_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], supervise_from: int = 0
+) -> Example:
+    """Tokenise a conversation with the tokenizer's chat template; supervise assistant turns
+    (those from message `supervise_from` on)."""
+    full, spans = answer_spans(tokenizer, messages, supervise_from)
     return encode_rendered(tokenizer, full, spans)
 
 
@@ -148,7 +152,7 @@ def _shift(ids: list[int], supervised: list[bool]) -> Example:
 def encode_record(tokenizer: PreTrainedTokenizerBase, record: Record) -> Example:
     """Encode a validated record of any format."""
     if record.messages is not None:
-        return encode_chat(tokenizer, list(record.messages))
+        return encode_chat(tokenizer, list(record.messages), record.supervise_from)
     assert record.text is not None
     return encode_text(tokenizer, record.text)
 
@@ -170,4 +174,5 @@ def encode_within(
     rejected = too_long(tokenizer, full, max_tokens)
     if rejected is not None:
         return rejected
-    return encode_rendered(tokenizer, full, chat_spans.answer_spans(tokenizer, messages, full))
+    spans = chat_spans.answer_spans(tokenizer, messages, full, record.supervise_from)
+    return encode_rendered(tokenizer, full, spans)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from leantune.data.formats import FORMATS, read_jsonl
+from leantune.data.formats import FORMATS, detect_format, read_jsonl
 
 REPORT_NAME = "export_report.json"
 
@@ -63,24 +63,6 @@ class Samples:
 
     texts: list[str]
     ids: list[list[int]]
-
-
-def detect_format(path: Path) -> str:
-    """`chat`, `alpaca` or `text`, from the keys of the first JSON object in a JSONL file."""
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                return "text"
-            if isinstance(obj, dict) and "messages" in obj:
-                return "chat"
-            if isinstance(obj, dict) and "instruction" in obj:
-                return "alpaca"
-            return "text"
-    return "text"
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]) -> str:

@@ -33,6 +33,7 @@ def row_stats_from_data(cfg: Config) -> tuple[int | None, int | None]:
     from leantune.config import effective_pack
     from leantune.data.dataset import prepare_file
     from leantune.data.packing import longest_example, rows_for
+    from leantune.data.templates import apply_chat_template
     from leantune.memory.planner import max_supervised_per_row
     from leantune.models.loading import load_tokenizer, resolve_model
     from leantune.training.run_setup import FALLBACK_CONTEXT, model_context
@@ -43,6 +44,7 @@ def row_stats_from_data(cfg: Config) -> tuple[int | None, int | None]:
     try:
         source = resolve_model(cfg.model.path, cfg.model.gguf_file)
         tok = load_tokenizer(source)
+        apply_chat_template(tok, d.chat_template)
         auto = d.max_seq_len == "auto"
         limit = (
             int(d.max_seq_len)
@@ -59,9 +61,18 @@ def row_stats_from_data(cfg: Config) -> tuple[int | None, int | None]:
     return max_supervised_per_row([r.labels for r in rows]), longest
 
 
-def plan(cfg: Config, device: str, budget: str | None = None) -> dict[str, Any]:
-    """Predict the configured run and recommend the fastest settings that fit the budget."""
-    inputs = plan_inputs(cfg, device, *row_stats_from_data(cfg))
+def plan(
+    cfg: Config,
+    device: str,
+    budget: str | None = None,
+    row_stats: tuple[int | None, int | None] | None = None,
+) -> dict[str, Any]:
+    """Predict the configured run and recommend the fastest settings that fit the budget.
+
+    `row_stats` is (most supervised tokens in a row, longest row) when the caller has the rows
+    already (`leantune inspect`); by default they are read from the data.
+    """
+    inputs = plan_inputs(cfg, device, *(row_stats or row_stats_from_data(cfg)))
     limit = budget_for(cfg, device, budget)
     configured = estimate(inputs.facts, inputs.step, inputs.weight_itemsize)
     best = recommend(

@@ -47,6 +47,7 @@ DATA_FIELDS = (
     "near_dup_threshold",
     "min_tokens",
     "truncate",
+    "chat_template",
 )
 MODEL_FIELDS = ("dtype", "attn_implementation", "rope_scaling")
 TRAIN_FIELDS = (

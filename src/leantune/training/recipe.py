@@ -35,6 +35,7 @@ from torch import nn
 from leantune.config import Config, GuardConfig, parse_memory_size, to_dict, validate
 from leantune.data.dataset import PreparedData
 from leantune.data.loader import SampleStream, collate, split_window
+from leantune.data.templates import apply_chat_template
 from leantune.methods.registry import (
     DEFAULT_LR,
     apply_method,
@@ -540,6 +541,8 @@ def _train(
     seed_everything(cfg.train.seed)
     device = _device(cfg.train.device, cfg.train.precision, log)
     tokenizer = load_tokenizer(source, cfg.model.trust_remote_code)
+    for warning in apply_chat_template(tokenizer, cfg.data.chat_template):  # saved with final/
+        log(f"warning: {warning}")
     setup = set_up_run(cfg, source, tokenizer, device.type, log)
     cfg, plan, train_data, eval_data = setup.cfg, setup.plan, setup.train_data, setup.eval_data
     t = cfg.train

@@ -171,9 +171,9 @@ def clean_record(
         return parsed
     if "text" in parsed:
         return {"text": clean_text(parsed["text"], rules, changed)}
-    return {
-        "messages": [
-            {"role": m["role"], "content": clean_text(m["content"], rules, changed)}
-            for m in parsed["messages"]
-        ]
-    }
+    # Every key but the messages (e.g. prompt/completion's supervise_from) is kept as is.
+    messages = [
+        {"role": m["role"], "content": clean_text(m["content"], rules, changed)}
+        for m in parsed["messages"]
+    ]
+    return {**parsed, "messages": messages}

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from leantune.data.formats import FORMATS
 from leantune.data.prepare.clean import RULES
 
 if TYPE_CHECKING:  # records imports transformers; `leantune --help` should not wait for it
@@ -53,9 +54,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", nargs="+", help="input files: .jsonl(.gz|.zst), .json, .parquet, .csv")
     p.add_argument(
         "--format",
-        choices=["alpaca", "chat", "text"],
+        choices=FORMATS,
         default=None,
         help="required without CONFIG (default: CONFIG's data.format)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="chatml, zephyr, llama3 or a Jinja file: replaces the tokenizer's chat template "
+        "(default: CONFIG's data.chat_template, else the tokenizer's own)",
     )
     p.add_argument(
         "--out", default=None, help="prepared directory (default <first input>.prepared)"
@@ -108,6 +115,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """
     from leantune.config import Config, ConfigError, DataConfig, load_config
     from leantune.data.prepare.pipeline import prepare_dataset
+    from leantune.data.templates import apply_chat_template
     from leantune.models.loading import load_tokenizer, resolve_model
 
     if args.config is not None:
@@ -129,6 +137,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model_path = args.model
     settings = settings_from_config(data)
     tokenizer = load_tokenizer(resolve_model(model_path), trust)
+    for warning in apply_chat_template(tokenizer, data.chat_template):
+        print(f"warning: {warning}")
     out = args.out or str(Path(files[0]).with_suffix("")) + ".prepared"
     opts = engine_options(data)
     report = prepare_dataset(
@@ -157,6 +167,7 @@ _FLAGS = {
     "engine": "engine",
     "scheduler": "scheduler",
     "partition_mb": "partition-mb",
+    "chat_template": "chat-template",
 }
 
 
@@ -196,15 +207,20 @@ def check_kept(report: dict[str, Any], out: str | Path) -> None:
         DataError: no record was kept.
     """
     from leantune.data.errors import DataError
+    from leantune.data.formats import format_hint
     from leantune.data.prepare.pipeline import REJECTED
 
     if report["rows_out"] > 0:
         return
     dropped = ", ".join(f"{k} {n}" for k, n in sorted(report["dropped"].items())) or "none"
     files = ", ".join(report["files"])
+    hint = None
+    if 2 * report["dropped"].get("missing_field", 0) > report["rows_in"]:
+        hint = format_hint(report["files"][0], report["settings"]["format"])
     raise DataError(
         f"prepare: kept 0 of {report['rows_in']} records of {files}; dropped: {dropped}; "
         f"each rejected record, with its file, line and reason, is in {Path(out) / REJECTED}"
+        + (f"\n{hint}" if hint else "")
     )
 
 

@@ -14,6 +14,7 @@ byte order mark at the start of a file is skipped.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import re
@@ -44,6 +45,7 @@ BOM = b"\xef\xbb\xbf"
 # the likely cause, and the rest of the file would be read as one field.
 CSV_FIELD_LIMIT = 64 << 20
 _SURROGATE = re.compile("[\ud800-\udfff]")  # what undecodable bytes become (surrogateescape)
+_JSON_LIST = re.compile(r"\s*\[\s*\{")
 _REFUSED = "the whole file is refused"
 
 
@@ -181,12 +183,32 @@ def _read_parquet(path: Path) -> Generator[RawItem, None, None]:
         raise ReaderError(f"{path}: damaged after row {row} ({e}); {_REFUSED}") from e
 
 
+def _message_list(text: str) -> list[Any] | None:
+    """The list of objects a CSV cell holds as JSON, or None for any other text."""
+    if not _JSON_LIST.match(text):
+        return None
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return value
+    return None
+
+
 def _csv_payload(obj: dict[Any, Any], columns: int) -> dict[str, Any] | Unreadable:
     if None in obj:  # DictReader puts the fields past the header's under None
         n = columns + len(obj[None])
         return Unreadable("bad_csv_row", f"{n} fields, but the header has {columns}")
     if any(isinstance(v, str) and _SURROGATE.search(v) for v in (*obj, *obj.values())):
         return Unreadable("not_utf8", "not valid UTF-8")
+    # A CSV cell is text: prompt/completion are TRL's message lists when they hold one as JSON,
+    # else the strings they are (a prompt may well start with '[').
+    for key in ("prompt", "completion"):
+        value = obj.get(key)
+        messages = _message_list(value) if isinstance(value, str) else None
+        if messages is not None:
+            obj[key] = messages
     return obj
 
 
@@ -246,7 +268,8 @@ def parse_json(text: str | bytes, where: str = "") -> Any:
 
 
 def decode_item(item: RawItem) -> Any:
-    """The record's JSON value. Chat `messages` stored as a JSON string (CSV) are decoded too.
+    """The record's JSON value. Chat `messages` and ShareGPT `conversations` stored as a JSON
+    string (CSV) are decoded too.
 
     Raises:
         DecodeError: with its kind and reason (not UTF-8, invalid JSON, nested too deeply,
@@ -265,4 +288,9 @@ def decode_item(item: RawItem) -> Any:
         payload = parse_json(text)
     if isinstance(payload, dict) and isinstance(payload.get("messages"), str):
         payload = {**payload, "messages": parse_json(payload["messages"], "field 'messages': ")}
+    if isinstance(payload, dict) and isinstance(payload.get("conversations"), str):
+        # Decoded only when it is JSON: a record of another format may have such a text column
+        # (the ShareGPT parser says what is wrong with one that is not).
+        with contextlib.suppress(DecodeError):
+            payload = {**payload, "conversations": parse_json(payload["conversations"])}
     return payload

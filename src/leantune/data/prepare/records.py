@@ -20,6 +20,7 @@ from leantune.data.formats import FORMATS, BadRecordError, parse_record
 from leantune.data.prepare.clean import check_rules, clean_record
 from leantune.data.prepare.dedup import DEDUP_MODES, content_hash, minhash, record_text
 from leantune.data.prepare.readers import DecodeError, RawItem, decode_item
+from leantune.data.record_checks import UNSUPPORTED
 from leantune.data.tokenize import (
     IGNORE_INDEX,
     TemplateError,
@@ -104,6 +105,8 @@ def _bad_kind(reason: str) -> str:
         return "empty_field"
     if "not valid Unicode" in reason:
         return "not_unicode"
+    if UNSUPPORTED in reason:
+        return "unsupported"
     return "invalid_record"
 
 
@@ -150,7 +153,10 @@ def encode_batch(
             if rejected is not None:
                 out[i] = Dropped("too_long", str(rejected))
             elif "messages" in p:
-                chats.append((i, text, chat_spans.answer_spans(tokenizer, p["messages"], text)))
+                spans = chat_spans.answer_spans(
+                    tokenizer, p["messages"], text, p.get("supervise_from", 0)
+                )
+                chats.append((i, text, spans))
             else:
                 texts.append(i)
         except TemplateError as e:

@@ -48,7 +48,8 @@ def load_prepared(
             if row["kind"] not in NOT_BAD:
                 bad.append(BadLine(row["file"], row["line"], row["reason"]))
     data = PreparedData(read_rows(out), examples, records, bad, len(examples) + len(bad))
-    _check(Path(name) if name is not None else out, data, max_bad_fraction)
+    fmt = report.get("settings", {}).get("format")
+    _check(Path(name) if name is not None else out, data, max_bad_fraction, fmt)
     return data
 
 
@@ -58,9 +59,7 @@ def _examples(out: Path) -> tuple[list[Record], list[Example]]:
         return [], []
     column = "text" if "text" in table.column_names else "messages"
     records = [
-        Record(source=s, line=n, text=r)
-        if column == "text"
-        else Record(source=s, line=n, messages=tuple(json.loads(r)["messages"]))
+        Record(source=s, line=n, text=r) if column == "text" else _chat_record(s, n, r)
         for s, n, r in zip(
             table.column("source").to_pylist(),
             table.column("line").to_pylist(),
@@ -72,8 +71,20 @@ def _examples(out: Path) -> tuple[list[Record], list[Example]]:
     return records, [Example(a, b) for a, b in zip(ids, labels, strict=True)]
 
 
-def _check(where: Path, data: PreparedData, max_bad_fraction: float) -> None:
-    check_usable(where, data.total_lines, data.bad, data.examples, max_bad_fraction)
+def _chat_record(source: str, line: int, stored: str) -> Record:
+    parsed = json.loads(stored)
+    return Record(
+        source=source,
+        line=line,
+        messages=tuple(parsed["messages"]),
+        supervise_from=parsed.get("supervise_from", 0),
+    )
+
+
+def _check(
+    where: Path, data: PreparedData, max_bad_fraction: float, fmt: str | None = None
+) -> None:
+    check_usable(where, data.total_lines, data.bad, data.examples, max_bad_fraction, fmt)
 
 
 def prepared_data(
@@ -118,5 +129,5 @@ def prepared_data(
     lengths = [len(e.input_ids) for e in data.examples]
     groups = best_fit_decreasing(lengths, settings.max_seq_len) if settings.pack else None
     data.rows = rows_of(data.examples, groups)
-    _check(path, data, max_bad_fraction)
+    _check(path, data, max_bad_fraction, settings.format)
     return data

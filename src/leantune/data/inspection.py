@@ -1,0 +1,229 @@
+"""`leantune inspect`: what a run would train on, computed as training does, without writing.
+
+The data goes through the same per-record work as `leantune prepare` and the tokenise-once cache
+(validate, clean, tokenise, length filters, dedup), in memory; rows are packed as the cache packs
+them. The report shows the first examples with their supervised tokens marked, token counts, the
+length histogram, packing efficiency and the bad lines by kind; the memory plan is the
+planner's own text (`leantune.memory.report`), added by the command.
+
+Supervised tokens are the ones whose loss is trained: each answer and the end-of-turn text
+after it (the model learns to stop). On a terminal they are bright green; elsewhere they are
+enclosed in `[[` and `]]`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from leantune.data.packing import best_fit_decreasing
+from leantune.data.prepare.dedup import DedupIndex
+from leantune.data.prepare.engines import run_local
+from leantune.data.prepare.records import PrepareSettings, Rejection
+from leantune.data.prepare.training import NOT_BAD
+from leantune.data.tokenize import IGNORE_INDEX
+
+OPEN, CLOSE = "[[", "]]"
+COLOUR_ON, COLOUR_OFF = "\x1b[1;32m", "\x1b[0m"
+SHOWN_BAD = 5
+
+
+@dataclass(frozen=True)
+class Inspected:
+    """One kept example: where it came from, its token ids and shifted labels."""
+
+    source: str
+    line: int
+    input_ids: np.ndarray
+    labels: np.ndarray
+
+    @property
+    def supervised(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    num_supervised = supervised  # as `Example` calls it, for `dataset.check_usable`
+
+
+@dataclass
+class Inspection:
+    """Everything `inspect` reports about one data file."""
+
+    examples: list[Inspected] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+    """Records that count as bad lines (duplicates and blank lines are dropped, not bad)."""
+    dropped: Counter[str] = field(default_factory=Counter)
+    """Every dropped record by kind, duplicates included."""
+    rows_in: int = 0
+    groups: list[list[int]] = field(default_factory=list)
+    """The training rows: indices into `examples`."""
+
+    @property
+    def total(self) -> int:
+        """Records that count: kept or bad (as training counts them against max_bad_fraction)."""
+        return len(self.examples) + len(self.rejected)
+
+    @property
+    def tokens(self) -> int:
+        return sum(int(e.input_ids.size) for e in self.examples)
+
+    def row_stats(self) -> tuple[int | None, int | None]:
+        """(most supervised tokens in one row, longest row), what the planner needs."""
+        if not self.groups:
+            return None, None
+        supervised = [sum(self.examples[i].supervised for i in g) for g in self.groups]
+        longest = [sum(int(self.examples[i].input_ids.size) for i in g) for g in self.groups]
+        return max(supervised), max(longest)
+
+
+def inspect_file(
+    path: str | Path, settings: PrepareSettings, tokenizer: PreTrainedTokenizerBase
+) -> Inspection:
+    """Validate, clean, tokenise, filter, dedup and pack `path` in memory, as training does.
+
+    Raises:
+        FileNotFoundError: no such file. DataError: a file that cannot be read as its kind.
+    """
+    result = Inspection()
+    index = DedupIndex(settings.dedup, settings.near_dup_threshold, settings.num_perm)
+    for chunk in run_local([str(path)], settings, tokenizer):
+        result.rows_in += len(chunk.order)
+        kept, rejected = iter(chunk.kept), iter(chunk.rejected)
+        for is_kept in chunk.order:
+            if not is_kept:
+                _drop(result, next(rejected))
+                continue
+            k = next(kept)
+            verdict = index.check(len(result.examples), k.digest, k.signature)
+            if verdict is not None:
+                of = result.examples[verdict.of]
+                reason = f"{verdict.kind.replace('_', ' ')} of {of.source}:{of.line}"
+                _drop(result, Rejection(k.source, k.line, verdict.kind, reason))
+                continue
+            result.examples.append(Inspected(k.source, k.line, k.input_ids, k.labels))
+    lengths = [int(e.input_ids.size) for e in result.examples]
+    if settings.pack:
+        result.groups = best_fit_decreasing(lengths, settings.max_seq_len)
+    else:
+        result.groups = [[i] for i in range(len(lengths))]
+    return result
+
+
+def _drop(result: Inspection, r: Rejection) -> None:
+    result.dropped[r.kind] += 1
+    if r.kind not in NOT_BAD:
+        result.rejected.append(r)
+
+
+def render_example(
+    tokenizer: PreTrainedTokenizerBase, ids: np.ndarray, labels: np.ndarray, colour: bool
+) -> str:
+    """The example's text with its supervised tokens marked (colour, or `[[` `]]`).
+
+    Labels are shifted (`labels[i]` is the target of position `i`, token `i + 1`), so token `t`
+    is supervised when `labels[t - 1]` is not IGNORE_INDEX; the first token never is.
+    """
+    supervised = np.zeros(ids.size, dtype=bool)
+    supervised[1:] = labels[:-1] != IGNORE_INDEX
+    opening, closing = (COLOUR_ON, COLOUR_OFF) if colour else (OPEN, CLOSE)
+    pieces: list[str] = []
+    start = 0
+    # Runs of tokens with the same flag are decoded whole: a character split over tokens
+    # (byte-level BPE) decodes only with its neighbours.
+    for end in [*np.flatnonzero(supervised[1:] != supervised[:-1]) + 1, ids.size]:
+        text = str(
+            tokenizer.decode(
+                ids[start:end].tolist(),
+                skip_special_tokens=False,
+                clean_up_tokenization_spaces=False,
+            )
+        )
+        pieces.append(f"{opening}{text}{closing}" if supervised[start] else text)
+        start = int(end)
+    return "".join(pieces)
+
+
+def histogram(lengths: list[int], bins: int = 8, width: int = 40) -> list[str]:
+    """A text histogram of `lengths`, one line per bin: `  lo-hi |#### count`."""
+    if not lengths:
+        return []
+    lo, hi = min(lengths), max(lengths)
+    step = max(1, -(-(hi - lo + 1) // bins))
+    counts = Counter((n - lo) // step for n in lengths)
+    top = max(counts.values())
+    lines = []
+    for b in range(-(-(hi - lo + 1) // step)):
+        a, z = lo + b * step, min(hi, lo + (b + 1) * step - 1)
+        label = str(a) if a == z else f"{a}-{z}"
+        bar = "#" * max(1 if counts[b] else 0, round(width * counts[b] / top))
+        lines.append(f"  {label:>13} |{bar} {counts[b]}")
+    return lines
+
+
+def format_inspection(
+    ins: Inspection,
+    tokenizer: PreTrainedTokenizerBase,
+    settings: PrepareSettings,
+    shown: int,
+    colour: bool,
+) -> str:
+    """The report: `shown` examples, the lengths, packing and the bad lines."""
+    marks = "in bright green" if colour else f"between {OPEN} and {CLOSE}"
+    lines = [f"supervised tokens (the loss is trained on them) are shown {marks}", ""]
+    total = len(ins.examples)
+    for n, e in enumerate(ins.examples[:shown], start=1):
+        lines.append(
+            f"--- example {n} of {total} ({Path(e.source).name}:{e.line}): "
+            f"{e.input_ids.size} tokens, {e.supervised} supervised"
+        )
+        lines += [render_example(tokenizer, e.input_ids, e.labels, colour), ""]
+    lines += _lengths(ins)
+    lines.append(_packing(ins, settings))
+    lines += _bad_lines(ins)
+    return "\n".join(lines)
+
+
+def _lengths(ins: Inspection) -> list[str]:
+    lengths = sorted(int(e.input_ids.size) for e in ins.examples)
+    if not lengths:
+        return ["lengths: no example kept"]
+    supervised = sum(e.supervised for e in ins.examples)
+    head = (
+        f"lengths: {len(lengths)} examples, {sum(lengths)} tokens ({supervised} supervised); "
+        f"min {lengths[0]}, median {lengths[len(lengths) // 2]}, max {lengths[-1]}"
+    )
+    return [head, *histogram(lengths)]
+
+
+def _packing(ins: Inspection, settings: PrepareSettings) -> str:
+    rows, seq = len(ins.groups), settings.max_seq_len
+    efficiency = ins.tokens / max(1, rows * seq)
+    if settings.pack:
+        return (
+            f"packing: data.pack=true: {len(ins.examples)} examples in {rows} "
+            f"row{'s' if rows != 1 else ''} of data.max_seq_len={seq}; packing efficiency "
+            f"{efficiency:.1%} (tokens / (rows x max_seq_len))"
+        )
+    return (
+        f"packing: data.pack=false: one example per row, {rows} rows; rows are padded to the "
+        f"longest of their micro-batch (they would fill {efficiency:.1%} of max_seq_len rows)"
+    )
+
+
+def _bad_lines(ins: Inspection) -> list[str]:
+    kinds = Counter(r.kind for r in ins.rejected)
+    by_kind = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+    head = f"bad lines: {len(ins.rejected)} of {ins.total}"
+    lines = [head + (f" ({by_kind})" if kinds else "")]
+    lines += [f"  {Path(r.source).name}:{r.line}: {r.reason}" for r in ins.rejected[:SHOWN_BAD]]
+    if len(ins.rejected) > SHOWN_BAD:
+        lines.append(f"  ... and {len(ins.rejected) - SHOWN_BAD} more")
+    dropped = {k: n for k, n in ins.dropped.items() if k in NOT_BAD}
+    if dropped:
+        lines.append(
+            "dropped, not bad: " + ", ".join(f"{k} {n}" for k, n in sorted(dropped.items()))
+        )
+    return lines
