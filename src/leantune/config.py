@@ -23,6 +23,7 @@ from leantune.config_parse import (
     check_value,
     field_types,
     load_yaml,
+    memory_size,
     shorten,
     show,
 )
@@ -707,32 +708,16 @@ def _validate_run(r: RunConfig) -> None:
             )
 
 
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_SIZE_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
-# A bare letter (24G, as in `leantune plan --budget 24G`) is binary, like ulimit and docker.
-_SIZE_UNITS.update({"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40})
-
-
 def parse_memory_size(text: str, key: str = "memory size") -> int:
     """Bytes in a size such as "20GiB", "512 MiB", "1.5GB" or "1000000" (binary and SI units).
 
     Raises:
         ConfigError: not a positive size, naming `key`.
     """
-    raw = text.strip().lower().replace(" ", "")
-    number = raw.rstrip("kmgtib")
-    unit = raw[len(number) :]
     try:
-        value = float(number) * _SIZE_UNITS[unit]
-    except (ValueError, KeyError):
-        value = math.nan
-    if not math.isfinite(value):  # float() also reads "nan", "inf" and "1e999"
-        raise ConfigError(
-            f"{key}: {show(text)} is not a memory size; write e.g. 20GiB, 512MiB or 1.5GB"
-        ) from None
-    if value < 1:
-        raise ConfigError(f"{key}: must be positive, got {text!r}")
-    return int(value)
+        return memory_size(text, key)
+    except ParseError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_quantized_training(cfg: Config) -> list[str]:

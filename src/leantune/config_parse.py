@@ -196,3 +196,31 @@ def _check_mapping(key: str, value: Any, cls: type) -> Any:
     if missing:
         raise ParseError(f"{key}: missing {', '.join(missing)}")
     return cls(**{k: check_value(f"{key}.{k}", v, types_[k]) for k, v in value.items()})
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_SIZE_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+# A bare letter (24G, as in `leantune plan --budget 24G`) is binary, like ulimit and docker.
+_SIZE_UNITS.update({"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40})
+
+
+def memory_size(text: str, key: str = "memory size") -> int:
+    """Bytes in a size such as "20GiB", "512 MiB", "1.5GB" or "1000000" (binary and SI units).
+
+    Raises:
+        ParseError: not a positive size, naming `key`.
+    """
+    raw = text.strip().lower().replace(" ", "")
+    number = raw.rstrip("kmgtib")
+    unit = raw[len(number) :]
+    try:
+        value = float(number) * _SIZE_UNITS[unit]
+    except (ValueError, KeyError):
+        value = math.nan
+    if not math.isfinite(value):  # float() also reads "nan", "inf" and "1e999"
+        raise ParseError(
+            f"{key}: {show(text)} is not a memory size; write e.g. 20GiB, 512MiB or 1.5GB"
+        ) from None
+    if value < 1:
+        raise ParseError(f"{key}: must be positive, got {text!r}")
+    return int(value)
