@@ -5,7 +5,8 @@ contents, ``model.files``, and its shapes, ``model.architecture``), the same dat
 file's contents, or a prepared directory's cache key, ``data.train``) and data settings, the same
 method settings, optimiser, schedule, seed and global batch (``train.global_batch``: how the batch
 is split into micro-batches does not change the result beyond float rounding, and an OOM recovery
-changes the split itself). ``train.lr`` is resolved to the method's default when unset.
+changes the split itself). ``train.lr`` is resolved to the method's default when unset, and
+``train.precision`` is the one the run trains in (``auto`` resolved by ``training.precision``).
 
 Not in the fingerprint, so free to change between a run and its resume: ``run.*``, evaluation
 (``data.eval``, ``train.eval_*``, ``max_new_tokens``), ``save_every``, ``keep_last``, the guard

@@ -127,9 +127,14 @@ class Bf16Speed:
         return f"bf16 matmul {speed} fp32 on this CPU ({when}{where})"
 
 
-ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
-"""Settings that hold oneDNN or torch's kernels below what the CPU has (ONEDNN_MAX_CPU_ISA=AVX2
-makes bf16 emulated on any x86 CPU), so they are part of the machine's key."""
+ISA_CAPS = (
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_MAX_CPU_ISA",
+    "ATEN_CPU_CAPABILITY",
+    "MKL_ENABLE_INSTRUCTIONS",
+)
+"""Settings that hold oneDNN's, torch's or MKL's kernels below what the CPU has
+(ONEDNN_MAX_CPU_ISA=AVX2 makes bf16 emulated on any x86 CPU), so they are part of the key."""
 
 
 def machine_key() -> str:
