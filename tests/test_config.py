@@ -80,7 +80,7 @@ def test_relative_data_paths_resolve_against_the_config_file(tmp_path: Path) -> 
     [
         ("train.lr=abc", "train.lr: expected a number"),
         ("train.max_steps=0", "train.max_steps: must be >= 1"),
-        ("train.precision=fp8", "train.precision: 'fp8' is not one of fp32 | bf16 | fp16"),
+        ("train.precision=fp8", "train.precision: 'fp8' is not one of auto | fp32 | bf16 | fp16"),
         ("method.name=magic", "method.name: 'magic' is not one of"),
         ("train.nope=1", "unknown field of 'train'; valid:"),
         ("nope.x=1", "unknown key"),

@@ -203,6 +203,7 @@ def test_real_loop_trains_and_the_artefact_reloads_to_the_same_eval_loss(
         "train.max_steps=3",
         "train.eval_exact_match=true",
         "train.max_new_tokens=8",
+        "train.precision=fp32",  # the reloaded model below is evaluated in fp32 too
     )
     summary = train(cfg, log=lambda _: None)
     final = run_dir / "final"

@@ -45,7 +45,7 @@ IDS = torch.tensor([[5, 17, 42, 7, 99, 3]])
 def lora_model(model_dir: Path, name: str, *overrides: str) -> torch.nn.Module:
     """The base loaded as the recipe loads it for `name`, wrapped by the method."""
     cfg = load_config(None, [f"method.name={name}", *overrides])
-    quant = base_quantization(cfg.method, cfg.train.precision)
+    quant = base_quantization(cfg.method, "fp32")  # these tests train in fp32 (train_steps)
     base = load_model(ModelSource(str(model_dir)), quantization=quant)
     torch.manual_seed(0)
     return apply_method(base, cfg.method)
@@ -177,20 +177,25 @@ def test_compute_dtype_follows_precision_unless_set() -> None:
         cfg = load_config(None, ["method.name=qlora", *overrides])
         return base_quantization(cfg.method, cfg.train.precision)
 
-    assert quant() == Quantization("nf4", True, "fp32")
+    assert quant("train.precision=fp32") == Quantization("nf4", True, "fp32")
     assert quant("train.precision=bf16") == Quantization("nf4", True, "bf16")
-    assert quant("method.compute_dtype=bf16", "method.double_quant=false") == Quantization(
-        "nf4", False, "bf16"
-    )
+    # auto is resolved first (the recipe does; tests/test_precision.py runs it both ways).
+    with pytest.raises(ValueError, match=r"resolved train\.precision"):
+        quant("train.precision=auto")
+    assert quant(
+        "method.compute_dtype=bf16", "method.double_quant=false", "train.precision=fp32"
+    ) == Quantization("nf4", False, "bf16")
     cfg = load_config(None, ["method.name=lora"])
     assert base_quantization(cfg.method, "fp32") is None
 
 
 def test_validate_warns_about_low_precision_4bit_matmuls_on_cpu() -> None:
+    """fp16 4-bit matmuls are slow on CPUs; bf16 ones only where bf16 is emulated, which
+    tests/test_precision.py checks both ways (on an AMX CPU bf16 is the fast choice)."""
     from leantune.config import validate
 
-    cfg = load_config(None, ["method.name=qlora", "method.compute_dtype=bf16", "train.device=cpu"])
-    assert any("method.compute_dtype=bf16" in w and "fp32 is faster" in w for w in validate(cfg))
+    cfg = load_config(None, ["method.name=qlora", "method.compute_dtype=fp16", "train.device=cpu"])
+    assert any("method.compute_dtype=fp16" in w and "fp32 is faster" in w for w in validate(cfg))
     cfg = load_config(None, ["method.name=qlora", "train.device=cpu"])
     assert validate(cfg) == []
 

@@ -43,9 +43,14 @@ def _quiet_libraries() -> None:
 def _quiet_import_noise() -> None:
     """peft imports torchao when it is installed; on a CPU build torchao logs a warning per
     CUDA-only extension it cannot load, and torch one per pytree registration: nothing a user
-    can act on. Set before any command imports peft."""
+    can act on. peft and transformers import bitsandbytes, whose CPU backend logs a notice about
+    an optional kernel on AVX512-BF16 CPUs: held back, and explained only when a 4-bit model
+    loads (`models.bnb_notice`). Set before any command imports peft."""
+    from leantune.models.bnb_notice import hold_back_kernel_notice
+
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    hold_back_kernel_notice()
 
 
 def _count(low: int, high: int | None = None) -> Callable[[str], int]:

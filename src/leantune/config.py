@@ -163,7 +163,8 @@ class MethodConfig:
     double_quant: bool = True
     """qlora: also quantise the 4-bit blocks' scales (saves ~0.37 bit per parameter)."""
     compute_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """qlora: dtype of the 4-bit layers' matmuls; auto = train.precision (fp32 unless autocast)."""
+    """qlora: dtype of the 4-bit layers' matmuls; auto = train.precision as resolved (fp32
+    unless autocast)."""
 
 
 @dataclass
@@ -202,8 +203,10 @@ class TrainConfig:
     """Cosine decay floor as a share of the peak learning rate."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm (0 disables)."""
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Autocast precision; fp16 uses a GradScaler and needs CUDA."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Autocast precision; fp16 uses a GradScaler and needs CUDA. auto: on CUDA bf16 where the
+    GPU supports it, else fp16; on CPU bf16 where it runs bf16 matmul clearly faster than fp32
+    (measured once per machine), else fp32. A resumed run keeps the precision it started in."""
     seed: int = 42
     """Seed for initialisation, data order and dropout (0 .. 2**32 - 1)."""
     save_every: int = 50
@@ -755,11 +758,20 @@ def _check_quantized_training(cfg: Config) -> list[str]:
 
     cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
     warnings: list[str] = []
-    if m.name == "qlora" and low_compute and not cuda:
+    if m.name == "qlora" and m.compute_dtype == "fp16" and not cuda:
         warnings.append(
-            f"method.compute_dtype={m.compute_dtype}: 4-bit matmuls in {m.compute_dtype} are "
-            "emulated (slow) on most CPUs; method.compute_dtype=fp32 is faster there"
+            "method.compute_dtype=fp16: 4-bit matmuls in fp16 are emulated (slow) on most CPUs; "
+            "method.compute_dtype=fp32 is faster there"
         )
+    if m.name == "qlora" and m.compute_dtype == "bf16" and not cuda:
+        from leantune.training.precision import bf16_speed_on_cpu
+
+        # bf16 is fast on CPUs with AVX512-BF16/AMX and emulated elsewhere: ask this one.
+        if (speed := bf16_speed_on_cpu()).slowdown > 1:
+            warnings.append(
+                f"method.compute_dtype=bf16: 4-bit matmuls in bf16 are emulated here "
+                f"({speed.describe()}); method.compute_dtype=fp32 is faster"
+            )
     try:
         backend = resolve_optimizer(t.optimizer, "cuda" if cuda else "cpu")
     except OptimizerUnavailable as e:

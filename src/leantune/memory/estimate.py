@@ -119,8 +119,12 @@ def activation_bytes_per_token(layer: LayerTraining, s: ModelShape, st: StepSett
     kv = q  # packed rows carry a mask, so SDPA gets GQA heads expanded (repeat_kv)
     elems = 2 * h  # each RMSNorm keeps its input (the residual stream)
     elems += 2 * h if layer.norms_train else 0
-    elems += h if layer.saves_input & set(ATTN_INPUT) else 0
-    elems += h if layer.saves_input & set(MLP_INPUT) else 0
+    attn_savers = len(layer.saves_input & set(ATTN_INPUT))
+    mlp_savers = len(layer.saves_input & set(MLP_INPUT))
+    if st.precision == "fp32":  # q/k/v (gate/up) keep the one input they share
+        elems += h * min(attn_savers, 1) + h * min(mlp_savers, 1)
+    else:  # autocast casts the shared input once per linear, and each keeps its own copy
+        elems += h * (attn_savers + mlp_savers)
     elems += q + 2 * kv + q  # attention keeps q, k, v and its output
     # o_proj's input is a view of SDPA's output (already counted); eager attention copies it.
     eager = st.attn_implementation == "eager"
@@ -160,7 +164,18 @@ def activations(facts: ModelFacts, st: StepSettings) -> int:
     # Outside the blocks: embedding output, final norm input and output, RoPE cos/sin.
     per_token += 3 * s.hidden * act + 2 * s.head_dim * 4
     mask = st.micro_batch * st.seq_len**2 * (1 if st.attn_implementation == "sdpa" else act)
-    return int(tokens * per_token + mask)
+    return int(tokens * per_token + mask + autocast_weight_casts(facts, st, len(flowing)))
+
+
+def autocast_weight_casts(facts: ModelFacts, st: StepSettings, flowing_blocks: int) -> int:
+    """Under autocast every linear casts its weight to bf16/fp16, and backward keeps that copy
+    (it needs the weight for the input's gradient): the blocks backward passes through and the
+    output head. A 4-bit weight is dequantised again in backward instead; with checkpointing a
+    block's copies live only while it is recomputed."""
+    if st.precision == "fp32" or st.weight_quant is not None or st.gradient_checkpointing:
+        return 0
+    s = facts.shape
+    return 2 * (facts.linear_params * flowing_blocks // s.layers + s.vocab * s.hidden)
 
 
 def recompute_bytes(facts: ModelFacts, st: StepSettings) -> int:

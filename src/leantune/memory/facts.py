@@ -166,6 +166,12 @@ def _layer_training(layer: nn.Module) -> LayerTraining:
     )
 
 
+def _linear_kind(name: str) -> str:
+    """`self_attn.q_proj` -> q_proj; a peft adapter wraps the linear as `q_proj.base_layer`."""
+    parts = name.split(".")
+    return parts[-2] if parts[-1] == "base_layer" and len(parts) > 1 else parts[-1]
+
+
 def model_facts(model: nn.Module, config: object) -> ModelFacts:
     """Count bytes and trainable parameters of `model` (a meta model with its method applied)."""
     from leantune.methods.freeze import decoder_layers
@@ -178,7 +184,7 @@ def model_facts(model: nn.Module, config: object) -> ModelFacts:
         m.weight.numel()
         for layer in layers
         for n, m in layer.named_modules()
-        if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in LINEAR_KINDS
+        if isinstance(m, nn.Linear) and _linear_kind(n) in LINEAR_KINDS
     )
     emb = cast(nn.Module, model.get_input_embeddings())  # type: ignore[operator]
     head = model.get_output_embeddings()  # type: ignore[operator]

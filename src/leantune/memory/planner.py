@@ -266,13 +266,23 @@ def plan_inputs(
         supervised_per_row=supervised_per_row,
         gradient_checkpointing=t.gradient_checkpointing,
         attn_implementation=cfg.model.attn_implementation,
-        precision=t.precision,
+        precision=planned_precision(cfg, device),
         optimizer=str(getattr(t, "optimizer", "adamw")),
         weight_quant="nf4-dq" if cfg.method.name == "qlora" else None,
         kl=t.kl_coef > 0,
         device=device,
     )
     return PlanInputs(facts, step, global_batch, DTYPE_BYTES[cfg.model.dtype], hf_config)
+
+
+def planned_precision(cfg: Config, device: str) -> str:
+    """train.precision as the run will resolve it on `device` (auto: measured or cached)."""
+    from leantune.training.precision import resolve_precision
+
+    if device == "cuda" and cfg.train.precision == "auto" and not torch.cuda.is_available():
+        return "bf16"  # no GPU here to ask: bf16 or fp16, both 2 bytes per activation
+    compute = cfg.method.compute_dtype if cfg.method.name == "qlora" else "auto"
+    return resolve_precision(cfg.train.precision, device, compute_dtype=compute).precision
 
 
 def budget_for(cfg: Config, device: str, override: str | None = None) -> int:

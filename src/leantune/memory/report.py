@@ -96,6 +96,7 @@ def plan(
             "supervised_per_row": inputs.step.supervised_per_row,
             "gradient_checkpointing": inputs.step.gradient_checkpointing,
             "optimizer": inputs.step.optimizer,
+            "precision": inputs.step.precision,
             "trainable_params": inputs.facts.trainable_params,
             "total_params": inputs.facts.total_params,
             "breakdown": configured.as_dict(),
@@ -112,7 +113,7 @@ def format_text(result: dict[str, Any]) -> str:
         f"method {c['method']}: {c['trainable_params']:,} of {c['total_params']:,} parameters "
         f"train; micro-batch {c['micro_batch']} x grad_accum {c['grad_accum']}, seq_len "
         f"{c['seq_len']}, checkpointing {'on' if c['gradient_checkpointing'] else 'off'}, "
-        f"optimizer {c['optimizer']}",
+        f"optimizer {c['optimizer']}, precision {c['precision']}",
         "",
     ]
     for key, label in COMPONENTS:

@@ -99,6 +99,11 @@ DEFAULT_LR: dict[str, float] = {
 
 def _qlora_quantization(cfg: MethodConfig, precision: str) -> Quantization:
     compute = cfg.compute_dtype if cfg.compute_dtype != "auto" else precision
+    if compute == "auto":
+        raise ValueError(
+            "base_quantization needs the resolved train.precision "
+            "(training.precision.resolve_precision), not auto"
+        )
     return Quantization(quant_type="nf4", double_quant=cfg.double_quant, compute_dtype=compute)
 
 

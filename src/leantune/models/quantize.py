@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from leantune.models.bnb_notice import explain_kernel_notice
+
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
@@ -88,13 +90,16 @@ def keep_training_layout(model: torch.nn.Module) -> int:
     to bf16 (the outputs then differ from training's by ~1e-2 on a 256x128 layer) and
     `dequantize_4bit` no longer reads it correctly. Evaluating, generating or merging a QLoRA
     model must see the weights it was trained against, on every CPU, so the repacking is turned
-    off. Returns the number of layers changed.
+    off. Returns the number of layers changed. Explains, once, bitsandbytes' held-back notice
+    about the optional kernel of that layout (`bnb_notice`).
     """
     changed = 0
     for module in model.modules():
         if type(module).__name__ in ("Linear4bit", "LinearNF4", "LinearFP4"):
             setattr(module, "support_avx512bf16_for_cpu", False)  # noqa: B010 (mypy: Module attr)
             changed += 1
+    if changed:
+        explain_kernel_notice()  # the kernel bitsandbytes could not load serves that layout
     return changed
 
 

@@ -24,7 +24,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,7 +32,7 @@ import torch
 import yaml
 from torch import nn
 
-from leantune.config import Config, GuardConfig, parse_memory_size, to_dict, validate
+from leantune.config import Config, GuardConfig, TrainConfig, parse_memory_size, to_dict, validate
 from leantune.data.dataset import PreparedData
 from leantune.data.loader import SampleStream, collate, split_window
 from leantune.data.templates import apply_chat_template
@@ -91,9 +91,10 @@ from leantune.training.oom import (
 from leantune.training.optim import build_optimizer, build_scheduler, default_schedule, use_schedule
 from leantune.training.precision import (
     autocast,
-    bf16_slowdown_on_cpu,
     make_grad_scaler,
     pick_device,
+    recorded_precision,
+    resolve_precision,
 )
 from leantune.training.resume_policy import (
     ResumePlan,
@@ -534,12 +535,14 @@ def _train(
 ) -> dict[str, Any]:
     """`train` inside its claimed run directory, with the stop signals handled."""
     signal_at_start()
+    device, cfg.train, why = _device(cfg)  # before the fingerprint: it records the resolved value
     check_resumable(cfg, source.location, source.gguf_file)  # before anything is written
+    if why:
+        log(why)  # once the run directory's run is known to be this one
     files = _run_files(cfg, inputs)
     events = EventLog(files.run_dir / EVENTS_FILE, log)
     faults = FaultHooks()
     seed_everything(cfg.train.seed)
-    device = _device(cfg.train.device, cfg.train.precision, log)
     tokenizer = load_tokenizer(source, cfg.model.trust_remote_code)
     for warning in apply_chat_template(tokenizer, cfg.data.chat_template):  # saved with final/
         log(f"warning: {warning}")
@@ -619,14 +622,14 @@ def _run_files(cfg: Config, inputs: list[Path]) -> RunFiles:
     return RunFiles(run_dir, ckpt_dir, cfg.train.keep_last, text, write)
 
 
-def _device(name: str, precision: str, log: Log) -> torch.device:
-    device = pick_device(name)
-    if device.type == "cpu" and precision == "bf16" and (slow := bf16_slowdown_on_cpu()) > 4:
-        log(
-            f"warning: train.precision=bf16: bf16 matmul is {slow:.0f}x slower than fp32 on this "
-            "CPU (no native bf16 units); train.precision=fp32 will be much faster here"
-        )
-    return device
+def _device(cfg: Config) -> tuple[torch.device, TrainConfig, str | None]:
+    """The device, `cfg.train` with train.precision=auto resolved for it (a resumed run keeps
+    the precision it started with), and the line that says what auto chose and why."""
+    device = pick_device(cfg.train.device)
+    compute = cfg.method.compute_dtype if cfg.method.name == "qlora" else "auto"
+    recorded = recorded_precision(cfg.run_dir)
+    choice = resolve_precision(cfg.train.precision, device.type, recorded, compute)
+    return device, replace(cfg.train, precision=choice.precision), choice.note
 
 
 def _explained(exc: Interrupted, ckpt_dir: Path) -> Interrupted:

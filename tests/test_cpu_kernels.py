@@ -1,0 +1,166 @@
+"""What depends on the CPU's features: bitsandbytes' native CPU kernels and its import notice.
+
+bitsandbytes' CPU library picks AVX512 code paths where the CPU has them and decides at import
+whether to try an optional AVX512-BF16 kernel (`has_avx512bf16()`). The kernels leantune runs
+(4-bit dequantisation for QLoRA and merging, 8-bit blockwise state for adamw_8bit) are checked
+against a few lines of plain torch that compute the same thing, so whichever path this CPU takes
+must give the portable result. The notice is checked with a forced record, so that an AVX2-only
+CPU, where bitsandbytes never logs it, runs the same check.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_train_args, write_jsonl
+
+from leantune.models import bnb_notice
+from leantune.models.quantize import keep_training_layout
+
+NOTICE = (
+    "Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you "
+    "already `pip install kernels` and the kernels >= 0.11.1"
+)
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """bitsandbytes packs two 4-bit codes a byte, the first in the high nibble."""
+    flat = packed.reshape(-1).to(torch.int64)
+    return torch.stack([flat >> 4, flat & 0xF], dim=1).reshape(-1)
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_native_4bit_dequantisation_equals_the_portable_formula(quant_type: str) -> None:
+    bnb_f = pytest.importorskip("bitsandbytes.functional")
+    torch.manual_seed(0)
+    weight = torch.randn(256, 128)
+    packed, state = bnb_f.quantize_4bit(weight, blocksize=64, quant_type=quant_type)
+    native = bnb_f.dequantize_4bit(packed, state)
+    code = bnb_f.get_4bit_type(quant_type, device="cpu")
+    values = code[_unpack_nibbles(packed)].reshape(-1, 64) * state.absmax.view(-1, 1)
+    torch.testing.assert_close(native, values.reshape(256, 128), rtol=0, atol=0)
+    # And it is the weight: each value within half the widest gap between codes of its own.
+    sorted_code = code.sort().values
+    half_gap = float((sorted_code[1:] - sorted_code[:-1]).max()) / 2
+    bound = (half_gap * state.absmax).repeat_interleave(64).reshape(256, 128) * (1 + 1e-6)
+    assert bool(((native - weight).abs() <= bound).all())
+
+
+def test_native_8bit_blockwise_state_equals_the_portable_formula() -> None:
+    """adamw_8bit keeps its moments as 8-bit codes in blocks of 256 with one absmax each."""
+    bnb_f = pytest.importorskip("bitsandbytes.functional")
+    torch.manual_seed(0)
+    state = torch.randn(4096) * 1e-3
+    code = bnb_f.create_dynamic_map(signed=True)
+    q, qs = bnb_f.quantize_blockwise(state, code=code, blocksize=256)
+    native = bnb_f.dequantize_blockwise(q, qs)
+    portable = (code[q.to(torch.int64)].view(-1, 256) * qs.absmax.view(-1, 1)).reshape(-1)
+    torch.testing.assert_close(native, portable, rtol=0, atol=0)
+    # The codes are the nearest ones: no value is further from its block's absmax-scaled
+    # code than the widest gap between neighbouring codes.
+    gap = float((code[1:] - code[:-1]).max())
+    absmax = qs.absmax.repeat_interleave(256)
+    assert bool(((native - state).abs() <= gap * absmax).all())
+
+
+@pytest.fixture()
+def held_notice() -> Iterator[bnb_notice._HeldNotice]:
+    """A fresh filter on bitsandbytes' logger, as the CLI installs it at start-up."""
+    fresh = bnb_notice._HeldNotice()
+    old = bnb_notice._NOTICE
+    bnb_notice._NOTICE = fresh
+    logger = logging.getLogger(bnb_notice.BNB_CPU_LOGGER)
+    logger.removeFilter(old)
+    bnb_notice.hold_back_kernel_notice()
+    yield fresh
+    logger.removeFilter(fresh)
+    bnb_notice._NOTICE = old
+    logger.addFilter(old)
+
+
+def _linear4bit() -> torch.nn.Module:
+    bnb = pytest.importorskip("bitsandbytes")
+    layer = bnb.nn.Linear4bit(64, 32, compute_dtype=torch.float32, quant_type="nf4")
+    return layer.to("cpu")
+
+
+def test_the_kernel_notice_is_held_back_and_explained_once_when_4bit_is_in_use(
+    held_notice: bnb_notice._HeldNotice,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """What bitsandbytes logs at import on an AVX512-BF16 CPU without `kernels`, forced."""
+    with caplog.at_level(logging.WARNING):
+        logging.getLogger(bnb_notice.BNB_CPU_LOGGER).warning(NOTICE, "No module named 'kernels'")
+    assert not [r for r in caplog.records if "gemm_4bit_forward" in r.getMessage()]
+    assert capsys.readouterr().err == ""
+    keep_training_layout(torch.nn.Sequential(torch.nn.Linear(4, 4)))  # fp32: nothing to say
+    assert capsys.readouterr().err == ""
+    assert keep_training_layout(torch.nn.Sequential(_linear4bit())) == 1
+    err = capsys.readouterr().err
+    assert err.count("note: bitsandbytes") == 1
+    assert "(kernels-community/quantization-bitsandbytes: No module named 'kernels')" in err
+    assert "its own kernel, the one training uses" in err and "nothing to do" in err
+    assert "gemm_4bit_forward" not in err
+    keep_training_layout(torch.nn.Sequential(_linear4bit()))  # once per process
+    assert capsys.readouterr().err == ""
+
+
+def test_without_the_notice_nothing_is_explained(
+    held_notice: bnb_notice._HeldNotice, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """AVX2-only CPUs, or `kernels` installed: bitsandbytes logs nothing, neither does leantune."""
+    keep_training_layout(torch.nn.Sequential(_linear4bit()))
+    assert capsys.readouterr().err == ""
+
+
+def _expected_notes() -> int:
+    """How many explanations a 4-bit run prints on this CPU: bitsandbytes logs its notice only
+    on AVX512-BF16 CPUs without the `kernels` package."""
+    from bitsandbytes.functional import has_avx512bf16
+
+    return int(bool(has_avx512bf16()) and importlib.util.find_spec("kernels") is None)
+
+
+def test_train_prints_the_notice_only_for_4bit_and_then_explained(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """Real processes, so that bitsandbytes is imported after the CLI starts, as for a user."""
+    pytest.importorskip("bitsandbytes")
+    rows = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+        for i in range(4)
+    ]
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LEANTUNE_HOME": str(tmp_path / "home")}
+    printed = {}
+    for method in ("lora", "qlora"):
+        args = tiny_train_args(
+            tiny_llama_dir,
+            data,
+            tmp_path / method,
+            f"method.name={method}",
+            "train.max_steps=1",
+            "train.precision=fp32",
+        )
+        proc = subprocess.run(
+            [sys.executable, "-m", "leantune", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        printed[method] = proc.stdout + proc.stderr
+    for text in printed.values():
+        assert "Failed to load CPU gemm_4bit_forward" not in text
+    assert "note: bitsandbytes" not in printed["lora"]
+    assert printed["qlora"].count("note: bitsandbytes") == _expected_notes()
