@@ -494,7 +494,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 
 def _add_eval_parser(sub: Any) -> None:
     """The `eval` subcommand."""
-    from leantune.config import MAX_SEQ_LEN
+    from leantune.config_checks import MAX_SEQ_LEN
     from leantune.data.formats import FORMATS
 
     e = sub.add_parser("eval", help="loss, perplexity and exact match of a model on a JSONL file")

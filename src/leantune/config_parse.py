@@ -20,7 +20,13 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from leantune.errors import UserError
+
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class ConfigError(ValueError, UserError):
+    """A config value is missing, unknown or invalid; the message names the field and the fix."""
 
 
 class ParseError(ValueError):

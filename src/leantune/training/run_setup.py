@@ -32,7 +32,6 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.config import (
     AUTO_RUN_NAME,
-    MAX_SEQ_LEN,
     Config,
     GuardConfig,
     ModelConfig,
@@ -40,6 +39,7 @@ from leantune.config import (
     configured_global_batch,
     effective_pack,
 )
+from leantune.config_checks import MAX_SEQ_LEN
 from leantune.data.dataset import PreparedData
 from leantune.data.packing import longest_example, rows_for
 from leantune.data.prepare.command import engine_options, settings_from_config
