@@ -175,3 +175,29 @@ def test_a_tokenizer_without_a_template_is_given_data_chat_template(
 def test_inspect_without_data_is_a_config_error(tmp_path: Path, tiny_llama_dir: Path) -> None:
     r = run_cli(["inspect", f"model.path={tiny_llama_dir}", "data.train=nope.jsonl"])
     assert r.code == 2 and "data.train" in r.err and "nope.jsonl" in r.err, r
+
+
+def test_auto_lengths_and_packing_are_what_train_uses(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """With the defaults (data.max_seq_len=auto, data.pack=auto), inspect reports the rows train
+    will build: as long as the longest example, and unpacked for a method that needs that."""
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "Say hi " * (i + 1)},
+                {"role": "assistant", "content": ANSWER},
+            ]
+        }
+        for i in range(6)
+    ]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    args = [f"model.path={tiny_llama_dir}", f"data.train={data}", "data.eval=null"]
+    r = run_cli(["inspect", *args])
+    assert r.code == 0, r
+    longest = int(re.search(r"max (\d+)", r.out)[1])  # type: ignore[index]
+    assert f"of data.max_seq_len={longest};" in r.out
+    trained = run_cli(["train", *args, f"run.dir={tmp_path / 'run'}", "run.progress=false"])
+    assert trained.code == 0, trained
+    assert f"data.max_seq_len=auto: {longest} tokens" in trained.out
+    r = run_cli(["inspect", *args, "method.name=prompt"])
+    assert r.code == 0, r
+    assert "data.pack=false: one example per row, 6 rows" in r.out

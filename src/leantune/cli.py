@@ -210,11 +210,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     config, overrides = _split_config_args(args.args)
     cfg = load_config(config, overrides)
     _quiet_libraries()
-    from leantune.data.inspection import format_inspection, inspect_file
+    from dataclasses import replace
+
+    from leantune.config import effective_pack
+    from leantune.data.inspection import fit_rows, format_inspection, inspect_file
     from leantune.data.prepare.command import settings_from_config
     from leantune.data.templates import apply_chat_template
     from leantune.memory.report import format_text, plan
     from leantune.models.loading import load_tokenizer, resolve_model
+    from leantune.training.run_setup import FALLBACK_CONTEXT, model_context
 
     d = cfg.data
     assert d.train is not None  # load_config requires it
@@ -230,8 +234,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     )
     for warning in apply_chat_template(tokenizer, d.chat_template):
         print(f"warning: {warning}")
-    settings = settings_from_config(d)
+    settings = replace(settings_from_config(d), pack=effective_pack(d.pack, cfg.method.name))
+    auto = d.max_seq_len == "auto"
+    if auto:  # as train: filter at the model's context, then rows as long as the longest example
+        source = resolve_model(cfg.model.path, cfg.model.gguf_file)
+        context = model_context(source.location, source.gguf_file, cfg.model)
+        settings = replace(settings, max_seq_len=context or FALLBACK_CONTEXT)
     ins = inspect_file(d.train, settings, tokenizer)
+    if auto:
+        settings = fit_rows(ins, settings)
     colour = args.color == "always" or (
         args.color == "auto" and sys.stdout.isatty() and "NO_COLOR" not in os.environ
     )

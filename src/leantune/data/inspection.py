@@ -14,7 +14,7 @@ enclosed in `[[` and `]]`.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +110,18 @@ def inspect_file(
     else:
         result.groups = [[i] for i in range(len(lengths))]
     return result
+
+
+def fit_rows(ins: Inspection, settings: PrepareSettings) -> PrepareSettings:
+    """data.max_seq_len=auto, as `train` resolves it: rows as long as the longest kept example
+    (the examples were filtered at the model's context). Re-packs `ins`; returns the settings
+    with the resolved length."""
+    longest = max((int(e.input_ids.size) for e in ins.examples), default=1)
+    resolved = replace(settings, max_seq_len=longest)
+    if settings.pack:
+        lengths = [int(e.input_ids.size) for e in ins.examples]
+        ins.groups = best_fit_decreasing(lengths, longest)
+    return resolved
 
 
 def _drop(result: Inspection, r: Rejection) -> None:

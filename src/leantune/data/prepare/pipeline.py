@@ -289,9 +289,14 @@ def prepare_dataset(
     partial.remove()
     if log:
         d = report
+        rows = (
+            f"{d['packed_rows']} rows (packing {d['packing_efficiency']:.1%})"
+            if settings.pack
+            else "one example per row"
+        )
         log(
-            f"prepare: {d['rows_in']} records in, {d['rows_out']} kept, {d['packed_rows']} rows "
-            f"(packing {d['packing_efficiency']:.1%}), dropped {d['dropped']} -> {out}"
+            f"prepare: {d['rows_in']} records in, {d['rows_out']} kept, {rows}, dropped "
+            f"{d['dropped']} -> {out}"
         )
     return report
 
