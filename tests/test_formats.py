@@ -562,3 +562,26 @@ def test_prepare_takes_a_chat_template_flag(tmp_path: Path, bare_model_dir: Path
     assert r.code == 0, r
     report = json.loads((tmp_path / "c" / "prepare_report.json").read_text())
     assert report["rows_out"] == 2 and report["settings"]["format"] == "chat"
+
+
+def test_eval_and_generate_take_a_chat_template_for_a_model_without_one(
+    tmp_path: Path, bare_model_dir: Path
+) -> None:
+    """A base model without a template is evaluated on chat data with --chat-template; without
+    it the error names the flag, and a bad one is refused before the model loads."""
+    rows = [
+        {"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": "a"}]}
+        for i in range(3)
+    ]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    model = str(bare_model_dir)
+    r = run_cli(["eval", "--model", model, "--data", str(data)])
+    assert r.code == 2 and "--chat-template" in r.err, r
+    r = run_cli(["eval", "--model", model, "--data", str(data), "--chat-template", "chatml"])
+    assert r.code == 0, r
+    out = json.loads(r.out)
+    assert out["examples"] == 3 and "exact_match" in out
+    args = ["generate", "--model", model, "--prompt", "q 1", "--max-new-tokens", "2"]
+    assert run_cli([*args, "--chat-template", "chatml"]).code == 0
+    r = run_cli([*args, "--chat-template", str(tmp_path / "missing.jinja")])
+    assert r.code == 2 and "missing.jinja" in r.err, r

@@ -324,6 +324,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.lm_eval:
         _lm_eval_tasks(args)
     check_model_path(args.model, "--model")  # before the libraries that load it are imported
+    _check_chat_template(args.chat_template)
     _quiet_libraries()
     import torch
 
@@ -332,6 +333,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     torch.manual_seed(0)
     model, tokenizer = load_for_inference(args.model, args.dtype)
+    _use_chat_template(tokenizer, args.chat_template)
     result: dict[str, object] = {"model": args.model}
     if path is not None:
         result |= evaluate_file(
@@ -349,6 +351,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
         result["lm_eval"] = _lm_eval(args, model, tokenizer)
     print(json.dumps(result, indent=2))
     return 0
+
+
+def _check_chat_template(spec: str | None) -> None:
+    """A --chat-template that is no built-in and no readable Jinja file: exit 2 before loading."""
+    if spec is not None:
+        from leantune.data.templates import template_text
+
+        template_text(spec)
+
+
+def _use_chat_template(tokenizer: Any, spec: str | None) -> None:
+    """Give the loaded tokenizer --chat-template (for a model without one, or to override it)."""
+    from leantune.data.templates import apply_chat_template
+
+    for warning in apply_chat_template(tokenizer, spec):
+        print(
+            f"warning: {warning.replace('data.chat_template', '--chat-template')}", file=sys.stderr
+        )
 
 
 def _check_generate_args(args: argparse.Namespace) -> None:
@@ -383,11 +403,13 @@ def _decoding(args: argparse.Namespace, model: Any) -> Any:
 def cmd_generate(args: argparse.Namespace) -> int:
     _check_generate_args(args)
     check_model_path(args.model, "--model")  # before the libraries that load it are imported
+    _check_chat_template(args.chat_template)
     _quiet_libraries()
     from leantune.eval.generation import generate_texts, render_prompt
     from leantune.models.artifacts import load_for_inference
 
     model, tokenizer = load_for_inference(args.model, args.dtype)
+    _use_chat_template(tokenizer, args.chat_template)
     settings = _decoding(args, model)
     has_template = getattr(tokenizer, "chat_template", None) is not None
     history: list[dict[str, str]] = []
@@ -503,6 +525,12 @@ MODEL_HELP = "model dir, run dir (its final/), adapter dir, .gguf file, cached h
 DTYPES = ("fp32", "bf16", "fp16")
 
 
+CHAT_TEMPLATE_HELP = (
+    "chatml, zephyr, llama3 or a Jinja file: the chat template to use instead of the "
+    "tokenizer's (default: the tokenizer's own, as saved with the model)"
+)
+
+
 def _add_eval_parser(sub: Any) -> None:
     """The `eval` subcommand."""
     from leantune.config_checks import MAX_SEQ_LEN
@@ -512,6 +540,7 @@ def _add_eval_parser(sub: Any) -> None:
     e.add_argument("--model", required=True, help=MODEL_HELP)
     e.add_argument("--data", default=None, help=f"data file ({', '.join(FORMATS)})")
     e.add_argument("--format", choices=FORMATS, help="default: detected")
+    e.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
     e.add_argument(
         "--limit", type=_count(1), default=None, help="evaluate the first N examples (default: all)"
     )
@@ -557,6 +586,7 @@ def _add_generate_parser(sub: Any) -> None:
     g.add_argument("--prompt", default=None, help="the user message (first turn with --chat)")
     g.add_argument("--chat", action="store_true", help="multi-turn conversation on stdin")
     g.add_argument("--system", default=None, help="system message (default: none)")
+    g.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     from_model = "default: the model's generation_config, else %s"
     g.add_argument("--max-new-tokens", type=_count(1), default=None, help=from_model % "256")

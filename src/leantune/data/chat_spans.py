@@ -52,8 +52,8 @@ def renderer(tokenizer: Any) -> Render:
             f"the tokenizer of {getattr(tokenizer, 'name_or_path', '') or 'this model'} has no "
             "chat template, and conversations (every data.format but text) are rendered with "
             "it; give it one with data.chat_template=chatml (or zephyr, llama3, or a Jinja "
-            "file; it is saved with the trained model), use a model with one (an instruct/chat "
-            "model), or use data.format=text"
+            "file; it is saved with the trained model; --chat-template for eval and generate), use "
+            "a model with one (an instruct/chat model), or use data.format=text"
         )
 
     def render(messages: list[Message], gen: bool) -> str:
