@@ -123,7 +123,10 @@ def test_oom_halves_the_micro_batch_and_replays_the_same_samples(
     wb = load_file(tmp_path / "b" / "final" / "adapter_model.safetensors")
     assert wa.keys() == wb.keys()
     for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-7)
+        # Adam divides each gradient by its running RMS, so an fp32 rounding difference in a
+        # near-zero gradient moves that weight by a sizeable fraction of lr (1e-3): with AVX2
+        # kernels one of 512 LoRA weights ends 1.6e-7 apart. 1e-6 is 0.1% of one step.
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
     # The checkpoint records the smaller micro-batch, and a resume keeps it (bit-exact).
     ckpt = load_checkpoint(run / "checkpoints" / "step-000004")
     assert ckpt.state.extra["batching"] == {
