@@ -59,6 +59,8 @@ class EventLog:
     def __init__(self, path: Path, log: Callable[[str], None]):
         self.path = path
         self.log = log
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
+        """Called with each event after it is written (the run's sinks)."""
 
     def emit(self, kind: str, step: int, message: str, **fields: Any) -> dict[str, Any]:
         """Record one event.
@@ -75,6 +77,8 @@ class EventLog:
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(event) + "\n")
         self.log(f"[{kind}] step {step}: {message}")
+        for listener in self.listeners:
+            listener(event)
         return event
 
 
