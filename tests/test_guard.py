@@ -17,7 +17,7 @@ from test_training import chat_rows, make_config
 from leantune.cli import main
 from leantune.config import GuardConfig
 from leantune.data.loader import SampleStream
-from leantune.training import recipe
+from leantune.training import guard_actions, recipe
 from leantune.training.checkpoint import latest_checkpoint, load_checkpoint
 from leantune.training.events import (
     EXIT_GUARD_STOPPED,
@@ -292,16 +292,16 @@ def test_loss_spike_rollback_restores_the_checkpoint_exactly(
 ) -> None:
     monkeypatch.setenv(LOSS_SCALE_ENV, "6:50")
     rolled: list[tuple[dict, dict]] = []
-    original = recipe.rollback
+    original = guard_actions.rollback
 
-    def spy(tr: recipe.Trainer, bad_end: int, files: recipe.RunFiles, lr_factor: float) -> None:
-        path = latest_checkpoint(files.ckpt_dir)
+    def spy(tr: recipe.Trainer, bad_end: int, lr_factor: float) -> None:
+        path = latest_checkpoint(tr.files.ckpt_dir)
         assert path is not None
-        original(tr, bad_end, files, lr_factor)
+        original(tr, bad_end, lr_factor)
         info = {"path": path, "ckpt": load_checkpoint(path), "rng": torch.get_rng_state()}
         rolled.append((snapshot(tr), {**info, "bad_end": bad_end}))
 
-    monkeypatch.setattr(recipe, "rollback", spy)
+    monkeypatch.setattr(guard_actions, "rollback", spy)
     run = tmp_path / "run"
     common = ["data.pack=false", "train.max_steps=8", "train.save_every=2", "train.lr=1e-3",
               "guard.loss_spike=rollback", "guard.warmup=3"]  # fmt: skip
@@ -452,5 +452,5 @@ def test_rows_name_their_examples_so_events_can_cite_source_lines(
     assert len(data.rows) < 24 if pack else len(data.rows) == 24
     for row in data.rows:
         assert row.input_ids == [t for e in row.examples for t in data.examples[e].input_ids]
-    lines = recipe.source_lines(data, list(range(len(data.rows))))
+    lines = guard_actions.source_lines(data, list(range(len(data.rows))))
     assert sorted(lines) == list(range(1, 25))  # every line exactly once

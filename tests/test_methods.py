@@ -25,7 +25,7 @@ from leantune.methods.registry import (
 from leantune.models.artifacts import load_for_inference, save_final
 from leantune.models.loading import ModelSource, load_model
 from leantune.training.optim import build_optimizer
-from leantune.training.recipe import backward_window
+from leantune.training.trainer import backward_window
 
 # The parameter kinds each adapter method trains (peft names), and nothing else.
 EXPECTED_KINDS = {

@@ -14,7 +14,7 @@ from test_training import chat_rows, make_config
 
 from leantune.cli import main
 from leantune.config import ConfigError, load_config, parse_memory_size
-from leantune.training import recipe
+from leantune.training import recipe, trainer
 from leantune.training.checkpoint import latest_checkpoint, load_checkpoint
 from leantune.training.events import EXIT_OUT_OF_MEMORY, OutOfMemoryAtMinimum, read_events
 from leantune.training.faults import OOM_EVAL_ENV, OOM_STEP_ENV
@@ -44,7 +44,7 @@ VOLATILE = (
 def seen(monkeypatch: pytest.MonkeyPatch) -> list[list[list[int]]]:
     """The micro-batches (rows as token lists, padding stripped) of every completed window."""
     windows: list[list[list[int]]] = []
-    original = recipe.backward_window
+    original = trainer.backward_window
 
     def spy(model: Any, batches: list[dict[str, torch.Tensor]], *args: Any, **kw: Any) -> float:
         loss = original(model, batches, *args, **kw)
@@ -59,7 +59,7 @@ def seen(monkeypatch: pytest.MonkeyPatch) -> list[list[list[int]]]:
         )
         return loss
 
-    monkeypatch.setattr(recipe, "backward_window", spy)
+    monkeypatch.setattr(trainer, "backward_window", spy)
     return windows
 
 

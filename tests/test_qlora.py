@@ -24,7 +24,7 @@ from leantune.models.artifacts import BASE_POINTER, load_for_inference, save_fin
 from leantune.models.loading import ModelSource, load_model
 from leantune.models.quantize import Quantization, is_quantized
 from leantune.training.optim import build_optimizer
-from leantune.training.recipe import backward_window
+from leantune.training.trainer import backward_window
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed"

@@ -25,7 +25,8 @@ from leantune.models.loading import enable_gradient_checkpointing
 from leantune.training.loss import count_supervised
 from leantune.training.metrics import read_metrics
 from leantune.training.optim import build_optimizer, warmup_cosine
-from leantune.training.recipe import FAULT_ENV, backward_window, train
+from leantune.training.recipe import FAULT_ENV, train
+from leantune.training.trainer import backward_window
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 

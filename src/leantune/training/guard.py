@@ -52,6 +52,9 @@ class GuardSettings:
     window: int
     warmup: int
     max_consecutive_skips: int
+    max_rollbacks: int
+    lr_factor: float
+    """A rollback scales the learning rate by this."""
 
 
 @dataclass(frozen=True)

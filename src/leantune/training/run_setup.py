@@ -343,4 +343,6 @@ def guard_settings(g: GuardConfig) -> GuardSettings:
         window=g.window,
         warmup=g.warmup,
         max_consecutive_skips=g.max_consecutive_skips,
+        max_rollbacks=g.max_rollbacks,
+        lr_factor=g.lr_factor,
     )

@@ -1,0 +1,366 @@
+"""The training step: what one optimizer update does, owned by a `Trainer`.
+
+`train_step` takes the next window of samples and runs backward -> unscale -> clip (measuring
+the norm) -> guard -> step or skip. `accumulate` is its forward/backward over the window's
+micro-batches: an out-of-memory error halves the micro-batch and replays the same samples, and
+a stop signal is acted on at a micro-batch boundary, only here. `backward_window` is the
+arithmetic (each micro-batch's token loss over the window's supervised tokens).
+
+The `Trainer` holds every part the step needs, built once by the recipe's set-up, and the
+step's own settings (`StepSettings`), so nothing is passed along the call chain. Its
+`ParallelStrategy` decides what this process computes and how counts are summed; the step never
+branches on it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from leantune.data.dataset import PreparedData
+from leantune.data.loader import SampleStream, collate, split_window
+from leantune.training.checkpoint import (
+    Checkpoint,
+    TrainingState,
+    capture_rng_state,
+    restore_rng_state,
+    resume_checkpoint,
+    save_checkpoint,
+)
+from leantune.training.events import EventLog, OutOfMemoryAtMinimum
+from leantune.training.faults import FaultHooks, kill_after, signal_after
+from leantune.training.guard import Decision, GuardHistory, GuardSettings, decide, remember
+from leantune.training.loss import count_supervised, token_loss_sum
+from leantune.training.metrics import memory_stats
+from leantune.training.oom import MemoryBudget, free_memory, halved, is_out_of_memory
+from leantune.training.precision import autocast
+from leantune.training.signals import Interrupted, StopSignals
+from leantune.training.sinks import Sinks
+from leantune.training.strategy import ParallelStrategy, SingleProcess
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """How each step computes: autocast precision, clipping, and the KL-to-base weight."""
+
+    precision: str
+    max_grad_norm: float
+    kl_coef: float = 0.0
+
+
+@dataclass
+class RunFiles:
+    """Where a run writes, and what every checkpoint carries."""
+
+    run_dir: Path
+    ckpt_dir: Path
+    keep_last: int
+    config_yaml: str
+    write_config: bool = True
+    """False when `config.yaml` already holds `config_yaml` (it may be the input config)."""
+
+
+@dataclass
+class Trainer:
+    """Everything the step needs, built once by the recipe's set-up.
+
+    The data position is `samples_seen`, a position in the sample stream: a step consumes the
+    next `global_batch` samples, split into micro-batches of `micro_batch_size` (which an OOM
+    halves; the window, and so the global batch and the LR schedule, stay the same).
+    """
+
+    model: nn.Module
+    params: dict[str, nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler | None
+    stream: SampleStream
+    data: PreparedData
+    pad_id: int
+    device: torch.device
+    state: TrainingState
+    global_batch: int
+    micro_batch_size: int
+    events: EventLog
+    guard: GuardSettings
+    settings: StepSettings
+    files: RunFiles
+    sinks: Sinks = field(default_factory=lambda: Sinks([]))
+    strategy: ParallelStrategy = field(default_factory=SingleProcess)
+    history: GuardHistory = field(default_factory=GuardHistory)
+    samples_seen: int = 0
+    budget: MemoryBudget = field(default_factory=lambda: MemoryBudget(None))
+    faults: FaultHooks = field(default_factory=FaultHooks)
+    levers: str = ""
+    """What to try when one sequence does not fit (the OOM-at-minimum message)."""
+    stop: StopSignals = field(default_factory=StopSignals)
+    """SIGTERM/SIGINT: `accumulate` checks it at every micro-batch boundary."""
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per optimizer step at the current micro-batch size."""
+        return -(-self.global_batch // self.micro_batch_size)
+
+    def save(self) -> Path:
+        """Write a checkpoint of the current state (atomic; see training.checkpoint).
+
+        Raises:
+            WeightsDiverged: a trainable weight holds NaN or inf, so nothing is written (exit 4).
+            CheckpointWriteError: the disk refused the write; earlier checkpoints are intact
+                (exit 2).
+        """
+        self.state.extra["batching"] = {
+            "global_batch": self.global_batch,
+            "micro_batch_size": self.micro_batch_size,
+            "samples_seen": self.samples_seen,
+        }
+        self.state.extra["guard"] = self.history.to_json()
+        return save_checkpoint(
+            self.files.ckpt_dir,
+            self.state,
+            weights=self.strategy.weights_for_checkpoint(self.params),
+            optimizer=self.optimizer.state_dict(),
+            scheduler=self.scheduler.state_dict(),
+            scaler=self.scaler.state_dict() if self.scaler is not None else None,
+            rng=capture_rng_state(),
+            keep_last=self.files.keep_last,
+            metadata={"config": self.files.config_yaml},
+        )
+
+    def load(self, ckpt: Checkpoint) -> None:
+        """Put a checkpoint's exact state into the trainer (a resume and a rollback)."""
+        if set(ckpt.weights) != set(self.params):
+            raise RuntimeError(
+                f"{ckpt.path}: checkpoint weights do not match the model's trainable parameters "
+                f"(was it written with another method or model?)"
+            )
+        self.strategy.load_weights(self.params, ckpt.weights)
+        self.optimizer.load_state_dict(ckpt.optimizer)
+        self.scheduler.load_state_dict(ckpt.scheduler)
+        if self.scaler is not None and ckpt.scaler is not None:
+            self.scaler.load_state_dict(ckpt.scaler)
+        restore_rng_state(ckpt.rng)
+        self.state = ckpt.state
+        extra = ckpt.state.extra
+        batching = extra.get("batching")
+        if batching is None:  # written before the data position was kept in samples
+            self.samples_seen = ckpt.state.micro_batches_seen * self.micro_batch_size
+        else:
+            self.samples_seen = int(batching["samples_seen"])
+            if batching["global_batch"] == self.global_batch:  # a shrink after an OOM holds
+                self.micro_batch_size = min(self.micro_batch_size, batching["micro_batch_size"])
+        self.history = GuardHistory.from_json(extra.get("guard"))
+
+    def restore(self, log: Log) -> None:
+        """Continue from the newest checkpoint that checks out (sizes, checksums, state
+        values): weights, optimizer, schedule, scaler, RNG and the exact data position.
+
+        Raises:
+            DamagedCheckpoints: checkpoints exist but none checks out (exit code 2); training
+                never starts over on top of them.
+        """
+        ckpt = resume_checkpoint(self.files.ckpt_dir, warn=lambda m: log(f"warning: {m}"))
+        if ckpt is None:
+            return
+        self.load(ckpt)
+        log(f"resumed from {ckpt.path} at step {self.state.step}")
+
+
+@dataclass
+class StepResult:
+    """One window's outcome: its metrics record, the guard's decision, the rows it held."""
+
+    record: dict[str, Any]
+    decision: Decision
+    rows: list[int]
+    end: int
+    """Stream position just after this window."""
+
+
+def train_step(tr: Trainer) -> StepResult:
+    """One window: backward -> unscale -> clip (measure) -> guard -> step or skip."""
+    start = time.perf_counter()
+    step = tr.state.step + 1
+    window = tr.stream.window(tr.samples_seen, tr.global_batch)
+    loss, batches = accumulate(tr, tr.strategy.shard_window(window))
+    loss = tr.faults.spike(step, loss, tr.params.values())
+    if tr.scaler is not None:
+        tr.scaler.unscale_(tr.optimizer)
+    max_norm = tr.settings.max_grad_norm
+    clip_to = max_norm if max_norm > 0 else float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(list(tr.params.values()), clip_to))
+    lr = float(tr.optimizer.param_groups[0]["lr"])  # a tensor for torchao optimizers
+    # An fp16 overflow (finite loss, inf gradients) is the scaler's business: it skips the
+    # update and lowers the scale. Everything else goes through the guard, here and only here.
+    overflow = tr.scaler is not None and math.isfinite(loss) and not math.isfinite(grad_norm)
+    decision = Decision("step") if overflow else decide(tr.history, loss, grad_norm, tr.guard)
+    if not overflow:
+        tr.history = remember(tr.history, loss, grad_norm, decision, tr.guard.window)
+    stepped = _apply_update(tr) if decision.applies_update else _skip_update(tr)
+    tr.optimizer.zero_grad(set_to_none=True)
+    tr.samples_seen += len(window)
+    tr.state.micro_batches_seen += len(batches)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(tr.data.rows[i].input_ids) for i in window)
+    record = {
+        "step": step,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "tokens": tokens,
+        "supervised_tokens": sum(count_supervised(b["labels"]) for b in batches),
+        "tokens_per_s": tokens / elapsed,
+        "step_time_s": elapsed,
+        **memory_stats(tr.device),
+        "optimizer_stepped": stepped,
+        "micro_batch_size": tr.micro_batch_size,
+        "grad_accum": tr.grad_accum,
+    }
+    return StepResult(record, decision, window, tr.samples_seen)
+
+
+def _apply_update(tr: Trainer) -> bool:
+    """Step the optimizer (through the fp16 scaler if any) and the schedule; counts the step.
+    Returns whether the optimizer stepped (the scaler skips a step that overflowed)."""
+    if tr.scaler is not None:
+        scale_before = tr.scaler.get_scale()
+        tr.scaler.step(tr.optimizer)
+        tr.scaler.update()
+        stepped = tr.scaler.get_scale() >= scale_before  # a skipped step lowers the scale
+    else:
+        tr.optimizer.step()
+        stepped = True
+    if stepped:
+        tr.scheduler.step()
+    tr.state.step += 1
+    return stepped
+
+
+def _skip_update(tr: Trainer) -> bool:
+    if tr.scaler is not None:
+        tr.scaler.update()  # closes this iteration's unscale_ without stepping
+    return False
+
+
+def accumulate(tr: Trainer, window: list[int]) -> tuple[float, list[dict[str, torch.Tensor]]]:
+    """Forward and backward over `window`; on OOM halve the micro-batch and replay it.
+
+    The replay sees the same samples in the same order with zeroed gradients and the RNG as it
+    was before the failed attempt, so it equals a run that used the smaller micro-batch from
+    the start (up to float rounding of the different split).
+
+    A stop signal is acted on here, and only here: at the window's start and after each
+    micro-batch's forward and backward, the window is abandoned as the OOM replay abandons it.
+
+    Raises:
+        OutOfMemoryAtMinimum: one sequence per micro-batch still does not fit.
+        Interrupted: SIGTERM or SIGINT arrived (`at_boundary`; the state is the last step's).
+    """
+    step = tr.state.step + 1
+    tr.stop.check()
+    rng = capture_rng_state()
+    while True:
+        micro = split_window(window, tr.micro_batch_size)
+        batches = [collate([tr.data.rows[i] for i in m], tr.pad_id) for m in micro]
+
+        def check(k: int, count: int = len(batches)) -> None:
+            tr.stop.check()
+            tr.budget.check()
+            tr.faults.train_oom(step, k, count)
+
+        error = ""
+        try:
+            loss = backward_window(
+                tr.model,
+                batches,
+                tr.device,
+                tr.settings.precision,
+                scaler=tr.scaler,
+                first_micro_batch=tr.state.micro_batches_seen,
+                kl_coef=tr.settings.kl_coef,
+                memory_check=check,
+                strategy=tr.strategy,
+            )
+            return loss, batches
+        except Interrupted:
+            tr.optimizer.zero_grad(set_to_none=True)
+            restore_rng_state(rng)
+            raise
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            if not is_out_of_memory(exc):
+                raise
+            error = str(exc).splitlines()[0]
+        # Outside the except block, so the traceback no longer pins the attempt's activations.
+        del batches
+        tr.optimizer.zero_grad(set_to_none=True)
+        free_memory(tr.device)
+        _halve_after_oom(tr, step, error)
+        restore_rng_state(rng)
+
+
+def _halve_after_oom(tr: Trainer, step: int, error: str) -> None:
+    """Halve the micro-batch (the global batch stays) and say so, or give up at one sequence."""
+    old = tr.micro_batch_size
+    if old == 1:
+        raise OutOfMemoryAtMinimum(
+            f"out of memory at step {step} with train.micro_batch_size=1: one sequence does "
+            f"not fit ({error}). {tr.levers}"
+        )
+    tr.micro_batch_size = halved(old)
+    tr.events.emit(
+        "oom",
+        step,
+        f"{error}; micro-batch {old} -> {tr.micro_batch_size}, grad accumulation "
+        f"-> {tr.grad_accum} (global batch {tr.global_batch} kept), replaying the step",
+        micro_batch_size=tr.micro_batch_size,
+        grad_accum=tr.grad_accum,
+        error=error,
+    )
+
+
+def backward_window(
+    model: nn.Module,
+    batches: list[dict[str, torch.Tensor]],
+    device: torch.device,
+    precision: str,
+    *,
+    scaler: torch.amp.GradScaler | None = None,
+    first_micro_batch: int = 0,
+    kl_coef: float = 0.0,
+    memory_check: Callable[[int], None] | None = None,
+    strategy: ParallelStrategy | None = None,
+) -> float:
+    """Accumulate gradients over one optimizer step's micro-batches; returns the window's loss.
+
+    Each micro-batch's summed token loss is divided by the supervised tokens of the whole
+    window (over every process of the `strategy`), so k micro-batches give the same gradient
+    as one k-times larger batch. `memory_check(k)` runs after micro-batch k's forward (its
+    activation peak) and backward. Gradients are synced across processes only on the last.
+    """
+    strategy = strategy if strategy is not None else SingleProcess()
+    local = sum(count_supervised(b["labels"]) for b in batches)
+    n_supervised = max(1, strategy.reduce_count(local))
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for k, batch in enumerate(batches):
+        batch = {key: v.to(device) for key, v in batch.items()}
+        with strategy.gradient_sync(model, enabled=k == len(batches) - 1):
+            with autocast(device.type, precision):
+                loss = token_loss_sum(model, batch, kl_coef) / n_supervised
+            if memory_check is not None:
+                memory_check(k)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if memory_check is not None:
+            memory_check(k)
+        loss_sum += loss.detach().double().cpu()
+        kill_after(first_micro_batch + k)
+        signal_after(first_micro_batch + k)
+    return strategy.reduce_sum(float(loss_sum))
