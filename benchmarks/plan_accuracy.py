@@ -150,7 +150,7 @@ def worker(name: str) -> dict[str, Any]:
     _warm_up(method, ckpt, attn)
     base = _status("VmRSS")
     if model_name == "demo":
-        model = load_model(resolve_model(DEMO), "fp32", attn_implementation=attn)
+        model = load_model(resolve_model(DEMO), dtype="fp32", attn_implementation=attn)
     else:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)

@@ -59,7 +59,7 @@ def test_bench_methods_end_to_end(
     assert (lora["method"], lora["status"], lora["lr"]) == ("lora", "ok", 1e-3)
     assert full["status"] == "failed" and "kl_coef" in full["error"]
 
-    base = load_model(resolve_model(str(tiny_llama_dir)), "fp32")
+    base = load_model(resolve_model(str(tiny_llama_dir)), dtype="fp32")
     model = apply_method(base, MethodConfig(name="lora"))
     trainable, total = count_parameters(model)
     assert (lora["trainable_params"], lora["total_params"]) == (trainable, total)

@@ -68,6 +68,7 @@ def save_final(
     tokenizer: PreTrainedTokenizerBase,
     out_dir: Path,
     base_path: str,
+    *,
     base_gguf_file: str | None = None,
     rope_scaling: RopeScalingConfig | None = None,
     quantization: Quantization | None = None,
@@ -152,7 +153,12 @@ def _load_for_inference(
         quant = Quantization.from_json(info["quantization"]) if info.get("quantization") else None
         device = "cuda" if quant is not None and torch.cuda.is_available() else "cpu"
         model = load_model(
-            base, dtype, trust_remote_code, rope_scaling=rope, quantization=quant, device=device
+            base,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            rope_scaling=rope,
+            quantization=quant,
+            device=device,
         )
         adapted: PreTrainedModel | PeftModel
         if is_bottleneck_adapter_dir(p):
@@ -164,6 +170,6 @@ def _load_for_inference(
         return adapted, tokenizer
     source = resolve_model(path)
     tokenizer = load_tokenizer(source, trust_remote_code)
-    model = load_model(source, dtype, trust_remote_code)
+    model = load_model(source, dtype=dtype, trust_remote_code=trust_remote_code)
     model.eval()
     return model, tokenizer

@@ -194,6 +194,7 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False) -> PreT
 
 def load_model(
     source: ModelSource,
+    *,
     dtype: str = "fp32",
     trust_remote_code: bool = False,
     attn_implementation: str = "sdpa",

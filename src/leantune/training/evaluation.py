@@ -32,9 +32,30 @@ from leantune.training.precision import autocast
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class EvalSettings:
+    """How evaluation computes: autocast precision, batch size, generation length."""
+
+    precision: str
+    batch_size: int
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class EvalInputs:
+    """What evaluation reads (the eval data and its tokenizer) and reports to."""
+
+    tokenizer: PreTrainedTokenizerBase
+    data: PreparedData
+    pad_id: int
+    events: EventLog
+    faults: FaultHooks
+
+
 def evaluate_retrying(
     fn: Callable[[int], T],
     batch_size: int,
+    *,
     events: EventLog,
     faults: FaultHooks,
     device: torch.device,
@@ -56,18 +77,17 @@ def exact_match(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     records: list[Record],
-    precision: str,
+    settings: EvalSettings,
     batch_size: int,
-    max_new_tokens: int,
     predictions_file: Path | None = None,
 ) -> float:
     """Greedy exact match on the records' conversations; optionally writes every prediction."""
     records = [r for r in records if r.messages is not None]
     convs = [list(r.messages) for r in records if r.messages is not None]
     device = next(model.parameters()).device
-    with autocast(device.type, precision):
+    with autocast(device.type, settings.precision):
         score, preds = evaluate_exact_match(
-            cast(PreTrainedModel, model), tokenizer, convs, batch_size, max_new_tokens
+            cast(PreTrainedModel, model), tokenizer, convs, batch_size, settings.max_new_tokens
         )
     if predictions_file is not None:
         with predictions_file.open("w", encoding="utf-8") as f:
@@ -79,59 +99,70 @@ def exact_match(
     return score
 
 
+def _retrying(
+    fn: Callable[[int], T], model: nn.Module, inputs: EvalInputs, settings: EvalSettings, step: int
+) -> T:
+    device = next(model.parameters()).device
+    return evaluate_retrying(
+        fn,
+        settings.batch_size,
+        events=inputs.events,
+        faults=inputs.faults,
+        device=device,
+        step=step,
+    )
+
+
 def exact_match_before(
-    model: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    data: PreparedData,
-    precision: str,
-    batch_size: int,
-    max_new_tokens: int,
-    events: EventLog,
-    faults: FaultHooks,
-    log: Callable[[str], None],
+    model: nn.Module, inputs: EvalInputs, settings: EvalSettings, log: Callable[[str], None]
 ) -> float:
     """Exact match of the base model on every eval record, before training (and logged)."""
-    device = next(model.parameters()).device
     t0 = time.perf_counter()
-    score = evaluate_retrying(
-        lambda bs: exact_match(model, tokenizer, data.records, precision, bs, max_new_tokens),
-        batch_size, events, faults, device,
-    )  # fmt: skip
+    records = inputs.data.records
+    score = _retrying(
+        lambda bs: exact_match(model, inputs.tokenizer, records, settings, bs),
+        model,
+        inputs,
+        settings,
+        0,
+    )
     log(
         f"exact match before training: {score:.1%} "
-        f"({len(data.records)} examples, {time.perf_counter() - t0:.0f} s)"
+        f"({len(records)} examples, {time.perf_counter() - t0:.0f} s)"
     )
     return score
 
 
 def evaluate_after(
     model: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    data: PreparedData,
-    pad_id: int,
-    precision: str,
-    batch_size: int,
-    max_new_tokens: int,
+    inputs: EvalInputs,
+    settings: EvalSettings,
+    *,
     predictions_file: Path | None,
-    events: EventLog,
-    faults: FaultHooks,
     step: int,
 ) -> dict[str, Any]:
     """The end of a run: loss and perplexity on every eval row, and with a `predictions_file`
     exact match on every record (each prediction written there)."""
-    device = next(model.parameters()).device
-    ev = evaluate_retrying(
-        lambda bs: evaluate_loss(model, data.rows, pad_id, bs, precision),
-        batch_size, events, faults, device, step,
-    )  # fmt: skip
+    rows, pad_id = inputs.data.rows, inputs.pad_id
+    ev = _retrying(
+        lambda bs: evaluate_loss(model, rows, pad_id, bs, settings.precision),
+        model,
+        inputs,
+        settings,
+        step,
+    )
     results: dict[str, Any] = {"eval_loss": ev["loss"], "eval_perplexity": ev["perplexity"]}
     if predictions_file is not None:
-        results["eval_exact_match"] = evaluate_retrying(
+        records = inputs.data.records
+        results["eval_exact_match"] = _retrying(
             lambda bs: exact_match(
-                model, tokenizer, data.records, precision, bs, max_new_tokens, predictions_file
+                model, inputs.tokenizer, records, settings, bs, predictions_file
             ),
-            batch_size, events, faults, device, step,
-        )  # fmt: skip
+            model,
+            inputs,
+            settings,
+            step,
+        )
     return results
 
 
@@ -140,42 +171,39 @@ class PeriodicEval:
     """`train.eval_every`: eval loss on the eval rows and exact match on a fixed sample."""
 
     model: nn.Module
-    tokenizer: PreTrainedTokenizerBase
-    data: PreparedData
-    pad_id: int
-    precision: str
-    batch_size: int
-    max_new_tokens: int
+    inputs: EvalInputs
+    settings: EvalSettings
     exact_match_sample: int
-    events: EventLog
-    faults: FaultHooks
 
     def __call__(self, step: int) -> dict[str, Any]:
         """Evaluate after `step` updates; returns one row for eval.jsonl."""
-        device = next(self.model.parameters()).device
         rng = capture_rng_state()
         was_training = self.model.training
+        model, inputs, settings = self.model, self.inputs, self.settings
         try:
-            rows, pad_id, precision = self.data.rows, self.pad_id, self.precision
-            ev = evaluate_retrying(
-                lambda bs: evaluate_loss(self.model, rows, pad_id, bs, precision),
-                self.batch_size, self.events, self.faults, device, step,
-            )  # fmt: skip
+            rows, pad_id = inputs.data.rows, inputs.pad_id
+            ev = _retrying(
+                lambda bs: evaluate_loss(model, rows, pad_id, bs, settings.precision),
+                model,
+                inputs,
+                settings,
+                step,
+            )
             row: dict[str, Any] = {
                 "step": step,
                 "eval_loss": ev["loss"],
                 "eval_perplexity": ev["perplexity"],
             }
-            sample = [r for r in self.data.records if r.messages is not None]
+            sample = [r for r in inputs.data.records if r.messages is not None]
             sample = sample[: self.exact_match_sample]
             if sample:
-                row["eval_exact_match"] = evaluate_retrying(
-                    lambda bs: exact_match(
-                        self.model, self.tokenizer, sample, self.precision, bs,
-                        self.max_new_tokens,
-                    ),
-                    self.batch_size, self.events, self.faults, device, step,
-                )  # fmt: skip
+                row["eval_exact_match"] = _retrying(
+                    lambda bs: exact_match(model, inputs.tokenizer, sample, settings, bs),
+                    model,
+                    inputs,
+                    settings,
+                    step,
+                )
                 row["eval_exact_match_examples"] = len(sample)
         finally:
             self.model.train(was_training)
