@@ -241,14 +241,7 @@ def prepare_dataset(
             suffix, a damaged archive, ...): nothing is written.
         FileExistsError: `out` holds something else.
     """
-    if engine not in ENGINES:
-        raise ValueError(f"engine {engine!r} is not one of {' | '.join(ENGINES)}")
-    for f in files:
-        if Path(f).is_dir():
-            raise ReaderError(f"{f}: is a directory, not a data file")
-        if not Path(f).is_file():
-            raise FileNotFoundError(f"{f}: no such data file")
-        file_kind(f)
+    _check_inputs(files, engine)
     started = time.perf_counter()
     out = Path(out)
     key = cache_key(files, settings, tokenizer)
@@ -288,17 +281,32 @@ def prepare_dataset(
     _replace_dir(tmp, out)
     partial.remove()
     if log:
-        d = report
-        rows = (
-            f"{d['packed_rows']} rows (packing {d['packing_efficiency']:.1%})"
-            if settings.pack
-            else "one example per row"
-        )
-        log(
-            f"prepare: {d['rows_in']} records in, {d['rows_out']} kept, {rows}, dropped "
-            f"{d['dropped']} -> {out}"
-        )
+        log(_summary_line(report, settings.pack, out))
     return report
+
+
+def _check_inputs(files: list[str], engine: str) -> None:
+    """Every input is a readable data file of a known kind, before anything is written."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r} is not one of {' | '.join(ENGINES)}")
+    for f in files:
+        if Path(f).is_dir():
+            raise ReaderError(f"{f}: is a directory, not a data file")
+        if not Path(f).is_file():
+            raise FileNotFoundError(f"{f}: no such data file")
+        file_kind(f)
+
+
+def _summary_line(d: dict[str, Any], pack: bool, out: Path) -> str:
+    rows = (
+        f"{d['packed_rows']} rows (packing {d['packing_efficiency']:.1%})"
+        if pack
+        else "one example per row"
+    )
+    return (
+        f"prepare: {d['rows_in']} records in, {d['rows_out']} kept, {rows}, dropped "
+        f"{d['dropped']} -> {out}"
+    )
 
 
 def _report(
