@@ -64,8 +64,10 @@ class ModelConfig:
     """dtype of the frozen weights."""
     trust_remote_code: bool = False
     """Allow model code from the model directory (off unless you trust it)."""
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    """Attention kernel."""
+    attn_implementation: Literal["auto", "segments", "sdpa", "eager"] = "auto"
+    """Attention kernel for training: segments (causal SDPA per example of a packed row: no
+    row x row mask, work only where examples attend), sdpa or eager; auto = segments when rows
+    are packed, else sdpa (a resumed run keeps its own). Evaluation and generation use sdpa."""
     rope_scaling: RopeScalingConfig | None = None
     """RoPE scaling to train beyond the model's context, e.g. {type: yarn, factor: 4}; keys: type
     (linear | dynamic | yarn), factor, original_max_position_embeddings (optional)."""

@@ -16,10 +16,11 @@ Per block and token, what autograd keeps (Llama/Qwen2/Mistral code, checked by c
 tensors with `torch.autograd.graph.saved_tensors_hooks` on CPU): each RMSNorm keeps its input
 (and the normalised input when its weight trains); a linear keeps its input only when its weight
 or a LoRA/DoRA adapter trains; SDPA keeps q, k, v (GQA heads expanded when a mask exists, which
-packed rows always have), its output, a log-sum-exp and its own float copy of the mask; eager
-attention keeps the probabilities (heads x seq_len per token) instead; the SwiGLU MLP keeps gate,
-up and silu(gate). With gradient checkpointing a block keeps only its input, and one block's
-tensors are recomputed at a time.
+packed rows always have), its output, a log-sum-exp and its own float copy of the mask
+(`segments`, causal SDPA per example, builds no mask at all: models/attention.py); eager
+attention keeps the probabilities (heads x seq_len per token) instead; the SwiGLU MLP keeps
+gate, up and silu(gate). With gradient checkpointing a block keeps only its input, and one
+block's tensors are recomputed at a time.
 """
 
 from __future__ import annotations
@@ -139,6 +140,8 @@ def activation_bytes_per_token(layer: LayerTraining, s: ModelShape, st: StepSett
         out += 2 * h * 4  # RMSNorm upcasts its input to fp32 under autocast and keeps it
     if eager:
         out += s.heads * st.seq_len * act - q * act  # probabilities instead of SDPA's output
+    elif st.attn_implementation == "segments":
+        out += s.heads * 4  # log-sum-exp: causal SDPA per example, no mask
     else:
         # log-sum-exp, and the packed-row mask that SDPA turns into a float mask in every block
         # (`torch.where` on the boolean mask) and keeps for backward.
@@ -164,6 +167,7 @@ def activations(facts: ModelFacts, st: StepSettings) -> int:
     # Outside the blocks: embedding output, final norm input and output, RoPE cos/sin.
     per_token += 3 * s.hidden * act + 2 * s.head_dim * 4
     mask = st.micro_batch * st.seq_len**2 * (1 if st.attn_implementation == "sdpa" else act)
+    mask = 0 if st.attn_implementation == "segments" else mask  # segments build no mask
     return int(tokens * per_token + mask + autocast_weight_casts(facts, st, len(flowing)))
 
 

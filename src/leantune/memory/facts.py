@@ -116,7 +116,8 @@ def build_meta_model(
         model = AutoModelForCausalLM.from_config(
             config,
             dtype=dtype,
-            attn_implementation=attn_implementation,
+            # Only the parameters and layers are read: any kernel but eager counts as sdpa.
+            attn_implementation="eager" if attn_implementation == "eager" else "sdpa",
             trust_remote_code=trust_remote_code,
         )
         return apply(model)

@@ -236,6 +236,8 @@ def plan_inputs(
     """
     from transformers import AutoConfig
 
+    from leantune.config import effective_pack
+    from leantune.models.attention import resolve_attention
     from leantune.models.loading import resolve_model
     from leantune.models.paths import downloads_allowed, hub_offline_unless_allowed
 
@@ -265,7 +267,11 @@ def plan_inputs(
         seq_len=min(limit, longest_row or limit),
         supervised_per_row=supervised_per_row,
         gradient_checkpointing=t.gradient_checkpointing,
-        attn_implementation=cfg.model.attn_implementation,
+        attn_implementation=resolve_attention(
+            cfg.model.attn_implementation,
+            effective_pack(cfg.data.pack, cfg.method.name),
+            cfg.model.trust_remote_code,
+        ),
         precision=planned_precision(cfg, device),
         optimizer=str(getattr(t, "optimizer", "adamw")),
         weight_quant="nf4-dq" if cfg.method.name == "qlora" else None,

@@ -21,6 +21,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.config import RopeScalingConfig
 from leantune.errors import UserError
+from leantune.models.attention import check_supported, transformers_name
 from leantune.models.demo_model import DEMO_MODEL_NAMES, ensure_demo_model
 from leantune.models.paths import (
     ModelPathError,
@@ -208,7 +209,8 @@ def load_model(
         source: where the model lives.
         dtype: dtype of the weights that are not quantised.
         trust_remote_code: allow model code from the model directory.
-        attn_implementation: attention kernel.
+        attn_implementation: attention kernel, a resolved model.attn_implementation
+            (segments, sdpa or eager; see `leantune.models.attention`).
         rope_scaling: RoPE scaling written into the model config before the model is built.
         quantization: quantise the blocks' linear layers to 4 bits while loading (QLoRA); the
             model is then loaded straight onto `device`, where bitsandbytes quantises it.
@@ -262,10 +264,11 @@ def _load_model(
         gguf_file=source.gguf_file,
         dtype=DTYPES[dtype],
         trust_remote_code=trust_remote_code,
-        attn_implementation=attn_implementation,
+        attn_implementation=transformers_name(attn_implementation),
         local_files_only=local_only,
         **kwargs,
     )
+    check_supported(model, attn_implementation)
     if quantization is not None:
         keep_training_layout(model)
     return model

@@ -23,6 +23,7 @@ from leantune.data.dataset import PreparedData
 from leantune.data.formats import Record
 from leantune.eval.exact_match import answers_match, evaluate_exact_match
 from leantune.eval.loss import evaluate_loss
+from leantune.models.attention import sdpa_attention
 from leantune.training.checkpoint import capture_rng_state, restore_rng_state
 from leantune.training.events import EventLog
 from leantune.training.faults import FaultHooks
@@ -103,14 +104,15 @@ def _retrying(
     fn: Callable[[int], T], model: nn.Module, inputs: EvalInputs, settings: EvalSettings, step: int
 ) -> T:
     device = next(model.parameters()).device
-    return evaluate_retrying(
-        fn,
-        settings.batch_size,
-        events=inputs.events,
-        faults=inputs.faults,
-        device=device,
-        step=step,
-    )
+    with sdpa_attention(model):  # a training attention (segments) is for packed training only
+        return evaluate_retrying(
+            fn,
+            settings.batch_size,
+            events=inputs.events,
+            faults=inputs.faults,
+            device=device,
+            step=step,
+        )
 
 
 def exact_match_before(

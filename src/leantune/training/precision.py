@@ -286,11 +286,17 @@ def _slow_bf16_warning(precision: str, device_type: str) -> str | None:
 def recorded_precision(run_dir: Path) -> str | None:
     """The precision of the run that `train` would resume in `run_dir`: the one its record
     holds, when it has a checkpoint to resume from; None for a fresh start."""
+    value = recorded_setting(run_dir, "train.precision")
+    return value if value in RESOLVED else None
+
+
+def recorded_setting(run_dir: Path, key: str) -> object:
+    """Fingerprint field `key` of the run that `train` would resume in `run_dir` (None for a
+    fresh start: no checkpoint to resume from, or no record of it)."""
     from leantune.training.checkpoint import newest_checkpoint
     from leantune.training.rundir import read_record
 
     if newest_checkpoint(run_dir / "checkpoints") is None:
         return None
     record = read_record(run_dir)
-    value = record.fingerprint.get("train.precision") if record is not None else None
-    return value if value in RESOLVED else None
+    return record.fingerprint.get(key) if record is not None else None

@@ -37,7 +37,7 @@ import yaml
 from torch import nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from leantune.config import Config, parse_memory_size, to_dict, validate
+from leantune.config import Config, effective_pack, parse_memory_size, to_dict, validate
 from leantune.data.dataset import PreparedData
 from leantune.data.loader import SampleStream
 from leantune.data.templates import apply_chat_template
@@ -50,6 +50,7 @@ from leantune.methods.registry import (
     trainable_named_parameters,
 )
 from leantune.models.artifacts import save_final
+from leantune.models.attention import resolve_attention
 from leantune.models.loading import (
     ModelSource,
     enable_gradient_checkpointing,
@@ -82,6 +83,7 @@ from leantune.training.precision import (
     make_grad_scaler,
     pick_device,
     recorded_precision,
+    recorded_setting,
     resolve_precision,
 )
 from leantune.training.resume_policy import (
@@ -289,13 +291,24 @@ def parallel_strategy(cfg: Config) -> ParallelStrategy:
 
 def _resolve_device(cfg: Config) -> tuple[torch.device, Config, str | None]:
     """The device, `cfg` with train.precision=auto resolved for it (a resumed run keeps the
-    precision it started with), and the line that says what auto chose and why."""
+    precision it started with) and model.attn_implementation=auto too, and the line that says
+    what auto chose for the precision and why."""
     device = pick_device(cfg.train.device)
     compute = cfg.method.compute_dtype if cfg.method.name == "qlora" else "auto"
     recorded = recorded_precision(cfg.run_dir)
     choice = resolve_precision(cfg.train.precision, device.type, recorded, compute)
     resolved = replace(cfg, train=replace(cfg.train, precision=choice.precision))
-    return device, resolved, choice.note
+    return device, _resolve_attention(resolved), choice.note
+
+
+def _resolve_attention(cfg: Config) -> Config:
+    """`cfg` with model.attn_implementation=auto resolved (the fingerprint records it)."""
+    m = cfg.model
+    recorded = recorded_setting(cfg.run_dir, "model.attn_implementation")
+    packed = effective_pack(cfg.data.pack, cfg.method.name)
+    kept = recorded if isinstance(recorded, str) else None
+    attn = resolve_attention(m.attn_implementation, packed, m.trust_remote_code, kept)
+    return replace(cfg, model=replace(m, attn_implementation=attn))
 
 
 def _run_files(cfg: Config, inputs: list[Path]) -> RunFiles:

@@ -1,0 +1,305 @@
+"""Per-example causal attention for packed rows (`model.attn_implementation=segments`).
+
+A packed row holds several examples with restarting position ids. With sdpa, transformers turns
+those position ids into a block-diagonal (row x row) mask, and SDPA with an arbitrary mask does
+the whole row's attention and throws most of it away (on CPU it also takes the math kernel,
+which keeps the attention weights for backward). Here the row is cut at every position-id
+restart and each example runs causal SDPA alone (`is_causal=True`, no mask: the flash kernel,
+no stored attention matrix). The result equals the masked path to float rounding.
+
+The attention finds the examples from the `position_ids` every decoder layer receives, so no
+caller has to pass anything else, and a caller that forgets nothing cannot mix examples. The
+matching mask function builds no mask for that case. Anything else (a padding mask, a KV cache
+with a prefix, one-token decoding) goes to transformers' own sdpa mask and attention unchanged,
+so prefix methods and generation compute exactly what sdpa computes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from leantune.errors import UserError
+
+
+class UnsupportedAttention(ValueError, UserError):
+    """The model cannot attend with the configured model.attn_implementation."""
+
+
+SEGMENTS = "leantune_segments"
+"""The name the attention and its mask function are registered under in transformers."""
+CONFIG_NAMES = {"segments": SEGMENTS, "sdpa": "sdpa", "eager": "eager"}
+"""model.attn_implementation (resolved) -> transformers' attn_implementation."""
+
+
+def register_segment_attention() -> str:
+    """Register the segment attention and its mask function with transformers (idempotent);
+    returns the name to load a model with."""
+    AttentionInterface.register(SEGMENTS, segment_attention_forward)
+    AttentionMaskInterface.register(SEGMENTS, segment_mask)
+    return SEGMENTS
+
+
+def transformers_name(attn_implementation: str) -> str:
+    """transformers' name for a resolved model.attn_implementation (registering `segments`).
+
+    Raises:
+        ValueError: `auto` (resolve it first with `resolve_attention`) or an unknown name.
+    """
+    if attn_implementation not in CONFIG_NAMES:
+        raise ValueError(f"model.attn_implementation={attn_implementation} is not resolved")
+    if attn_implementation == "segments":
+        register_segment_attention()
+    return CONFIG_NAMES[attn_implementation]
+
+
+AttnImplementation = Literal["auto", "segments", "sdpa", "eager"]
+RESOLVED: tuple[AttnImplementation, ...] = ("segments", "sdpa", "eager")
+
+
+def resolve_attention(
+    configured: AttnImplementation,
+    packed: bool,
+    remote_code: bool = False,
+    recorded: str | None = None,
+) -> AttnImplementation:
+    """model.attn_implementation as a run uses it.
+
+    `auto` is `segments` when the run trains on packed rows with transformers' own model code,
+    and `sdpa` otherwise (one example per row gains nothing from cutting rows: its causal sdpa
+    has no mask either; `remote_code` models may not call transformers' attention functions).
+    A resumed run keeps the one it `recorded`, so a run started before `auto` existed resumes
+    unchanged.
+    """
+    if configured != "auto":
+        return configured
+    for kept in RESOLVED:
+        if recorded == kept:
+            return kept
+    return "segments" if packed and not remote_code else "sdpa"
+
+
+def check_supported(model: nn.Module, attn_implementation: str) -> None:
+    """Refuse segments for a model whose attention does not go through transformers'
+    attention functions (it would ignore them, and attend across the examples of a row).
+
+    Raises:
+        UnsupportedAttention: such a model with attn_implementation=segments.
+    """
+    if attn_implementation == "segments" and not getattr(
+        model, "_supports_attention_backend", False
+    ):
+        raise UnsupportedAttention(
+            f"model.attn_implementation=segments: {type(model).__name__} does not use "
+            "transformers' attention functions; set model.attn_implementation=sdpa"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The mask function: none where the attention cuts rows itself, sdpa's everywhere else
+
+
+def segment_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: Any = 0,
+    kv_offset: Any = 0,
+    attention_mask: torch.Tensor | None = None,
+    use_vmap: bool = False,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """No mask for full-length causal attention without padding (packed or not: the attention
+    reads the examples from the position ids); `sdpa_mask` for everything else."""
+    if _cuts_rows(q_length, kv_length, q_offset, kv_offset, attention_mask, use_vmap):
+        return None
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        attention_mask=attention_mask,
+        use_vmap=use_vmap,
+        **kwargs,
+    )
+
+
+def _cuts_rows(
+    q_length: int,
+    kv_length: int,
+    q_offset: Any,
+    kv_offset: Any,
+    attention_mask: torch.Tensor | None,
+    use_vmap: bool,
+) -> bool:
+    """Whether the attention sees the whole row as queries and keys, with nothing masked but
+    causality and the examples (`use_vmap` marks a model's own mask overlay)."""
+    if use_vmap or q_length != kv_length or q_length < 2:
+        return False
+    if not (isinstance(q_offset, int) and isinstance(kv_offset, int)) or q_offset or kv_offset:
+        return False
+    return attention_mask is None or bool(attention_mask.all())
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention
+
+
+def segment_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal SDPA per example of each row: (batch, heads, seq, dim) in, (batch, seq, heads,
+    dim) out, as transformers' attention functions.
+
+    The examples are the runs of consecutive position ids; without position ids a row is one
+    example. Other calls (a mask, a cache longer than the queries) are sdpa's.
+
+    Raises:
+        ValueError: a model feature this attention does not compute (softcap, position bias).
+    """
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is not None or q_len != kv_len or q_len < 2:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
+        raise ValueError(
+            "model.attn_implementation=segments: this model uses attention softcapping or a "
+            "position bias; set model.attn_implementation=eager"
+        )
+    if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
+        raise ValueError("model.attn_implementation=segments is for causal (decoder) attention")
+    lengths = segment_lengths(kwargs.get("position_ids"), query.shape[0], q_len)
+    groups = int(getattr(module, "num_key_value_groups", 1))
+    window = kwargs.get("sliding_window")
+    attend = _segment_kernel(groups, dropout, scaling, window)
+    per_row = zip(query.unbind(0), key.unbind(0), value.unbind(0), lengths, strict=True)
+    rows = [_row_attention(q, k, v, row, attend) for q, k, v, row in per_row]
+    out = torch.stack(rows, dim=0) if len(rows) > 1 else rows[0].unsqueeze(0)
+    return out.transpose(1, 2).contiguous(), None
+
+
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _row_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], attend: Kernel
+) -> torch.Tensor:
+    """One row, (heads, seq, dim): attention within each segment, concatenated back.
+
+    `split` (not slicing) so that backward writes each input's gradient once, not one
+    zero-filled row-sized tensor per segment."""
+    if len(lengths) == 1:
+        return attend(q, k, v)
+    parts = zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1), strict=True)
+    return torch.cat([attend(qs, ks, vs) for qs, ks, vs in parts], dim=1)
+
+
+def _segment_kernel(
+    groups: int, dropout: float, scaling: float | None, window: int | None
+) -> Kernel:
+    """Causal SDPA on one segment (heads, len, dim), with grouped KV heads and an optional
+    sliding window (a segment no longer than the window is plain causal)."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n = q.shape[1]
+        if window is None or n <= window:
+            # Grouped KV heads go to the kernel as they are (enable_gqa), as sdpa does
+            # without a mask: no repeated copy of K and V.
+            return F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=groups > 1
+            )
+        i = torch.arange(n, device=q.device)
+        d = i[:, None] - i[None, :]
+        mask = (d >= 0) & (d < window)
+        k = k.repeat_interleave(groups, dim=0)
+        v = v.repeat_interleave(groups, dim=0)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling
+        )
+
+    return attend
+
+
+# ---------------------------------------------------------------------------------------------
+# Segments from position ids
+
+
+_cache: tuple[weakref.ref[torch.Tensor], int, int, list[list[int]]] | None = None
+"""The last position ids' segments: every layer (and checkpointing's recompute) asks again
+for the same tensor, and reading it costs a device sync on an accelerator."""
+
+
+def segment_lengths(position_ids: torch.Tensor | None, batch: int, seq: int) -> list[list[int]]:
+    """Per row, the lengths of its runs of consecutive position ids (they sum to `seq`).
+
+    A new example starts wherever a position id is not the previous one plus one, as
+    transformers' `find_packed_sequence_indices` decides for the masked path."""
+    global _cache
+    if position_ids is None:
+        return [[seq]] * batch
+    if _cache is not None:
+        ref, version, rows, lengths = _cache
+        if ref() is position_ids and version == position_ids._version and rows == batch:
+            return lengths
+    lengths = _lengths(position_ids.expand(batch, seq))
+    _cache = (weakref.ref(position_ids), position_ids._version, batch, lengths)
+    return lengths
+
+
+def _lengths(position_ids: torch.Tensor) -> list[list[int]]:
+    pos = position_ids.detach()
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    seq = pos.shape[1]
+    out = []
+    for row in starts.cpu():
+        idx = [*row.nonzero().flatten().tolist(), seq]
+        out.append([b - a for a, b in itertools.pairwise(idx)])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation keeps sdpa
+
+
+def _hf_model(model: nn.Module) -> PreTrainedModel | None:
+    """The transformers model inside `model` (itself, or under peft's wrappers)."""
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel):
+            return m
+    return None
+
+
+@contextmanager
+def sdpa_attention(model: nn.Module) -> Any:
+    """Within the block, `model` attends with sdpa (evaluation and generation stay on the
+    path they always took); the training attention comes back afterwards."""
+    hf = _hf_model(model)
+    current = hf.config._attn_implementation if hf is not None else None
+    if hf is None or current != SEGMENTS:
+        yield
+        return
+    hf.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        hf.set_attn_implementation(SEGMENTS)
