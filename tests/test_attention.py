@@ -318,6 +318,19 @@ def test_model_without_attention_functions_is_refused() -> None:
     check_supported(_model("llama"), "segments")
 
 
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_segments_run_on_the_flash_kernel(kv_heads: int) -> None:
+    """Forward and backward without the math kernel (the one that stores attention weights):
+    with only flash allowed, SDPA raises when an input (a 3-D view, say) does not fit it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = _model("llama", num_key_value_heads=kv_heads)
+    _attend(model, "segments")
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        loss, grads = _loss_and_grads(model, _packed_batch())
+    assert loss > 0 and grads
+
+
 def test_rows_reach_the_kernel_unmixed(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel sees one causal call per example and never a mask."""
     calls: list[tuple[int, bool]] = []

@@ -194,7 +194,7 @@ def segment_attention_forward(
     per_row = zip(query.unbind(0), key.unbind(0), value.unbind(0), lengths, strict=True)
     rows = [_row_attention(q, k, v, row, attend) for q, k, v, row in per_row]
     out = torch.stack(rows, dim=0) if len(rows) > 1 else rows[0].unsqueeze(0)
-    return out.transpose(1, 2).contiguous(), None
+    return out.contiguous(), None  # a no-op unless the batch is one row of one example
 
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -203,14 +203,15 @@ Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 def _row_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], attend: Kernel
 ) -> torch.Tensor:
-    """One row, (heads, seq, dim): attention within each segment, concatenated back.
+    """One row, (heads, seq, dim) in: attention within each segment, concatenated back in
+    (seq, heads, dim), the layout the output projection reads (no transposed copy after).
 
     `split` (not slicing) so that backward writes each input's gradient once, not one
     zero-filled row-sized tensor per segment."""
     if len(lengths) == 1:
-        return attend(q, k, v)
+        return attend(q, k, v).transpose(0, 1)
     parts = zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1), strict=True)
-    return torch.cat([attend(qs, ks, vs) for qs, ks, vs in parts], dim=1)
+    return torch.cat([attend(qs, ks, vs).transpose(0, 1) for qs, ks, vs in parts], dim=0)
 
 
 def _segment_kernel(
@@ -220,21 +221,24 @@ def _segment_kernel(
     sliding window (a segment no longer than the window is plain causal)."""
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        n = q.shape[1]
+        # (1, heads, len, dim): the CPU flash kernel takes 4-D inputs only (3-D ones fall
+        # back to the math kernel, which materialises the attention weights).
+        q, k, v = q[None], k[None], v[None]
+        n = q.shape[2]
         if window is None or n <= window:
             # Grouped KV heads go to the kernel as they are (enable_gqa), as sdpa does
             # without a mask: no repeated copy of K and V.
             return F.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=groups > 1
-            )
+            )[0]
         i = torch.arange(n, device=q.device)
         d = i[:, None] - i[None, :]
         mask = (d >= 0) & (d < window)
-        k = k.repeat_interleave(groups, dim=0)
-        v = v.repeat_interleave(groups, dim=0)
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling
-        )
+        )[0]
 
     return attend
 
