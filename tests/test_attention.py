@@ -8,6 +8,7 @@ one-example rows; a sliding window; evaluation goes back to sdpa.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -269,7 +270,6 @@ def test_segment_lengths() -> None:
     pos[1, 4:] = torch.arange(4)  # changed in place: found again
     assert segment_lengths(pos, 2, 8) == [[3, 2, 1, 2], [4, 4]]
     assert segment_lengths(torch.arange(5)[None], 3, 5) == [[5]] * 3  # broadcast position ids
-    assert segment_lengths(None, 2, 4) == [[4], [4]]
 
 
 def test_resolve_attention() -> None:
@@ -329,6 +329,43 @@ def test_segments_run_on_the_flash_kernel(kv_heads: int) -> None:
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         loss, grads = _loss_and_grads(model, _packed_batch())
     assert loss > 0 and grads
+
+
+def _row_by_row_saved(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
+    """How many tensors autograd saves for backward whose last two dims are (row, row)."""
+    width = batch["input_ids"].shape[1]
+    found = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        found[0] += int(t.dim() >= 2 and tuple(t.shape[-2:]) == (width, width))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        token_loss_sum(model, batch)
+    return found[0]
+
+
+def test_no_row_by_row_tensor_is_kept() -> None:
+    """sdpa keeps a (row x row) float mask per block for backward; segments keep nothing of
+    that size, and the memory planner counts it so."""
+    from leantune.memory.estimate import StepSettings, estimate
+    from leantune.memory.planner import model_facts_for
+
+    width = 256
+    rows = pack_examples(_examples([60, 50, 40, 40, 30, 20, 16], seed=2), seq_len=width)
+    batch = collate(rows, pad_id=0)
+    assert batch["input_ids"].shape == (1, width)
+    model = _model("llama")
+    _attend(model, "sdpa")
+    blocks = tiny_llama_config().num_hidden_layers
+    assert _row_by_row_saved(model, batch) >= blocks
+    _attend(model, "segments")
+    assert _row_by_row_saved(model, batch) == 0
+    facts = model_facts_for(tiny_llama_config(), "fp32", "segments", MethodConfig(name="lora"))
+    step = StepSettings(1, width)
+    masked = estimate(facts, step)
+    cut = estimate(facts, dataclasses.replace(step, attn_implementation="segments"))
+    assert masked.activations - cut.activations == width * width * (1 + 4 * blocks)
 
 
 def test_rows_reach_the_kernel_unmixed(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,7 +1,8 @@
 """Pack examples into rows of at most `seq_len` tokens without letting them see each other.
 
 Each row carries position ids that restart at 0 for every example; with no attention mask and
-no KV cache, transformers turns restarting positions into a block-diagonal causal mask.
+no KV cache, transformers turns restarting positions into a block-diagonal causal mask (sdpa,
+eager), or the segment attention cuts the row into its examples there (`models.attention`).
 """
 
 from __future__ import annotations

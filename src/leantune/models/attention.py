@@ -1,17 +1,18 @@
 """Per-example causal attention for packed rows (`model.attn_implementation=segments`).
 
 A packed row holds several examples with restarting position ids. With sdpa, transformers turns
-those position ids into a block-diagonal (row x row) mask, and SDPA with an arbitrary mask does
-the whole row's attention and throws most of it away (on CPU it also takes the math kernel,
-which keeps the attention weights for backward). Here the row is cut at every position-id
-restart and each example runs causal SDPA alone (`is_causal=True`, no mask: the flash kernel,
-no stored attention matrix). The result equals the masked path to float rounding.
+those position ids into a block-diagonal (row x row) mask, SDPA computes the whole row's
+attention and throws most of it away, and every block keeps a float copy of the mask for
+backward. Here the row is cut at every position-id restart and each example runs causal SDPA
+alone (`is_causal=True`, no mask: the flash kernel, nothing of size row x row). The result
+equals the masked path to float rounding.
 
 The attention finds the examples from the `position_ids` every decoder layer receives, so no
-caller has to pass anything else, and a caller that forgets nothing cannot mix examples. The
-matching mask function builds no mask for that case. Anything else (a padding mask, a KV cache
-with a prefix, one-token decoding) goes to transformers' own sdpa mask and attention unchanged,
-so prefix methods and generation compute exactly what sdpa computes.
+caller can forget to pass them. The matching mask function builds no mask for that case.
+Anything else (a padding mask, a KV cache with a prefix, one-token decoding) goes to
+transformers' own sdpa mask and attention unchanged, so prefix methods and generation compute
+exactly what sdpa computes. FlexAttention has no backward on CPU (torch 2.13) and torch's varlen
+attention is CUDA-only, so one SDPA call per example is what runs on both.
 """
 
 from __future__ import annotations
@@ -169,11 +170,12 @@ def segment_attention_forward(
     """Causal SDPA per example of each row: (batch, heads, seq, dim) in, (batch, seq, heads,
     dim) out, as transformers' attention functions.
 
-    The examples are the runs of consecutive position ids; without position ids a row is one
-    example. Other calls (a mask, a cache longer than the queries) are sdpa's.
+    The examples are the runs of consecutive position ids. Other calls (a mask, a cache longer
+    than the queries, one query) are sdpa's.
 
     Raises:
-        ValueError: a model feature this attention does not compute (softcap, position bias).
+        UnsupportedAttention: a model feature this attention does not compute (softcap,
+            position bias, non-causal attention, attention layers given no position ids).
     """
     q_len, kv_len = query.shape[2], key.shape[2]
     if attention_mask is not None or q_len != kv_len or q_len < 2:
@@ -181,13 +183,23 @@ def segment_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
-        raise ValueError(
+        raise UnsupportedAttention(
             "model.attn_implementation=segments: this model uses attention softcapping or a "
             "position bias; set model.attn_implementation=eager"
         )
     if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
-        raise ValueError("model.attn_implementation=segments is for causal (decoder) attention")
-    lengths = segment_lengths(kwargs.get("position_ids"), query.shape[0], q_len)
+        raise UnsupportedAttention(
+            "model.attn_implementation=segments is for causal (decoder) attention; set "
+            "model.attn_implementation=sdpa"
+        )
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:  # the masked path would still find the examples: refuse
+        raise UnsupportedAttention(
+            "model.attn_implementation=segments: this model does not pass position ids to its "
+            "attention layers, so the examples of a packed row cannot be found; set "
+            "model.attn_implementation=sdpa"
+        )
+    lengths = segment_lengths(position_ids, query.shape[0], q_len)
     groups = int(getattr(module, "num_key_value_groups", 1))
     window = kwargs.get("sliding_window")
     attend = _segment_kernel(groups, dropout, scaling, window)
@@ -252,14 +264,12 @@ _cache: tuple[weakref.ref[torch.Tensor], int, int, list[list[int]]] | None = Non
 for the same tensor, and reading it costs a device sync on an accelerator."""
 
 
-def segment_lengths(position_ids: torch.Tensor | None, batch: int, seq: int) -> list[list[int]]:
+def segment_lengths(position_ids: torch.Tensor, batch: int, seq: int) -> list[list[int]]:
     """Per row, the lengths of its runs of consecutive position ids (they sum to `seq`).
 
     A new example starts wherever a position id is not the previous one plus one, as
     transformers' `find_packed_sequence_indices` decides for the masked path."""
     global _cache
-    if position_ids is None:
-        return [[seq]] * batch
     if _cache is not None:
         ref, version, rows, lengths = _cache
         if ref() is position_ids and version == position_ids._version and rows == batch:
