@@ -22,6 +22,7 @@ from leantune.config_checks import (
     check_libraries,
     check_sizes,
 )
+from leantune.config_monitor import MonitorConfig
 from leantune.config_parse import (
     ConfigError,
     ParseError,
@@ -310,6 +311,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     @property
     def run_dir(self) -> Path:
