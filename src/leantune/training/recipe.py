@@ -40,6 +40,7 @@ from leantune.methods.registry import (
     DEFAULT_LR,
     apply_method,
     base_quantization,
+    compute_dtype,
     count_parameters,
     merge_for_inference,
     trainable_named_parameters,
@@ -79,7 +80,6 @@ from leantune.training.events import (
 )
 from leantune.training.faults import KILL_ENV, FaultHooks, kill_after, signal_after, signal_at_start
 from leantune.training.guard import Decision, GuardHistory, GuardSettings, decide, remember
-from leantune.training.loss import count_supervised, token_loss_sum
 from leantune.training.metrics import MetricsLog, memory_stats, progress_bar
 from leantune.training.oom import (
     MemoryBudget,
@@ -118,6 +118,7 @@ from leantune.training.rundir import (
 )
 from leantune.training.signals import Interrupted, StopSignals
 from leantune.training.summary import write_summary
+from leantune.training.token_loss import count_supervised, token_loss_sum
 
 Log = Callable[[str], None]
 T = TypeVar("T")
@@ -626,7 +627,7 @@ def _device(cfg: Config) -> tuple[torch.device, TrainConfig, str | None]:
     """The device, `cfg.train` with train.precision=auto resolved for it (a resumed run keeps
     the precision it started with), and the line that says what auto chose and why."""
     device = pick_device(cfg.train.device)
-    compute = cfg.method.compute_dtype if cfg.method.name == "qlora" else "auto"
+    compute = compute_dtype(cfg.method)
     recorded = recorded_precision(cfg.run_dir)
     choice = resolve_precision(cfg.train.precision, device.type, recorded, compute)
     return device, replace(cfg.train, precision=choice.precision), choice.note
