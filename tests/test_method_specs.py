@@ -16,6 +16,7 @@ from leantune.config import (
     ConfigError,
     MethodConfig,
     effective_pack,
+    field_docs,
     load_config,
     validate,
 )
@@ -97,6 +98,10 @@ def test_config_registry_and_readme_name_the_same_methods() -> None:
 def test_default_learning_rates_are_unchanged() -> None:
     assert {name: spec.default_lr for name, spec in METHODS.items()} == OLD_DEFAULT_LR
     assert DEFAULT_LR == OLD_DEFAULT_LR
+    # train.lr's help ("default by method: full/freeze 2e-5, ...") says the same.
+    listed = re.findall(r"([a-z0-9_/]+) (\d+e-\d+)", field_docs()["train.lr"])
+    documented = {name: float(lr) for names, lr in listed for name in names.split("/")}
+    assert documented == DEFAULT_LR
 
 
 @pytest.mark.parametrize("name", NAMES)

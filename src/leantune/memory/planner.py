@@ -19,7 +19,7 @@ from leantune.config import Config, MethodConfig, TrainConfig, configured_global
 from leantune.memory.estimate import GIB, Breakdown, StepSettings, estimate
 from leantune.memory.facts import ModelFacts, build_meta_model, model_facts
 from leantune.methods.errors import MethodError
-from leantune.methods.registry import METHODS, compute_dtype
+from leantune.methods.registry import METHODS, apply_method, compute_dtype
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Headroom kept below the available memory when no budget is given.
@@ -75,8 +75,6 @@ def model_facts_for(
     Raises:
         ValueError: the method cannot be applied on a meta model (named in the message).
     """
-    from leantune.methods.registry import apply_method
-
     # A method whose trainable parameters equal another's on a meta model is counted as that
     # one (QLoRA trains LoRA's adapters; its base weights are `weight_quant`'s to account for).
     counted_as = METHODS[method.name].planned_as or method.name

@@ -241,11 +241,6 @@ train.precision) -> how. The recipe passes the result to `load_model`; every oth
 full precision."""
 
 
-def method_spec(name: str) -> MethodSpec:
-    """The spec of `method.name` (validated by the config, so always known)."""
-    return METHODS[name]
-
-
 def base_quantization(cfg: MethodConfig, precision: str) -> Quantization | None:
     """How `load_model` must quantise the base for this method (None = not at all)."""
     make = METHODS[cfg.name].base_quantization
