@@ -119,7 +119,7 @@ def test_kl_to_base_is_zero_at_init_and_exact_after_a_change(
 ) -> None:
     import torch.nn.functional as F
 
-    from leantune.training.loss import supervised_logits, token_loss_sum
+    from leantune.training.token_loss import supervised_logits, token_loss_sum
 
     cfg = load_config(None, ["method.name=lora"])
     model = apply_method(AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir), cfg.method).eval()

@@ -24,8 +24,8 @@ from leantune.eval.loss import evaluate_loss
 from leantune.methods.registry import apply_method, trainable_named_parameters
 from leantune.models.artifacts import load_for_inference
 from leantune.models.loading import enable_gradient_checkpointing
-from leantune.training.loss import supervised_logits
 from leantune.training.recipe import train
+from leantune.training.token_loss import supervised_logits
 
 PROMPT_METHODS = ["prefix", "ptuning_v2", "prompt"]
 PROMPTS = ["Hello world! How are you", "order", "The quick brown fox jumps over the lazy"]

@@ -23,7 +23,7 @@ from leantune.memory.planner import (
     resolve_micro_batch,
 )
 from leantune.methods.registry import apply_method, count_parameters
-from leantune.training.loss import token_loss_sum
+from leantune.training.token_loss import token_loss_sum
 
 METHODS = ["full", "lora", "dora", "ia3", "freeze"]
 

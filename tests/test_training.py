@@ -22,10 +22,10 @@ from leantune.data.loader import BatchSchedule, collate
 from leantune.methods.registry import apply_method, count_parameters
 from leantune.models.artifacts import load_for_inference
 from leantune.models.loading import enable_gradient_checkpointing
-from leantune.training.loss import count_supervised
 from leantune.training.metrics import read_metrics
 from leantune.training.optim import build_optimizer, warmup_cosine
 from leantune.training.recipe import FAULT_ENV, train
+from leantune.training.token_loss import count_supervised
 from leantune.training.trainer import backward_window
 
 SRC = Path(__file__).resolve().parents[1] / "src"

@@ -19,11 +19,9 @@ from leantune.config import Config, MethodConfig, TrainConfig, configured_global
 from leantune.memory.estimate import GIB, Breakdown, StepSettings, estimate
 from leantune.memory.facts import ModelFacts, build_meta_model, model_facts
 from leantune.methods.errors import MethodError
+from leantune.methods.registry import METHODS, apply_method, compute_dtype
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-# Methods whose trainable parameters equal another's when counted on a meta model (QLoRA trains
-# the same adapters as LoRA; only its base weights differ, which `weight_quant` accounts for).
-COUNT_AS = {"qlora": "lora"}
 # Headroom kept below the available memory when no budget is given.
 SAFETY = 0.9
 
@@ -77,9 +75,10 @@ def model_facts_for(
     Raises:
         ValueError: the method cannot be applied on a meta model (named in the message).
     """
-    from leantune.methods.registry import apply_method
-
-    counted = replace(method, name=COUNT_AS.get(method.name, method.name))  # type: ignore[arg-type]
+    # A method whose trainable parameters equal another's on a meta model is counted as that
+    # one (QLoRA trains LoRA's adapters; its base weights are `weight_quant`'s to account for).
+    counted_as = METHODS[method.name].planned_as or method.name
+    counted = replace(method, name=counted_as)  # type: ignore[arg-type]
     try:
         model = build_meta_model(
             config,
@@ -153,7 +152,7 @@ def recommend(
     methods = [method] + [m for m in facts_by_method if m != method]
     for m in methods:
         facts = facts_by_method[m]
-        quant = "nf4-dq" if m == "qlora" else step.weight_quant
+        quant = METHODS[m].planned_weight_quant or step.weight_quant
         for opt in (step.optimizer, *lighter_optimizers):
             for ckpt in sorted({step.gradient_checkpointing, True}):
                 for mb in _halvings(step.micro_batch, global_batch):
@@ -201,7 +200,7 @@ def resolve_micro_batch(
 # Entry points: the only functions here that read the run config.
 
 OPTIMIZER_LADDER = ("adamw_8bit", "adamw_4bit")
-METHOD_LADDER = ("lora", "qlora")
+METHOD_LADDER = tuple(name for name, spec in METHODS.items() if spec.lighter_fallback)
 
 
 @dataclass
@@ -268,7 +267,7 @@ def plan_inputs(
         attn_implementation=cfg.model.attn_implementation,
         precision=planned_precision(cfg, device),
         optimizer=str(getattr(t, "optimizer", "adamw")),
-        weight_quant="nf4-dq" if cfg.method.name == "qlora" else None,
+        weight_quant=METHODS[cfg.method.name].planned_weight_quant,
         kl=t.kl_coef > 0,
         device=device,
     )
@@ -281,7 +280,7 @@ def planned_precision(cfg: Config, device: str) -> str:
 
     if device == "cuda" and cfg.train.precision == "auto" and not torch.cuda.is_available():
         return "bf16"  # no GPU here to ask: bf16 or fp16, both 2 bytes per activation
-    compute = cfg.method.compute_dtype if cfg.method.name == "qlora" else "auto"
+    compute = compute_dtype(cfg.method)
     return resolve_precision(cfg.train.precision, device, compute_dtype=compute).precision
 
 
@@ -293,11 +292,11 @@ def budget_for(cfg: Config, device: str, override: str | None = None) -> int:
 
 def alternatives(cfg: Config, inputs: PlanInputs) -> dict[str, ModelFacts]:
     """Facts of the configured method, then of the lighter methods the registry offers."""
-    from leantune.methods.registry import METHODS
-
     out: dict[str, ModelFacts] = {cfg.method.name: inputs.facts}
+    if METHODS[cfg.method.name].lighter_than_fallbacks:
+        return out
     for name in METHOD_LADDER:
-        if name in METHODS and name not in out and cfg.method.name not in ("ia3",):
+        if name not in out:
             light = replace(cfg.method, name=name)  # type: ignore[arg-type]
             out[name] = model_facts_for(
                 inputs.hf_config,

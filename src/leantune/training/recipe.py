@@ -45,6 +45,7 @@ from leantune.methods.registry import (
     DEFAULT_LR,
     apply_method,
     base_quantization,
+    compute_dtype,
     count_parameters,
     merge_for_inference,
     trainable_named_parameters,
@@ -291,7 +292,7 @@ def _resolve_device(cfg: Config) -> tuple[torch.device, Config, str | None]:
     """The device, `cfg` with train.precision=auto resolved for it (a resumed run keeps the
     precision it started with), and the line that says what auto chose and why."""
     device = pick_device(cfg.train.device)
-    compute = cfg.method.compute_dtype if cfg.method.name == "qlora" else "auto"
+    compute = compute_dtype(cfg.method)
     recorded = recorded_precision(cfg.run_dir)
     choice = resolve_precision(cfg.train.precision, device.type, recorded, compute)
     resolved = replace(cfg, train=replace(cfg.train, precision=choice.precision))

@@ -37,13 +37,13 @@ from leantune.training.checkpoint import (
 from leantune.training.events import EventLog, OutOfMemoryAtMinimum
 from leantune.training.faults import FaultHooks, kill_after, signal_after
 from leantune.training.guard import Decision, GuardHistory, GuardSettings, decide, remember
-from leantune.training.loss import count_supervised, token_loss_sum
 from leantune.training.metrics import memory_stats
 from leantune.training.oom import MemoryBudget, free_memory, halved, is_out_of_memory
 from leantune.training.precision import autocast
 from leantune.training.signals import Interrupted, StopSignals
 from leantune.training.sinks import Sinks
 from leantune.training.strategy import ParallelStrategy, SingleProcess
+from leantune.training.token_loss import count_supervised, token_loss_sum
 
 Log = Callable[[str], None]
 

@@ -6,16 +6,33 @@ accumulation window, so accumulating k micro-batches equals one k-times larger b
 
 The output projection runs only on supervised positions: with answer-only loss most positions
 carry no label, and the vocab projection (49k x 576 for SmolLM2) is a large share of the step.
+So the loss runs the model's decoder itself; a method whose trained weights live outside the
+decoder's modules (virtual tokens) gives the model a `VirtualTokens` forward under
+`VIRTUAL_TOKENS_HOOK` for it.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from leantune.data.tokenize import IGNORE_INDEX
-from leantune.methods.prompt import prompt_learning_hidden
+
+VIRTUAL_TOKENS_HOOK = "leantune_virtual_tokens"
+"""The model attribute that holds its `VirtualTokens` forward, when it has one (methods/prompt.py
+sets it on prefix and prompt tuning models)."""
+
+
+class VirtualTokens(Protocol):
+    """Last hidden states at the input positions with a method's virtual tokens in effect, or
+    None while they are disabled (then the plain decoder computes them)."""
+
+    def __call__(
+        self, decoder: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor | None: ...
 
 
 def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
@@ -44,8 +61,8 @@ def supervised_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch
         ).logits
         return logits[mask]
     decoder, head = parts
-    # Prompt-learning adapters (prefix, prompt tuning) live outside the decoder's modules.
-    hidden = prompt_learning_hidden(model, decoder, batch["input_ids"], batch["position_ids"])
+    virtual: VirtualTokens | None = getattr(model, VIRTUAL_TOKENS_HOOK, None)
+    hidden = virtual(decoder, batch["input_ids"], batch["position_ids"]) if virtual else None
     if hidden is None:
         hidden = decoder(
             input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
