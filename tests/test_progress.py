@@ -7,6 +7,7 @@ whose loss spike rolled it back, so every key of the old ``extra`` is in it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import shutil
@@ -20,10 +21,12 @@ import torch
 from safetensors.torch import load_file
 
 from leantune.config import GuardConfig, load_config
-from leantune.training.checkpoint import load_checkpoint
+from leantune.training.checkpoint import MARKER, CheckpointError, load_checkpoint
+from leantune.training.checkpoint_verify import file_digest
 from leantune.training.guard import Decision, GuardHistory, remember
 from leantune.training.metrics import read_metrics
-from leantune.training.optim import warmup_cosine
+from leantune.training.optim import Schedule, warmup_cosine
+from leantune.training.progress import ROLLBACK, VERSION, Batching, RunProgress
 from leantune.training.recipe import train
 
 FIXTURE = Path(__file__).parent / "fixtures" / "run_fd108a7"
@@ -137,3 +140,151 @@ def test_the_old_checkpoint_continues_bit_exact_like_the_uninterrupted_run(runs:
         assert sa["micro_batches_seen"] == sb["micro_batches_seen"]
         for key in ("batching", "guard", "lr_scale", "rollbacks", "schedule", "base_exact_match"):
             assert sa["extra"][key] == sb["extra"][key], (step, key)
+
+
+def test_after_a_rollback_checkpoints_go_on_counting_time_and_the_last_loss(runs: Runs) -> None:
+    metrics = read_metrics(runs.straight / "metrics.jsonl")
+    at = {step: _state(runs.straight, step)["extra"] for step in (6, 8, 10)}
+    assert at[6]["rollbacks"] == 1  # the rollback happened before step 6 was saved
+    assert [at[s]["last_loss"] for s in (6, 8, 10)] == [metrics[s - 1]["loss"] for s in (6, 8, 10)]
+    assert at[6]["train_time_s"] < at[8]["train_time_s"] < at[10]["train_time_s"]
+    summary = json.loads((runs.straight / "summary.json").read_text())
+    assert summary["train_time_s"] == round(at[10]["train_time_s"], 2)
+    assert summary["final_train_loss"] == metrics[-1]["loss"]
+
+
+def _remark(path: Path) -> None:
+    """Recompute the marker's sizes and checksums after an edit."""
+    manifest = json.loads((path / MARKER).read_text())
+    for name, entry in manifest["files"].items():
+        entry.update(size=(path / name).stat().st_size, sha256=file_digest(path / name))
+    (path / MARKER).write_text(json.dumps(manifest))
+
+
+def test_the_oldest_layout_without_batching_and_schedule_still_resumes(tmp_path: Path) -> None:
+    maker = _maker()
+    shutil.copytree(FIXTURE, tmp_path, dirs_exist_ok=True)
+    ckpt = tmp_path / "run" / "checkpoints" / STORED
+    raw = json.loads((ckpt / "trainer_state.json").read_text())
+    for key in ("batching", "schedule", "lr_scale", "rollbacks", "last_loss", "train_time_s"):
+        del raw["extra"][key]
+    (ckpt / "trainer_state.json").write_text(json.dumps(raw))
+    _remark(ckpt)
+    log: list[str] = []
+    train(load_config(None, maker.overrides(tmp_path)), log=log.append)
+    assert any("resumed from" in line and "at step 6" in line for line in log)
+    new = _state(tmp_path / "run", 8)["extra"]
+    # Without a recorded data position it is micro-batches seen times the configured micro-batch.
+    assert new["batching"] == {"global_batch": 4, "micro_batch_size": 2, "samples_seen": 22 * 2 + 8}
+    assert new["schedule"] == Schedule(1, 10, 0.1).to_json()  # the config's
+    assert (new["lr_scale"], new["rollbacks"], new["version"]) == (1.0, 0, VERSION)
+    assert new["guard"]["losses"][:6] == raw["extra"]["guard"]["losses"]
+
+
+# --------------------------------------------------------------------------------------------
+# RunProgress itself
+
+
+def test_the_stored_untyped_state_reads_as_typed_values_and_writes_back_the_same() -> None:
+    raw = json.loads((FIXTURE / "run" / "checkpoints" / STORED / "trainer_state.json").read_text())
+    old = raw["extra"]
+    assert "version" not in old
+    progress = RunProgress.from_json(old)
+    assert progress.batching == Batching(global_batch=4, micro_batch_size=1, samples_seen=32)
+    assert progress.guard == GuardHistory.from_json(old["guard"])
+    assert progress.schedule == Schedule.from_json(old["schedule"])
+    assert (progress.lr_scale, progress.rollbacks) == (0.5, 1)
+    assert (progress.train_time_s, progress.last_loss) == (old["train_time_s"], old["last_loss"])
+    assert progress.base_exact_match == old["base_exact_match"]
+    assert progress.to_json() == {**old, "version": VERSION}
+    assert RunProgress.from_json(json.loads(json.dumps(progress.to_json()))) == progress
+
+
+def test_missing_keys_take_the_defaults_and_none_is_left_out() -> None:
+    empty = RunProgress.from_json({})
+    assert empty == RunProgress()
+    assert (empty.batching, empty.schedule, empty.last_loss, empty.base_exact_match) == (None,) * 4
+    assert (empty.guard, empty.train_time_s, empty.lr_scale, empty.rollbacks) == (
+        GuardHistory(),
+        0.0,
+        1.0,
+        0,
+    )
+    assert RunProgress().to_json() == {
+        "version": VERSION,
+        "guard": GuardHistory().to_json(),
+        "train_time_s": 0.0,
+        "lr_scale": 1.0,
+        "rollbacks": 0,
+    }
+    # A schedule that cannot be read counts as unrecorded: the config's applies then.
+    assert RunProgress.from_json({"schedule": {"warmup_steps": 1}}).schedule is None
+    with pytest.raises(ValueError, match="newer"):
+        RunProgress.from_json({"version": VERSION + 1})
+
+
+def test_a_rollback_keeps_what_its_fields_say_and_restores_the_rest() -> None:
+    running = RunProgress(
+        batching=Batching(4, 1, 48),
+        guard=GuardHistory((1.0, 2.0), (0.5, 0.6), 0),
+        schedule=Schedule(1, 10, 0.1),
+        last_loss=2.0,
+        train_time_s=9.5,
+        base_exact_match=0.25,
+        lr_scale=0.5,
+        rollbacks=1,
+    )
+    restored = RunProgress(
+        batching=Batching(4, 2, 16),
+        guard=GuardHistory((1.0,), (0.5,), 0),
+        schedule=Schedule(1, 10, 0.1, 3, 0.9),
+        last_loss=1.0,
+        train_time_s=3.0,
+        lr_scale=0.5,
+        rollbacks=1,
+    )
+    after = running.rolled_back(restored, 0.5)
+    assert after == RunProgress(
+        batching=restored.batching,
+        guard=restored.guard,
+        schedule=restored.schedule,
+        last_loss=1.0,
+        train_time_s=9.5,
+        base_exact_match=0.25,
+        lr_scale=0.25,
+        rollbacks=2,
+    )
+    assert (restored.lr_scale, restored.rollbacks, running.rollbacks) == (0.5, 1, 1)  # unchanged
+    assert {f.name: f.metadata[ROLLBACK] for f in dataclasses.fields(RunProgress)} == {
+        "batching": "restored",
+        "guard": "restored",
+        "schedule": "restored",
+        "last_loss": "restored",
+        "train_time_s": "kept",
+        "base_exact_match": "kept",
+        "lr_scale": "kept",
+        "rollbacks": "kept",
+    }
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("version", VERSION + 1),
+        ("version", 0),
+        ("last_loss", "x"),
+        ("base_exact_match", 1.5),
+    ],
+)
+def test_a_progress_value_that_cannot_be_read_is_refused_naming_it(
+    tmp_path: Path, key: str, value: Any
+) -> None:
+    shutil.copytree(FIXTURE / "run" / "checkpoints" / STORED, tmp_path / STORED)
+    state_file = tmp_path / STORED / "trainer_state.json"
+    raw = json.loads(state_file.read_text())
+    raw["extra"][key] = value
+    state_file.write_text(json.dumps(raw))
+    _remark(tmp_path / STORED)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(tmp_path / STORED)
+    assert f"extra.{key} is {value!r}" in str(info.value)

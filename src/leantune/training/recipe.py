@@ -96,6 +96,7 @@ from leantune.training.precision import (
     recorded_precision,
     resolve_precision,
 )
+from leantune.training.progress import Batching, RunProgress
 from leantune.training.resume_policy import (
     ResumePlan,
     apply_force,
@@ -150,6 +151,8 @@ class Trainer:
     guard: GuardSettings
     history: GuardHistory = field(default_factory=GuardHistory)
     samples_seen: int = 0
+    progress: RunProgress = field(default_factory=RunProgress)
+    """What checkpoints record beyond the step counters (batching and guard: when saving)."""
     budget: MemoryBudget = field(default_factory=lambda: MemoryBudget(None))
     faults: FaultHooks = field(default_factory=FaultHooks)
     levers: str = ""
@@ -204,16 +207,16 @@ def load_into(trainer: Trainer, ckpt: Checkpoint) -> None:
     if trainer.scaler is not None and ckpt.scaler is not None:
         trainer.scaler.load_state_dict(ckpt.scaler)
     restore_rng_state(ckpt.rng)
-    trainer.state = ckpt.state
-    extra = ckpt.state.extra
-    batching = extra.get("batching")
+    trainer.state = TrainingState(ckpt.state.step, ckpt.state.micro_batches_seen)
+    trainer.progress = RunProgress.from_json(ckpt.state.extra)
+    batching = trainer.progress.batching
     if batching is None:  # written before the data position was kept in samples
         trainer.samples_seen = ckpt.state.micro_batches_seen * trainer.micro_batch_size
     else:
-        trainer.samples_seen = int(batching["samples_seen"])
-        if batching["global_batch"] == trainer.global_batch:  # a shrink after an OOM holds
-            trainer.micro_batch_size = min(trainer.micro_batch_size, batching["micro_batch_size"])
-    trainer.history = GuardHistory.from_json(extra.get("guard"))
+        trainer.samples_seen = batching.samples_seen
+        if batching.global_batch == trainer.global_batch:  # a shrink after an OOM holds
+            trainer.micro_batch_size = min(trainer.micro_batch_size, batching.micro_batch_size)
+    trainer.history = trainer.progress.guard
 
 
 def checkpoint(trainer: Trainer, ckpt_dir: Path, keep_last: int, config_yaml: str) -> Path:
@@ -223,15 +226,11 @@ def checkpoint(trainer: Trainer, ckpt_dir: Path, keep_last: int, config_yaml: st
         WeightsDiverged: a trainable weight holds NaN or inf, so nothing is written (exit 4).
         CheckpointWriteError: the disk refused the write; earlier checkpoints are intact (exit 2).
     """
-    trainer.state.extra["batching"] = {
-        "global_batch": trainer.global_batch,
-        "micro_batch_size": trainer.micro_batch_size,
-        "samples_seen": trainer.samples_seen,
-    }
-    trainer.state.extra["guard"] = trainer.history.to_json()
+    batching = Batching(trainer.global_batch, trainer.micro_batch_size, trainer.samples_seen)
+    trainer.progress.batching, trainer.progress.guard = batching, trainer.history
     return save_checkpoint(
         ckpt_dir,
-        trainer.state,
+        replace(trainer.state, extra=trainer.progress.to_json()),
         weights={n: p.detach() for n, p in trainer.params.items()},
         optimizer=trainer.optimizer.state_dict(),
         scheduler=trainer.scheduler.state_dict(),
@@ -416,7 +415,7 @@ def act_on_guard(tr: Trainer, result: StepResult, files: RunFiles, g: GuardConfi
     """
     d = result.decision
     step, action, reason = result.record["step"], d.action, d.reason
-    rollbacks = int(tr.state.extra.get("rollbacks", 0))
+    rollbacks = tr.progress.rollbacks
     if action == "rollback" and rollbacks >= g.max_rollbacks:
         action, reason = "stop", f"{reason}; guard.max_rollbacks={g.max_rollbacks} reached"
     kind = d.detector or "guard"
@@ -460,10 +459,7 @@ def act_on_guard(tr: Trainer, result: StepResult, files: RunFiles, g: GuardConfi
 def rollback(tr: Trainer, bad_end: int, files: RunFiles, lr_factor: float) -> None:
     """Reload the last checkpoint exactly, scale the LR by `lr_factor` and skip the data from
     that checkpoint up to and including the bad window (`bad_end` is the position after it)."""
-    extra = tr.state.extra
-    keep: dict[str, Any] = {k: extra[k] for k in ("train_time_s", "base_exact_match") if k in extra}
-    scale = float(extra.get("lr_scale", 1.0)) * lr_factor
-    rollbacks = int(extra.get("rollbacks", 0)) + 1
+    before = tr.progress
     micro_batch_size = tr.micro_batch_size  # an OOM since the checkpoint still applies
     # Verified like a resume: a damaged newest checkpoint gives way to an older one.
     ckpt = resume_checkpoint(files.ckpt_dir, warn=lambda m: tr.events.log(f"warning: {m}"))
@@ -471,14 +467,16 @@ def rollback(tr: Trainer, bad_end: int, files: RunFiles, lr_factor: float) -> No
     path = ckpt.path
     load_into(tr, ckpt)
     tr.micro_batch_size = min(micro_batch_size, tr.micro_batch_size)
-    ratio = scale / float(ckpt.state.extra.get("lr_scale", 1.0))
+    restored_scale = tr.progress.lr_scale
+    tr.progress = before.rolled_back(tr.progress, lr_factor)  # the fields say what survives
+    scale = tr.progress.lr_scale
+    ratio = scale / restored_scale
     for group in tr.optimizer.param_groups:
         group["lr"] *= ratio
     # The scheduler's base LRs are checkpointed, so a resumed run keeps the lower LR.
     tr.scheduler.base_lrs = [lr * ratio for lr in tr.scheduler.base_lrs]
     skipped = tr.stream.rows(tr.samples_seen, bad_end - tr.samples_seen)
     tr.samples_seen = bad_end
-    tr.state.extra.update(keep, lr_scale=scale, rollbacks=rollbacks)
     tr.events.emit(
         "rollback", tr.state.step + 1,
         f"restored {path.name} (step {tr.state.step}), learning rate x{scale:g}, skipped "
@@ -583,9 +581,8 @@ def _train(
         cfg, model, params, train_data, pad_id, device, events, faults, stop, setup.global_batch
     )
     start_state(trainer, cfg, files, plan, log)
-    extra = trainer.state.extra
-    if base_exact_match is not None and "base_exact_match" not in extra:
-        extra["base_exact_match"] = base_exact_match
+    if base_exact_match is not None and trainer.progress.base_exact_match is None:
+        trainer.progress.base_exact_match = base_exact_match
 
     evaluator = None
     if t.eval_every and eval_data is not None:
@@ -600,7 +597,7 @@ def _train(
         model, tokenizer, files.run_dir / "final", _base_path(cfg.model.path),
         cfg.model.gguf_file, cfg.model.rope_scaling, quantization,
     )  # fmt: skip
-    results: dict[str, Any] = {"final_train_loss": extra.get("last_loss")}
+    results: dict[str, Any] = {"final_train_loss": trainer.progress.last_loss}
     if eval_data is not None:
         merge_for_inference(model)
         preds = files.run_dir / "eval_predictions.jsonl" if t.eval_exact_match else None
@@ -609,7 +606,9 @@ def _train(
             t.max_new_tokens, preds, events, faults, trainer.state.step,
         )  # fmt: skip
     results["wall_time_s"] = round(time.perf_counter() - started, 2)  # this invocation
-    return write_summary(files.run_dir, trainer.state, trainable, total, results, log)
+    return write_summary(
+        files.run_dir, trainer.state, trainer.progress, trainable, total, results, log
+    )
 
 
 def _run_files(cfg: Config, inputs: list[Path]) -> RunFiles:
@@ -680,7 +679,8 @@ def build_trainer(
         data=train_data,
         pad_id=pad_id,
         device=device,
-        state=TrainingState(step=0, micro_batches_seen=0, extra={"schedule": schedule.to_json()}),
+        state=TrainingState(step=0, micro_batches_seen=0),
+        progress=RunProgress(schedule=schedule),
         global_batch=global_batch,
         micro_batch_size=min(t.micro_batch_size, global_batch),
         events=events,
@@ -698,10 +698,13 @@ def start_state(tr: Trainer, cfg: Config, files: RunFiles, plan: ResumePlan, log
     if plan.action != "fresh":
         check_weights_fit(plan, tr.params)
         restore(tr, files.ckpt_dir, log)
-        use_schedule(tr.scheduler, recorded_schedule(tr.state.extra, cfg.train))
+        use_schedule(tr.scheduler, recorded_schedule(tr.progress, cfg.train))
         if plan.action == "force":
             lr = cfg.train.lr if cfg.train.lr is not None else DEFAULT_LR[cfg.method.name]
-            apply_force(tr.optimizer, tr.scheduler, tr.params, tr.state, cfg.train, lr, plan, log)
+            apply_force(
+                tr.optimizer, tr.scheduler, tr.params, tr.state, tr.progress, cfg.train, lr, plan,
+                log,
+            )  # fmt: skip
     if files.write_config:
         write_file(files.run_dir / "config.yaml", files.config_yaml)
     if plan.action == "force":
@@ -726,7 +729,6 @@ def run_loop(
     """
     t = cfg.train
     assert t.max_steps is not None, "resolved by train()"
-    extra = tr.state.extra
     metrics = MetricsLog(files.run_dir / "metrics.jsonl", tr.state.step)
     eval_path = files.run_dir / "eval.jsonl"
     eval_log = MetricsLog(eval_path, tr.state.step) if evaluator is not None else None
@@ -741,9 +743,8 @@ def run_loop(
                     path = checkpoint(tr, files.ckpt_dir, t.keep_last, files.config_yaml)
                     tr.events.emit("oom", tr.state.step + 1, f"{exc} Checkpoint {path}.")
                     raise
-                extra["train_time_s"] = (
-                    extra.get("train_time_s", 0.0) + result.record["step_time_s"]
-                )
+                # tr.progress, not a local alias: a rollback replaces it.
+                tr.progress.train_time_s += result.record["step_time_s"]
                 if result.decision.action != "step" and act_on_guard(tr, result, files, cfg.guard):
                     metrics = MetricsLog(files.run_dir / "metrics.jsonl", tr.state.step)
                     eval_log = (
@@ -755,7 +756,7 @@ def run_loop(
                 if not result.decision.applies_update:
                     continue
                 record = result.record
-                extra["last_loss"] = record["loss"]
+                tr.progress.last_loss = record["loss"]
                 metrics.write(record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 bar.update(1)
