@@ -85,6 +85,7 @@ from leantune.training.precision import (
     recorded_precision,
     resolve_precision,
 )
+from leantune.training.progress import RunProgress
 from leantune.training.resume_policy import (
     ResumePlan,
     apply_force,
@@ -264,9 +265,8 @@ def set_up(
         strategy=strategy,
     )
     start_state(trainer, cfg, run.plan, log)
-    extra = trainer.state.extra
-    if base_exact_match is not None and "base_exact_match" not in extra:
-        extra["base_exact_match"] = base_exact_match
+    if base_exact_match is not None and trainer.progress.base_exact_match is None:
+        trainer.progress.base_exact_match = base_exact_match
     assert t.max_steps is not None, "resolved by set_up_run"
     return Session(
         cfg=cfg,
@@ -391,7 +391,8 @@ def build_trainer(
         data=data,
         pad_id=pad_id,
         device=device,
-        state=TrainingState(step=0, micro_batches_seen=0, extra={"schedule": schedule.to_json()}),
+        state=TrainingState(step=0, micro_batches_seen=0),
+        progress=RunProgress(schedule=schedule),
         global_batch=global_batch,
         micro_batch_size=min(t.micro_batch_size, global_batch),
         events=events,
@@ -414,10 +415,20 @@ def start_state(tr: Trainer, cfg: Config, plan: ResumePlan, log: Log) -> None:
     if plan.action != "fresh":
         check_weights_fit(plan, tr.params)
         tr.restore(log)
-        use_schedule(tr.scheduler, recorded_schedule(tr.state.extra, cfg.train))
+        use_schedule(tr.scheduler, recorded_schedule(tr.progress, cfg.train))
         if plan.action == "force":
             lr = cfg.train.lr if cfg.train.lr is not None else DEFAULT_LR[cfg.method.name]
-            apply_force(tr.optimizer, tr.scheduler, tr.params, tr.state, cfg.train, lr, plan, log)
+            apply_force(
+                optimizer=tr.optimizer,
+                scheduler=tr.scheduler,
+                params=tr.params,
+                state=tr.state,
+                progress=tr.progress,
+                t=cfg.train,
+                lr=lr,
+                plan=plan,
+                log=log,
+            )
     if files.write_config:
         write_file(files.run_dir / "config.yaml", files.config_yaml)
     if plan.action == "force":
@@ -448,10 +459,8 @@ def run_loop(tr: Trainer, loop: LoopSettings, evaluator: PeriodicEval | None = N
         with tr.stop.deferred():
             while tr.state.step < loop.max_steps:
                 result = _step(tr)
-                extra = tr.state.extra
-                extra["train_time_s"] = (
-                    extra.get("train_time_s", 0.0) + result.record["step_time_s"]
-                )
+                # tr.progress, not a local alias: a rollback replaces it.
+                tr.progress.train_time_s += result.record["step_time_s"]
                 if result.decision.action != "step" and act_on_guard(tr, result):
                     tr.sinks.start(tr.state.step)  # rolled back: what came after is gone
                     continue
@@ -479,7 +488,7 @@ def _after_update(
     tr: Trainer, result: StepResult, loop: LoopSettings, evaluator: PeriodicEval | None
 ) -> None:
     """Report an applied step, then evaluate and save when they are due."""
-    tr.state.extra["last_loss"] = result.record["loss"]
+    tr.progress.last_loss = result.record["loss"]
     tr.sinks.metrics(result.record)
     step = tr.state.step
     if evaluator is not None and step % loop.eval_every == 0:
@@ -536,7 +545,7 @@ def finish(session: Session, *, log: Log, started: float) -> dict[str, Any]:
         rope_scaling=cfg.model.rope_scaling,
         quantization=s.quantization,
     )
-    results: dict[str, Any] = {"final_train_loss": tr.state.extra.get("last_loss")}
+    results: dict[str, Any] = {"final_train_loss": tr.progress.last_loss}
     if s.eval_inputs is not None:
         merge_for_inference(s.model)
         preds = files.run_dir / "eval_predictions.jsonl" if cfg.train.eval_exact_match else None
@@ -544,7 +553,9 @@ def finish(session: Session, *, log: Log, started: float) -> dict[str, Any]:
             s.model, s.eval_inputs, s.eval_settings, predictions_file=preds, step=tr.state.step
         )
     results["wall_time_s"] = round(time.perf_counter() - started, 2)  # this invocation
-    return write_summary(files.run_dir, tr.state, s.trainable_params, s.total_params, results, log)
+    return write_summary(
+        files.run_dir, tr.state, tr.progress, s.trainable_params, s.total_params, results, log
+    )
 
 
 def _base_path(path: str) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from leantune.training.guard import Decision, GuardHistory, GuardSettings, decid
 from leantune.training.metrics import memory_stats
 from leantune.training.oom import MemoryBudget, free_memory, halved, is_out_of_memory
 from leantune.training.precision import autocast
+from leantune.training.progress import Batching, RunProgress
 from leantune.training.signals import Interrupted, StopSignals
 from leantune.training.sinks import Sinks
 from leantune.training.strategy import ParallelStrategy, SingleProcess
@@ -98,6 +99,8 @@ class Trainer:
     strategy: ParallelStrategy = field(default_factory=SingleProcess)
     history: GuardHistory = field(default_factory=GuardHistory)
     samples_seen: int = 0
+    progress: RunProgress = field(default_factory=RunProgress)
+    """What a checkpoint keeps beyond weights and counters (a rollback replaces it)."""
     budget: MemoryBudget = field(default_factory=lambda: MemoryBudget(None))
     faults: FaultHooks = field(default_factory=FaultHooks)
     levers: str = ""
@@ -118,15 +121,11 @@ class Trainer:
             CheckpointWriteError: the disk refused the write; earlier checkpoints are intact
                 (exit 2).
         """
-        self.state.extra["batching"] = {
-            "global_batch": self.global_batch,
-            "micro_batch_size": self.micro_batch_size,
-            "samples_seen": self.samples_seen,
-        }
-        self.state.extra["guard"] = self.history.to_json()
+        batching = Batching(self.global_batch, self.micro_batch_size, self.samples_seen)
+        self.progress.batching, self.progress.guard = batching, self.history
         return save_checkpoint(
             self.files.ckpt_dir,
-            self.state,
+            replace(self.state, extra=self.progress.to_json()),
             weights=self.strategy.weights_for_checkpoint(self.params),
             optimizer=self.optimizer.state_dict(),
             scheduler=self.scheduler.state_dict(),
@@ -149,16 +148,16 @@ class Trainer:
         if self.scaler is not None and ckpt.scaler is not None:
             self.scaler.load_state_dict(ckpt.scaler)
         restore_rng_state(ckpt.rng)
-        self.state = ckpt.state
-        extra = ckpt.state.extra
-        batching = extra.get("batching")
+        self.state = TrainingState(ckpt.state.step, ckpt.state.micro_batches_seen)
+        self.progress = RunProgress.from_json(ckpt.state.extra)
+        batching = self.progress.batching
         if batching is None:  # written before the data position was kept in samples
             self.samples_seen = ckpt.state.micro_batches_seen * self.micro_batch_size
         else:
-            self.samples_seen = int(batching["samples_seen"])
-            if batching["global_batch"] == self.global_batch:  # a shrink after an OOM holds
-                self.micro_batch_size = min(self.micro_batch_size, batching["micro_batch_size"])
-        self.history = GuardHistory.from_json(extra.get("guard"))
+            self.samples_seen = batching.samples_seen
+            if batching.global_batch == self.global_batch:  # a shrink after an OOM holds
+                self.micro_batch_size = min(self.micro_batch_size, batching.micro_batch_size)
+        self.history = self.progress.guard
 
     def restore(self, log: Log) -> None:
         """Continue from the newest checkpoint that checks out (sizes, checksums, state
