@@ -29,8 +29,7 @@ import peft
 import pytest
 import torch
 import transformers
-from conftest import write_jsonl
-from test_training import chat_rows
+from conftest import chat_rows, write_jsonl
 
 from leantune import load_config, train
 from leantune.training.metrics import read_metrics

@@ -11,8 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import write_jsonl
-from test_training import chat_rows, make_config
+from conftest import make_config
 
 from leantune.cli import main
 from leantune.config import GuardConfig
@@ -30,15 +29,6 @@ from leantune.training.faults import LOSS_SCALE_ENV
 from leantune.training.guard import Decision, GuardHistory, GuardSettings, decide, remember
 from leantune.training.metrics import read_metrics
 from leantune.training.optim import warmup_cosine
-
-
-@pytest.fixture()
-def chat_files(tmp_path: Path) -> tuple[Path, Path]:
-    return (
-        write_jsonl(tmp_path / "train.jsonl", chat_rows(24)),
-        write_jsonl(tmp_path / "eval.jsonl", chat_rows(4, offset=100)),
-    )
-
 
 DATA = Path(__file__).parent / "data"
 

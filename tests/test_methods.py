@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import QA_ROWS, write_jsonl
 from transformers import AutoModelForCausalLM
 
 from leantune.config import load_config
@@ -40,16 +40,6 @@ EXPECTED_KINDS = {
 }
 KIND_MARKERS = ("prompt_encoder", BLOCK_ATTR)
 
-ROWS = [
-    {
-        "messages": [
-            {"role": "user", "content": f"q {i}"},
-            {"role": "assistant", "content": f"a {i}"},
-        ]
-    }
-    for i in range(8)
-]
-
 
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_method_trains_its_parameters_and_round_trips(
@@ -78,7 +68,9 @@ def test_method_trains_its_parameters_and_round_trips(
         assert not any("embed_tokens" in n for n in params)
     else:
         assert kinds == EXPECTED_KINDS[name], kinds
-    data = prepare_file(write_jsonl(tmp_path / "d.jsonl", ROWS), "chat", tokenizer, 64, pack=pack)
+    data = prepare_file(
+        write_jsonl(tmp_path / "d.jsonl", QA_ROWS), "chat", tokenizer, 64, pack=pack
+    )
     opt = build_optimizer(params, lr=1e-2, weight_decay=0.0)
     model.train()
     for _ in range(3):
@@ -123,7 +115,9 @@ def test_kl_to_base_is_zero_at_init_and_exact_after_a_change(
 
     cfg = load_config(None, ["method.name=lora"])
     model = apply_method(AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir), cfg.method).eval()
-    data = prepare_file(write_jsonl(tmp_path / "d.jsonl", ROWS), "chat", tokenizer, 64, pack=True)
+    data = prepare_file(
+        write_jsonl(tmp_path / "d.jsonl", QA_ROWS), "chat", tokenizer, 64, pack=True
+    )
     batch = collate(data.rows, 0)
     with torch.no_grad():
         # A fresh LoRA (B = 0) is the base model: the KL term is exactly zero.

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import chat_rows, make_config, write_jsonl
 from peft import PeftModel
 from safetensors.torch import load_file
-from test_training import chat_rows, make_config
 from transformers import AutoModelForCausalLM
 
 from leantune.config import ConfigError, load_config

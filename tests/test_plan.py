@@ -216,9 +216,9 @@ def test_cli_plan_json_and_text(tmp_path: Path, tiny_llama_dir: Path, capsys) ->
     result = json.loads(capsys.readouterr().out)
     assert result["fits"] is False
     rec = result["recommended"]
-    if rec is not None:
-        assert rec["micro_batch"] * rec["grad_accum"] == 8
-        assert rec["breakdown"]["peak"] <= tight
+    assert rec is not None, result
+    assert rec["micro_batch"] * rec["grad_accum"] == 8
+    assert rec["breakdown"]["peak"] <= tight
     assert main(["plan", str(cfg), "--budget", "64GiB"]) == 0
     text = capsys.readouterr().out
     assert "predicted peak" in text and "fits the cpu budget of 64.00 GiB" in text

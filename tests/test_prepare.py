@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from conftest import write_jsonl
+from conftest import chat_rows, make_config, write_jsonl
 
 from leantune.cli import main
 from leantune.data.dataset import prepare_file
@@ -504,8 +504,6 @@ def test_prepared_dir_gives_the_in_process_examples_and_rows(tmp_path: Path, tok
 def test_train_from_a_prepared_dir_equals_train_from_the_file(
     tmp_path: Path, tiny_llama_dir: Path, tokenizer
 ) -> None:
-    from test_training import chat_rows, make_config
-
     from leantune.training.recipe import train
 
     path = write_jsonl(tmp_path / "train.jsonl", chat_rows(16))

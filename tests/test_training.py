@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import make_config
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -28,49 +28,6 @@ from leantune.training.optim import build_optimizer, warmup_cosine
 from leantune.training.recipe import FAULT_ENV, backward_window, train
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-
-
-def chat_rows(n: int, offset: int = 0) -> list[dict]:
-    items = ["lamp", "desk", "phone", "cable", "chair", "mouse", "screen", "bag"]
-    rows = []
-    for i in range(offset, offset + n):
-        item = items[i % len(items)]
-        rows.append(
-            {
-                "messages": [
-                    {"role": "user", "content": f"Order {i} for a {item}, status?"},
-                    {"role": "assistant", "content": json.dumps({"item": item, "id": i})},
-                ]
-            }
-        )
-    return rows
-
-
-@pytest.fixture()
-def chat_files(tmp_path: Path) -> tuple[Path, Path]:
-    return (
-        write_jsonl(tmp_path / "train.jsonl", chat_rows(24)),
-        write_jsonl(tmp_path / "eval.jsonl", chat_rows(4, offset=100)),
-    )
-
-
-def make_config(model_dir: Path, train_file: Path, run_dir: Path, *extra: str):
-    overrides = [
-        f"model.path={model_dir}",
-        f"data.train={train_file}",
-        "data.format=chat",
-        "data.max_seq_len=128",
-        f"run.dir={run_dir}",
-        "run.progress=false",
-        "train.max_steps=4",
-        "train.micro_batch_size=2",
-        "train.lr=1e-2",
-        "train.seed=3",
-        "data.eval=null",
-        "train.eval_exact_match=false",
-        *extra,
-    ]
-    return load_config(None, overrides)
 
 
 def test_scheduler_warmup_then_cosine_to_floor() -> None:
