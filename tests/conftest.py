@@ -26,6 +26,8 @@ from transformers import (
 )
 
 from leantune.config import Config, load_config
+from leantune.data.dataset import PreparedData, prepared_data
+from leantune.data.prepare.records import PrepareSettings
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -147,6 +149,28 @@ def write_jsonl(path: Path, rows: list[object]) -> Path:
             f.write(row if isinstance(row, str) else json.dumps(row, ensure_ascii=False))
             f.write("\n")
     return path
+
+
+def prepare_rows(
+    path: Path,
+    fmt: str,
+    tokenizer: PreTrainedTokenizerFast,
+    max_seq_len: int,
+    pack: bool,
+    *,
+    system_prompt: str | None = None,
+    max_bad_fraction: float = 0.0,
+    limit: int | None = None,
+) -> PreparedData:
+    """A data file's rows through `prepared_data` (the one data path), uncleaned, without a
+    cache directory: what `eval` and `plan` read."""
+    return prepared_data(
+        path,
+        settings=PrepareSettings(fmt, max_seq_len, pack, system_prompt),
+        tokenizer=tokenizer,
+        max_bad_fraction=max_bad_fraction,
+        limit=limit,
+    )
 
 
 def chat_rows(n: int, offset: int = 0) -> list[dict[str, Any]]:

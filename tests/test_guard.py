@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_config
+from conftest import make_config, prepare_rows
 
 from leantune.cli import main
 from leantune.config import GuardConfig
@@ -436,9 +436,7 @@ def test_loss_scaler_overflow_is_not_a_guard_event_but_a_nonfinite_loss_is(
 def test_rows_name_their_examples_so_events_can_cite_source_lines(
     tokenizer, chat_files, pack: bool
 ) -> None:
-    from leantune.data.dataset import prepare_file
-
-    data = prepare_file(chat_files[0], "chat", tokenizer, 128, pack=pack)
+    data = prepare_rows(chat_files[0], "chat", tokenizer, 128, pack=pack)
     assert len(data.rows) < 24 if pack else len(data.rows) == 24
     for row in data.rows:
         assert row.input_ids == [t for e in row.examples for t in data.examples[e].input_ids]

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QA_ROWS, write_jsonl
+from conftest import QA_ROWS, prepare_rows, write_jsonl
 from transformers import AutoModelForCausalLM
 
 from leantune.config import load_config
-from leantune.data.dataset import prepare_file
 from leantune.data.loader import collate
 from leantune.methods.adapter import BLOCK_ATTR
 from leantune.methods.prompt import PROMPT_LEARNING_METHODS
@@ -68,7 +67,7 @@ def test_method_trains_its_parameters_and_round_trips(
         assert not any("embed_tokens" in n for n in params)
     else:
         assert kinds == EXPECTED_KINDS[name], kinds
-    data = prepare_file(
+    data = prepare_rows(
         write_jsonl(tmp_path / "d.jsonl", QA_ROWS), "chat", tokenizer, 64, pack=pack
     )
     opt = build_optimizer(params, lr=1e-2, weight_decay=0.0)
@@ -115,7 +114,7 @@ def test_kl_to_base_is_zero_at_init_and_exact_after_a_change(
 
     cfg = load_config(None, ["method.name=lora"])
     model = apply_method(AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir), cfg.method).eval()
-    data = prepare_file(
+    data = prepare_rows(
         write_jsonl(tmp_path / "d.jsonl", QA_ROWS), "chat", tokenizer, 64, pack=True
     )
     batch = collate(data.rows, 0)

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QA_ROWS, write_jsonl
+from conftest import QA_ROWS, prepare_rows, write_jsonl
 
 from leantune.config import ConfigError, load_config
-from leantune.data.dataset import prepare_file
 from leantune.data.loader import collate
 from leantune.methods.registry import (
     apply_method,
@@ -55,7 +54,7 @@ def train_steps(model: torch.nn.Module, batch, lr: float, steps: int) -> list[fl
 
 @pytest.fixture()
 def batch(tokenizer, tmp_path: Path):
-    data = prepare_file(
+    data = prepare_rows(
         write_jsonl(tmp_path / "d.jsonl", QA_ROWS), "chat", tokenizer, 64, pack=True
     )
     return collate(data.rows, 0)

@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_config
+from conftest import make_config, prepare_rows
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from leantune.config import load_config
-from leantune.data.dataset import prepare_file
 from leantune.data.loader import BatchSchedule, collate
 from leantune.methods.registry import apply_method, count_parameters
 from leantune.models.artifacts import load_for_inference
@@ -53,7 +52,7 @@ def test_weight_decay_skips_biases_and_norms(tiny_qwen2_dir: Path) -> None:
 def test_accumulation_equals_a_larger_batch(
     method: str, tokenizer, tiny_llama_dir: Path, chat_files: tuple[Path, Path]
 ) -> None:
-    data = prepare_file(chat_files[0], "chat", tokenizer, 128, pack=False)
+    data = prepare_rows(chat_files[0], "chat", tokenizer, 128, pack=False)
     cfg = load_config(None, [f"method.name={method}", "method.dropout=0.0"])
     grads = []
     for mbs, accum in ((8, 1), (4, 2), (2, 4)):
@@ -227,7 +226,7 @@ def test_resume_never_starts_over(tiny_llama_dir: Path, chat_files, tmp_path: Pa
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tokenizer, tiny_llama_dir, chat_files):
-    data = prepare_file(chat_files[0], "chat", tokenizer, 128, pack=True)
+    data = prepare_rows(chat_files[0], "chat", tokenizer, 128, pack=True)
     cfg = load_config(None, ["method.name=lora"])
     grads = []
     for checkpointing in (False, True):
