@@ -11,8 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import write_jsonl
-from test_training import chat_rows, make_config
+from conftest import make_config, prepare_rows
 
 from leantune.cli import main
 from leantune.config import GuardConfig
@@ -30,15 +29,6 @@ from leantune.training.faults import LOSS_SCALE_ENV
 from leantune.training.guard import Decision, GuardHistory, GuardSettings, decide, remember
 from leantune.training.metrics import read_metrics
 from leantune.training.optim import warmup_cosine
-
-
-@pytest.fixture()
-def chat_files(tmp_path: Path) -> tuple[Path, Path]:
-    return (
-        write_jsonl(tmp_path / "train.jsonl", chat_rows(24)),
-        write_jsonl(tmp_path / "eval.jsonl", chat_rows(4, offset=100)),
-    )
-
 
 DATA = Path(__file__).parent / "data"
 
@@ -446,9 +436,7 @@ def test_loss_scaler_overflow_is_not_a_guard_event_but_a_nonfinite_loss_is(
 def test_rows_name_their_examples_so_events_can_cite_source_lines(
     tokenizer, chat_files, pack: bool
 ) -> None:
-    from leantune.data.dataset import prepare_file
-
-    data = prepare_file(chat_files[0], "chat", tokenizer, 128, pack=pack)
+    data = prepare_rows(chat_files[0], "chat", tokenizer, 128, pack=pack)
     assert len(data.rows) < 24 if pack else len(data.rows) == 24
     for row in data.rows:
         assert row.input_ids == [t for e in row.examples for t in data.examples[e].input_ids]

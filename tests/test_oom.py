@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import make_config
 from safetensors.torch import load_file
-from test_training import chat_rows, make_config
 
 from leantune.cli import main
 from leantune.config import ConfigError, load_config, parse_memory_size
@@ -20,15 +19,6 @@ from leantune.training.events import EXIT_OUT_OF_MEMORY, OutOfMemoryAtMinimum, r
 from leantune.training.faults import OOM_EVAL_ENV, OOM_STEP_ENV
 from leantune.training.metrics import read_metrics
 from leantune.training.oom import retry_on_oom
-
-
-@pytest.fixture()
-def chat_files(tmp_path: Path) -> tuple[Path, Path]:
-    return (
-        write_jsonl(tmp_path / "train.jsonl", chat_rows(24)),
-        write_jsonl(tmp_path / "eval.jsonl", chat_rows(4, offset=100)),
-    )
-
 
 VOLATILE = (
     "tokens_per_s",

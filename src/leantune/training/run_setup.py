@@ -40,11 +40,10 @@ from leantune.config import (
     effective_pack,
 )
 from leantune.config_checks import MAX_SEQ_LEN
-from leantune.data.dataset import PreparedData
+from leantune.data.dataset import PreparedData, prepared_data
 from leantune.data.packing import longest_example, rows_for
 from leantune.data.prepare.command import engine_options, settings_from_config
 from leantune.data.prepare.pipeline import read_report
-from leantune.data.prepare.training import prepared_data
 from leantune.memory.planner import plan_for_run
 from leantune.models.loading import ModelSource
 from leantune.training.fingerprint import run_fingerprint
@@ -237,7 +236,14 @@ def load_datasets(
 
     def prepare(path: str, eval_limit: int | None) -> PreparedData:
         data = prepared_data(
-            path, settings, tokenizer, cache, d.max_bad_fraction, eval_limit, log, engine_options(d)
+            path,
+            settings=settings,
+            tokenizer=tokenizer,
+            cache_dir=cache,
+            max_bad_fraction=d.max_bad_fraction,
+            limit=eval_limit,
+            log=log,
+            engine=engine_options(d),
         )
         for bad in data.bad[:20]:
             log(f"bad line skipped: {bad}")
