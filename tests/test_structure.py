@@ -13,9 +13,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import chat_rows, make_config, write_jsonl
 from safetensors.torch import load_file
-from test_training import chat_rows, make_config
 from torch import nn
 
 from leantune.training import recipe
