@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="RUNS_DIR",
         nargs="?",
         default="runs",
-        help="the folder whose runs to show (runs directly in it or one level deeper)",
+        help="the folder whose runs to show, directly in it or one level deeper (default: runs)",
     )
     p.add_argument(
         "--port",
