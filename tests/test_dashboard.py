@@ -233,6 +233,12 @@ def test_series_are_incremental_and_start_over_when_the_file_is_rewritten(tmp_pa
         assert again["reset"] and [r["loss"] for r in again["rows"]] == [3.0, 2.0, 0.25, 0.125]
         wrong = api(server, "/api/runs/live/metrics?after=2&sig=00000000")
         assert wrong["reset"] and len(wrong["rows"]) == 4
+        # A new file in its place (run.resume=never moved the old run aside): read afresh.
+        last = wrong["last"]
+        write_jsonl(tmp_path / "new.jsonl", [metrics_row(1, 9.0)])
+        os.replace(tmp_path / "new.jsonl", path)
+        fresh = api(server, f"/api/runs/live/metrics?after={last['step']}&sig={last['sig']}")
+        assert fresh["reset"] and [r["loss"] for r in fresh["rows"]] == [9.0]
         status, _, body = request(server, "/api/runs/live/metrics?after=two")
         assert status == 400 and b"after" in body
 
@@ -299,6 +305,21 @@ def test_a_run_whose_lock_another_process_holds_is_running(
     assert dash_status.lock_holder(run) is None
     with serving(tmp_path) as server:
         assert api(server, "/api/runs/live")["status"] == "incomplete"
+
+
+def test_a_run_folder_that_vanishes_mid_read_is_a_503_not_a_dropped_connection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synthetic_run(tmp_path, "live", 2)
+
+    def gone(*_: Any) -> None:
+        raise FileNotFoundError("checkpoints")
+
+    monkeypatch.setattr(dash_runs.RunsFolder, "_checkpoints", gone)
+    with serving(tmp_path) as server:
+        status, _, body = request(server, "/api/runs/live")
+        assert status == 503 and b"try again" in body
+        assert api(server, "/api/runs")["runs"][0]["name"] == "live"  # the rest still answers
 
 
 def test_the_dashboards_file_names_are_the_run_directorys() -> None:

@@ -9,6 +9,7 @@ leaves the folder is skipped. Hidden entries (a leading dot) are never runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -180,7 +181,8 @@ class RunsFolder:
         for name in (METRICS_FILE, EVAL_FILE, EVENTS_FILE, SUMMARY_FILE):
             path = self.file(run, name)
             if path is not None:
-                times.append(path.stat().st_mtime)
+                with contextlib.suppress(OSError):
+                    times.append(path.stat().st_mtime)
         return max(times, default=None)
 
 

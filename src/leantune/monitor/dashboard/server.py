@@ -133,6 +133,10 @@ class DashboardHandler(BaseHTTPRequestHandler):
         except BadRequest as exc:
             self._send(HTTPStatus.BAD_REQUEST, f"{exc}\n".encode(), "text/plain", with_body)
             return
+        except OSError:  # a run directory moved or removed while it was read: the next poll
+            body = b"the run directory changed while it was read; try again\n"
+            self._send(HTTPStatus.SERVICE_UNAVAILABLE, body, "text/plain", with_body)
+            return
         if found is None:
             self._send(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain", with_body)
             return

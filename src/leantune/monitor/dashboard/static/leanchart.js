@@ -20,9 +20,9 @@
     if (typeof v !== "number" || !Number.isFinite(v)) return String(v);
     const a = Math.abs(v);
     if (a === 0) return "0";
-    if (a >= 1e9) return (v / 1e9).toPrecision(3) + "G";
-    if (a >= 1e6) return (v / 1e6).toPrecision(3) + "M";
-    if (a >= 1e4) return (v / 1e3).toPrecision(3) + "k";
+    if (a >= 1e9) return Number((v / 1e9).toPrecision(3)) + "G";
+    if (a >= 1e6) return Number((v / 1e6).toPrecision(3)) + "M";
+    if (a >= 1e4) return Number((v / 1e3).toPrecision(3)) + "k";
     if (a < 1e-3) return v.toExponential(1);
     return String(Number(v.toPrecision(4)));
   }
@@ -167,7 +167,9 @@
       ctx.textBaseline = "top";
       const xt = ticks(d.x0, d.x1, Math.max(2, Math.floor((w - MARGIN.left) / 90)));
       for (const t of xt.filter((t) => Number.isInteger(t) || d.x1 - d.x0 < 10)) {
-        ctx.fillText(String(t), sx(t), h - MARGIN.bottom + 6);
+        const label = Math.abs(t) >= 1e4 ? fmt(t) : String(t);
+        const half = ctx.measureText(label).width / 2;
+        ctx.fillText(label, Math.min(sx(t), w - half - 1), h - MARGIN.bottom + 6);
       }
       ctx.strokeStyle = "#999";
       ctx.beginPath();
