@@ -9,6 +9,7 @@ leantune eval --model MODEL_OR_RUN --data FILE [--limit N] [--lm-eval TASKS [--l
 leantune generate --model MODEL_OR_RUN --prompt TEXT [--chat] [sampling options]
 leantune bench methods [CONFIG.yaml] [--methods a,b] [--out DIR] [section.key=value ...]
 leantune export RUN_OR_MODEL --format hf|adapter|gguf|torchscript|int8 --out DIR
+leantune dashboard [RUNS_DIR] [--port N] [--host 127.0.0.1]
 
 Exit codes of `leantune train`: 0 done; 2 invalid config or data, or a run directory that is
 not this run's (another process holds it, it is not a leantune run, or it holds a run with other
@@ -521,6 +522,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from leantune.monitor.dashboard.command import run
+
+    return run(args)
+
+
 MODEL_HELP = "model dir, run dir (its final/), adapter dir, .gguf file, cached hub id or demo name"
 DTYPES = ("fp32", "bf16", "fp16")
 
@@ -738,6 +745,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_bench_parser(sub)
     _add_export_parser(sub)
+    from leantune.monitor.dashboard.command import add_arguments as dashboard_arguments
+
+    d = sub.add_parser("dashboard", help="serve live charts of the runs in a folder (local only)")
+    dashboard_arguments(d)
+    d.set_defaults(func=cmd_dashboard)
     return p
 
 

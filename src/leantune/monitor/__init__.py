@@ -1,0 +1,1 @@
+"""Monitoring: watch a run while it writes its run directory, and read it afterwards."""
