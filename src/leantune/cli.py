@@ -463,6 +463,16 @@ def _parse_lrs(text: str | None, methods: list[str]) -> dict[str, float]:
     return lrs
 
 
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from leantune.bench.throughput import main as throughput
+
+    rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+    try:
+        return throughput(rest)
+    except SystemExit as e:  # its --help (0) or a usage error (2)
+        return e.code if isinstance(e.code, int) else 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from leantune.bench.methods import machine_info, run_methods, write_outputs
     from leantune.config import ConfigError, load_config
@@ -649,7 +659,10 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_bench_parser(sub: Any) -> None:
     """The `bench` subcommands."""
-    b = sub.add_parser("bench", help="benchmarks: `bench methods` compares fine-tuning methods")
+    b = sub.add_parser(
+        "bench",
+        help="benchmarks: `bench methods` (fine-tuning methods), `bench throughput` (vs HF)",
+    )
     bsub = b.add_subparsers(dest="bench", required=True)
     bm = bsub.add_parser("methods", help="train each method on the same data and compare")
     bm.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
@@ -669,6 +682,13 @@ def _add_bench_parser(sub: Any) -> None:
         help="read back methods whose run in --out already finished instead of training again",
     )
     bm.set_defaults(func=cmd_bench)
+    bt = bsub.add_parser(
+        "throughput",
+        help="leantune against HF Trainer + PEFT on the same work (see its --help)",
+        add_help=False,
+    )
+    bt.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    bt.set_defaults(func=cmd_bench_throughput)
 
 
 def _add_export_parser(sub: Any) -> None:
@@ -757,6 +777,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `leantune` console script."""
     from leantune.errors import UserError
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "throughput"]:  # its own parser: argparse's REMAINDER drops --help
+        argv = ["bench", "throughput", "--", *argv[2:]]
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
