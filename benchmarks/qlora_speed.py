@@ -28,7 +28,7 @@ from leantune.methods.registry import (
 )
 from leantune.models.loading import load_model, load_tokenizer, resolve_model
 from leantune.training.optim import build_optimizer
-from leantune.training.recipe import backward_window
+from leantune.training.trainer import backward_window
 
 DEMO_TRAIN = Path(__file__).resolve().parents[1] / "src/leantune/demo/data/support_train.jsonl"
 
