@@ -22,8 +22,7 @@ from urllib.parse import quote
 import pytest
 import yaml
 from cdp import Browser, Page
-from conftest import run_cli, write_jsonl
-from test_training import chat_rows, make_config
+from conftest import chat_rows, make_config, run_cli, write_jsonl
 
 from leantune.monitor.dashboard import make_server
 from leantune.monitor.dashboard import runs as dash_runs
