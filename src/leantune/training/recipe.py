@@ -58,6 +58,7 @@ from leantune.models.loading import (
     resolve_model,
 )
 from leantune.models.quantize import Quantization
+from leantune.monitor.backends import RunInfo, optional_sinks
 from leantune.training.checkpoint import TrainingState, latest_checkpoint, list_complete_checkpoints
 from leantune.training.divergence import WeightsDiverged
 from leantune.training.evaluation import (
@@ -344,12 +345,14 @@ def _wrap(
 
 
 def _sinks(cfg: Config, files: RunFiles, *, with_eval: bool, log: Log) -> Sinks:
-    """metrics.jsonl/eval.jsonl and the progress bar."""
+    """metrics.jsonl/eval.jsonl, the progress bar and the configured monitoring backends."""
     assert cfg.train.max_steps is not None, "resolved by set_up_run"
+    run = RunInfo(files.run_dir, cfg.run.name, to_dict(cfg))
     return Sinks(
         [
             JsonlSink(files.run_dir, with_eval),
             ConsoleSink(cfg.train.max_steps, cfg.run.progress, log),
+            *optional_sinks(cfg.monitor, run),
         ]
     )
 
