@@ -25,7 +25,8 @@ class RunInfo:
 
     run_dir: Path
     name: str
-    """run.name as resolved."""
+    """run.name as resolved (the run directory's name when run.dir is set and run.name is
+    auto): the default name of the backend's run."""
     config: dict[str, Any]
     """The resolved config (logged once as hyper-parameters)."""
 

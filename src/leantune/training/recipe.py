@@ -37,7 +37,7 @@ import yaml
 from torch import nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from leantune.config import Config, parse_memory_size, to_dict, validate
+from leantune.config import AUTO_RUN_NAME, Config, parse_memory_size, to_dict, validate
 from leantune.data.dataset import PreparedData
 from leantune.data.loader import SampleStream
 from leantune.data.templates import apply_chat_template
@@ -347,7 +347,8 @@ def _wrap(
 def _sinks(cfg: Config, files: RunFiles, *, with_eval: bool, log: Log) -> Sinks:
     """metrics.jsonl/eval.jsonl, the progress bar and the configured monitoring backends."""
     assert cfg.train.max_steps is not None, "resolved by set_up_run"
-    run = RunInfo(files.run_dir, cfg.run.name, to_dict(cfg))
+    name = cfg.run.name if cfg.run.name != AUTO_RUN_NAME else files.run_dir.name  # run.dir set
+    run = RunInfo(files.run_dir, name, to_dict(cfg))
     return Sinks(
         [
             JsonlSink(files.run_dir, with_eval),
