@@ -59,6 +59,7 @@ from leantune.models.loading import (
 )
 from leantune.models.quantize import Quantization
 from leantune.monitor.backends import RunInfo, optional_sinks
+from leantune.monitor.report import report_at_end
 from leantune.training.checkpoint import TrainingState, latest_checkpoint, list_complete_checkpoints
 from leantune.training.divergence import WeightsDiverged
 from leantune.training.evaluation import (
@@ -73,6 +74,7 @@ from leantune.training.events import (
     PAUSED_MARKER,
     EventLog,
     OutOfMemoryAtMinimum,
+    TrainingHalted,
     lift_pause,
 )
 from leantune.training.faults import KILL_ENV, FaultHooks, signal_at_start
@@ -166,7 +168,12 @@ def _lifecycle(
     signal_at_start()
     session = set_up(cfg, source, stop=stop, inputs=inputs, log=log)
     run.started = True  # from here on, a failure leaves the run directory as it is
-    run_loop(session.trainer, session.loop, session.evaluator)
+    try:
+        run_loop(session.trainer, session.loop, session.evaluator)
+    except TrainingHalted:  # paused or stopped: the report shows why
+        if session.cfg.monitor.report:
+            report_at_end(cfg.run_dir, log)
+        raise
     return finish(session, log=log, started=started)
 
 
@@ -547,7 +554,12 @@ def finish(session: Session, *, log: Log, started: float) -> dict[str, Any]:
             s.model, s.eval_inputs, s.eval_settings, predictions_file=preds, step=tr.state.step
         )
     results["wall_time_s"] = round(time.perf_counter() - started, 2)  # this invocation
-    return write_summary(files.run_dir, tr.state, s.trainable_params, s.total_params, results, log)
+    summary = write_summary(
+        files.run_dir, tr.state, s.trainable_params, s.total_params, results, log
+    )
+    if cfg.monitor.report:
+        report_at_end(files.run_dir, log)
+    return summary
 
 
 def _base_path(path: str) -> str:
