@@ -75,7 +75,7 @@ class WandbSink:
             # Never hand back (or finish) another W&B run this process has open.
             settings=wandb.Settings(reinit="create_new"),
         )
-        if run.id and run.id != run_id:
+        if self.mode != "disabled" and run.id and run.id != run_id:  # no run to continue
             remember_id(self.run_dir, "wandb", run.id)
         run.define_metric(STEP)
         for prefix in ("train", "eval", "events"):
