@@ -99,6 +99,7 @@ def test_lora_run_trains_only_adapters_and_leaves_a_complete_run(
         "leantune_run.json",  # the run's fingerprint: what a resume must match
         "metrics.jsonl",
         "prepared",  # the tokenise-once cache of data.train / data.eval
+        "report.html",  # monitor.report: charts, events, data report (rebuilt by `leantune report`)
         "summary.json",
     ]
     preds = [json.loads(x) for x in (run_dir / "eval_predictions.jsonl").read_text().splitlines()]

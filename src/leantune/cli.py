@@ -10,6 +10,7 @@ leantune generate --model MODEL_OR_RUN --prompt TEXT [--chat] [sampling options]
 leantune bench methods [CONFIG.yaml] [--methods a,b] [--out DIR] [section.key=value ...]
 leantune export RUN_OR_MODEL --format hf|adapter|gguf|torchscript|int8 --out DIR
 leantune dashboard [RUNS_DIR] [--port N] [--host 127.0.0.1]
+leantune report RUN_DIR [--out FILE]
 
 Exit codes of `leantune train`: 0 done; 2 invalid config or data, or a run directory that is
 not this run's (another process holds it, it is not a leantune run, or it holds a run with other
@@ -538,6 +539,14 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from leantune.monitor.report import write_report
+
+    out = Path(args.out) if args.out else None
+    print(f"report: {write_report(Path(args.run_dir), out=out)}")
+    return 0
+
+
 MODEL_HELP = "model dir, run dir (its final/), adapter dir, .gguf file, cached hub id or demo name"
 DTYPES = ("fp32", "bf16", "fp16")
 
@@ -770,6 +779,10 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("dashboard", help="serve live charts of the runs in a folder (local only)")
     dashboard_arguments(d)
     d.set_defaults(func=cmd_dashboard)
+    r = sub.add_parser("report", help="(re)build a run's report.html from its run directory")
+    r.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (finished or not)")
+    r.add_argument("--out", default=None, help="where to write it (default: RUN_DIR/report.html)")
+    r.set_defaults(func=cmd_report)
     return p
 
 

@@ -22,7 +22,7 @@ from leantune.config_checks import (
     check_libraries,
     check_sizes,
 )
-from leantune.config_monitor import MonitorConfig
+from leantune.config_monitor import MonitorConfig, check_monitor
 from leantune.config_parse import (
     ConfigError,
     ParseError,
@@ -30,6 +30,7 @@ from leantune.config_parse import (
     field_types,
     load_yaml,
     memory_size,
+    set_nested_field,
     shorten,
     show,
 )
@@ -338,6 +339,12 @@ def set_field(cfg: Config, dotted: str, value: Any, where: str = "") -> None:
 def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
     sections = {f.name: f for f in dataclasses.fields(Config)}
     parts = dotted.split(".")
+    if len(parts) == 3 and parts[0] in sections:  # section.sub.field: monitor.wandb.project=x
+        try:
+            set_nested_field(getattr(cfg, parts[0]), parts[1], parts[2], value, where + dotted)
+        except ParseError as e:
+            raise ConfigError(str(e)) from None
+        return
     if len(parts) != 2 or parts[0] not in sections:
         raise ConfigError(
             f"{where}{dotted}: unknown key; keys look like section.field with section one of "
@@ -522,6 +529,7 @@ def validate(cfg: Config) -> list[str]:
     _validate_guard(cfg.guard)
     _validate_run(cfg.run)
     _validate_method(cfg)
+    check_monitor(cfg.monitor)
     warnings: list[str] = check_libraries(cfg)
     lr, advice = t.lr, METHODS[m.name].lr_advice
     if advice is not None and lr is not None and lr >= advice.high:

@@ -7,6 +7,34 @@ section changes a run's trajectory, so it is free to change on resume.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases: one W&B run per leantune run (a resume continues it)."""
+
+    project: str | None = None
+    """W&B project to log to (required)."""
+    entity: str | None = None
+    """W&B team or user (default: the logged-in user's default entity)."""
+    name: str | None = None
+    """Display name of the W&B run (default: run.name)."""
+    mode: Literal["online", "offline", "disabled"] | None = None
+    """online, offline (files under <run dir>/wandb; `wandb sync` uploads them later) or
+    disabled; unset = W&B's own default (WANDB_MODE, else online)."""
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow tracking: one MLflow run per leantune run (a resume continues it)."""
+
+    uri: str | None = None
+    """Tracking URI (required): http(s)://server:5000, or file:/path for a local store."""
+    experiment: str = "leantune"
+    """Experiment the run is logged under (created when missing)."""
+    run_name: str | None = None
+    """Name of the MLflow run (default: run.name)."""
 
 
 @dataclass
@@ -19,5 +47,31 @@ class MonitorConfig:
     """Address the metrics endpoint binds to (127.0.0.1: this machine only)."""
     tensorboard: bool = False
     """Write TensorBoard event files under <run dir>/tensorboard (needs the tensorboard extra)."""
+    wandb: WandbConfig | None = None
+    """Log to Weights & Biases (needs the wandb extra), e.g. monitor.wandb.project=my-project;
+    keys: project (required), entity, name (default run.name), mode (online | offline |
+    disabled; default W&B's own). Off when unset."""
+    mlflow: MlflowConfig | None = None
+    """Log to MLflow (needs the mlflow extra), e.g. monitor.mlflow.uri=file:/tmp/mlruns; keys:
+    uri (required), experiment (default leantune), run_name (default run.name). Off when unset."""
     report: bool = True
     """Write <run dir>/report.html at the end of the run (`leantune report` rebuilds it)."""
+
+
+def check_monitor(m: MonitorConfig) -> None:
+    """A configured W&B or MLflow section names its target, and every configured backend's
+    package is installed (found, not imported: nothing loads before the run starts).
+
+    Raises:
+        ConfigError: naming the setting (and the pip extra to install).
+    """
+    from leantune.config_parse import ConfigError
+    from leantune.monitor.backends import check_packages
+
+    if m.wandb is not None and not m.wandb.project:
+        raise ConfigError("monitor.wandb.project: required; the W&B project to log to")
+    if m.mlflow is not None and not m.mlflow.uri:
+        raise ConfigError(
+            "monitor.mlflow.uri: required; the tracking URI (http://host:5000, file:/path)"
+        )
+    check_packages(m)

@@ -37,7 +37,7 @@ import yaml
 from torch import nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from leantune.config import Config, parse_memory_size, to_dict, validate
+from leantune.config import AUTO_RUN_NAME, Config, parse_memory_size, to_dict, validate
 from leantune.data.dataset import PreparedData
 from leantune.data.loader import SampleStream
 from leantune.data.templates import apply_chat_template
@@ -59,6 +59,8 @@ from leantune.models.loading import (
     resolve_model,
 )
 from leantune.models.quantize import Quantization
+from leantune.monitor.backends import RunInfo, optional_sinks
+from leantune.monitor.report import report_at_end
 from leantune.training.checkpoint import TrainingState, latest_checkpoint, list_complete_checkpoints
 from leantune.training.divergence import WeightsDiverged
 from leantune.training.evaluation import (
@@ -73,6 +75,7 @@ from leantune.training.events import (
     PAUSED_MARKER,
     EventLog,
     OutOfMemoryAtMinimum,
+    TrainingHalted,
     lift_pause,
 )
 from leantune.training.faults import KILL_ENV, FaultHooks, signal_at_start
@@ -167,7 +170,12 @@ def _lifecycle(
     signal_at_start()
     session = set_up(cfg, source, stop=stop, inputs=inputs, log=log)
     run.started = True  # from here on, a failure leaves the run directory as it is
-    run_loop(session.trainer, session.loop, session.evaluator)
+    try:
+        run_loop(session.trainer, session.loop, session.evaluator)
+    except TrainingHalted:  # paused or stopped: the report shows why
+        if session.cfg.monitor.report:
+            report_at_end(cfg.run_dir, log)
+        raise
     return finish(session, log=log, started=started)
 
 
@@ -345,12 +353,15 @@ def _wrap(
 
 
 def _sinks(cfg: Config, files: RunFiles, *, with_eval: bool, log: Log) -> Sinks:
-    """metrics.jsonl/eval.jsonl and the progress bar."""
+    """metrics.jsonl/eval.jsonl, the progress bar and the configured monitoring backends."""
     assert cfg.train.max_steps is not None, "resolved by set_up_run"
+    name = cfg.run.name if cfg.run.name != AUTO_RUN_NAME else files.run_dir.name  # run.dir set
+    run = RunInfo(files.run_dir, name, to_dict(cfg))
     return Sinks(
         [
             JsonlSink(files.run_dir, with_eval),
             ConsoleSink(cfg.train.max_steps, cfg.run.progress, log),
+            *optional_sinks(cfg.monitor, run),
         ]
     )
 
@@ -553,9 +564,12 @@ def finish(session: Session, *, log: Log, started: float) -> dict[str, Any]:
             s.model, s.eval_inputs, s.eval_settings, predictions_file=preds, step=tr.state.step
         )
     results["wall_time_s"] = round(time.perf_counter() - started, 2)  # this invocation
-    return write_summary(
+    summary = write_summary(
         files.run_dir, tr.state, tr.progress, s.trainable_params, s.total_params, results, log
     )
+    if cfg.monitor.report:
+        report_at_end(files.run_dir, log)
+    return summary
 
 
 def _base_path(path: str) -> str:
