@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_cli, tiny_train_args, write_jsonl
-from test_training import chat_rows, make_config
+from conftest import chat_rows, make_config, run_cli, tiny_train_args, write_jsonl
 
 from leantune.config import load_config
 from leantune.config_monitor import MlflowConfig, MonitorConfig, WandbConfig

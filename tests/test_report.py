@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_cli, tiny_train_args, write_jsonl
+from conftest import chat_rows, run_cli, tiny_train_args, write_jsonl
 from PIL import Image
-from test_training import chat_rows
 
 from leantune.config import Config, to_dict
 from leantune.monitor import report_data

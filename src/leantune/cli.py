@@ -8,6 +8,7 @@ leantune inspect [CONFIG.yaml] [section.key=value ...] [-n N] [--color auto|alwa
 leantune eval --model MODEL_OR_RUN --data FILE [--limit N] [--lm-eval TASKS [--lm-eval-limit N]]
 leantune generate --model MODEL_OR_RUN --prompt TEXT [--chat] [sampling options]
 leantune bench methods [CONFIG.yaml] [--methods a,b] [--out DIR] [section.key=value ...]
+leantune bench throughput [--conversations N] [--reps N] [--methods lora,full]
 leantune export RUN_OR_MODEL --format hf|adapter|gguf|torchscript|int8 --out DIR
 leantune dashboard [RUNS_DIR] [--port N] [--host 127.0.0.1]
 leantune report RUN_DIR [--out FILE]
@@ -32,6 +33,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from leantune.bench.cli import add_bench_parser
 
 
 def _quiet_libraries() -> None:
@@ -442,77 +445,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = None
 
 
-def _parse_lrs(text: str | None, methods: list[str]) -> dict[str, float]:
-    """`--lr lora=2e-3,full=5e-5`: a finite rate in (0, 1) for each named method."""
-    lrs: dict[str, float] = {}
-    for item in (text or "").split(","):
-        if item.strip():
-            name, _, value = item.partition("=")
-            name = name.strip()
-            try:
-                rate = float(value)
-            except ValueError:
-                raise ValueError(f"--lr {item!r}: expected method=rate, e.g. lora=2e-4") from None
-            if name not in methods:
-                raise ValueError(
-                    f"--lr {item!r}: unknown method {name!r}; choose from {', '.join(methods)}"
-                )
-            # NaN passes a range check, and train.lr must be in (0, 1).
-            if not (math.isfinite(rate) and 0 < rate < 1):
-                raise ValueError(f"--lr {item!r}: the rate must be a finite number in (0, 1)")
-            lrs[name] = rate
-    return lrs
-
-
-def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from leantune.bench.throughput import main as throughput
-
-    rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
-    try:
-        return throughput(rest)
-    except SystemExit as e:  # its --help (0) or a usage error (2)
-        return e.code if isinstance(e.code, int) else 0
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from leantune.bench.methods import machine_info, run_methods, write_outputs
-    from leantune.config import ConfigError, load_config
-    from leantune.methods.registry import DEFAULT_LR, METHODS
-
-    config, overrides = _split_config_args(args.args)
-    overrides = [*overrides, f"train.max_steps={args.steps}"] if args.steps else overrides
-    cfg = load_config(config, overrides)  # validate once, before any run starts
-    methods = [m.strip() for m in args.methods.split(",")] if args.methods else list(METHODS)
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ConfigError(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
-    lrs = {m: DEFAULT_LR[m] for m in methods}
-    try:
-        given = _parse_lrs(args.lr, list(METHODS))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    lrs.update({m: v for m, v in given.items() if m in lrs})  # rates of unselected methods
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out}: is a file; give a directory for the benchmark's runs")
-    log = lambda m: print(m, flush=True)  # noqa: E731
-    results, base = run_methods(config, methods, lrs, out, overrides, log, args.reuse)
-    meta = {
-        "benchmark": "methods",
-        "config": config or "demo",
-        "model": cfg.model.path,
-        "max_steps": cfg.train.max_steps,
-        "micro_batch_size": cfg.train.micro_batch_size,
-        "max_seq_len": cfg.data.max_seq_len,
-        "machine": machine_info(),
-    }
-    payload = write_outputs(results, base, meta, out)
-    print((out / "methods.md").read_text())
-    print(f"wrote {out / 'methods.md'}, {out / 'methods.json'}, {out / 'methods.png'}")
-    print(json.dumps(payload))
-    return 0 if all(r.status == "ok" for r in results) else 1
-
-
 EXPORT_FORMATS = ("hf", "adapter", "gguf", "torchscript", "int8")
 
 
@@ -666,40 +598,6 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-def _add_bench_parser(sub: Any) -> None:
-    """The `bench` subcommands."""
-    b = sub.add_parser(
-        "bench",
-        help="benchmarks: `bench methods` (fine-tuning methods), `bench throughput` (vs HF)",
-    )
-    bsub = b.add_subparsers(dest="bench", required=True)
-    bm = bsub.add_parser("methods", help="train each method on the same data and compare")
-    bm.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
-    bm.add_argument("--methods", default=None, help="comma-separated (default: all)")
-    bm.add_argument(
-        "--steps", type=_count(1), default=None, help="override train.max_steps (default: config's)"
-    )
-    bm.add_argument(
-        "--lr",
-        default=None,
-        help="per-method rates, e.g. lora=2e-3,full=5e-5 (default: each method's default lr)",
-    )
-    bm.add_argument("--out", default="runs/bench-methods", help="output folder")
-    bm.add_argument(
-        "--reuse",
-        action="store_true",
-        help="read back methods whose run in --out already finished instead of training again",
-    )
-    bm.set_defaults(func=cmd_bench)
-    bt = bsub.add_parser(
-        "throughput",
-        help="leantune against HF Trainer + PEFT on the same work (see its --help)",
-        add_help=False,
-    )
-    bt.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options")
-    bt.set_defaults(func=cmd_bench_throughput)
-
-
 def _add_export_parser(sub: Any) -> None:
     """The `export` subcommand."""
     x = sub.add_parser("export", help="export a model, then check parity with the source")
@@ -772,7 +670,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_parser(sub)
     _add_inspect_parser(sub)
 
-    _add_bench_parser(sub)
+    add_bench_parser(sub, _count, _split_config_args)
     _add_export_parser(sub)
     from leantune.monitor.dashboard.command import add_arguments as dashboard_arguments
 
