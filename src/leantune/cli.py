@@ -688,9 +688,6 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `leantune` console script."""
     from leantune.errors import UserError
 
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:2] == ["bench", "throughput"]:  # its own parser: argparse's REMAINDER drops --help
-        argv = ["bench", "throughput", "--", *argv[2:]]
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from leantune.bench.throughput import add_arguments as throughput_arguments
+
 SplitArgs = Callable[[list[str]], tuple[str | None, list[str]]]
 """`leantune.cli`'s split of positional arguments into a config file and overrides."""
 
@@ -37,13 +39,9 @@ def _parse_lrs(text: str | None, methods: list[str]) -> dict[str, float]:
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from leantune.bench.throughput import main as throughput
+    from leantune.bench.throughput import report
 
-    rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
-    try:
-        return throughput(rest)
-    except SystemExit as e:  # its --help (0) or a usage error (2)
-        return e.code if isinstance(e.code, int) else 0
+    return report(args)
 
 
 def cmd_bench(args: argparse.Namespace, split_args: SplitArgs) -> int:
@@ -112,10 +110,6 @@ def add_bench_parser(
         help="read back methods whose run in --out already finished instead of training again",
     )
     bm.set_defaults(func=lambda args: cmd_bench(args, split_args))
-    bt = bsub.add_parser(
-        "throughput",
-        help="leantune against HF Trainer + PEFT on the same work (see its --help)",
-        add_help=False,
-    )
-    bt.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    bt = bsub.add_parser("throughput", help="leantune against HF Trainer + PEFT on the same work")
+    throughput_arguments(bt)
     bt.set_defaults(func=cmd_bench_throughput)

@@ -25,19 +25,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from leantune.bench.chat_corpus import write_corpus
-
 Log = Callable[[str], None]
 SYSTEMS = ("hf_trainer_peft", "leantune")
 
 
-def matmul_peak(dtype: torch.dtype, threads: int, size: int = 1024, seconds: float = 1.0) -> float:
-    """Sustained GFLOP/s of a square matmul in `dtype` on this machine's CPU, now."""
+def matmul_peak(dtype: str, threads: int, size: int = 1024, seconds: float = 1.0) -> float:
+    """Sustained GFLOP/s of a square matmul in `dtype` ("fp32" or "bf16") on this CPU, now."""
+    import torch
+
     torch.set_num_threads(threads)
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
+    kind = torch.bfloat16 if dtype == "bf16" else torch.float32
+    a = torch.randn(size, size).to(kind)
+    b = torch.randn(size, size).to(kind)
     a @ b  # warm-up (oneDNN picks its kernel)
     n, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
@@ -201,6 +200,7 @@ def markdown(table: dict[str, Any]) -> str:
 
 def run_benchmark(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
     """Generate the corpus, alternate the systems `args.reps` times, judge, aggregate."""
+    from leantune.bench.chat_corpus import write_corpus
     from leantune.models.loading import load_tokenizer, resolve_model
     from leantune.training.precision import resolve_precision
 
@@ -213,8 +213,7 @@ def run_benchmark(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
     train = write_corpus(work / "train.jsonl", tokenizer, args.conversations, 0, lo, hi)
     heldout = write_corpus(work / "heldout.jsonl", tokenizer, args.heldout, 1, lo, hi)
     precision = resolve_precision("auto", "cpu", None, "auto").precision
-    peaks = {p: matmul_peak(d, args.threads) for p, d in (("fp32", torch.float32),
-                                                          ("bf16", torch.bfloat16))}  # fmt: skip
+    peaks = {p: matmul_peak(p, args.threads) for p in ("fp32", "bf16")}
     log(f"matmul peak: fp32 {peaks['fp32']:.0f} GFLOP/s, bf16 {peaks['bf16']:.0f} GFLOP/s")
     ctx = {"model": model, "train": train, "precision": precision, "threads": args.threads}
     runs: list[dict[str, Any]] = []
@@ -264,29 +263,42 @@ def _cpu_name() -> str:
     return "unknown"
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="leantune bench throughput", description=__doc__.split("\n\n")[0]
-    )
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--conversations", type=int, default=128)
-    p.add_argument("--heldout", type=int, default=32)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's options (on `leantune bench throughput` and `benchmarks/vs_hf.py`)."""
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model both systems train")
+    p.add_argument("--conversations", type=int, default=128, help="training conversations")
+    p.add_argument("--heldout", type=int, default=32, help="held-out conversations (the judge)")
     p.add_argument("--min-tokens", type=int, default=40, help="shortest conversation (target)")
     p.add_argument("--max-tokens", type=int, default=1200, help="longest conversation (target)")
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--methods", type=lambda s: s.split(","), default=["lora", "full"])
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--max-seq-len", type=int, default=2048)
-    p.add_argument("--out", default="runs/bench-throughput")
+    p.add_argument("--reps", type=int, default=3, help="repetitions, alternating who goes first")
+    p.add_argument(
+        "--methods", type=lambda s: s.split(","), default=["lora", "full"], help="lora,full"
+    )
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="intra-op threads")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="longest example kept")
+    p.add_argument("--out", default="runs/bench-throughput", help="working folder")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="leantune bench throughput",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_arguments(p)
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+def report(args: argparse.Namespace) -> int:
+    """Run the benchmark; the table on stderr, one JSON line on stdout."""
     result = run_benchmark(args, log=lambda m: print(m, file=sys.stderr))
     print(markdown(result["results"]), file=sys.stderr)
     print(json.dumps(result))
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return report(parser().parse_args(argv))
 
 
 if __name__ == "__main__":
