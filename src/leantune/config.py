@@ -22,7 +22,7 @@ from leantune.config_checks import (
     check_libraries,
     check_sizes,
 )
-from leantune.config_monitor import MonitorConfig
+from leantune.config_monitor import MonitorConfig, check_monitor
 from leantune.config_parse import (
     ConfigError,
     ParseError,
@@ -524,6 +524,7 @@ def validate(cfg: Config) -> list[str]:
         parse_memory_size(t.memory_budget, "train.memory_budget")
     _validate_guard(cfg.guard)
     _validate_run(cfg.run)
+    check_monitor(cfg.monitor)
     _validate_method(cfg)
     warnings: list[str] = check_libraries(cfg)
     lr = t.lr
