@@ -320,3 +320,71 @@ def test_the_endpoint_answers_404_elsewhere_and_events_map_to_counters(tmp_path:
     assert value(f, "leantune_events_total", kind="resume") == 1
     assert not any("newer" in str(s.labels) for fam in f.values() for s in fam.samples)
     assert math.isnan(value(f, "leantune_checkpoint_age_seconds"))  # no checkpoint yet
+
+
+# deploy/: the Grafana dashboard, its provisioning, the scrape config and the alert rules.
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "leantune.json"
+ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+
+
+def queried_metrics() -> dict[str, set[str]]:
+    """Every leantune metric name that a dashboard panel or an alert rule queries."""
+    import yaml
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = {f"panel {p['title']!r}": t["expr"] for p in dashboard["panels"] for t in p["targets"]}
+    for var in dashboard["templating"]["list"]:
+        exprs[f"variable {var['name']}"] = var["definition"]
+    for group in yaml.safe_load(ALERTS.read_text())["groups"]:
+        for rule in group["rules"]:
+            exprs[f"alert {rule['alert']}"] = rule["expr"]
+    return {where: set(re.findall(r"\bleantune_[a-z0-9_]+", e)) for where, e in exprs.items()}
+
+
+def test_deploy_files_parse_and_point_at_each_other() -> None:
+    import yaml
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    datasource = yaml.safe_load(
+        (DEPLOY / "grafana/provisioning/datasources/prometheus.yaml").read_text()
+    )["datasources"][0]
+    provider = yaml.safe_load(
+        (DEPLOY / "grafana/provisioning/dashboards/leantune.yaml").read_text()
+    )["providers"][0]
+    scrape = yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())
+    assert datasource["type"] == "prometheus" and provider["type"] == "file"
+    uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p["targets"]}
+    assert uids == {datasource["uid"]}
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids)) >= 12
+    assert scrape["rule_files"] == ["alerts.yml"]
+    assert scrape["scrape_configs"][0]["metrics_path"] == "/metrics"
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for topic in ("loss", "learning rate", "gradient norm", "tokens/s", "mfu", "padding",
+                  "memory vs plan", "guard", "oom", "checkpoint age", "eta"):  # fmt: skip
+        assert topic in titles, topic
+
+
+def test_every_metric_a_panel_or_rule_queries_is_on_the_live_endpoint(live: LiveRun) -> None:
+    served = {s.name for f in live.scrapes[-1].families.values() for s in f.samples}
+    queried = queried_metrics()
+    assert len(set().union(*queried.values())) >= 20
+    missing = {where: names - served for where, names in queried.items() if names - served}
+    assert missing == {}
+
+
+def promtool(*args: str) -> str:
+    import subprocess
+
+    done = subprocess.run(["promtool", *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+def test_promtool_accepts_the_rules_and_the_config_and_the_alert_tests_pass() -> None:
+    assert "SUCCESS: 8 rules found" in promtool("check", "rules", str(ALERTS))
+    assert "is valid prometheus config" in promtool(
+        "check", "config", str(DEPLOY / "prometheus/prometheus.yml")
+    )
+    assert "SUCCESS" in promtool("test", "rules", str(DEPLOY / "prometheus/alerts_test.yml"))

@@ -95,13 +95,18 @@ def measure_peak_flops(device: torch.device, precision: str, rounds: int = 3) ->
 
 
 def _probe(device: torch.device, dtype: torch.dtype, rounds: int) -> float:
-    a = torch.randn(256, 256, device=device).to(dtype)
+    # Its own generator: the probe's size depends on timing, and the run's RNG must not.
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def matrix(n: int) -> torch.Tensor:
+        return torch.randn(n, n, device=device, generator=gen).to(dtype)
+
+    a = matrix(256)
     one = _seconds(a, a, 1, device) + _seconds(a, a, 1, device)  # warm-up, then a first timing
     rate = 2 * 256**3 / max(one / 2, 1e-9)
     size = int((rate * PROBE_SECONDS / 2) ** (1 / 3)) // 256 * 256
     size = min(max(size, 256), MAX_PROBE_SIZE.get(device.type, 1024))
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
+    a, b = matrix(size), matrix(size)
     first = _seconds(a, b, 1, device)
     repeats = max(1, math.ceil(PROBE_SECONDS / max(first, 1e-9)))
     best = min(_seconds(a, b, repeats, device) for _ in range(rounds)) / repeats

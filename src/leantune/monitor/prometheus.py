@@ -15,6 +15,7 @@ figures: memory, MFU and padding are rank 0's (loss and grad norm are the reduce
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -136,6 +137,8 @@ class PrometheusSink:
         check_port(host, port)
         self.host, self.port, self.log = host, port, log
         self.registry = CollectorRegistry()
+        self.lock = threading.Lock()
+        """Held while one record's values are written, and by each scrape (`server`)."""
         self.server: MetricsServer | None = None
         self._last_step = 0
         self._last_time = math.nan
@@ -222,14 +225,19 @@ class PrometheusSink:
         }
 
     def start(self, step: int) -> None:
-        self._last_step, self._last_time = step, time.time()
-        self.gauges["leantune_step"].set(step)
-        self.last_step_time.set(self._last_time)
+        with self.lock:
+            self._last_step, self._last_time = step, time.time()
+            self.gauges["leantune_step"].set(step)
+            self.last_step_time.set(self._last_time)
         if self.server is None:
-            self.server = MetricsServer(self.registry, self.health, self.host, self.port)
+            self.server = MetricsServer(self.registry, self.health, self.lock, self.host, self.port)
             self.log(f"metrics: {self.server.url}/metrics (Prometheus), {self.server.url}/health")
 
     def metrics(self, record: dict[str, Any]) -> None:
+        with self.lock:
+            self._write(record)
+
+    def _write(self, record: dict[str, Any]) -> None:
         for name, (key, _) in RECORD_GAUGES.items():
             if key in record:
                 self.gauges[name].set(_value(record[key]))
@@ -241,12 +249,17 @@ class PrometheusSink:
 
     def eval(self, row: dict[str, Any]) -> None:
         if "eval_loss" in row:
-            self.eval_loss.set(_value(row["eval_loss"]))
+            with self.lock:
+                self.eval_loss.set(_value(row["eval_loss"]))
 
     def event(self, event: dict[str, Any]) -> None:
         kind = str(event.get("kind", ""))
         if kind not in EVENT_KINDS:
             return  # a kind this version does not know: no new label value
+        with self.lock:
+            self._count(kind, event)
+
+    def _count(self, kind: str, event: dict[str, Any]) -> None:
         self.events.labels(kind=kind).inc()
         if kind in GUARD_KINDS:
             self.guard.labels(kind=kind).inc()

@@ -1,7 +1,9 @@
 """The HTTP endpoint of a run's metrics: /metrics (Prometheus text format) and /health.
 
-A small threaded WSGI server on a daemon thread, so a scrape never waits on the training step
-(prometheus_client's values take their own locks). `stop()` shuts it down and closes its
+A small threaded WSGI server on a daemon thread, so a scrape never waits on the training step.
+A scrape reads the registry under the sink's lock, which the sink holds while it writes one
+record's values: a scrape sees all of one step or all of the next, never a step's number with
+the previous step's loss. `stop()` shuts it down and closes its
 socket, so the next run can bind the same port at once.
 """
 
@@ -64,15 +66,21 @@ def _in_use(host: str, port: int, error: OSError) -> MetricsPortInUse:
     )
 
 
-def wsgi_app(registry: CollectorRegistry, health: Health) -> Callable[..., Iterable[bytes]]:
+def wsgi_app(
+    registry: CollectorRegistry, health: Health, lock: threading.Lock
+) -> Callable[..., Iterable[bytes]]:
     """/metrics: the registry in the text format; /health: `health()` as JSON; else 404."""
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
         if path == "/metrics":
-            body, kind, status = generate_latest(registry), CONTENT_TYPE_LATEST, "200 OK"
+            with lock:
+                body = generate_latest(registry)
+            kind, status = CONTENT_TYPE_LATEST, "200 OK"
         elif path == "/health":
-            body, kind, status = json.dumps(health()).encode(), "application/json", "200 OK"
+            with lock:
+                body = json.dumps(health()).encode()
+            kind, status = "application/json", "200 OK"
         else:
             body, kind, status = (
                 b"not found: try /metrics or /health\n",
@@ -88,12 +96,18 @@ def wsgi_app(registry: CollectorRegistry, health: Health) -> Callable[..., Itera
 class MetricsServer:
     """Serves a registry on `host:port` from a daemon thread until `stop()`."""
 
-    def __init__(self, registry: CollectorRegistry, health: Health, host: str, port: int):
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        health: Health,
+        lock: threading.Lock,
+        host: str,
+        port: int,
+    ):
         server_class = _Server6 if ":" in host else _Server
+        app = wsgi_app(registry, health, lock)
         try:
-            self._server = make_server(
-                host, port, wsgi_app(registry, health), server_class, _QuietHandler
-            )
+            self._server = make_server(host, port, app, server_class, _QuietHandler)
         except OSError as e:
             raise _in_use(host, port, e) from None
         self.host = host
