@@ -708,7 +708,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_count(0, 65535),
         default=None,
         metavar="N",
-        help="serve Prometheus metrics on 127.0.0.1:N/metrics (monitor.metrics_port; 0: any free)",
+        help="serve Prometheus metrics on 127.0.0.1:N/metrics and /health while training "
+        "(monitor.metrics_port; 0: any free port; default: off)",
     )
     t.set_defaults(func=cmd_train)
     v = sub.add_parser("validate", help="check a config without loading a model")
