@@ -8,10 +8,12 @@ process, so both arms share the machine's state. Reported:
 
 - the loop's time per step (between two records reaching the sinks: the step, its sinks, and
   nothing else, since evaluation is off and the only checkpoint comes after the last record),
-  median per arm, and their difference (noise on a shared machine is larger than the cost);
+  median per run, per pair and per arm; on a shared machine their differences are noise, far
+  larger than the cost, so the direct measures below are the numbers to read;
 - the cost measured directly, per step: the time inside each sink's calls, and inside
   `StepStats.fields` (padding, MFU, data wait, ETA, CPU, RSS: on in both arms); per scrape the
-  time the endpoint took to answer (it runs on a server thread, beside the step).
+  time the endpoint took to answer (it runs on a server thread, beside the step, and waits for
+  the GIL while the step holds it: an upper bound on what it takes from the step).
 
 Prints a table, then one JSON line.
 """
@@ -189,7 +191,10 @@ def main() -> None:
     scrape_share = scrape / args.scrape_every
     direct = per_sink.get("JsonlSink", 0) + per_sink.get("PrometheusSink", 0) + stats
     share = direct / step + scrape_share
+    pairs = [[base[i]["step_s"], prom[i]["step_s"]] for i in range(len(base))]
     print()
+    for i, (b, q) in enumerate(pairs):
+        print(f"pair {i}: without {b * 1e3:.1f} ms/step, with {q * 1e3:.1f} ({q / b - 1:+.1%})")
     print(f"{'':34} {'per step':>12} {'share of step':>14}")
     print(f"{'loop time per step, without':34} {step * 1e3:10.1f}ms")
     print(f"{'loop time per step, with':34} {step_prom * 1e3:10.1f}ms {step_prom / step - 1:13.2%}")
@@ -208,6 +213,7 @@ def main() -> None:
                 "pairs": args.pairs,
                 "step_s_without": round(step, 5),
                 "step_s_with": round(step_prom, 5),
+                "pairs_step_s": [[round(b, 4), round(q, 4)] for b, q in pairs],
                 "sink_us": {k: round(v * 1e6, 1) for k, v in per_sink.items()},
                 "step_stats_us": round(stats * 1e6, 1),
                 "scrape_ms": round(scrape * 1e3, 3),
