@@ -16,6 +16,7 @@ from conftest import make_config, prepare_rows
 from leantune.cli import main
 from leantune.config import GuardConfig
 from leantune.data.loader import SampleStream
+from leantune.monitor.step_stats import TIMING_FIELDS
 from leantune.training import guard_actions, recipe
 from leantune.training.checkpoint import latest_checkpoint, load_checkpoint
 from leantune.training.events import (
@@ -334,7 +335,7 @@ def test_loss_spike_rollback_restores_the_checkpoint_exactly(
     shutil.rmtree(run / "checkpoints" / "step-000008")
     recipe.train(make_config(tiny_llama_dir, chat_files[0], run, *common), log=lambda _: None)
     assert read_metrics(run / "metrics.jsonl") == [
-        {**m, **{k: n[k] for k in ("tokens_per_s", "step_time_s", "peak_mem_bytes", "rss_bytes")}}
+        {**m, **{k: n[k] for k in TIMING_FIELDS if k in n}}
         for m, n in zip(first, read_metrics(run / "metrics.jsonl"), strict=True)
     ]
 

@@ -1,6 +1,6 @@
 """Command line: a thin layer over the library.
 
-leantune train [CONFIG.yaml] [section.key=value ...]
+leantune train [CONFIG.yaml] [--metrics-port N] [section.key=value ...]
 leantune validate CONFIG.yaml [section.key=value ...] | --help-fields
 leantune prepare CONFIG.yaml | --data FILE... --format F --model PATH [--out DIR] [--engine dask]
 leantune plan [CONFIG.yaml] [--budget 24GiB] [--device cpu|cuda] [--json] [section.key=value ...]
@@ -130,6 +130,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from leantune.training.signals import Interrupted
 
     config, overrides = _split_config_args(args.args)
+    if args.metrics_port is not None:  # after the config's own overrides: the flag wins
+        overrides.append(f"monitor.metrics_port={args.metrics_port}")
     cfg = load_config(config, overrides)
     print(describe_base(config, overrides), flush=True)
     _quiet_libraries()
@@ -635,6 +637,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_RawEpilogHelpFormatter,
     )
     t.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
+    t.add_argument(
+        "--metrics-port",
+        type=_count(0, 65535),
+        default=None,
+        metavar="N",
+        help="serve Prometheus metrics on 127.0.0.1:N/metrics and /health while training "
+        "(monitor.metrics_port; 0: any free port; default: off)",
+    )
     t.set_defaults(func=cmd_train)
     v = sub.add_parser("validate", help="check a config without loading a model")
     v.add_argument("args", nargs="*", help="CONFIG.yaml [section.key=value ...]")
@@ -688,8 +698,18 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `leantune` console script."""
     from leantune.errors import UserError
 
+    parser = build_parser()
     try:
-        args = build_parser().parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        # argparse ends a nargs="*" positional at the first flag: `train cfg.yaml --metrics-port
+        # 9100 train.lr=1e-4` leaves the override over; it belongs to the CONFIG/overrides list.
+        if extra and (
+            not isinstance(getattr(args, "args", None), list)
+            or any(x.startswith("-") for x in extra)
+        ):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        if extra:
+            args.args += extra
     except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     _quiet_import_noise()

@@ -528,6 +528,7 @@ def validate(cfg: Config) -> list[str]:
         parse_memory_size(t.memory_budget, "train.memory_budget")
     _validate_guard(cfg.guard)
     _validate_run(cfg.run)
+    check_monitor(cfg.monitor)
     _validate_method(cfg)
     check_monitor(cfg.monitor)
     warnings: list[str] = check_libraries(cfg)

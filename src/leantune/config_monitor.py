@@ -42,9 +42,10 @@ class MonitorConfig:
     """Live metrics and the run report (metrics.jsonl and the progress bar are always on)."""
 
     metrics_port: int | None = None
-    """Serve Prometheus metrics on this port at /metrics (and /health); off when unset."""
+    """Serve Prometheus metrics on this port at /metrics (and /health) while the run trains;
+    off when unset, 0 picks a free port (logged). Only rank 0 serves in a distributed run."""
     metrics_host: str = "127.0.0.1"
-    """Address the metrics endpoint binds to (127.0.0.1: this machine only)."""
+    """Address the metrics endpoint binds to (127.0.0.1: this machine only; 0.0.0.0: all)."""
     tensorboard: bool = False
     """Write TensorBoard event files under <run dir>/tensorboard (needs the tensorboard extra)."""
     wandb: WandbConfig | None = None
@@ -59,15 +60,22 @@ class MonitorConfig:
 
 
 def check_monitor(m: MonitorConfig) -> None:
-    """A configured W&B or MLflow section names its target, and every configured backend's
-    package is installed (found, not imported: nothing loads before the run starts).
+    """A metrics port in 0..65535 and a host; a configured W&B or MLflow section names its
+    target, and every configured backend's package is installed (found, not imported: nothing
+    loads before the run starts). A taken port is found at set-up.
 
     Raises:
         ConfigError: naming the setting (and the pip extra to install).
     """
-    from leantune.config_parse import ConfigError
     from leantune.monitor.backends import check_packages
 
+    if m.metrics_port is not None and not 0 <= m.metrics_port <= 65535:
+        raise ConfigError(
+            f"monitor.metrics_port: must be a TCP port in 0..65535 (0: any free port), "
+            f"got {m.metrics_port}"
+        )
+    if not m.metrics_host.strip():
+        raise ConfigError("monitor.metrics_host: must be an address, e.g. 127.0.0.1 or 0.0.0.0")
     if m.wandb is not None and not m.wandb.project:
         raise ConfigError("monitor.wandb.project: required; the W&B project to log to")
     if m.mlflow is not None and not m.mlflow.uri:

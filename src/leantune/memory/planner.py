@@ -332,13 +332,32 @@ FALLBACK_MICRO_BATCH = 4
 """micro_batch_size=auto where the planner cannot model the run (an OOM still halves it)."""
 
 
+@dataclass(frozen=True)
+class PlannedMemory:
+    """What the planner told a run at its start: the log line, and the numbers monitoring shows
+    against the measured memory."""
+
+    note: str
+    peak_bytes: int | None
+    """Predicted peak of the step (None when the planner cannot model the run)."""
+    budget_bytes: int | None
+    """train.memory_budget, else the device's default budget (`default_budget`) at the start."""
+
+
+def _budget_or_none(cfg: Config, device: str) -> int | None:
+    try:
+        return budget_for(cfg, device)
+    except ValueError:  # no CUDA device here to measure
+        return None
+
+
 def plan_for_run(
     cfg: Config, device: str, labels_per_row: list[list[int]], global_batch: int | None = None
-) -> tuple[TrainConfig, str]:
+) -> tuple[TrainConfig, PlannedMemory]:
     """At the start of `train`: resolve `micro_batch_size=auto` and describe the prediction.
 
     Returns the train config to use (a copy with micro_batch_size and grad_accum resolved when
-    auto; `cfg.train` itself otherwise) and the log line with the predicted peak. `global_batch`
+    auto; `cfg.train` itself otherwise) and the prediction with its log line. `global_batch`
     is the run's rows per step when its data holds fewer than the configured global batch.
 
     auto is the default, so a planner that cannot model the model or method (it builds it on the
@@ -354,16 +373,18 @@ def plan_for_run(
     except Exception as e:  # a prediction is advice: it must never stop a configured run
         if isinstance(e, MethodError):  # nor let one go wrong
             raise
+        budget = _budget_or_none(cfg, device)
         if t.micro_batch_size != "auto":
-            return t, f"memory planner: no prediction ({e})"
+            return t, PlannedMemory(f"memory planner: no prediction ({e})", None, budget)
         batch = global_batch or configured_global_batch(t)
         mb = min(FALLBACK_MICRO_BATCH, batch)
         t = replace(t, micro_batch_size=mb, grad_accum=-(-batch // mb))
-        return t, (
+        note = (
             f"micro_batch_size=auto: the memory planner cannot model this run ({e}); "
             f"micro-batch {mb} x grad_accum {t.grad_accum} (global batch {batch}; an out of "
             "memory halves it)"
         )
+        return t, PlannedMemory(note, None, budget)
     if t.micro_batch_size == "auto":
         budget = budget_for(cfg, device)
         headroom = device == "cpu" and t.memory_budget is None
@@ -375,17 +396,23 @@ def plan_for_run(
             )
         except MemoryError as e:  # a prediction: the run (and its OOM handling) decides
             t = replace(t, micro_batch_size=1, grad_accum=inputs.global_batch)
-            return t, f"warning: {e}; training with 1 x grad_accum {inputs.global_batch}"
+            note = f"warning: {e}; training with 1 x grad_accum {inputs.global_batch}"
+            one = estimate(
+                inputs.facts, replace(inputs.step, micro_batch=1), inputs.weight_itemsize
+            )
+            return t, PlannedMemory(note, one.peak, budget_for(cfg, device))
         t = replace(t, micro_batch_size=mb, grad_accum=accum)
-        return t, (
+        note = (
             f"micro_batch_size=auto: {mb} x grad_accum {accum} (global batch "
             f"{inputs.global_batch}); planner predicts peak {b.peak / GIB:.2f} GiB of a "
             f"{budget / GIB:.2f} GiB budget"
             + (f" (available RAM / {CPU_RSS_FACTOR:g} for the allocator)" if headroom else "")
         )
+        return t, PlannedMemory(note, b.peak, budget_for(cfg, device))
     b = estimate(inputs.facts, inputs.step, inputs.weight_itemsize)
-    return t, (
+    note = (
         f"planner predicts peak {b.peak / GIB:.2f} GiB (weights {b.weights / GIB:.2f}, "
         f"optimizer {b.optimizer / GIB:.2f}, activations {b.activations / GIB:.2f}, "
         f"loss {b.loss / GIB:.2f}, gradients {b.gradients / GIB:.2f})"
     )
+    return t, PlannedMemory(note, b.peak, _budget_or_none(cfg, device))

@@ -60,7 +60,9 @@ from leantune.models.loading import (
 )
 from leantune.models.quantize import Quantization
 from leantune.monitor.backends import RunInfo, optional_sinks
+from leantune.monitor.prometheus import PrometheusSink, RunFacts
 from leantune.monitor.report import report_at_end
+from leantune.monitor.step_stats import StepStats, build_step_stats
 from leantune.training.checkpoint import TrainingState, latest_checkpoint, list_complete_checkpoints
 from leantune.training.divergence import WeightsDiverged
 from leantune.training.evaluation import (
@@ -96,6 +98,7 @@ from leantune.training.resume_policy import (
     recorded_schedule,
 )
 from leantune.training.run_setup import (
+    RunSetup,
     check_resumable,
     guard_settings,
     named_run,
@@ -110,7 +113,7 @@ from leantune.training.rundir import (
     write_record,
 )
 from leantune.training.signals import Interrupted, StopSignals
-from leantune.training.sinks import ConsoleSink, JsonlSink, Sinks
+from leantune.training.sinks import ConsoleSink, JsonlSink, Sink, Sinks
 from leantune.training.strategy import ParallelStrategy, SingleProcess
 from leantune.training.summary import write_summary
 from leantune.training.trainer import RunFiles, StepResult, StepSettings, Trainer, train_step
@@ -255,8 +258,7 @@ def set_up(
         sample = t.eval_every_sample if cfg.data.format != "text" else 0
         evaluator = PeriodicEval(model, eval_inputs, settings, sample)
     # The trainer, its sinks (events reach them too), then its start state.
-    sinks = _sinks(cfg, files, with_eval=evaluator is not None, log=log)
-    events.listeners.append(sinks.event)
+    stats, sinks = _monitoring(cfg, run, files, events, model, device, strategy, evaluator, log)
     trainer = build_trainer(
         cfg,
         model=model,
@@ -271,6 +273,7 @@ def set_up(
         stop=stop,
         global_batch=run.global_batch,
         strategy=strategy,
+        stats=stats,
     )
     start_state(trainer, cfg, run.plan, log)
     if base_exact_match is not None and trainer.progress.base_exact_match is None:
@@ -352,18 +355,67 @@ def _wrap(
     return strategy.wrap_model(model), params, (trainable, total)
 
 
-def _sinks(cfg: Config, files: RunFiles, *, with_eval: bool, log: Log) -> Sinks:
-    """metrics.jsonl/eval.jsonl, the progress bar and the configured monitoring backends."""
-    assert cfg.train.max_steps is not None, "resolved by set_up_run"
-    name = cfg.run.name if cfg.run.name != AUTO_RUN_NAME else files.run_dir.name  # run.dir set
-    run = RunInfo(files.run_dir, name, to_dict(cfg))
-    return Sinks(
-        [
-            JsonlSink(files.run_dir, with_eval),
-            ConsoleSink(cfg.train.max_steps, cfg.run.progress, log),
-            *optional_sinks(cfg.monitor, run),
-        ]
+def _monitoring(
+    cfg: Config,
+    run: RunSetup,
+    files: RunFiles,
+    events: EventLog,
+    model: nn.Module,
+    device: torch.device,
+    strategy: ParallelStrategy,
+    evaluator: PeriodicEval | None,
+    log: Log,
+) -> tuple[StepStats, Sinks]:
+    """The per-step figures (MFU's peak is measured here) and the sinks, which hear the events."""
+    stats = build_step_stats(model, device, cfg.train.precision, cfg.train.max_steps, log)
+    trainable, total = count_parameters(model)
+    memory = run.memory
+    facts = RunFacts(
+        run_name=cfg.run_dir.name,
+        method=cfg.method.name,
+        model=cfg.model.path,
+        device=device.type,
+        precision=cfg.train.precision,
+        max_steps=int(cfg.train.max_steps or 0),
+        trainable_params=trainable,
+        total_params=total,
+        planned_peak_bytes=memory.peak_bytes if memory is not None else None,
+        memory_budget_bytes=memory.budget_bytes if memory is not None else None,
+        peak_flops=stats.peak_flops,
     )
+    main = strategy.is_main_process
+    sinks = _sinks(cfg, files, with_eval=evaluator is not None, log=log, facts=facts, main=main)
+    events.listeners.append(sinks.event)
+    return stats, sinks
+
+
+def _sinks(
+    cfg: Config,
+    files: RunFiles,
+    *,
+    with_eval: bool,
+    log: Log,
+    facts: RunFacts | None = None,
+    main: bool = True,
+) -> Sinks:
+    """metrics.jsonl/eval.jsonl, the progress bar, with monitor.metrics_port the Prometheus
+    endpoint, and the configured TensorBoard/W&B/MLflow sinks: the monitoring backends on the
+    main process (rank 0) only.
+
+    Raises:
+        MetricsPortInUse: monitor.metrics_port cannot be bound (exit 2, before training).
+    """
+    assert cfg.train.max_steps is not None, "resolved by set_up_run"
+    sinks: list[Sink] = [
+        JsonlSink(files.run_dir, with_eval),
+        ConsoleSink(cfg.train.max_steps, cfg.run.progress, log),
+    ]
+    m = cfg.monitor
+    if m.metrics_port is not None and facts is not None and main:
+        sinks.append(PrometheusSink(m.metrics_host, m.metrics_port, facts, files.ckpt_dir, log))
+    name = cfg.run.name if cfg.run.name != AUTO_RUN_NAME else files.run_dir.name  # run.dir set
+    sinks.extend(optional_sinks(m, RunInfo(files.run_dir, name, to_dict(cfg))) if main else [])
+    return Sinks(sinks)
 
 
 def build_trainer(
@@ -381,6 +433,7 @@ def build_trainer(
     stop: StopSignals,
     global_batch: int,
     strategy: ParallelStrategy,
+    stats: StepStats | None = None,
 ) -> Trainer:
     """Optimizer, schedule, scaler, sample stream and guard around the wrapped model.
 
@@ -416,6 +469,7 @@ def build_trainer(
         faults=faults,
         levers=levers_message(int(cfg.data.max_seq_len), t.gradient_checkpointing, cfg.method.name),
         stop=stop,
+        stats=stats if stats is not None else StepStats(),
     )
 
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from leantune.data.dataset import PreparedData
 from leantune.data.loader import SampleStream, collate, split_window
+from leantune.monitor.step_stats import StepStats
 from leantune.training.checkpoint import (
     Checkpoint,
     TrainingState,
@@ -107,6 +108,8 @@ class Trainer:
     """What to try when one sequence does not fit (the OOM-at-minimum message)."""
     stop: StopSignals = field(default_factory=StopSignals)
     """SIGTERM/SIGINT: `accumulate` checks it at every micro-batch boundary."""
+    stats: StepStats = field(default_factory=StepStats)
+    """The record's padding, MFU, data-wait, ETA, CPU and GPU fields (`monitor.step_stats`)."""
 
     @property
     def grad_accum(self) -> int:
@@ -188,9 +191,12 @@ class StepResult:
 def train_step(tr: Trainer) -> StepResult:
     """One window: backward -> unscale -> clip (measure) -> guard -> step or skip."""
     start = time.perf_counter()
+    tr.stats.begin()
     step = tr.state.step + 1
-    window = tr.stream.window(tr.samples_seen, tr.global_batch)
-    loss, batches = accumulate(tr, tr.strategy.shard_window(window))
+    with tr.stats.data:
+        window = tr.stream.window(tr.samples_seen, tr.global_batch)
+        shard = tr.strategy.shard_window(window)
+    loss, batches = accumulate(tr, shard)
     loss = tr.faults.spike(step, loss, tr.params.values())
     if tr.scaler is not None:
         tr.scaler.unscale_(tr.optimizer)
@@ -209,7 +215,9 @@ def train_step(tr: Trainer) -> StepResult:
     tr.samples_seen += len(window)
     tr.state.micro_batches_seen += len(batches)
     elapsed = time.perf_counter() - start
-    tokens = sum(len(tr.data.rows[i].input_ids) for i in window)
+    tokens = sum(len(tr.data.rows[i].input_ids) for i in window)  # non-pad: the useful ones
+    local = sum(len(tr.data.rows[i].input_ids) for i in shard)
+    elements = sum(b["input_ids"].numel() for b in batches)
     record = {
         "step": step,
         "loss": loss,
@@ -223,6 +231,7 @@ def train_step(tr: Trainer) -> StepResult:
         "optimizer_stepped": stepped,
         "micro_batch_size": tr.micro_batch_size,
         "grad_accum": tr.grad_accum,
+        **tr.stats.fields(step, local, elements, elapsed),
     }
     return StepResult(record, decision, window, tr.samples_seen)
 
@@ -268,8 +277,9 @@ def accumulate(tr: Trainer, window: list[int]) -> tuple[float, list[dict[str, to
     tr.stop.check()
     rng = capture_rng_state()
     while True:
-        micro = split_window(window, tr.micro_batch_size)
-        batches = [collate([tr.data.rows[i] for i in m], tr.pad_id) for m in micro]
+        with tr.stats.data:
+            micro = split_window(window, tr.micro_batch_size)
+            batches = [collate([tr.data.rows[i] for i in m], tr.pad_id) for m in micro]
 
         def check(k: int, count: int = len(batches)) -> None:
             tr.stop.check()
