@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from leantune.config_parse import ConfigError
+
 
 @dataclass
 class WandbConfig:
