@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_cli, tiny_train_args, write_jsonl
+from conftest import chat_rows, make_config, run_cli, tiny_train_args, write_jsonl
 from prometheus_client.parser import text_string_to_metric_families
-from test_training import chat_rows, make_config
 
 from leantune.monitor.prometheus import PrometheusSink, RunFacts
 from leantune.training import recipe

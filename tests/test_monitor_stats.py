@@ -11,8 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import write_jsonl
-from test_training import chat_rows, make_config
+from conftest import chat_rows, make_config, write_jsonl
 from transformers import AutoModelForCausalLM
 
 from leantune.config import MethodConfig

@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import write_jsonl
+from conftest import chat_rows, make_config, write_jsonl
 from test_monitor_prometheus import free_port
-from test_training import chat_rows, make_config
 
 from leantune.training import recipe
 from leantune.training.metrics import read_metrics
