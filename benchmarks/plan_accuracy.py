@@ -112,7 +112,7 @@ def _warm_up(method: str, ckpt: bool, attn: str) -> None:
     from leantune.methods.registry import apply_method, trainable_named_parameters
     from leantune.models.loading import enable_gradient_checkpointing
     from leantune.training.optim import build_optimizer
-    from leantune.training.recipe import backward_window
+    from leantune.training.trainer import backward_window
 
     dims = {**SMALL, "vocab_size": 512, "num_hidden_layers": 2, "hidden_size": 64}
     dims["intermediate_size"] = 128
@@ -141,7 +141,7 @@ def worker(name: str) -> dict[str, Any]:
     from leantune.methods.registry import apply_method, trainable_named_parameters
     from leantune.models.loading import enable_gradient_checkpointing, load_model, resolve_model
     from leantune.training.optim import build_optimizer
-    from leantune.training.recipe import backward_window
+    from leantune.training.trainer import backward_window
 
     torch.set_num_threads(1)
     model_name, method, mb, seq, ckpt, attn = GRID[name]

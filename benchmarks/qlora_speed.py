@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from leantune.config import load_config
-from leantune.data.dataset import prepare_file
+from leantune.data.dataset import prepared_data
 from leantune.data.loader import collate
+from leantune.data.prepare.records import PrepareSettings
 from leantune.methods.registry import (
     apply_method,
     base_quantization,
@@ -27,7 +28,7 @@ from leantune.methods.registry import (
 )
 from leantune.models.loading import load_model, load_tokenizer, resolve_model
 from leantune.training.optim import build_optimizer
-from leantune.training.recipe import backward_window
+from leantune.training.trainer import backward_window
 
 DEMO_TRAIN = Path(__file__).resolve().parents[1] / "src/leantune/demo/data/support_train.jsonl"
 
@@ -80,7 +81,8 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok = load_tokenizer(resolve_model(args.model))
-    data = prepare_file(args.data, "chat", tok, args.seq, pack=True, max_bad_fraction=1.0)
+    settings = PrepareSettings("chat", args.seq, pack=True)
+    data = prepared_data(args.data, settings=settings, tokenizer=tok, max_bad_fraction=1.0)
     rows = data.rows[: (args.steps + 1) * args.batch]
     results = [measure(name, args, rows, device) for name in ("lora", "qlora")]
     cols = list(results[0])

@@ -1,6 +1,8 @@
-"""Shared fixtures: a tokenizer trained in-process and tiny Llama/Qwen2 models built from config.
+"""Shared fixtures and helpers: a tokenizer trained in-process, tiny Llama/Qwen2 models built from
+config, the chat rows and config most training tests use, and an in-process CLI runner.
 
-Nothing here touches the network; every fixture is deterministic.
+Nothing here touches the network; every fixture is deterministic. Test files import the helpers
+with `from conftest import ...` (never from one another).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +24,10 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+
+from leantune.config import Config, load_config
+from leantune.data.dataset import PreparedData, prepared_data
+from leantune.data.prepare.records import PrepareSettings
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -144,6 +151,87 @@ def write_jsonl(path: Path, rows: list[object]) -> Path:
     return path
 
 
+def prepare_rows(
+    path: Path,
+    fmt: str,
+    tokenizer: PreTrainedTokenizerFast,
+    max_seq_len: int,
+    pack: bool,
+    *,
+    system_prompt: str | None = None,
+    max_bad_fraction: float = 0.0,
+    limit: int | None = None,
+) -> PreparedData:
+    """A data file's rows through `prepared_data` (the one data path), uncleaned, without a
+    cache directory: what `eval` and `plan` read."""
+    return prepared_data(
+        path,
+        settings=PrepareSettings(fmt, max_seq_len, pack, system_prompt),
+        tokenizer=tokenizer,
+        max_bad_fraction=max_bad_fraction,
+        limit=limit,
+    )
+
+
+def chat_rows(n: int, offset: int = 0) -> list[dict[str, Any]]:
+    """`n` short order-status chats (user question, JSON assistant answer), from `offset` on."""
+    items = ["lamp", "desk", "phone", "cable", "chair", "mouse", "screen", "bag"]
+    rows = []
+    for i in range(offset, offset + n):
+        item = items[i % len(items)]
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"Order {i} for a {item}, status?"},
+                    {"role": "assistant", "content": json.dumps({"item": item, "id": i})},
+                ]
+            }
+        )
+    return rows
+
+
+# Eight one-word chats ("q i" -> "a i"): the methods' and adapters' round-trip data.
+QA_ROWS = [
+    {
+        "messages": [
+            {"role": "user", "content": f"q {i}"},
+            {"role": "assistant", "content": f"a {i}"},
+        ]
+    }
+    for i in range(8)
+]
+
+
+@pytest.fixture()
+def chat_files(tmp_path: Path) -> tuple[Path, Path]:
+    """(train.jsonl with 24 chats, eval.jsonl with 4 others) under the test's tmp_path."""
+    return (
+        write_jsonl(tmp_path / "train.jsonl", chat_rows(24)),
+        write_jsonl(tmp_path / "eval.jsonl", chat_rows(4, offset=100)),
+    )
+
+
+def make_config(model_dir: Path, train_file: Path, run_dir: Path, *extra: str) -> Config:
+    """A 4-step chat run on a tiny model (micro-batch 2, lr 1e-2, seed 3, no evaluation);
+    `extra` overrides come last, so they win."""
+    overrides = [
+        f"model.path={model_dir}",
+        f"data.train={train_file}",
+        "data.format=chat",
+        "data.max_seq_len=128",
+        f"run.dir={run_dir}",
+        "run.progress=false",
+        "train.max_steps=4",
+        "train.micro_batch_size=2",
+        "train.lr=1e-2",
+        "train.seed=3",
+        "data.eval=null",
+        "train.eval_exact_match=false",
+        *extra,
+    ]
+    return load_config(None, overrides)
+
+
 def tiny_train_args(model: Path, data: Path, run_dir: Path | None, *extra: str) -> list[str]:
     """`leantune train` on a tiny model and a chat file: no evaluation, no progress bar,
     micro-batch 2, lr 1e-2. `extra` overrides come last, so they win; no `run.dir` when
@@ -188,3 +276,12 @@ def run_cli(args: list[str]) -> CliResult:
     result = CliResult(code, out.getvalue(), err.getvalue())
     assert "Traceback" not in result.out + result.err, result
     return result
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -7,17 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import write_jsonl
+from conftest import QA_ROWS, prepare_rows, write_jsonl
 from safetensors.torch import load_file
-from test_methods import ROWS
 from transformers import AutoModelForCausalLM
 
-from leantune.data.dataset import prepare_file
 from leantune.data.loader import collate
 from leantune.methods.adapter import AdapterSettings, apply_adapter
 from leantune.methods.registry import merge_for_inference, trainable_named_parameters
 from leantune.models.artifacts import load_for_inference, save_final
-from leantune.training.loss import supervised_logits, token_loss_sum
+from leantune.training.token_loss import supervised_logits, token_loss_sum
 
 IDS = torch.tensor([[5, 17, 42, 7, 99, 3]])
 
@@ -90,7 +88,9 @@ def test_kl_to_base_is_zero_at_init_and_exact_after_a_change(
     model = apply_adapter(
         AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir), AdapterSettings()
     ).eval()
-    data = prepare_file(write_jsonl(tmp_path / "d.jsonl", ROWS), "chat", tokenizer, 64, pack=True)
+    data = prepare_rows(
+        write_jsonl(tmp_path / "d.jsonl", QA_ROWS), "chat", tokenizer, 64, pack=True
+    )
     batch = collate(data.rows, 0)
     with torch.no_grad():
         assert torch.equal(token_loss_sum(model, batch, 0.5), token_loss_sum(model, batch))

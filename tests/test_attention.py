@@ -35,8 +35,8 @@ from leantune.models.attention import (
     segment_mask,
 )
 from leantune.models.loading import enable_gradient_checkpointing
-from leantune.training.loss import token_loss_sum
 from leantune.training.recipe import train
+from leantune.training.token_loss import token_loss_sum
 
 VOCAB = 384
 LENGTHS = [5, 9, 3, 15, 20, 7, 5, 11, 2]

@@ -14,9 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import run_cli, write_jsonl
+from conftest import chat_rows, run_cli, write_jsonl
 from safetensors import SafetensorError
-from test_training import chat_rows
 
 import leantune.training.checkpoint as ck
 from leantune.training import checkpoint_verify, recipe

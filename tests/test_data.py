@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import prepare_rows, write_jsonl
 from transformers import AutoModelForCausalLM
 
-from leantune.data.dataset import DataError, prepare_file
+from leantune.data.dataset import DataError
 from leantune.data.formats import read_jsonl
 from leantune.data.loader import BatchSchedule, collate
 from leantune.data.packing import pack_examples, packing_efficiency, single_rows
 from leantune.data.tokenize import IGNORE_INDEX, encode_chat, encode_text
-from leantune.training.loss import count_supervised, supervised_logits, token_loss_sum
+from leantune.training.token_loss import count_supervised, supervised_logits, token_loss_sum
 
 CHAT = {
     "messages": [
@@ -108,17 +108,17 @@ def test_over_long_lines_are_bad_and_too_many_bad_lines_refuse(tmp_path: Path, t
     rows = [{"text": "short"}] * 3 + [{"text": "long " * 200}]
     path = write_jsonl(tmp_path / "t.jsonl", rows)
     with pytest.raises(DataError) as err:
-        prepare_file(path, "text", tokenizer, max_seq_len=64, pack=False, max_bad_fraction=0.1)
+        prepare_rows(path, "text", tokenizer, max_seq_len=64, pack=False, max_bad_fraction=0.1)
     assert f"{path}:4: too long" in str(err.value)
     assert "data.max_bad_fraction=0.1" in str(err.value)
-    data = prepare_file(path, "text", tokenizer, max_seq_len=64, pack=False, max_bad_fraction=0.5)
+    data = prepare_rows(path, "text", tokenizer, max_seq_len=64, pack=False, max_bad_fraction=0.5)
     assert len(data.examples) == 3 and [b.line for b in data.bad] == [4]
 
 
 def test_refuses_to_train_on_nothing(tmp_path: Path, tokenizer) -> None:
     path = write_jsonl(tmp_path / "e.jsonl", ["", ""])
     with pytest.raises(DataError, match="no records"):
-        prepare_file(path, "text", tokenizer, 64, pack=False)
+        prepare_rows(path, "text", tokenizer, 64, pack=False)
 
 
 def _examples(tokenizer) -> list:

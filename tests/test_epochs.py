@@ -17,13 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli, write_jsonl
+from conftest import prepare_rows, run_cli, write_jsonl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from leantune.config import effective_pack, load_config
-from leantune.data.dataset import prepare_file
 from leantune.data.loader import SampleStream
 from leantune.training.metrics import read_metrics
 from leantune.training.run_setup import steps_for
@@ -125,7 +124,7 @@ def test_16_examples_with_a_global_batch_of_32_never_repeat_a_row(
     extra = ("data.format=alpaca", "data.max_seq_len=512", "train.max_steps=3")
     result = run_cli(own_data_args(tiny_llama_dir, data, run, *extra, "train.global_batch_size=32"))
     assert result.code == 0, result.err
-    prepared = prepare_file(data, "alpaca", tokenizer, 512, pack=True)
+    prepared = prepare_rows(data, "alpaca", tokenizer, 512, pack=True)
     assert len(prepared.rows) == 1  # all 16 examples in one packed row
     tokens = len(prepared.rows[0].input_ids)
     steps = read_metrics(run / "metrics.jsonl")
@@ -154,7 +153,7 @@ def test_two_epochs_give_the_computed_steps_and_the_record_keeps_them(
     assert result.code == 0, result.err
     steps = read_metrics(run / "metrics.jsonl")
     assert [m["step"] for m in steps] == [1, 2, 3, 4, 5, 6]  # 2 x (4 + 4 + 2 rows)
-    prepared = prepare_file(data, "chat", tokenizer, 512, pack=False)
+    prepared = prepare_rows(data, "chat", tokenizer, 512, pack=False)
     epoch_tokens = sum(len(r.input_ids) for r in prepared.rows)
     assert sum(m["tokens"] for m in steps[:3]) == sum(m["tokens"] for m in steps[3:])
     assert sum(m["tokens"] for m in steps[:3]) == epoch_tokens
@@ -216,7 +215,7 @@ def test_max_seq_len_follows_the_data_and_the_data_is_tokenised_once(
     run = tmp_path / "run"
     result = run_cli(own_data_args(tiny_llama_dir, data, run, "train.max_steps=2"))
     assert result.code == 0, result.err
-    longest = max(len(e.input_ids) for e in prepare_file(data, "chat", tokenizer, 512, False).rows)
+    longest = max(len(e.input_ids) for e in prepare_rows(data, "chat", tokenizer, 512, False).rows)
     assert record(run)["data.max_seq_len"] == longest
     (line,) = [x for x in result.out.splitlines() if x.startswith("data.max_seq_len=auto")]
     assert str(longest) in line and "512" in line  # the choice, and the model's context

@@ -6,20 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import write_jsonl
-from test_training import chat_rows, make_config
+from conftest import make_config
 
 from leantune.config import ConfigError
 from leantune.training.metrics import read_metrics
 from leantune.training.recipe import train
-
-
-@pytest.fixture()
-def chat_files(tmp_path: Path) -> tuple[Path, Path]:
-    return (
-        write_jsonl(tmp_path / "train.jsonl", chat_rows(24)),
-        write_jsonl(tmp_path / "eval.jsonl", chat_rows(4, offset=100)),
-    )
 
 
 def test_eval_every_logs_rows_and_leaves_training_unchanged(

@@ -15,10 +15,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from conftest import CHATML_TEMPLATE, run_cli, save_tiny_model, tiny_train_args, write_jsonl
+from conftest import (
+    CHATML_TEMPLATE,
+    prepare_rows,
+    run_cli,
+    save_tiny_model,
+    tiny_train_args,
+    write_jsonl,
+)
 from transformers import AutoTokenizer
 
-from leantune.data.dataset import DataError, prepare_file
+from leantune.data.dataset import DataError
 from leantune.data.formats import FORMATS, detect_format, read_records
 from leantune.data.prepare.pipeline import cache_key, prepare_dataset
 from leantune.data.prepare.records import PrepareSettings
@@ -204,7 +211,7 @@ def test_prompt_completion_supervises_only_the_completion(tmp_path: Path, tokeni
     # the prepare pipeline (train's path) and the prepared directory agree
     out = tmp_path / "o"
     prepare_dataset([str(path)], PrepareSettings("prompt_completion", 128), tokenizer, out)
-    from leantune.data.prepare.training import load_prepared
+    from leantune.data.dataset import load_prepared
 
     data = load_prepared(out)
     [ex] = data.examples
@@ -314,7 +321,7 @@ def test_a_file_in_another_format_names_the_format_to_use(
 ) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", [SAMPLES[real]] * 4)
     with pytest.raises(DataError) as e:
-        prepare_file(path, said, tokenizer, 128, pack=False)
+        prepare_rows(path, said, tokenizer, 128, pack=False)
     message = str(e.value)
     assert f"every record lacks '{KEY[said]}' but has '{KEY[real]}'" in message, message
     assert f"use data.format={real}" in message
@@ -324,7 +331,7 @@ def test_the_hint_needs_most_lines_to_miss_the_field(tmp_path: Path, tokenizer) 
     rows = [SAMPLES["chat"]] * 3 + [SAMPLES["sharegpt"]] + [{"messages": 1}] * 2
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     with pytest.raises(DataError) as e:
-        prepare_file(path, "chat", tokenizer, 128, pack=False)
+        prepare_rows(path, "chat", tokenizer, 128, pack=False)
     assert "data.format=" not in str(e.value)
 
 
@@ -408,7 +415,7 @@ def _bare(tokenizer):
 def test_no_template_error_offers_data_chat_template(tmp_path: Path, tokenizer) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", [SAMPLES["chat"]])
     with pytest.raises(DataError) as e:
-        prepare_file(path, "chat", _bare(tokenizer), 128, pack=False)
+        prepare_rows(path, "chat", _bare(tokenizer), 128, pack=False)
     assert "no chat template" in str(e.value)
     assert "data.chat_template=chatml" in str(e.value)
 

@@ -24,11 +24,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
+from conftest import prepare_rows
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
 from leantune.data.bounds import token_floor
-from leantune.data.dataset import DataError, prepare_file
+from leantune.data.dataset import DataError
 from leantune.data.formats import detect_format
 from leantune.data.prepare.clean import RULES
 from leantune.data.prepare.pipeline import prepare_dataset
@@ -213,7 +214,7 @@ def check_file(path: Path, fmt: str, tok: Any, clean: bool = False) -> None:
     except DataError as e:
         assert str(path) in str(e)
         with pytest.raises(DataError):
-            prepare_file(path, fmt, tok, MAX_SEQ_LEN, pack=False, max_bad_fraction=1.0)
+            prepare_rows(path, fmt, tok, MAX_SEQ_LEN, pack=False, max_bad_fraction=1.0)
         return
     result = process_chunk(items, s, tok)
     assert len(result.kept) + len(result.rejected) == len(result.order) == len(items)
@@ -222,13 +223,13 @@ def check_file(path: Path, fmt: str, tok: Any, clean: bool = False) -> None:
     for k in result.kept:
         assert k.input_ids.size <= MAX_SEQ_LEN and (k.labels != -100).any()
     try:
-        data = prepare_file(path, fmt, tok, MAX_SEQ_LEN, pack=False, max_bad_fraction=1.0)
+        data = prepare_rows(path, fmt, tok, MAX_SEQ_LEN, pack=False, max_bad_fraction=1.0)
     except DataError as e:  # nothing usable: the same verdict as above, unless cleaning differs
         assert str(path) in str(e) and (clean or not result.kept)
         return
     assert data.total_lines == len(data.examples) + len(data.bad)
     assert all(b.file == str(path) and b.line >= 1 for b in data.bad)
-    if not clean:  # the same records pass both paths (prepare_file does not clean)
+    if not clean:  # the same records pass both paths (prepare_rows does not clean)
         assert len(data.examples) == len(result.kept)
     assert detect_format(path) in FORMATS
 

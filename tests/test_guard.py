@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import write_jsonl
-from test_training import chat_rows, make_config
+from conftest import make_config, prepare_rows
 
 from leantune.cli import main
 from leantune.config import GuardConfig
 from leantune.data.loader import SampleStream
+from leantune.monitor.step_stats import TIMING_FIELDS
 from leantune.training import guard_actions, recipe
 from leantune.training.checkpoint import latest_checkpoint, load_checkpoint
 from leantune.training.events import (
@@ -30,15 +30,6 @@ from leantune.training.faults import LOSS_SCALE_ENV
 from leantune.training.guard import Decision, GuardHistory, GuardSettings, decide, remember
 from leantune.training.metrics import read_metrics
 from leantune.training.optim import warmup_cosine
-
-
-@pytest.fixture()
-def chat_files(tmp_path: Path) -> tuple[Path, Path]:
-    return (
-        write_jsonl(tmp_path / "train.jsonl", chat_rows(24)),
-        write_jsonl(tmp_path / "eval.jsonl", chat_rows(4, offset=100)),
-    )
-
 
 DATA = Path(__file__).parent / "data"
 
@@ -344,7 +335,7 @@ def test_loss_spike_rollback_restores_the_checkpoint_exactly(
     shutil.rmtree(run / "checkpoints" / "step-000008")
     recipe.train(make_config(tiny_llama_dir, chat_files[0], run, *common), log=lambda _: None)
     assert read_metrics(run / "metrics.jsonl") == [
-        {**m, **{k: n[k] for k in ("tokens_per_s", "step_time_s", "peak_mem_bytes", "rss_bytes")}}
+        {**m, **{k: n[k] for k in TIMING_FIELDS if k in n}}
         for m, n in zip(first, read_metrics(run / "metrics.jsonl"), strict=True)
     ]
 
@@ -446,9 +437,7 @@ def test_loss_scaler_overflow_is_not_a_guard_event_but_a_nonfinite_loss_is(
 def test_rows_name_their_examples_so_events_can_cite_source_lines(
     tokenizer, chat_files, pack: bool
 ) -> None:
-    from leantune.data.dataset import prepare_file
-
-    data = prepare_file(chat_files[0], "chat", tokenizer, 128, pack=pack)
+    data = prepare_rows(chat_files[0], "chat", tokenizer, 128, pack=pack)
     assert len(data.rows) < 24 if pack else len(data.rows) == 24
     for row in data.rows:
         assert row.input_ids == [t for e in row.examples for t in data.examples[e].input_ids]

@@ -15,14 +15,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import write_jsonl
+from conftest import prepare_rows, write_jsonl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from leantune.data.bounds import token_floor
-from leantune.data.dataset import prepare_file
 from leantune.data.formats import parse_alpaca, parse_chat
 from leantune.data.prepare.pipeline import prepare_dataset
 from leantune.data.prepare.records import PrepareSettings, encode_batch
@@ -273,10 +272,10 @@ def test_supervision_is_exactly_the_assistant_turns(which: str, tokenizer, reque
 def test_prepared_data_supervises_only_assistant_turns(tmp_path: Path, smol) -> None:
     records = _mixed_records()
     path = write_jsonl(tmp_path / "d.jsonl", [{"messages": m} for m in records])
-    data = prepare_file(path, "chat", smol, 2048, pack=False)
+    data = prepare_rows(path, "chat", smol, 2048, pack=False)
     out = tmp_path / "out"
     prepare_dataset([str(path)], PrepareSettings(format="chat", max_seq_len=2048), smol, out)
-    from leantune.data.prepare.training import load_prepared
+    from leantune.data.dataset import load_prepared
 
     prepared = load_prepared(out)
     for got in (data, prepared):
@@ -426,7 +425,7 @@ def test_an_over_long_record_is_rejected_without_tokenising(
     [rej] = [json.loads(x) for x in (out / "rejected.jsonl").read_text().splitlines()]
     assert rej["line"] == 2 and rej["kind"] == "too_long"
     assert "data.max_seq_len=64" in rej["reason"] and "at least" in rej["reason"]
-    data = prepare_file(path, fmt, tokenizer, 64, pack=False, max_bad_fraction=0.5)
+    data = prepare_rows(path, fmt, tokenizer, 64, pack=False, max_bad_fraction=0.5)
     assert [b.line for b in data.bad] == [2] and data.bad[0].reason.startswith("too long")
     assert len(data.examples) == 2
     assert seen and max(seen) < 1000  # the 5 MB record never reached the tokenizer
@@ -436,7 +435,7 @@ def test_a_record_that_fits_is_never_rejected_by_the_floor(tmp_path: Path, smol)
     dense = "#" * 16_000  # runs of SmolLM2's longest tokens: about 64 bytes a token
     n = len(smol(dense, add_special_tokens=False)["input_ids"])
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": dense}])
-    data = prepare_file(path, "text", smol, n + 1, pack=False)  # + the end-of-text token
+    data = prepare_rows(path, "text", smol, n + 1, pack=False)  # + the end-of-text token
     assert len(data.examples) == 1 and not data.bad
     report = prepare_dataset(
         [str(path)], PrepareSettings(format="text", max_seq_len=n + 1), smol, tmp_path / "o"

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import QA_ROWS, prepare_rows, write_jsonl
 from transformers import AutoModelForCausalLM
 
 from leantune.config import load_config
-from leantune.data.dataset import prepare_file
 from leantune.data.loader import collate
 from leantune.methods.adapter import BLOCK_ATTR
 from leantune.methods.prompt import PROMPT_LEARNING_METHODS
@@ -39,16 +38,6 @@ EXPECTED_KINDS = {
     "prompt": {"prompt_encoder"},
 }
 KIND_MARKERS = ("prompt_encoder", BLOCK_ATTR)
-
-ROWS = [
-    {
-        "messages": [
-            {"role": "user", "content": f"q {i}"},
-            {"role": "assistant", "content": f"a {i}"},
-        ]
-    }
-    for i in range(8)
-]
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))
@@ -78,7 +67,9 @@ def test_method_trains_its_parameters_and_round_trips(
         assert not any("embed_tokens" in n for n in params)
     else:
         assert kinds == EXPECTED_KINDS[name], kinds
-    data = prepare_file(write_jsonl(tmp_path / "d.jsonl", ROWS), "chat", tokenizer, 64, pack=pack)
+    data = prepare_rows(
+        write_jsonl(tmp_path / "d.jsonl", QA_ROWS), "chat", tokenizer, 64, pack=pack
+    )
     opt = build_optimizer(params, lr=1e-2, weight_decay=0.0)
     model.train()
     for _ in range(3):
@@ -119,11 +110,13 @@ def test_kl_to_base_is_zero_at_init_and_exact_after_a_change(
 ) -> None:
     import torch.nn.functional as F
 
-    from leantune.training.loss import supervised_logits, token_loss_sum
+    from leantune.training.token_loss import supervised_logits, token_loss_sum
 
     cfg = load_config(None, ["method.name=lora"])
     model = apply_method(AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir), cfg.method).eval()
-    data = prepare_file(write_jsonl(tmp_path / "d.jsonl", ROWS), "chat", tokenizer, 64, pack=True)
+    data = prepare_rows(
+        write_jsonl(tmp_path / "d.jsonl", QA_ROWS), "chat", tokenizer, 64, pack=True
+    )
     batch = collate(data.rows, 0)
     with torch.no_grad():
         # A fresh LoRA (B = 0) is the base model: the KL term is exactly zero.

@@ -10,22 +10,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import chat_rows, make_config, prepare_rows, write_jsonl
 from peft import PeftModel
 from safetensors.torch import load_file
-from test_training import chat_rows, make_config
 from transformers import AutoModelForCausalLM
 
 from leantune.config import ConfigError, load_config
-from leantune.data.dataset import prepare_file
 from leantune.data.loader import collate
 from leantune.eval.generation import GREEDY, generate_texts, stop_token_ids
-from leantune.eval.loss import evaluate_loss
+from leantune.eval.perplexity import evaluate_loss
 from leantune.methods.registry import apply_method, trainable_named_parameters
 from leantune.models.artifacts import load_for_inference
 from leantune.models.loading import enable_gradient_checkpointing
-from leantune.training.loss import supervised_logits
 from leantune.training.recipe import train
+from leantune.training.token_loss import supervised_logits
 
 PROMPT_METHODS = ["prefix", "ptuning_v2", "prompt"]
 PROMPTS = ["Hello world! How are you", "order", "The quick brown fox jumps over the lazy"]
@@ -226,7 +224,7 @@ def test_real_loop_trains_and_the_artefact_reloads_to_the_same_eval_loss(
         assert PeftModel.from_pretrained(
             AutoModelForCausalLM.from_pretrained(tiny_llama_dir), final
         )
-    data = prepare_file(eval_file, "chat", tok, 128, pack=False)
+    data = prepare_rows(eval_file, "chat", tok, 128, pack=False)
     reloaded = evaluate_loss(model, data.rows, int(tok.pad_token_id))
     assert reloaded["loss"] == pytest.approx(summary["eval_loss"], rel=1e-5)
     assert 0 <= summary["eval_exact_match"] <= 1
@@ -245,7 +243,7 @@ def test_collate_of_unpacked_rows_feeds_the_prompt_path(
 ) -> None:
     """Right padding (the unpacked batches of the loop) does not change an example's logits."""
     model = _perturbed(tiny_llama_dir, "prefix")
-    rows = prepare_file(
+    rows = prepare_rows(
         write_jsonl(tmp_path / "pad.jsonl", chat_rows(3)),
         "chat",
         tokenizer,

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import make_config
 from safetensors.torch import load_file
-from test_training import chat_rows, make_config
 
 from leantune.cli import main
 from leantune.config import ConfigError, load_config, parse_memory_size
+from leantune.monitor.step_stats import TIMING_FIELDS
 from leantune.training import recipe, trainer
 from leantune.training.checkpoint import latest_checkpoint, load_checkpoint
 from leantune.training.events import EXIT_OUT_OF_MEMORY, OutOfMemoryAtMinimum, read_events
@@ -21,23 +21,7 @@ from leantune.training.faults import OOM_EVAL_ENV, OOM_STEP_ENV
 from leantune.training.metrics import read_metrics
 from leantune.training.oom import retry_on_oom
 
-
-@pytest.fixture()
-def chat_files(tmp_path: Path) -> tuple[Path, Path]:
-    return (
-        write_jsonl(tmp_path / "train.jsonl", chat_rows(24)),
-        write_jsonl(tmp_path / "eval.jsonl", chat_rows(4, offset=100)),
-    )
-
-
-VOLATILE = (
-    "tokens_per_s",
-    "step_time_s",
-    "peak_mem_bytes",
-    "rss_bytes",
-    "micro_batch_size",
-    "grad_accum",
-)
+VOLATILE = (*TIMING_FIELDS, "micro_batch_size", "grad_accum")
 
 
 @pytest.fixture()
@@ -213,7 +197,7 @@ def test_eval_oom_shrinks_only_the_eval_batch(
     assert [(e["kind"], e["step"], e["eval_batch_size"]) for e in events] == [
         ("oom_eval", 2, 2), ("oom_eval", 2, 1)
     ]  # fmt: skip
-    strip = lambda ms: [{k: v for k, v in m.items() if k not in VOLATILE[:4]} for m in ms]  # noqa: E731
+    strip = lambda ms: [{k: v for k, v in m.items() if k not in TIMING_FIELDS} for m in ms]  # noqa: E731
     assert strip(read_metrics(tmp_path / "oom" / "metrics.jsonl")) == strip(
         read_metrics(tmp_path / "plain" / "metrics.jsonl")
     )

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama_config, write_jsonl
+from conftest import prepare_rows, tiny_llama_config, write_jsonl
 from transformers import AutoModelForCausalLM
 
 from leantune.cli import main
@@ -23,7 +23,7 @@ from leantune.memory.planner import (
     resolve_micro_batch,
 )
 from leantune.methods.registry import apply_method, count_parameters
-from leantune.training.loss import token_loss_sum
+from leantune.training.token_loss import token_loss_sum
 
 METHODS = ["full", "lora", "dora", "ia3", "freeze"]
 
@@ -216,9 +216,9 @@ def test_cli_plan_json_and_text(tmp_path: Path, tiny_llama_dir: Path, capsys) ->
     result = json.loads(capsys.readouterr().out)
     assert result["fits"] is False
     rec = result["recommended"]
-    if rec is not None:
-        assert rec["micro_batch"] * rec["grad_accum"] == 8
-        assert rec["breakdown"]["peak"] <= tight
+    assert rec is not None, result
+    assert rec["micro_batch"] * rec["grad_accum"] == 8
+    assert rec["breakdown"]["peak"] <= tight
     assert main(["plan", str(cfg), "--budget", "64GiB"]) == 0
     text = capsys.readouterr().out
     assert "predicted peak" in text and "fits the cpu budget of 64.00 GiB" in text
@@ -232,7 +232,6 @@ def test_train_resolves_auto_and_logs_memory(
 ) -> None:
     from dataclasses import replace as dc_replace
 
-    from leantune.data.dataset import prepare_file
     from leantune.memory.planner import plan_inputs
     from leantune.training.metrics import read_metrics
     from leantune.training.recipe import train
@@ -252,7 +251,7 @@ def test_train_resolves_auto_and_logs_memory(
         ],
     )
     assert cfg.data.train is not None
-    data = prepare_file(cfg.data.train, "chat", tokenizer, 64, False)
+    data = prepare_rows(cfg.data.train, "chat", tokenizer, 64, False)
     longest = max(len(r.input_ids) for r in data.rows)
     labels = [r.labels for r in data.rows]
     inputs = plan_inputs(cfg, "cpu", max_supervised_per_row(labels), longest)

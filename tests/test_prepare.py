@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import gzip
 import json
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -12,11 +13,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from conftest import write_jsonl
+from conftest import chat_rows, make_config, write_jsonl
 
 from leantune.cli import main
-from leantune.data.dataset import prepare_file
-from leantune.data.formats import Record
+from leantune.data.dataset import PreparedData, load_prepared, prepared_data
+from leantune.data.formats import Record, read_records
 from leantune.data.packing import pack_examples
 from leantune.data.prepare import records as records_module
 from leantune.data.prepare.clean import RULES, check_rules, clean_text, strip_html
@@ -24,7 +25,6 @@ from leantune.data.prepare.dedup import DedupIndex, minhash, record_text
 from leantune.data.prepare.pipeline import prepare_dataset
 from leantune.data.prepare.records import PrepareSettings, encode_batch
 from leantune.data.prepare.shards import best_fit_decreasing, read_examples
-from leantune.data.prepare.training import load_prepared, prepared_data
 from leantune.data.tokenize import encode_record
 
 ALL = check_rules(RULES)
@@ -479,15 +479,30 @@ def test_cache_key_covers_the_chat_template(tmp_path: Path, tokenizer) -> None:
 # --- training reads it ------------------------------------------------------------------------
 
 
+def per_record(path: Path, tokenizer, max_seq_len: int, limit: int | None = None) -> PreparedData:
+    """The reference for short chat files: `read_records`, `encode_record` one record at a time,
+    whole-file packing; with `limit`, the first `limit` records and the bad lines among them."""
+    records, bad = read_records(path, "chat")
+    if limit is not None:
+        records = records[:limit]
+        bad = [b for b in bad if b.line <= records[-1].line]
+    examples = [encode_record(tokenizer, r) for r in records]
+    assert all(len(e.input_ids) <= max_seq_len for e in examples)
+    total = len(examples) + len(bad)
+    return PreparedData(pack_examples(examples, max_seq_len), examples, records, bad, total)
+
+
 def test_prepared_dir_gives_the_in_process_examples_and_rows(tmp_path: Path, tokenizer) -> None:
     rows = [chat(f"Order {i} status?", f'{{"id": {i}}}') for i in range(30)]
     path = write_jsonl(tmp_path / "train.jsonl", [*rows, "{broken"])
-    reference = prepare_file(path, "chat", tokenizer, 128, pack=True, max_bad_fraction=0.1)
+    reference = per_record(path, tokenizer, 128)
     out = tmp_path / "prepared"
     prepare_dataset([str(path)], settings(), tokenizer, out)
     from_dir = load_prepared(out, max_bad_fraction=0.1)
-    cached = prepared_data(path, settings(), tokenizer, tmp_path / "cache", 0.1)
-    for data in (from_dir, cached):
+    kw = {"settings": settings(), "tokenizer": tokenizer, "max_bad_fraction": 0.1}
+    cached = prepared_data(path, cache_dir=tmp_path / "cache", **kw)
+    uncached = prepared_data(path, **kw)  # eval's and plan's way: a temporary directory
+    for data in (from_dir, cached, uncached):
         assert [e.input_ids for e in data.examples] == [e.input_ids for e in reference.examples]
         assert [e.labels for e in data.examples] == [e.labels for e in reference.examples]
         assert data.records == reference.records
@@ -504,8 +519,6 @@ def test_prepared_dir_gives_the_in_process_examples_and_rows(tmp_path: Path, tok
 def test_train_from_a_prepared_dir_equals_train_from_the_file(
     tmp_path: Path, tiny_llama_dir: Path, tokenizer
 ) -> None:
-    from test_training import chat_rows, make_config
-
     from leantune.training.recipe import train
 
     path = write_jsonl(tmp_path / "train.jsonl", chat_rows(16))
@@ -539,11 +552,18 @@ def test_cli_prepare_writes_a_directory_and_reports(
     assert main(["prepare", "--data", str(path)]) == 2
 
 
-def test_limit_takes_the_first_records_like_prepare_file(tmp_path: Path, tokenizer) -> None:
+def test_limit_takes_the_first_records_like_the_reference(tmp_path: Path, tokenizer) -> None:
     path = write_jsonl(tmp_path / "e.jsonl", [chat(f"q{i}", f"a{i}") for i in range(4)] + ["{x"])
     path.write_text("{x\n" + path.read_text())
-    ref = prepare_file(path, "chat", tokenizer, 128, pack=True, max_bad_fraction=0.5, limit=2)
-    got = prepared_data(path, settings(), tokenizer, tmp_path / "cache", 0.5, limit=2)
+    ref = per_record(path, tokenizer, 128, limit=2)
+    got = prepared_data(
+        path,
+        settings=settings(),
+        tokenizer=tokenizer,
+        cache_dir=tmp_path / "cache",
+        max_bad_fraction=0.5,
+        limit=2,
+    )
     assert got.records == ref.records and [r.line for r in got.records] == [2, 3]
     assert [e.input_ids for e in got.examples] == [e.input_ids for e in ref.examples]
     assert [(b.line, b.reason) for b in got.bad] == [(b.line, b.reason) for b in ref.bad]
@@ -551,6 +571,21 @@ def test_limit_takes_the_first_records_like_prepare_file(tmp_path: Path, tokeniz
     assert sorted(t for r in got.rows for t in r.input_ids) == sorted(
         t for r in ref.rows for t in r.input_ids
     )
+
+
+def test_without_a_cache_dir_nothing_is_left_behind(
+    tmp_path: Path, tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [chat("q", "a")])
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    data = prepared_data(path, settings=settings(), tokenizer=tokenizer)
+    assert len(data.rows) == 1 and list(scratch.iterdir()) == []
+    with pytest.raises(FileNotFoundError):
+        prepared_data(tmp_path / "missing.jsonl", settings=settings(), tokenizer=tokenizer)
+    assert list(scratch.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl", "scratch"]
 
 
 def test_prepare_from_a_config_uses_its_data_and_model(

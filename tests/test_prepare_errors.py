@@ -16,9 +16,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from conftest import run_cli, write_jsonl
+from conftest import prepare_rows, run_cli, write_jsonl
 
-from leantune.data.dataset import DataError, prepare_file
+from leantune.data.dataset import DataError
 from leantune.data.prepare.pipeline import prepare_dataset
 from leantune.data.prepare.readers import read_items
 from leantune.data.prepare.records import PrepareSettings
@@ -83,7 +83,7 @@ def test_deeply_nested_json_is_a_counted_bad_line(tmp_path: Path, tiny_llama_dir
     rows = rejected(tmp_path / "out")
     assert [(r["line"], r["kind"]) for r in rows] == [(2, "too_deep"), (3, "invalid_record")]
     assert rows[0]["reason"].startswith("nested too deeply")
-    data = prepare_file(path, "chat", _tok(tiny_llama_dir), 128, pack=False, max_bad_fraction=0.5)
+    data = prepare_rows(path, "chat", _tok(tiny_llama_dir), 128, pack=False, max_bad_fraction=0.5)
     assert data.bad[0].line == 2 and data.bad[0].reason.startswith("nested too deeply")
     res = train(path, tiny_llama_dir, tmp_path / "run", "data.max_bad_fraction=0.5")
     assert res.code == 0 and f"{path}:2: nested too deeply" in res.out, res
@@ -269,7 +269,7 @@ def test_a_utf8_bom_does_not_drop_the_first_record(
             [str(tmp_path / name)], PrepareSettings("chat", 128), tokenizer, tmp_path / f"{name}.o"
         )
         assert report["rows_out"] == len(GOOD) and report["dropped"] == {}, name
-    data = prepare_file(tmp_path / "d.jsonl", "chat", tokenizer, 128, pack=False)
+    data = prepare_rows(tmp_path / "d.jsonl", "chat", tokenizer, 128, pack=False)
     assert len(data.examples) == len(GOOD) and not data.bad
     res = evaluate(tmp_path / "d.jsonl", tiny_llama_dir)  # format detected despite the BOM
     assert res.code == 0 and json.loads(res.out)["format"] == "chat", res
@@ -348,7 +348,7 @@ def test_a_record_the_template_refuses_is_a_counted_drop(tmp_path: Path, tokeniz
     assert report["dropped"] == {"template_error": 1} and report["rows_out"] == 2
     [row] = rejected(tmp_path / "o")
     assert row["line"] == 2 and "System role not supported" in row["reason"]
-    data = prepare_file(path, "chat", tok, 128, pack=False, max_bad_fraction=0.5)
+    data = prepare_rows(path, "chat", tok, 128, pack=False, max_bad_fraction=0.5)
     assert [b.line for b in data.bad] == [2] and "System role not supported" in data.bad[0].reason
 
 
@@ -361,4 +361,4 @@ def test_chat_data_with_a_tokenizer_without_a_template_is_refused(
     with pytest.raises(DataError, match="no chat template"):
         prepare_dataset([str(path)], PrepareSettings("chat", 128), tok, tmp_path / "o")
     with pytest.raises(DataError, match="no chat template"):
-        prepare_file(path, "chat", tok, 128, pack=False)
+        prepare_rows(path, "chat", tok, 128, pack=False)

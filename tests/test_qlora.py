@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import QA_ROWS, prepare_rows, write_jsonl
 
 from leantune.config import ConfigError, load_config
-from leantune.data.dataset import prepare_file
 from leantune.data.loader import collate
 from leantune.methods.registry import (
     apply_method,
@@ -30,15 +29,6 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed"
 )
 
-ROWS = [
-    {
-        "messages": [
-            {"role": "user", "content": f"q {i}"},
-            {"role": "assistant", "content": f"a {i}"},
-        ]
-    }
-    for i in range(8)
-]
 IDS = torch.tensor([[5, 17, 42, 7, 99, 3]])
 
 
@@ -64,7 +54,9 @@ def train_steps(model: torch.nn.Module, batch, lr: float, steps: int) -> list[fl
 
 @pytest.fixture()
 def batch(tokenizer, tmp_path: Path):
-    data = prepare_file(write_jsonl(tmp_path / "d.jsonl", ROWS), "chat", tokenizer, 64, pack=True)
+    data = prepare_rows(
+        write_jsonl(tmp_path / "d.jsonl", QA_ROWS), "chat", tokenizer, 64, pack=True
+    )
     return collate(data.rows, 0)
 
 
@@ -204,9 +196,9 @@ def test_recipe_trains_qlora_end_to_end(tiny_llama_dir: Path, tmp_path: Path) ->
     from leantune.training.metrics import read_metrics
     from leantune.training.recipe import train
 
-    rows = ROWS * 3
+    rows = QA_ROWS * 3
     train_file = write_jsonl(tmp_path / "train.jsonl", rows)
-    eval_file = write_jsonl(tmp_path / "eval.jsonl", ROWS[:4])
+    eval_file = write_jsonl(tmp_path / "eval.jsonl", QA_ROWS[:4])
     cfg = load_config(
         None,
         [

@@ -13,9 +13,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import chat_rows, make_config, write_jsonl
 from safetensors.torch import load_file
-from test_training import chat_rows, make_config
 from torch import nn
 
 from leantune.training import recipe
@@ -195,3 +194,14 @@ def test_the_loop_reaches_the_strategy_for_each_of_its_duties(
         make_config(tiny_llama_dir, train_file, tmp_path / "b", *common), log=lambda _: None
     )
     assert strategy.loaded == 1 and len(strategy.wrapped) == 2
+
+
+def test_test_files_share_helpers_through_conftest_only() -> None:
+    tests = Path(__file__).resolve().parent
+    imports = {
+        f"{p.name}: {node.module}"
+        for p in sorted(tests.glob("test_*.py"))
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("test_")
+    }
+    assert imports == set()

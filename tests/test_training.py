@@ -12,66 +12,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import make_config, prepare_rows
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from leantune.config import load_config
-from leantune.data.dataset import prepare_file
 from leantune.data.loader import BatchSchedule, collate
 from leantune.methods.registry import apply_method, count_parameters
 from leantune.models.artifacts import load_for_inference
 from leantune.models.loading import enable_gradient_checkpointing
-from leantune.training.loss import count_supervised
 from leantune.training.metrics import read_metrics
 from leantune.training.optim import build_optimizer, warmup_cosine
 from leantune.training.recipe import FAULT_ENV, train
+from leantune.training.token_loss import count_supervised
 from leantune.training.trainer import backward_window
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-
-
-def chat_rows(n: int, offset: int = 0) -> list[dict]:
-    items = ["lamp", "desk", "phone", "cable", "chair", "mouse", "screen", "bag"]
-    rows = []
-    for i in range(offset, offset + n):
-        item = items[i % len(items)]
-        rows.append(
-            {
-                "messages": [
-                    {"role": "user", "content": f"Order {i} for a {item}, status?"},
-                    {"role": "assistant", "content": json.dumps({"item": item, "id": i})},
-                ]
-            }
-        )
-    return rows
-
-
-@pytest.fixture()
-def chat_files(tmp_path: Path) -> tuple[Path, Path]:
-    return (
-        write_jsonl(tmp_path / "train.jsonl", chat_rows(24)),
-        write_jsonl(tmp_path / "eval.jsonl", chat_rows(4, offset=100)),
-    )
-
-
-def make_config(model_dir: Path, train_file: Path, run_dir: Path, *extra: str):
-    overrides = [
-        f"model.path={model_dir}",
-        f"data.train={train_file}",
-        "data.format=chat",
-        "data.max_seq_len=128",
-        f"run.dir={run_dir}",
-        "run.progress=false",
-        "train.max_steps=4",
-        "train.micro_batch_size=2",
-        "train.lr=1e-2",
-        "train.seed=3",
-        "data.eval=null",
-        "train.eval_exact_match=false",
-        *extra,
-    ]
-    return load_config(None, overrides)
 
 
 def test_scheduler_warmup_then_cosine_to_floor() -> None:
@@ -97,7 +53,7 @@ def test_weight_decay_skips_biases_and_norms(tiny_qwen2_dir: Path) -> None:
 def test_accumulation_equals_a_larger_batch(
     method: str, tokenizer, tiny_llama_dir: Path, chat_files: tuple[Path, Path]
 ) -> None:
-    data = prepare_file(chat_files[0], "chat", tokenizer, 128, pack=False)
+    data = prepare_rows(chat_files[0], "chat", tokenizer, 128, pack=False)
     cfg = load_config(None, [f"method.name={method}", "method.dropout=0.0"])
     grads = []
     for mbs, accum in ((8, 1), (4, 2), (2, 4)):
@@ -143,6 +99,7 @@ def test_lora_run_trains_only_adapters_and_leaves_a_complete_run(
         "leantune_run.json",  # the run's fingerprint: what a resume must match
         "metrics.jsonl",
         "prepared",  # the tokenise-once cache of data.train / data.eval
+        "report.html",  # monitor.report: charts, events, data report (rebuilt by `leantune report`)
         "summary.json",
     ]
     preds = [json.loads(x) for x in (run_dir / "eval_predictions.jsonl").read_text().splitlines()]
@@ -271,7 +228,7 @@ def test_resume_never_starts_over(tiny_llama_dir: Path, chat_files, tmp_path: Pa
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tokenizer, tiny_llama_dir, chat_files):
-    data = prepare_file(chat_files[0], "chat", tokenizer, 128, pack=True)
+    data = prepare_rows(chat_files[0], "chat", tokenizer, 128, pack=True)
     cfg = load_config(None, ["method.name=lora"])
     grads = []
     for checkpointing in (False, True):

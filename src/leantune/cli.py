@@ -1,6 +1,6 @@
 """Command line: a thin layer over the library.
 
-leantune train [CONFIG.yaml] [section.key=value ...]
+leantune train [CONFIG.yaml] [--metrics-port N] [section.key=value ...]
 leantune validate CONFIG.yaml [section.key=value ...] | --help-fields
 leantune prepare CONFIG.yaml | --data FILE... --format F --model PATH [--out DIR] [--engine dask]
 leantune plan [CONFIG.yaml] [--budget 24GiB] [--device cpu|cuda] [--json] [section.key=value ...]
@@ -8,7 +8,10 @@ leantune inspect [CONFIG.yaml] [section.key=value ...] [-n N] [--color auto|alwa
 leantune eval --model MODEL_OR_RUN --data FILE [--limit N] [--lm-eval TASKS [--lm-eval-limit N]]
 leantune generate --model MODEL_OR_RUN --prompt TEXT [--chat] [sampling options]
 leantune bench methods [CONFIG.yaml] [--methods a,b] [--out DIR] [section.key=value ...]
+leantune bench throughput [--conversations N] [--reps N] [--methods lora,full]
 leantune export RUN_OR_MODEL --format hf|adapter|gguf|torchscript|int8 --out DIR
+leantune dashboard [RUNS_DIR] [--port N] [--host 127.0.0.1]
+leantune report RUN_DIR [--out FILE]
 
 Exit codes of `leantune train`: 0 done; 2 invalid config or data, or a run directory that is
 not this run's (another process holds it, it is not a leantune run, or it holds a run with other
@@ -30,6 +33,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from leantune.bench.cli import add_bench_parser
 
 
 def _quiet_libraries() -> None:
@@ -125,6 +130,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from leantune.training.signals import Interrupted
 
     config, overrides = _split_config_args(args.args)
+    if args.metrics_port is not None:  # after the config's own overrides: the flag wins
+        overrides.append(f"monitor.metrics_port={args.metrics_port}")
     cfg = load_config(config, overrides)
     print(describe_base(config, overrides), flush=True)
     _quiet_libraries()
@@ -440,67 +447,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = None
 
 
-def _parse_lrs(text: str | None, methods: list[str]) -> dict[str, float]:
-    """`--lr lora=2e-3,full=5e-5`: a finite rate in (0, 1) for each named method."""
-    lrs: dict[str, float] = {}
-    for item in (text or "").split(","):
-        if item.strip():
-            name, _, value = item.partition("=")
-            name = name.strip()
-            try:
-                rate = float(value)
-            except ValueError:
-                raise ValueError(f"--lr {item!r}: expected method=rate, e.g. lora=2e-4") from None
-            if name not in methods:
-                raise ValueError(
-                    f"--lr {item!r}: unknown method {name!r}; choose from {', '.join(methods)}"
-                )
-            # NaN passes a range check, and train.lr must be in (0, 1).
-            if not (math.isfinite(rate) and 0 < rate < 1):
-                raise ValueError(f"--lr {item!r}: the rate must be a finite number in (0, 1)")
-            lrs[name] = rate
-    return lrs
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from leantune.bench.methods import machine_info, run_methods, write_outputs
-    from leantune.config import ConfigError, load_config
-    from leantune.methods.registry import DEFAULT_LR, METHODS
-
-    config, overrides = _split_config_args(args.args)
-    overrides = [*overrides, f"train.max_steps={args.steps}"] if args.steps else overrides
-    cfg = load_config(config, overrides)  # validate once, before any run starts
-    methods = [m.strip() for m in args.methods.split(",")] if args.methods else list(METHODS)
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ConfigError(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
-    lrs = {m: DEFAULT_LR[m] for m in methods}
-    try:
-        given = _parse_lrs(args.lr, list(METHODS))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    lrs.update({m: v for m, v in given.items() if m in lrs})  # rates of unselected methods
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out}: is a file; give a directory for the benchmark's runs")
-    log = lambda m: print(m, flush=True)  # noqa: E731
-    results, base = run_methods(config, methods, lrs, out, overrides, log, args.reuse)
-    meta = {
-        "benchmark": "methods",
-        "config": config or "demo",
-        "model": cfg.model.path,
-        "max_steps": cfg.train.max_steps,
-        "micro_batch_size": cfg.train.micro_batch_size,
-        "max_seq_len": cfg.data.max_seq_len,
-        "machine": machine_info(),
-    }
-    payload = write_outputs(results, base, meta, out)
-    print((out / "methods.md").read_text())
-    print(f"wrote {out / 'methods.md'}, {out / 'methods.json'}, {out / 'methods.png'}")
-    print(json.dumps(payload))
-    return 0 if all(r.status == "ok" for r in results) else 1
-
-
 EXPORT_FORMATS = ("hf", "adapter", "gguf", "torchscript", "int8")
 
 
@@ -518,6 +464,20 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from leantune.monitor.dashboard.command import run
+
+    return run(args)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from leantune.monitor.report import write_report
+
+    out = Path(args.out) if args.out else None
+    print(f"report: {write_report(Path(args.run_dir), out=out)}")
     return 0
 
 
@@ -640,30 +600,6 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-def _add_bench_parser(sub: Any) -> None:
-    """The `bench` subcommands."""
-    b = sub.add_parser("bench", help="benchmarks: `bench methods` compares fine-tuning methods")
-    bsub = b.add_subparsers(dest="bench", required=True)
-    bm = bsub.add_parser("methods", help="train each method on the same data and compare")
-    bm.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
-    bm.add_argument("--methods", default=None, help="comma-separated (default: all)")
-    bm.add_argument(
-        "--steps", type=_count(1), default=None, help="override train.max_steps (default: config's)"
-    )
-    bm.add_argument(
-        "--lr",
-        default=None,
-        help="per-method rates, e.g. lora=2e-3,full=5e-5 (default: each method's default lr)",
-    )
-    bm.add_argument("--out", default="runs/bench-methods", help="output folder")
-    bm.add_argument(
-        "--reuse",
-        action="store_true",
-        help="read back methods whose run in --out already finished instead of training again",
-    )
-    bm.set_defaults(func=cmd_bench)
-
-
 def _add_export_parser(sub: Any) -> None:
     """The `export` subcommand."""
     x = sub.add_parser("export", help="export a model, then check parity with the source")
@@ -701,6 +637,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_RawEpilogHelpFormatter,
     )
     t.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
+    t.add_argument(
+        "--metrics-port",
+        type=_count(0, 65535),
+        default=None,
+        metavar="N",
+        help="serve Prometheus metrics on 127.0.0.1:N/metrics and /health while training "
+        "(monitor.metrics_port; 0: any free port; default: off)",
+    )
     t.set_defaults(func=cmd_train)
     v = sub.add_parser("validate", help="check a config without loading a model")
     v.add_argument("args", nargs="*", help="CONFIG.yaml [section.key=value ...]")
@@ -736,8 +680,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_parser(sub)
     _add_inspect_parser(sub)
 
-    _add_bench_parser(sub)
+    add_bench_parser(sub, _count, _split_config_args)
     _add_export_parser(sub)
+    from leantune.monitor.dashboard.command import add_arguments as dashboard_arguments
+
+    d = sub.add_parser("dashboard", help="serve live charts of the runs in a folder (local only)")
+    dashboard_arguments(d)
+    d.set_defaults(func=cmd_dashboard)
+    r = sub.add_parser("report", help="(re)build a run's report.html from its run directory")
+    r.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (finished or not)")
+    r.add_argument("--out", default=None, help="where to write it (default: RUN_DIR/report.html)")
+    r.set_defaults(func=cmd_report)
     return p
 
 
@@ -745,8 +698,18 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `leantune` console script."""
     from leantune.errors import UserError
 
+    parser = build_parser()
     try:
-        args = build_parser().parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        # argparse ends a nargs="*" positional at the first flag: `train cfg.yaml --metrics-port
+        # 9100 train.lr=1e-4` leaves the override over; it belongs to the CONFIG/overrides list.
+        if extra and (
+            not isinstance(getattr(args, "args", None), list)
+            or any(x.startswith("-") for x in extra)
+        ):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        if extra:
+            args.args += extra
     except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     _quiet_import_noise()

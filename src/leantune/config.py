@@ -22,6 +22,7 @@ from leantune.config_checks import (
     check_libraries,
     check_sizes,
 )
+from leantune.config_monitor import MonitorConfig, check_monitor
 from leantune.config_parse import (
     ConfigError,
     ParseError,
@@ -29,19 +30,17 @@ from leantune.config_parse import (
     field_types,
     load_yaml,
     memory_size,
+    set_nested_field,
     shorten,
     show,
 )
+from leantune.methods.registry import METHODS
 
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 AUTO_RUN_NAME = "auto"
 """run.name that `train` replaces with one derived from the run (training.run_setup)."""
 DEFAULT_GLOBAL_BATCH = 8
 """Rows per optimizer step with micro_batch_size=auto and no train.global_batch_size."""
-UNPACKED_METHODS = ("prefix", "ptuning_v2", "prompt")
-"""Methods that need one example per row: packed rows keep examples apart through restarting
-position ids without a mask or KV cache, and virtual tokens (a prefix cache, or prepended
-embeddings) defeat that."""
 
 
 @dataclass
@@ -312,6 +311,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -341,6 +341,12 @@ def set_field(cfg: Config, dotted: str, value: Any, where: str = "") -> None:
 def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
     sections = {f.name: f for f in dataclasses.fields(Config)}
     parts = dotted.split(".")
+    if len(parts) == 3 and parts[0] in sections:  # section.sub.field: monitor.wandb.project=x
+        try:
+            set_nested_field(getattr(cfg, parts[0]), parts[1], parts[2], value, where + dotted)
+        except ParseError as e:
+            raise ConfigError(str(e)) from None
+        return
     if len(parts) != 2 or parts[0] not in sections:
         raise ConfigError(
             f"{where}{dotted}: unknown key; keys look like section.field with section one of "
@@ -509,10 +515,10 @@ def validate(cfg: Config) -> list[str]:
             raise ConfigError(f"{key}: must be in [0, 1], got {ratio}")
     if t.kl_coef < 0:
         raise ConfigError(f"train.kl_coef: must be >= 0, got {t.kl_coef}")
-    if t.kl_coef > 0 and m.name in ("full", "freeze"):
+    if t.kl_coef > 0 and not METHODS[m.name].kl_capable:
+        adapters = ", ".join(name for name, spec in METHODS.items() if spec.kl_capable)
         raise ConfigError(
-            f"train.kl_coef needs an adapter method (lora, dora, ia3, adapter, prefix, "
-            f"ptuning_v2, prompt), not method.name={m.name}: "
+            f"train.kl_coef needs an adapter method ({adapters}), not method.name={m.name}: "
             "the base is the same model with its adapters disabled"
         )
     if t.weight_decay < 0 or t.max_grad_norm < 0:
@@ -524,14 +530,16 @@ def validate(cfg: Config) -> list[str]:
         parse_memory_size(t.memory_budget, "train.memory_budget")
     _validate_guard(cfg.guard)
     _validate_run(cfg.run)
+    check_monitor(cfg.monitor)
     _validate_method(cfg)
+    check_monitor(cfg.monitor)
     warnings: list[str] = check_libraries(cfg)
-    lr = t.lr
-    if m.name == "full" and lr is not None and lr >= 1e-4:
+    lr, advice = t.lr, METHODS[m.name].lr_advice
+    if advice is not None and lr is not None and lr >= advice.high:
         warnings.append(
-            f"train.lr={lr:g} is high for full fine-tuning; the usual range is 1e-5..5e-5"
+            f"train.lr={lr:g} is high for {advice.what}; the usual range is {advice.usual}"
         )
-    if m.name in ("lora", "dora", "qlora") and m.r is not None and m.r > 64:
+    if METHODS[m.name].lora_settings and m.r is not None and m.r > 64:
         warnings.append(f"method.r={m.r}: LoRA ranks above 64 rarely help; 8..64 is usual")
     if (t.max_steps or 0) >= 30 and 0 < t.warmup_ratio < 0.03:
         warnings.append(f"train.warmup_ratio={t.warmup_ratio:g} is short; 0.03..0.1 is usual")
@@ -587,10 +595,11 @@ def _exists(path: Path) -> bool:
 
 def _validate_method(cfg: Config) -> None:
     t, d, m = cfg.train, cfg.data, cfg.method
+    spec = METHODS[m.name]
     if m.last_blocks < 0:
         raise ConfigError(f"method.last_blocks: must be >= 0, got {m.last_blocks}")
-    if m.name == "freeze" and m.last_blocks == 0 and not m.norms:
-        raise ConfigError("method.name=freeze trains nothing: set method.last_blocks or norms")
+    if spec.check is not None and (error := spec.check(m)) is not None:
+        raise ConfigError(error)
     if m.r is not None and m.r < 1:
         raise ConfigError(f"method.r: must be >= 1, got {m.r}")
     if m.dropout is not None and not 0 <= m.dropout < 1:
@@ -603,12 +612,12 @@ def _validate_method(cfg: Config) -> None:
     for key, size in sizes.items():
         if size is not None and size < 1:
             raise ConfigError(f"{key}: must be >= 1, got {size}")
-    if m.name in ("prefix", "ptuning_v2") and t.gradient_checkpointing:
+    if not spec.supports_gradient_checkpointing and t.gradient_checkpointing:
         raise ConfigError(
             f"train.gradient_checkpointing does not work with method.name={m.name}: transformers "
             "drops the KV cache, which holds the prefix, in checkpointed blocks; set it to false"
         )
-    if m.name in UNPACKED_METHODS and d.pack is True:
+    if spec.needs_unpacked_data and d.pack is True:
         raise ConfigError(
             f"method.name={m.name} needs data.pack=false (or auto, the default): in a packed row "
             "every example after the first would be computed differently from the same example "
@@ -647,7 +656,8 @@ _MAX_NAME_BYTES = 255  # the longest file name ext4, xfs, btrfs, APFS and NTFS a
 def effective_pack(pack: bool | str, method: str) -> bool:
     """data.pack as the run uses it: auto packs unless `method` needs one example per row."""
     if pack == "auto":
-        return method not in UNPACKED_METHODS
+        spec = METHODS.get(method)
+        return spec is None or not spec.needs_unpacked_data
     return bool(pack)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from leantune.config_parse import ConfigError
+from leantune.methods.registry import METHODS
 
 if TYPE_CHECKING:
     from leantune.config import Config
@@ -61,20 +62,23 @@ def check_libraries(cfg: Config) -> list[str]:
             raise ConfigError(
                 f"model.rope_scaling.original_max_position_embeddings: must be >= 1, got {original}"
             )
-    if m.name == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
+    # A base quantised while it loads (qlora's 4-bit NF4) is bitsandbytes' work.
+    quantized = METHODS[m.name].base_quantization is not None
+    if quantized and importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError(
-            "method.name=qlora needs bitsandbytes for the 4-bit base: pip install "
+            f"method.name={m.name} needs bitsandbytes for the 4-bit base: pip install "
             "'bitsandbytes>=0.50' (CUDA and CPU), or use method.name=lora"
         )
-    if m.name == "qlora" and (cfg.model.gguf_file or cfg.model.path.lower().endswith(".gguf")):
+    if quantized and (cfg.model.gguf_file or cfg.model.path.lower().endswith(".gguf")):
         raise ConfigError(
-            "method.name=qlora cannot start from a GGUF model: transformers refuses to quantise "
-            "GGUF weights with bitsandbytes; use an HF safetensors directory or method.name=lora"
+            f"method.name={m.name} cannot start from a GGUF model: transformers refuses to "
+            "quantise GGUF weights with bitsandbytes; use an HF safetensors directory or "
+            "method.name=lora"
         )
-    if m.name == "qlora" and m.compute_dtype == "fp16" and t.precision == "bf16":
+    if quantized and m.compute_dtype == "fp16" and t.precision == "bf16":
         raise ConfigError("method.compute_dtype=fp16 with train.precision=bf16: use bf16 or auto")
     low_compute = m.compute_dtype in ("bf16", "fp16")
-    if t.optimizer == "adamw" and not (m.name == "qlora" and low_compute):
+    if t.optimizer == "adamw" and not (quantized and low_compute):
         return []
     # Imported only here: the checks need torch (is CUDA there?) and the defaults need nothing.
     import torch
@@ -83,12 +87,12 @@ def check_libraries(cfg: Config) -> list[str]:
 
     cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
     warnings: list[str] = []
-    if m.name == "qlora" and m.compute_dtype == "fp16" and not cuda:
+    if quantized and m.compute_dtype == "fp16" and not cuda:
         warnings.append(
             "method.compute_dtype=fp16: 4-bit matmuls in fp16 are emulated (slow) on most CPUs; "
             "method.compute_dtype=fp32 is faster there"
         )
-    if m.name == "qlora" and m.compute_dtype == "bf16" and not cuda:
+    if quantized and m.compute_dtype == "bf16" and not cuda:
         from leantune.training.precision import bf16_speed_on_cpu
 
         # bf16 is fast on CPUs with AVX512-BF16/AMX and emulated elsewhere: ask this one.

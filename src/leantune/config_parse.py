@@ -204,6 +204,34 @@ def _check_mapping(key: str, value: Any, cls: type) -> Any:
     return cls(**{k: check_value(f"{key}.{k}", v, types_[k]) for k, v in value.items()})
 
 
+def set_nested_field(obj: Any, sub: str, name: str, value: Any, key: str) -> None:
+    """Set `obj.sub.name` where `obj.sub` is a nested section (a dataclass, or None for one
+    that is off: it starts from its defaults); `key` names the setting in messages.
+
+    Raises:
+        ParseError: `sub` is not a nested section, `name` not one of its fields, a value of the
+            wrong type, or an unset section whose required keys must be given together.
+    """
+    tp = field_types(type(obj)).get(sub)
+    nested = [
+        t for t in get_args(tp) or (tp,) if isinstance(t, type) and dataclasses.is_dataclass(t)
+    ]
+    if not nested:
+        raise ParseError(f"{key}: unknown key; '{sub}' is not a section with fields")
+    cls = nested[0]
+    types_ = field_types(cls)
+    if name not in types_:
+        raise ParseError(f"{key}: unknown field; valid: {', '.join(types_)}")
+    current = getattr(obj, sub)
+    if current is None:
+        try:
+            current = cls()
+        except TypeError:  # it has required keys: they come together, as one mapping
+            example = ", ".join(f"{k}: ..." for k in types_)
+            raise ParseError(f"{key}: its section is unset; give it whole: {{{example}}}") from None
+    setattr(obj, sub, dataclasses.replace(current, **{name: check_value(key, value, types_[name])}))
+
+
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _SIZE_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 # A bare letter (24G, as in `leantune plan --budget 24G`) is binary, like ulimit and docker.

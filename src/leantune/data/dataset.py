@@ -1,20 +1,35 @@
-"""From a data file to training rows: read, validate, tokenise, length-check, pack."""
+"""From a data file to training rows: the one path that `train`, `eval` and `plan` share.
+
+`prepared_data` runs the prepare pipeline (`leantune.data.prepare.pipeline.prepare_dataset`:
+read, validate, clean, tokenise, length-filter, dedup, pack) into a directory and reads it back
+as `PreparedData`. `train` keeps that directory as a cache keyed by (input contents, tokenizer,
+template, settings), so a re-run or a run resumed after a crash reads the shards instead of
+tokenising again; `eval` and `plan` give no cache directory and leave nothing behind.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.data.errors import DataError
-from leantune.data.formats import BadLine, Record, format_hint, read_records
-from leantune.data.packing import Row, pack_examples, single_rows
-from leantune.data.tokenize import Example, TemplateError, TooLong, encode_within
+from leantune.data.formats import BadLine, Record, format_hint
+from leantune.data.packing import Row
+from leantune.data.prepare.pipeline import REJECTED, cache_key, prepare_dataset, read_report
+from leantune.data.prepare.records import PrepareSettings
+from leantune.data.prepare.shards import best_fit_decreasing, read_examples, read_rows, rows_of
+from leantune.data.tokenize import Example
 
-__all__ = ["DataError", "PreparedData", "check_usable", "prepare_file"]
+__all__ = ["NOT_BAD", "DataError", "PreparedData", "check_usable", "load_prepared", "prepared_data"]
+
+# Dropped on purpose, not bad data: they do not count against data.max_bad_fraction.
+NOT_BAD = frozenset({"empty_line", "exact_duplicate", "near_duplicate"})
 
 
 @dataclass
@@ -32,53 +47,145 @@ class PreparedData:
         return sum(e.num_supervised for e in self.examples)
 
 
-def prepare_file(
+def prepared_data(
     path: str | Path,
-    fmt: str,
+    *,
+    settings: PrepareSettings,
     tokenizer: PreTrainedTokenizerBase,
-    max_seq_len: int,
-    pack: bool,
-    system_prompt: str | None = None,
+    cache_dir: str | Path | None = None,
     max_bad_fraction: float = 0.0,
     limit: int | None = None,
+    log: Callable[[str], None] | None = None,
+    engine: dict[str, Any] | None = None,
 ) -> PreparedData:
-    """Read, validate and tokenise `path` (its first `limit` records if given); pack when asked.
+    """A data file as `PreparedData`, tokenised at most once per (contents, tokenizer, settings).
 
-    A record certainly longer than `max_seq_len` is rejected before it is tokenised, and one
-    the chat template refuses is a bad line like any other.
+    Args:
+        path: The data file, or a prepared directory (from `leantune prepare`), read as is.
+        settings: What decides the rows (format, max_seq_len, packing, cleaning, dedup, ...).
+        tokenizer: The model's tokenizer, chat template applied.
+        cache_dir: Where the prepared directory is kept for the next run; None prepares into
+            a temporary directory, removed once read.
+        max_bad_fraction: The share of bad lines tolerated (1.0: any).
+        limit: Use only the first `limit` kept records (and the bad lines among them); packed
+            again when `settings.pack`.
+        log: Where the pipeline's progress lines go.
+        engine: `prepare_dataset`'s engine keyword arguments (engine, scheduler, partition_mb).
 
     Raises:
-        DataError: more than `max_bad_fraction` of the lines are bad, nothing is supervised, or
-            the file cannot be read as its kind.
+        DataError: more than `max_bad_fraction` of the lines are bad, nothing is supervised, the
+            file cannot be read as its kind, or a prepared directory of another data.format.
+        FileNotFoundError: `path` does not exist.
     """
-    records, bad = read_records(path, fmt, system_prompt)
-    if limit is not None:  # the first `limit` valid records (and the bad lines among them)
-        records = records[:limit]
-        last = records[-1].line if records else 0
-        bad = [b for b in bad if b.line <= last]
-    kept_records: list[Record] = []
-    examples: list[Example] = []
-    for rec in records:
-        try:
-            ex = encode_within(tokenizer, rec, max_seq_len)
-        except TemplateError as e:
-            bad.append(BadLine(rec.source, rec.line, str(e)))
-            continue
-        if isinstance(ex, TooLong):
-            bad.append(BadLine(rec.source, rec.line, str(ex)))
-        elif len(ex.input_ids) > max_seq_len:
-            reason = f"too long: {len(ex.input_ids)} tokens > data.max_seq_len={max_seq_len}"
-            bad.append(BadLine(rec.source, rec.line, reason))
-        elif ex.num_supervised == 0:
-            bad.append(BadLine(rec.source, rec.line, "no supervised tokens after tokenisation"))
-        else:
-            kept_records.append(rec)
-            examples.append(ex)
-    bad.sort(key=lambda b: b.line)
-    total = len(examples) + len(bad)
-    check_usable(path, total, bad, examples, max_bad_fraction, fmt)
-    rows = pack_examples(examples, max_seq_len) if pack else single_rows(examples)
-    return PreparedData(rows, examples, kept_records, bad, total)
+    path = Path(path)
+    if path.is_dir():
+        _check_prepared_with(path, settings, log)
+        return _load(path, path, settings, max_bad_fraction, limit)
+    if cache_dir is None:
+        with tempfile.TemporaryDirectory(prefix="leantune-prepared-") as tmp:
+            out = Path(tmp) / "data"
+            prepare_dataset([str(path)], settings, tokenizer, out, log=log, **(engine or {}))
+            return _load(out, path, settings, max_bad_fraction, limit)
+    out = Path(cache_dir) / cache_key([str(path)], settings, tokenizer)[:24]
+    prepare_dataset([str(path)], settings, tokenizer, out, log=log, **(engine or {}))
+    return _load(out, path, settings, max_bad_fraction, limit)
+
+
+def _check_prepared_with(
+    out: Path, settings: PrepareSettings, log: Callable[[str], None] | None
+) -> None:
+    """Refuse a prepared directory of another format; warn when its rows have another length."""
+    made = (read_report(out) or {}).get("settings", {})
+    if made.get("format", settings.format) != settings.format:
+        raise DataError(
+            f"{out}: prepared as data.format={made['format']}, but data.format="
+            f"{settings.format}; prepare it again or fix data.format"
+        )
+    if made.get("max_seq_len", settings.max_seq_len) != settings.max_seq_len and log:
+        log(
+            f"warning: {out} was packed with max_seq_len={made['max_seq_len']}, "
+            f"not data.max_seq_len={settings.max_seq_len}; its rows are used as they are"
+        )
+
+
+def _load(
+    out: Path, name: Path, settings: PrepareSettings, max_bad_fraction: float, limit: int | None
+) -> PreparedData:
+    """The prepared directory `out` (called `name` in messages), cut to `limit` records."""
+    if limit is None:
+        return load_prepared(out, max_bad_fraction=max_bad_fraction, name=name)
+    data = load_prepared(out, max_bad_fraction=1.0, name=name)
+    data.examples, data.records = data.examples[:limit], data.records[:limit]
+    last = data.records[-1].line if data.records else 0
+    data.bad = [b for b in data.bad if b.line <= last]
+    data.total_lines = len(data.examples) + len(data.bad)
+    lengths = [len(e.input_ids) for e in data.examples]
+    groups = best_fit_decreasing(lengths, settings.max_seq_len) if settings.pack else None
+    data.rows = rows_of(data.examples, groups)
+    _check(name, data, max_bad_fraction, settings.format)
+    return data
+
+
+def load_prepared(
+    out: str | Path, *, max_bad_fraction: float = 1.0, name: str | Path | None = None
+) -> PreparedData:
+    """Read a prepared directory (from `leantune prepare`) into `PreparedData`.
+
+    `name` (default `out`) is what error messages call the data, e.g. the input file.
+
+    Raises:
+        DataError: not a prepared directory, more than `max_bad_fraction` bad lines, or nothing
+            to train on.
+    """
+    out = Path(out)
+    report = read_report(out)
+    if report is None:
+        raise DataError(f"{out}: not a prepared directory (run `leantune prepare` first)")
+    records, examples = _examples(out)
+    bad: list[BadLine] = []
+    with (out / REJECTED).open(encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            if row["kind"] not in NOT_BAD:
+                bad.append(BadLine(row["file"], row["line"], row["reason"]))
+    data = PreparedData(read_rows(out), examples, records, bad, len(examples) + len(bad))
+    fmt = report.get("settings", {}).get("format")
+    _check(Path(name) if name is not None else out, data, max_bad_fraction, fmt)
+    return data
+
+
+def _examples(out: Path) -> tuple[list[Record], list[Example]]:
+    table = read_examples(out)
+    if table is None:
+        return [], []
+    column = "text" if "text" in table.column_names else "messages"
+    records = [
+        Record(source=s, line=n, text=r) if column == "text" else _chat_record(s, n, r)
+        for s, n, r in zip(
+            table.column("source").to_pylist(),
+            table.column("line").to_pylist(),
+            table.column(column).to_pylist(),
+            strict=True,
+        )
+    ]
+    ids, labels = table.column("input_ids").to_pylist(), table.column("labels").to_pylist()
+    return records, [Example(a, b) for a, b in zip(ids, labels, strict=True)]
+
+
+def _chat_record(source: str, line: int, stored: str) -> Record:
+    parsed = json.loads(stored)
+    return Record(
+        source=source,
+        line=line,
+        messages=tuple(parsed["messages"]),
+        supervise_from=parsed.get("supervise_from", 0),
+    )
+
+
+def _check(
+    where: Path, data: PreparedData, max_bad_fraction: float, fmt: str | None = None
+) -> None:
+    check_usable(where, data.total_lines, data.bad, data.examples, max_bad_fraction, fmt)
 
 
 class Supervised(Protocol):

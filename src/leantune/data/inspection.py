@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from leantune.data.dataset import NOT_BAD
 from leantune.data.packing import best_fit_decreasing
 from leantune.data.prepare.dedup import DedupIndex
 from leantune.data.prepare.engines import run_local
 from leantune.data.prepare.records import PrepareSettings, Rejection
-from leantune.data.prepare.training import NOT_BAD
 from leantune.data.tokenize import IGNORE_INDEX
 
 OPEN, CLOSE = "[[", "]]"

@@ -5,8 +5,8 @@ Labels are stored already shifted: `labels[i]` is the token that position `i` mu
 first token of the next packed example.
 
 A chat record is rendered once with the tokenizer's chat template and its assistant turns are
-found in that render (`leantune.data.chat_spans`); `encode_within` rejects a record that is
-certainly longer than a limit before tokenising it (`leantune.data.bounds`).
+found in that render (`leantune.data.chat_spans`); `too_long` says when a text is certainly
+longer than a limit before tokenising it (`leantune.data.bounds`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ __all__ = [
     "encode_record",
     "encode_rendered",
     "encode_text",
-    "encode_within",
     "render_chat",
     "shifted_labels",
     "supervised_mask",
@@ -155,24 +154,3 @@ def encode_record(tokenizer: PreTrainedTokenizerBase, record: Record) -> Example
         return encode_chat(tokenizer, list(record.messages), record.supervise_from)
     assert record.text is not None
     return encode_text(tokenizer, record.text)
-
-
-def encode_within(
-    tokenizer: PreTrainedTokenizerBase, record: Record, max_tokens: int | None
-) -> Example | TooLong:
-    """`encode_record`, or `TooLong` without tokenising when the record certainly has more
-    than `max_tokens` tokens (None: no limit).
-
-    Raises:
-        TemplateError: the chat template refused the record or hides its answers.
-    """
-    if record.messages is None:
-        assert record.text is not None
-        return too_long(tokenizer, record.text, max_tokens) or encode_text(tokenizer, record.text)
-    messages = list(record.messages)
-    full = render_chat(tokenizer, messages)
-    rejected = too_long(tokenizer, full, max_tokens)
-    if rejected is not None:
-        return rejected
-    spans = chat_spans.answer_spans(tokenizer, messages, full, record.supervise_from)
-    return encode_rendered(tokenizer, full, spans)

@@ -14,10 +14,11 @@ from peft import PeftModel
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from leantune.data.dataset import prepare_file
+from leantune.data.dataset import prepared_data
 from leantune.data.formats import detect_format
+from leantune.data.prepare.records import PrepareSettings
 from leantune.eval.exact_match import evaluate_exact_match
-from leantune.eval.loss import evaluate_loss
+from leantune.eval.perplexity import evaluate_loss
 
 
 def evaluate_file(
@@ -49,7 +50,13 @@ def evaluate_file(
         `bad_lines`, and `exact_match` (greedy) for records with conversations.
     """
     fmt = fmt or detect_format(path)
-    data = prepare_file(path, fmt, tokenizer, max_seq_len, pack=False, max_bad_fraction=1.0)
+    # Every line is scored or reported, none refused; one example per row, uncleaned.
+    data = prepared_data(
+        path,
+        settings=PrepareSettings(fmt, max_seq_len, pack=False),
+        tokenizer=tokenizer,
+        max_bad_fraction=1.0,
+    )
     for bad in data.bad:
         if on_bad_line is not None:
             on_bad_line(str(bad))

@@ -1,6 +1,6 @@
 """Peak memory of one training step, from model facts and run settings: the arithmetic in one place.
 
-What the loop keeps alive (training/recipe.py, training/loss.py):
+What the loop keeps alive (training/recipe.py, training/token_loss.py):
 - weights, plus optimizer states once the first step has run;
 - during backward of a micro-batch: every tensor autograd saved in forward (per block below),
   plus the loss's transient: `token_loss_sum` projects only supervised positions onto the

@@ -19,11 +19,9 @@ from leantune.config import Config, MethodConfig, TrainConfig, configured_global
 from leantune.memory.estimate import GIB, Breakdown, StepSettings, estimate
 from leantune.memory.facts import ModelFacts, build_meta_model, model_facts
 from leantune.methods.errors import MethodError
+from leantune.methods.registry import METHODS, apply_method, compute_dtype
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-# Methods whose trainable parameters equal another's when counted on a meta model (QLoRA trains
-# the same adapters as LoRA; only its base weights differ, which `weight_quant` accounts for).
-COUNT_AS = {"qlora": "lora"}
 # Headroom kept below the available memory when no budget is given.
 SAFETY = 0.9
 
@@ -77,9 +75,10 @@ def model_facts_for(
     Raises:
         ValueError: the method cannot be applied on a meta model (named in the message).
     """
-    from leantune.methods.registry import apply_method
-
-    counted = replace(method, name=COUNT_AS.get(method.name, method.name))  # type: ignore[arg-type]
+    # A method whose trainable parameters equal another's on a meta model is counted as that
+    # one (QLoRA trains LoRA's adapters; its base weights are `weight_quant`'s to account for).
+    counted_as = METHODS[method.name].planned_as or method.name
+    counted = replace(method, name=counted_as)  # type: ignore[arg-type]
     try:
         model = build_meta_model(
             config,
@@ -153,7 +152,7 @@ def recommend(
     methods = [method] + [m for m in facts_by_method if m != method]
     for m in methods:
         facts = facts_by_method[m]
-        quant = "nf4-dq" if m == "qlora" else step.weight_quant
+        quant = METHODS[m].planned_weight_quant or step.weight_quant
         for opt in (step.optimizer, *lighter_optimizers):
             for ckpt in sorted({step.gradient_checkpointing, True}):
                 for mb in _halvings(step.micro_batch, global_batch):
@@ -201,7 +200,7 @@ def resolve_micro_batch(
 # Entry points: the only functions here that read the run config.
 
 OPTIMIZER_LADDER = ("adamw_8bit", "adamw_4bit")
-METHOD_LADDER = ("lora", "qlora")
+METHOD_LADDER = tuple(name for name, spec in METHODS.items() if spec.lighter_fallback)
 
 
 @dataclass
@@ -274,7 +273,7 @@ def plan_inputs(
         ),
         precision=planned_precision(cfg, device),
         optimizer=str(getattr(t, "optimizer", "adamw")),
-        weight_quant="nf4-dq" if cfg.method.name == "qlora" else None,
+        weight_quant=METHODS[cfg.method.name].planned_weight_quant,
         kl=t.kl_coef > 0,
         device=device,
     )
@@ -287,7 +286,7 @@ def planned_precision(cfg: Config, device: str) -> str:
 
     if device == "cuda" and cfg.train.precision == "auto" and not torch.cuda.is_available():
         return "bf16"  # no GPU here to ask: bf16 or fp16, both 2 bytes per activation
-    compute = cfg.method.compute_dtype if cfg.method.name == "qlora" else "auto"
+    compute = compute_dtype(cfg.method)
     return resolve_precision(cfg.train.precision, device, compute_dtype=compute).precision
 
 
@@ -299,11 +298,11 @@ def budget_for(cfg: Config, device: str, override: str | None = None) -> int:
 
 def alternatives(cfg: Config, inputs: PlanInputs) -> dict[str, ModelFacts]:
     """Facts of the configured method, then of the lighter methods the registry offers."""
-    from leantune.methods.registry import METHODS
-
     out: dict[str, ModelFacts] = {cfg.method.name: inputs.facts}
+    if METHODS[cfg.method.name].lighter_than_fallbacks:
+        return out
     for name in METHOD_LADDER:
-        if name in METHODS and name not in out and cfg.method.name not in ("ia3",):
+        if name not in out:
             light = replace(cfg.method, name=name)  # type: ignore[arg-type]
             out[name] = model_facts_for(
                 inputs.hf_config,
@@ -339,13 +338,32 @@ FALLBACK_MICRO_BATCH = 4
 """micro_batch_size=auto where the planner cannot model the run (an OOM still halves it)."""
 
 
+@dataclass(frozen=True)
+class PlannedMemory:
+    """What the planner told a run at its start: the log line, and the numbers monitoring shows
+    against the measured memory."""
+
+    note: str
+    peak_bytes: int | None
+    """Predicted peak of the step (None when the planner cannot model the run)."""
+    budget_bytes: int | None
+    """train.memory_budget, else the device's default budget (`default_budget`) at the start."""
+
+
+def _budget_or_none(cfg: Config, device: str) -> int | None:
+    try:
+        return budget_for(cfg, device)
+    except ValueError:  # no CUDA device here to measure
+        return None
+
+
 def plan_for_run(
     cfg: Config, device: str, labels_per_row: list[list[int]], global_batch: int | None = None
-) -> tuple[TrainConfig, str]:
+) -> tuple[TrainConfig, PlannedMemory]:
     """At the start of `train`: resolve `micro_batch_size=auto` and describe the prediction.
 
     Returns the train config to use (a copy with micro_batch_size and grad_accum resolved when
-    auto; `cfg.train` itself otherwise) and the log line with the predicted peak. `global_batch`
+    auto; `cfg.train` itself otherwise) and the prediction with its log line. `global_batch`
     is the run's rows per step when its data holds fewer than the configured global batch.
 
     auto is the default, so a planner that cannot model the model or method (it builds it on the
@@ -361,16 +379,18 @@ def plan_for_run(
     except Exception as e:  # a prediction is advice: it must never stop a configured run
         if isinstance(e, MethodError):  # nor let one go wrong
             raise
+        budget = _budget_or_none(cfg, device)
         if t.micro_batch_size != "auto":
-            return t, f"memory planner: no prediction ({e})"
+            return t, PlannedMemory(f"memory planner: no prediction ({e})", None, budget)
         batch = global_batch or configured_global_batch(t)
         mb = min(FALLBACK_MICRO_BATCH, batch)
         t = replace(t, micro_batch_size=mb, grad_accum=-(-batch // mb))
-        return t, (
+        note = (
             f"micro_batch_size=auto: the memory planner cannot model this run ({e}); "
             f"micro-batch {mb} x grad_accum {t.grad_accum} (global batch {batch}; an out of "
             "memory halves it)"
         )
+        return t, PlannedMemory(note, None, budget)
     if t.micro_batch_size == "auto":
         budget = budget_for(cfg, device)
         headroom = device == "cpu" and t.memory_budget is None
@@ -382,17 +402,23 @@ def plan_for_run(
             )
         except MemoryError as e:  # a prediction: the run (and its OOM handling) decides
             t = replace(t, micro_batch_size=1, grad_accum=inputs.global_batch)
-            return t, f"warning: {e}; training with 1 x grad_accum {inputs.global_batch}"
+            note = f"warning: {e}; training with 1 x grad_accum {inputs.global_batch}"
+            one = estimate(
+                inputs.facts, replace(inputs.step, micro_batch=1), inputs.weight_itemsize
+            )
+            return t, PlannedMemory(note, one.peak, budget_for(cfg, device))
         t = replace(t, micro_batch_size=mb, grad_accum=accum)
-        return t, (
+        note = (
             f"micro_batch_size=auto: {mb} x grad_accum {accum} (global batch "
             f"{inputs.global_batch}); planner predicts peak {b.peak / GIB:.2f} GiB of a "
             f"{budget / GIB:.2f} GiB budget"
             + (f" (available RAM / {CPU_RSS_FACTOR:g} for the allocator)" if headroom else "")
         )
+        return t, PlannedMemory(note, b.peak, budget_for(cfg, device))
     b = estimate(inputs.facts, inputs.step, inputs.weight_itemsize)
-    return t, (
+    note = (
         f"planner predicts peak {b.peak / GIB:.2f} GiB (weights {b.weights / GIB:.2f}, "
         f"optimizer {b.optimizer / GIB:.2f}, activations {b.activations / GIB:.2f}, "
         f"loss {b.loss / GIB:.2f}, gradients {b.gradients / GIB:.2f})"
     )
+    return t, PlannedMemory(note, b.peak, _budget_or_none(cfg, device))

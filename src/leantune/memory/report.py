@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from leantune.config import Config
@@ -31,8 +32,9 @@ def row_stats_from_data(cfg: Config) -> tuple[int | None, int | None]:
     no weights); (None, None) when the data cannot be read (the planner then assumes full rows
     of data.max_seq_len, all supervised)."""
     from leantune.config import effective_pack
-    from leantune.data.dataset import prepare_file
+    from leantune.data.dataset import prepared_data
     from leantune.data.packing import longest_example, rows_for
+    from leantune.data.prepare.records import PrepareSettings
     from leantune.data.templates import apply_chat_template
     from leantune.memory.planner import max_supervised_per_row
     from leantune.models.loading import load_tokenizer, resolve_model
@@ -52,9 +54,15 @@ def row_stats_from_data(cfg: Config) -> tuple[int | None, int | None]:
             else (model_context(source.location, source.gguf_file, cfg.model) or FALLBACK_CONTEXT)
         )
         pack = effective_pack(d.pack, cfg.method.name)
+        # Uncleaned and every line accepted; no cache directory (`plan` writes nothing). A
+        # prepared directory's rows are used as they are, as `train` uses them.
+        settings = PrepareSettings(d.format, limit, pack and not auto, d.system_prompt)
+        data = prepared_data(d.train, settings=settings, tokenizer=tok, max_bad_fraction=1.0)
         # max_seq_len=auto packs up to the longest example, as `train` does.
-        data = prepare_file(d.train, d.format, tok, limit, pack and not auto, d.system_prompt, 1.0)
-        rows = rows_for(data.examples, pack, longest_example(data.examples)) if auto else data.rows
+        repack = auto and not Path(d.train).is_dir()
+        rows = (
+            rows_for(data.examples, pack, longest_example(data.examples)) if repack else data.rows
+        )
     except Exception:
         return None, None
     longest = max((len(r.input_ids) for r in rows), default=0) or None

@@ -13,14 +13,16 @@ prefixes (not the MLP), which is all inference needs.
 
 The helpers below compute what peft's forward and generate compute, from peft's public
 `get_prompt`, for the two places that cannot use peft's own path: the loss (which runs the output
-projection only on supervised positions) and generation (peft 0.21.2's generation hooks predate
-transformers 5's `cache` argument: prefix tuning decodes wrong tokens with a KV cache, prompt
-tuning ignores left padding).
+projection only on supervised positions; `with_virtual_tokens` hands it `prompt_learning_hidden`
+through the model) and generation (peft 0.21.2's generation hooks predate transformers 5's
+`cache` argument: prefix tuning decodes wrong tokens with a KV cache, prompt tuning ignores left
+padding).
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+import functools
+from typing import Any, TypeVar, cast
 
 import torch
 from peft import (
@@ -35,8 +37,12 @@ from torch import nn
 from transformers import DynamicCache
 
 from leantune.methods.lora import quiet_peft
+from leantune.methods.registry import METHODS
+from leantune.training.token_loss import VIRTUAL_TOKENS_HOOK
 
-PROMPT_LEARNING_METHODS = ("prefix", "ptuning_v2", "prompt")
+M = TypeVar("M", bound=nn.Module)
+
+PROMPT_LEARNING_METHODS = tuple(n for n, spec in METHODS.items() if spec.needs_unpacked_data)
 """Methods that add virtual tokens; they need unpacked rows (see `config.validate`)."""
 
 
@@ -61,7 +67,7 @@ def apply_prefix(
         encoder_hidden_size=encoder_hidden_size,  # type: ignore[arg-type]
     )
     with quiet_peft():
-        return get_peft_model(model, config)
+        return with_virtual_tokens(get_peft_model(model, config))
 
 
 def apply_prompt_tuning(
@@ -90,7 +96,19 @@ def apply_prompt_tuning(
     else:
         config = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=num_virtual_tokens)
     with quiet_peft():
-        return get_peft_model(model, config)
+        return with_virtual_tokens(get_peft_model(model, config))
+
+
+def with_virtual_tokens(model: M) -> M:
+    """Give a prompt-learning `PeftModel` the loss's forward for its virtual tokens
+    (`training.token_loss.VIRTUAL_TOKENS_HOOK`: `prompt_learning_hidden`); returns `model`.
+
+    Called where such models are made: by the apply functions above and when a saved adapter
+    loads (`models.artifacts`). Other models pass unchanged.
+    """
+    if isinstance(model, PeftModel) and model.active_peft_config.is_prompt_learning:
+        setattr(model, VIRTUAL_TOKENS_HOOK, functools.partial(prompt_learning_hidden, model))
+    return model
 
 
 def prompt_learning_type(model: nn.Module) -> PeftType | None:

@@ -1,28 +1,33 @@
-"""The one place that maps `method.name` to a function that wraps a model.
+"""The one place that maps `method.name` to its `MethodSpec`: how it wraps a model, its default
+learning rate, how its base loads, and what it needs from the data, the loop and the planner.
 
 The training loop calls `apply_method` once and never branches on the method again: which
 parameters train follows from `requires_grad`, and the saved artefact from the model's type.
+
+The specs are declared here, in one table, rather than beside each method's code (as PEFT's
+folder per method does): the config validates against them before anything heavy loads, and
+the methods' modules import torch and peft at the top. So each `apply` below is a plain function
+that imports its method's module when a model is wrapped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from torch import nn
+from leantune.methods.spec import LrAdvice, MethodSpec
 
-from leantune.config import MethodConfig
-from leantune.methods.adapter import AdapterSettings, apply_adapter
-from leantune.methods.freeze import apply_freeze
-from leantune.methods.full import apply_full
-from leantune.methods.ia3 import apply_ia3
-from leantune.methods.lora import LORA_PRESETS, LoraSettings, apply_lora
-from leantune.methods.prompt import apply_prefix, apply_prompt_tuning
-from leantune.methods.qlora import apply_qlora
-from leantune.models.quantize import Quantization, is_quantized
+if TYPE_CHECKING:
+    from torch import nn
+
+    from leantune.config import MethodConfig
+    from leantune.methods.lora import LoraSettings
+    from leantune.models.quantize import Quantization
 
 
 def _lora_settings(cfg: MethodConfig) -> LoraSettings:
+    from leantune.methods.lora import LORA_PRESETS
+
     s = LORA_PRESETS[cfg.preset]
     if cfg.r is not None:
         s = replace(s, r=cfg.r)
@@ -35,69 +40,81 @@ def _lora_settings(cfg: MethodConfig) -> LoraSettings:
     return s
 
 
+def _full(model: nn.Module, cfg: MethodConfig) -> nn.Module:
+    from leantune.methods.full import apply_full
+
+    return apply_full(model)
+
+
+def _lora(model: nn.Module, cfg: MethodConfig) -> nn.Module:
+    from leantune.methods.lora import apply_lora
+
+    return apply_lora(model, _lora_settings(cfg))
+
+
+def _dora(model: nn.Module, cfg: MethodConfig) -> nn.Module:
+    from leantune.methods.lora import apply_lora
+
+    return apply_lora(model, replace(_lora_settings(cfg), use_dora=True))
+
+
+def _qlora(model: nn.Module, cfg: MethodConfig) -> nn.Module:
+    from leantune.methods.qlora import apply_qlora
+
+    return apply_qlora(model, _lora_settings(cfg))
+
+
 def _ia3(model: nn.Module, cfg: MethodConfig) -> nn.Module:
+    from leantune.methods.ia3 import apply_ia3
+
     if cfg.target_modules is None:
         return apply_ia3(model)
     return apply_ia3(model, tuple(cfg.target_modules))
 
 
+def _freeze(model: nn.Module, cfg: MethodConfig) -> nn.Module:
+    from leantune.methods.freeze import apply_freeze
+
+    return apply_freeze(model, cfg.last_blocks, cfg.norms)
+
+
 def _adapter(model: nn.Module, cfg: MethodConfig) -> nn.Module:
+    from leantune.methods.adapter import AdapterSettings, apply_adapter
+
     settings = AdapterSettings(
         placement=cfg.adapter_placement, reduction_factor=cfg.adapter_reduction
     )
     return apply_adapter(model, settings)
 
 
-def _prefix(model: nn.Module, cfg: MethodConfig, projection_default: bool) -> nn.Module:
+def _prefix_with(model: nn.Module, cfg: MethodConfig, projection_default: bool) -> nn.Module:
+    from leantune.methods.prompt import apply_prefix
+
     projection = projection_default if cfg.prefix_projection is None else cfg.prefix_projection
     return apply_prefix(model, cfg.num_virtual_tokens, projection, cfg.prefix_hidden_size)
 
 
+# Li & Liang 2021 train prefixes through an MLP; P-Tuning v2's reference code defaults to
+# training them directly. Both are peft prefix tuning (see methods/prompt.py).
+def _prefix(model: nn.Module, cfg: MethodConfig) -> nn.Module:
+    return _prefix_with(model, cfg, projection_default=True)
+
+
+def _ptuning_v2(model: nn.Module, cfg: MethodConfig) -> nn.Module:
+    return _prefix_with(model, cfg, projection_default=False)
+
+
 def _prompt(model: nn.Module, cfg: MethodConfig) -> nn.Module:
+    from leantune.methods.prompt import apply_prompt_tuning
+
     # The text is tokenised with the tokenizer saved next to the model weights.
     tokenizer_path = getattr(model, "name_or_path", None) if cfg.prompt_init_text else None
     return apply_prompt_tuning(model, cfg.num_virtual_tokens, cfg.prompt_init_text, tokenizer_path)
 
 
-METHODS: dict[str, Callable[[nn.Module, MethodConfig], nn.Module]] = {
-    "full": lambda model, cfg: apply_full(model),
-    "lora": lambda model, cfg: apply_lora(model, _lora_settings(cfg)),
-    "dora": lambda model, cfg: apply_lora(model, replace(_lora_settings(cfg), use_dora=True)),
-    "qlora": lambda model, cfg: apply_qlora(model, _lora_settings(cfg)),
-    "ia3": _ia3,
-    "freeze": lambda model, cfg: apply_freeze(model, cfg.last_blocks, cfg.norms),
-    "adapter": _adapter,
-    # Li & Liang 2021 train prefixes through an MLP; P-Tuning v2's reference code defaults to
-    # training them directly. Both are peft prefix tuning (see methods/prompt.py).
-    "prefix": lambda model, cfg: _prefix(model, cfg, projection_default=True),
-    "ptuning_v2": lambda model, cfg: _prefix(model, cfg, projection_default=False),
-    "prompt": _prompt,
-}
-
-# Learning rates that follow the seeds' advice: LoRA ~3x a base 3e-5 rate or more for small
-# models, full fine-tuning ~0.1x the LoRA rate.
-# IA3 trains a few scale vectors and needs a larger rate (its paper used 3e-3).
-DEFAULT_LR: dict[str, float] = {
-    "full": 2e-5,
-    "lora": 2e-4,
-    "dora": 2e-4,
-    "qlora": 2e-4,
-    "ia3": 3e-3,
-    "freeze": 2e-5,
-    # Adapters start as identities and train a few % of the weights; Houlsby et al. and
-    # AdapterHub use 1e-4..1e-3.
-    "adapter": 5e-4,
-    # Prefix tuning: Li & Liang used 5e-5..8e-5 through the MLP on GPT-2 for many epochs;
-    # P-Tuning v2 used 5e-3..1e-2 on the raw prefixes. Short runs need the upper range.
-    "prefix": 5e-3,
-    "ptuning_v2": 5e-3,
-    # Prompt tuning trains only P input embeddings: Lester et al. used 0.3 (Adafactor);
-    # AdamW setups (peft examples) use 1e-2..3e-2.
-    "prompt": 3e-2,
-}
-
-
 def _qlora_quantization(cfg: MethodConfig, precision: str) -> Quantization:
+    from leantune.models.quantize import Quantization
+
     compute = cfg.compute_dtype if cfg.compute_dtype != "auto" else precision
     if compute == "auto":
         raise ValueError(
@@ -107,24 +124,140 @@ def _qlora_quantization(cfg: MethodConfig, precision: str) -> Quantization:
     return Quantization(quant_type="nf4", double_quant=cfg.double_quant, compute_dtype=compute)
 
 
-# Methods whose base must be quantised while it loads: name -> (method config, train.precision)
-# -> how. The recipe passes the result to `load_model`; every other method loads full precision.
-BASE_QUANTIZATION: dict[str, Callable[[MethodConfig, str], Quantization]] = {
-    "qlora": _qlora_quantization,
+def _freeze_check(cfg: MethodConfig) -> str | None:
+    if cfg.last_blocks == 0 and not cfg.norms:
+        return "method.name=freeze trains nothing: set method.last_blocks or norms"
+    return None
+
+
+# Learning rates follow the seeds' advice: LoRA ~3x a base 3e-5 rate or more for small models,
+# full fine-tuning ~0.1x the LoRA rate. IA3 trains a few scale vectors and needs a larger rate
+# (its paper used 3e-3). Adapters start as identities and train a few % of the weights (Houlsby
+# et al. and AdapterHub use 1e-4..1e-3). Prefix tuning: Li & Liang used 5e-5..8e-5 through the
+# MLP on GPT-2 for many epochs, P-Tuning v2 5e-3..1e-2 on the raw prefixes; short runs need the
+# upper range. Prompt tuning trains only P input embeddings: Lester et al. used 0.3 (Adafactor),
+# AdamW setups (peft examples) 1e-2..3e-2.
+METHODS: dict[str, MethodSpec] = {
+    spec.name: spec
+    for spec in (
+        MethodSpec(
+            "full",
+            "every weight",
+            _full,
+            default_lr=2e-5,
+            trains_base_weights=True,
+            mergeable=True,
+            lr_advice=LrAdvice(high=1e-4, usual="1e-5..5e-5", what="full fine-tuning"),
+        ),
+        MethodSpec(
+            "lora",
+            "low-rank adapters (peft)",
+            _lora,
+            default_lr=2e-4,
+            mergeable=True,
+            lora_settings=True,
+            lighter_fallback=True,
+        ),
+        MethodSpec(
+            "dora",
+            "weight-decomposed LoRA (peft `use_dora`)",
+            _dora,
+            default_lr=2e-4,
+            mergeable=True,
+            lora_settings=True,
+        ),
+        MethodSpec(
+            "qlora",
+            "LoRA on a 4-bit NF4 base (bitsandbytes; CUDA and CPU)",
+            _qlora,
+            default_lr=2e-4,
+            base_quantization=_qlora_quantization,
+            mergeable=True,  # into the dequantised base (export/source.py)
+            lora_settings=True,
+            # The same adapters as LoRA: the meta model cannot be quantised, `weight_quant` is.
+            planned_as="lora",
+            planned_weight_quant="nf4-dq",
+            lighter_fallback=True,
+        ),
+        MethodSpec(
+            "ia3",
+            "learned rescaling vectors (peft)",
+            _ia3,
+            default_lr=3e-3,
+            mergeable=True,
+            lighter_than_fallbacks=True,
+        ),
+        MethodSpec(
+            "freeze",
+            "the last `method.last_blocks` blocks and/or the norms",
+            _freeze,
+            default_lr=2e-5,
+            trains_base_weights=True,
+            mergeable=True,
+            check=_freeze_check,
+        ),
+        MethodSpec(
+            "adapter",
+            "bottleneck adapters, our own module (peft has none)",
+            _adapter,
+            default_lr=5e-4,  # non-linear: nothing to merge, inference runs them
+        ),
+        MethodSpec(
+            "prefix",
+            "prefix tuning (peft), prefixes through an MLP",
+            _prefix,
+            default_lr=5e-3,
+            needs_unpacked_data=True,
+            supports_gradient_checkpointing=False,
+        ),
+        MethodSpec(
+            "ptuning_v2",
+            "deep prompt tuning on every layer (peft prefix tuning without the MLP)",
+            _ptuning_v2,
+            default_lr=5e-3,
+            needs_unpacked_data=True,
+            supports_gradient_checkpointing=False,
+        ),
+        MethodSpec(
+            "prompt",
+            "prompt tuning: learned input embeddings (peft)",
+            _prompt,
+            default_lr=3e-2,
+            needs_unpacked_data=True,
+        ),
+    )
 }
+
+DEFAULT_LR: dict[str, float] = {name: spec.default_lr for name, spec in METHODS.items()}
+"""`train.lr` when unset, by method (the specs' `default_lr`)."""
+
+BASE_QUANTIZATION = {
+    name: spec.base_quantization
+    for name, spec in METHODS.items()
+    if spec.base_quantization is not None
+}
+"""Methods whose base must be quantised while it loads: name -> (method config,
+train.precision) -> how. The recipe passes the result to `load_model`; every other method loads
+full precision."""
 
 
 def base_quantization(cfg: MethodConfig, precision: str) -> Quantization | None:
     """How `load_model` must quantise the base for this method (None = not at all)."""
-    make = BASE_QUANTIZATION.get(cfg.name)
+    make = METHODS[cfg.name].base_quantization
     return make(cfg, precision) if make is not None else None
+
+
+def compute_dtype(cfg: MethodConfig) -> str:
+    """The dtype the method asks the resolved train.precision for: `method.compute_dtype` for a
+    quantised base (its 4-bit matmuls), else "auto"."""
+    return cfg.compute_dtype if METHODS[cfg.name].base_quantization is not None else "auto"
 
 
 def apply_method(model: nn.Module, cfg: MethodConfig) -> nn.Module:
     """Freeze the base and wrap `model` with the configured method."""
     for p in model.parameters():
         p.requires_grad_(False)
-    return METHODS[cfg.name](model, cfg)
+    return METHODS[cfg.name].apply(model, cfg)
 
 
 def trainable_named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -148,6 +281,8 @@ def merge_for_inference(model: nn.Module) -> nn.Module:
 
     A 4-bit base is left unmerged: merging re-quantises W + BA, a different model from the one
     trained and saved (which is the 4-bit base plus the fp32 adapter)."""
+    from leantune.models.quantize import is_quantized
+
     if is_quantized(model):
         return model
     merge = getattr(model, "merge_adapter", None)

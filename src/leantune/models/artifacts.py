@@ -32,6 +32,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from leantune.config import RopeScalingConfig
 from leantune.methods.adapter import adapter_settings, load_adapter, save_adapter
 from leantune.methods.lora import quiet_peft
+from leantune.methods.prompt import with_virtual_tokens
 from leantune.models.loading import (
     ModelSource,
     load_model,
@@ -165,7 +166,7 @@ def _load_for_inference(
             adapted = load_adapter(model, p)  # type: ignore[assignment]
         else:
             with quiet_peft():
-                adapted = PeftModel.from_pretrained(model, p)
+                adapted = with_virtual_tokens(PeftModel.from_pretrained(model, p))
         adapted.eval()
         return adapted, tokenizer
     source = resolve_model(path)

@@ -109,7 +109,8 @@ class TrainingState:
     micro_batches_seen: int
     """Exact data position: micro-batches consumed so far."""
     extra: dict[str, Any] = field(default_factory=dict)
-    """JSON-serialisable extras (epoch, tokens seen, best loss, ...)."""
+    """JSON-serialisable extras; the recipe keeps its run progress here
+    (:meth:`leantune.training.progress.RunProgress.to_json`)."""
 
 
 @dataclass

@@ -18,8 +18,10 @@ of fp32 weights plus 1,076 MB of AdamW moments, 1.61 GB in all; random tensors) 
 memory does not grow: nothing is copied to be hashed.
 
 Values. ``trainer_state.json`` is plain JSON that a user can edit (and re-mark), so every value
-that resume trusts is checked by :func:`validate_state` before it is used: step counters, the
-data position in ``extra.batching``, the guard's history and the rollback bookkeeping.
+that resume trusts is checked by :func:`validate_state` before it is used: step counters, and in
+``extra`` (the run's progress, :class:`leantune.training.progress.RunProgress`) its layout
+version, the data position in ``extra.batching``, the guard's history, the rollback bookkeeping
+and the numbers the summary reports.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
+
+from leantune.training.progress import VERSION as PROGRESS_VERSION
 
 HASH = "sha256"
 """The manifest key of each file's checksum (and the hashlib algorithm)."""
@@ -176,7 +180,21 @@ _BATCHING: dict[str, Check] = {
     "micro_batch_size": _SIZE,
 }
 _GUARD: dict[str, Check] = {"losses": _NUMBERS, "grad_norms": _NUMBERS, "consecutive_skips": _COUNT}
-_EXTRA: dict[str, Check] = {"lr_scale": _POSITIVE, "rollbacks": _COUNT, "train_time_s": _DURATION}
+_EXTRA: dict[str, Check] = {
+    "version": (
+        f"an integer from 1 to {PROGRESS_VERSION} (a higher one was written by a newer leantune: "
+        "upgrade leantune to resume from it)",
+        lambda v: _is_int(v) and 1 <= v <= PROGRESS_VERSION,  # type: ignore[operator]
+    ),
+    "lr_scale": _POSITIVE,
+    "rollbacks": _COUNT,
+    "train_time_s": _DURATION,
+    "last_loss": ("a finite number or null", lambda v: v is None or _is_number(v)),
+    "base_exact_match": (
+        "a number from 0 to 1 or null",
+        lambda v: v is None or (_is_number(v) and 0 <= v <= 1),  # type: ignore[operator]
+    ),
+}
 
 
 class StateValueError(ValueError):

@@ -22,7 +22,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from leantune.data.dataset import PreparedData
 from leantune.data.formats import Record
 from leantune.eval.exact_match import answers_match, evaluate_exact_match
-from leantune.eval.loss import evaluate_loss
+from leantune.eval.perplexity import evaluate_loss
 from leantune.models.attention import sdpa_attention
 from leantune.training.checkpoint import capture_rng_state, restore_rng_state
 from leantune.training.events import EventLog

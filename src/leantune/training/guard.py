@@ -66,7 +66,7 @@ class GuardHistory:
     consecutive_skips: int = 0
 
     def to_json(self) -> dict[str, object]:
-        """Plain data for a checkpoint's ``extra`` (floats round-trip exactly through JSON)."""
+        """Plain data for a checkpoint's run progress (floats round-trip exactly through JSON)."""
         return {
             "losses": list(self.losses),
             "grad_norms": list(self.grad_norms),

@@ -8,7 +8,6 @@ last checkpoint exactly, lowers the learning rate and skips the data up to the b
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from leantune.data.dataset import PreparedData
 from leantune.training.checkpoint import resume_checkpoint
@@ -27,7 +26,7 @@ def act_on_guard(tr: Trainer, result: StepResult) -> bool:
     """
     d, g = result.decision, tr.guard
     step, action, reason = result.record["step"], d.action, d.reason
-    rollbacks = int(tr.state.extra.get("rollbacks", 0))
+    rollbacks = tr.progress.rollbacks
     if action == "rollback" and rollbacks >= g.max_rollbacks:
         action, reason = "stop", f"{reason}; guard.max_rollbacks={g.max_rollbacks} reached"
     kind = d.detector or "guard"
@@ -78,10 +77,7 @@ def _halt(tr: Trainer, step: int, action: str, kind: str, reason: str) -> None:
 def rollback(tr: Trainer, bad_end: int, lr_factor: float) -> None:
     """Reload the last checkpoint exactly, scale the LR by `lr_factor` and skip the data from
     that checkpoint up to and including the bad window (`bad_end` is the position after it)."""
-    extra = tr.state.extra
-    keep: dict[str, Any] = {k: extra[k] for k in ("train_time_s", "base_exact_match") if k in extra}
-    scale = float(extra.get("lr_scale", 1.0)) * lr_factor
-    rollbacks = int(extra.get("rollbacks", 0)) + 1
+    before = tr.progress
     micro_batch_size = tr.micro_batch_size  # an OOM since the checkpoint still applies
     # Verified like a resume: a damaged newest checkpoint gives way to an older one.
     ckpt = resume_checkpoint(tr.files.ckpt_dir, warn=lambda m: tr.events.log(f"warning: {m}"))
@@ -89,14 +85,16 @@ def rollback(tr: Trainer, bad_end: int, lr_factor: float) -> None:
     path = ckpt.path
     tr.load(ckpt)
     tr.micro_batch_size = min(micro_batch_size, tr.micro_batch_size)
-    ratio = scale / float(ckpt.state.extra.get("lr_scale", 1.0))
+    restored_scale = tr.progress.lr_scale
+    tr.progress = before.rolled_back(tr.progress, lr_factor)  # the fields say what survives
+    scale = tr.progress.lr_scale
+    ratio = scale / restored_scale
     for group in tr.optimizer.param_groups:
         group["lr"] *= ratio
     # The scheduler's base LRs are checkpointed, so a resumed run keeps the lower LR.
     tr.scheduler.base_lrs = [lr * ratio for lr in tr.scheduler.base_lrs]
     skipped = tr.stream.rows(tr.samples_seen, bad_end - tr.samples_seen)
     tr.samples_seen = bad_end
-    tr.state.extra.update(keep, lr_scale=scale, rollbacks=rollbacks)
     lines = source_lines(tr.data, skipped)
     tr.events.emit(
         "rollback",

@@ -19,6 +19,8 @@ from typing import TypeVar
 
 import torch
 
+from leantune.methods.registry import METHODS
+
 T = TypeVar("T")
 
 _PAGE_SIZE = resource.getpagesize()
@@ -84,7 +86,7 @@ def levers_message(max_seq_len: int, gradient_checkpointing: bool, method: str) 
     if not gradient_checkpointing:
         levers.append("train.gradient_checkpointing=true (recompute activations in backward)")
     levers.append(f"a shorter data.max_seq_len (now {max_seq_len})")
-    if method in ("full", "freeze"):
+    if METHODS[method].trains_base_weights:  # adapters are the lighter method
         levers.append("a lighter method: method.name=lora (or qlora where available)")
     else:
         levers.append("a lighter method or model: qlora (4-bit base) where available")

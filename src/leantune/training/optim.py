@@ -233,7 +233,7 @@ class Schedule:
         return Schedule(warmup, max_steps, min_lr_ratio, at, reached)
 
     def to_json(self) -> dict[str, Any]:
-        """Plain data for the checkpoint's ``state.extra``."""
+        """Plain data for the run progress (``RunProgress.schedule``) in a checkpoint."""
         return dataclasses.asdict(self)
 
     @classmethod
@@ -265,7 +265,7 @@ def use_schedule(scheduler: LambdaLR, schedule: Schedule) -> None:
     """Make `scheduler` follow `schedule` from its next step on (its position is kept).
 
     The multiplier lives in a plain function, which `LambdaLR.state_dict` leaves out: the
-    schedule travels in the checkpoint's ``state.extra`` instead.
+    schedule travels in the checkpoint's run progress (``RunProgress.schedule``) instead.
     """
     scheduler.lr_lambdas = [lambda s: schedule.multiplier(s) for _ in scheduler.lr_lambdas]
 

@@ -37,7 +37,14 @@ import yaml
 from torch import nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from leantune.config import Config, effective_pack, parse_memory_size, to_dict, validate
+from leantune.config import (
+    AUTO_RUN_NAME,
+    Config,
+    effective_pack,
+    parse_memory_size,
+    to_dict,
+    validate,
+)
 from leantune.data.dataset import PreparedData
 from leantune.data.loader import SampleStream
 from leantune.data.templates import apply_chat_template
@@ -45,6 +52,7 @@ from leantune.methods.registry import (
     DEFAULT_LR,
     apply_method,
     base_quantization,
+    compute_dtype,
     count_parameters,
     merge_for_inference,
     trainable_named_parameters,
@@ -59,6 +67,10 @@ from leantune.models.loading import (
     resolve_model,
 )
 from leantune.models.quantize import Quantization
+from leantune.monitor.backends import RunInfo, optional_sinks
+from leantune.monitor.prometheus import PrometheusSink, RunFacts
+from leantune.monitor.report import report_at_end
+from leantune.monitor.step_stats import StepStats, build_step_stats
 from leantune.training.checkpoint import TrainingState, latest_checkpoint, list_complete_checkpoints
 from leantune.training.divergence import WeightsDiverged
 from leantune.training.evaluation import (
@@ -73,6 +85,7 @@ from leantune.training.events import (
     PAUSED_MARKER,
     EventLog,
     OutOfMemoryAtMinimum,
+    TrainingHalted,
     lift_pause,
 )
 from leantune.training.faults import KILL_ENV, FaultHooks, signal_at_start
@@ -86,6 +99,7 @@ from leantune.training.precision import (
     recorded_setting,
     resolve_precision,
 )
+from leantune.training.progress import RunProgress
 from leantune.training.resume_policy import (
     ResumePlan,
     apply_force,
@@ -93,6 +107,7 @@ from leantune.training.resume_policy import (
     recorded_schedule,
 )
 from leantune.training.run_setup import (
+    RunSetup,
     check_resumable,
     guard_settings,
     named_run,
@@ -107,7 +122,7 @@ from leantune.training.rundir import (
     write_record,
 )
 from leantune.training.signals import Interrupted, StopSignals
-from leantune.training.sinks import ConsoleSink, JsonlSink, Sinks
+from leantune.training.sinks import ConsoleSink, JsonlSink, Sink, Sinks
 from leantune.training.strategy import ParallelStrategy, SingleProcess
 from leantune.training.summary import write_summary
 from leantune.training.trainer import RunFiles, StepResult, StepSettings, Trainer, train_step
@@ -167,7 +182,12 @@ def _lifecycle(
     signal_at_start()
     session = set_up(cfg, source, stop=stop, inputs=inputs, log=log)
     run.started = True  # from here on, a failure leaves the run directory as it is
-    run_loop(session.trainer, session.loop, session.evaluator)
+    try:
+        run_loop(session.trainer, session.loop, session.evaluator)
+    except TrainingHalted:  # paused or stopped: the report shows why
+        if session.cfg.monitor.report:
+            report_at_end(cfg.run_dir, log)
+        raise
     return finish(session, log=log, started=started)
 
 
@@ -247,8 +267,7 @@ def set_up(
         sample = t.eval_every_sample if cfg.data.format != "text" else 0
         evaluator = PeriodicEval(model, eval_inputs, settings, sample)
     # The trainer, its sinks (events reach them too), then its start state.
-    sinks = _sinks(cfg, files, with_eval=evaluator is not None, log=log)
-    events.listeners.append(sinks.event)
+    stats, sinks = _monitoring(cfg, run, files, events, model, device, strategy, evaluator, log)
     trainer = build_trainer(
         cfg,
         model=model,
@@ -263,11 +282,11 @@ def set_up(
         stop=stop,
         global_batch=run.global_batch,
         strategy=strategy,
+        stats=stats,
     )
     start_state(trainer, cfg, run.plan, log)
-    extra = trainer.state.extra
-    if base_exact_match is not None and "base_exact_match" not in extra:
-        extra["base_exact_match"] = base_exact_match
+    if base_exact_match is not None and trainer.progress.base_exact_match is None:
+        trainer.progress.base_exact_match = base_exact_match
     assert t.max_steps is not None, "resolved by set_up_run"
     return Session(
         cfg=cfg,
@@ -294,7 +313,7 @@ def _resolve_device(cfg: Config) -> tuple[torch.device, Config, str | None]:
     precision it started with) and model.attn_implementation=auto too, and the line that says
     what auto chose for the precision and why."""
     device = pick_device(cfg.train.device)
-    compute = cfg.method.compute_dtype if cfg.method.name == "qlora" else "auto"
+    compute = compute_dtype(cfg.method)
     recorded = recorded_precision(cfg.run_dir)
     choice = resolve_precision(cfg.train.precision, device.type, recorded, compute)
     resolved = replace(cfg, train=replace(cfg.train, precision=choice.precision))
@@ -356,15 +375,67 @@ def _wrap(
     return strategy.wrap_model(model), params, (trainable, total)
 
 
-def _sinks(cfg: Config, files: RunFiles, *, with_eval: bool, log: Log) -> Sinks:
-    """metrics.jsonl/eval.jsonl and the progress bar."""
-    assert cfg.train.max_steps is not None, "resolved by set_up_run"
-    return Sinks(
-        [
-            JsonlSink(files.run_dir, with_eval),
-            ConsoleSink(cfg.train.max_steps, cfg.run.progress, log),
-        ]
+def _monitoring(
+    cfg: Config,
+    run: RunSetup,
+    files: RunFiles,
+    events: EventLog,
+    model: nn.Module,
+    device: torch.device,
+    strategy: ParallelStrategy,
+    evaluator: PeriodicEval | None,
+    log: Log,
+) -> tuple[StepStats, Sinks]:
+    """The per-step figures (MFU's peak is measured here) and the sinks, which hear the events."""
+    stats = build_step_stats(model, device, cfg.train.precision, cfg.train.max_steps, log)
+    trainable, total = count_parameters(model)
+    memory = run.memory
+    facts = RunFacts(
+        run_name=cfg.run_dir.name,
+        method=cfg.method.name,
+        model=cfg.model.path,
+        device=device.type,
+        precision=cfg.train.precision,
+        max_steps=int(cfg.train.max_steps or 0),
+        trainable_params=trainable,
+        total_params=total,
+        planned_peak_bytes=memory.peak_bytes if memory is not None else None,
+        memory_budget_bytes=memory.budget_bytes if memory is not None else None,
+        peak_flops=stats.peak_flops,
     )
+    main = strategy.is_main_process
+    sinks = _sinks(cfg, files, with_eval=evaluator is not None, log=log, facts=facts, main=main)
+    events.listeners.append(sinks.event)
+    return stats, sinks
+
+
+def _sinks(
+    cfg: Config,
+    files: RunFiles,
+    *,
+    with_eval: bool,
+    log: Log,
+    facts: RunFacts | None = None,
+    main: bool = True,
+) -> Sinks:
+    """metrics.jsonl/eval.jsonl, the progress bar, with monitor.metrics_port the Prometheus
+    endpoint, and the configured TensorBoard/W&B/MLflow sinks: the monitoring backends on the
+    main process (rank 0) only.
+
+    Raises:
+        MetricsPortInUse: monitor.metrics_port cannot be bound (exit 2, before training).
+    """
+    assert cfg.train.max_steps is not None, "resolved by set_up_run"
+    sinks: list[Sink] = [
+        JsonlSink(files.run_dir, with_eval),
+        ConsoleSink(cfg.train.max_steps, cfg.run.progress, log),
+    ]
+    m = cfg.monitor
+    if m.metrics_port is not None and facts is not None and main:
+        sinks.append(PrometheusSink(m.metrics_host, m.metrics_port, facts, files.ckpt_dir, log))
+    name = cfg.run.name if cfg.run.name != AUTO_RUN_NAME else files.run_dir.name  # run.dir set
+    sinks.extend(optional_sinks(m, RunInfo(files.run_dir, name, to_dict(cfg))) if main else [])
+    return Sinks(sinks)
 
 
 def build_trainer(
@@ -382,6 +453,7 @@ def build_trainer(
     stop: StopSignals,
     global_batch: int,
     strategy: ParallelStrategy,
+    stats: StepStats | None = None,
 ) -> Trainer:
     """Optimizer, schedule, scaler, sample stream and guard around the wrapped model.
 
@@ -403,7 +475,8 @@ def build_trainer(
         data=data,
         pad_id=pad_id,
         device=device,
-        state=TrainingState(step=0, micro_batches_seen=0, extra={"schedule": schedule.to_json()}),
+        state=TrainingState(step=0, micro_batches_seen=0),
+        progress=RunProgress(schedule=schedule),
         global_batch=global_batch,
         micro_batch_size=min(t.micro_batch_size, global_batch),
         events=events,
@@ -416,6 +489,7 @@ def build_trainer(
         faults=faults,
         levers=levers_message(int(cfg.data.max_seq_len), t.gradient_checkpointing, cfg.method.name),
         stop=stop,
+        stats=stats if stats is not None else StepStats(),
     )
 
 
@@ -426,10 +500,20 @@ def start_state(tr: Trainer, cfg: Config, plan: ResumePlan, log: Log) -> None:
     if plan.action != "fresh":
         check_weights_fit(plan, tr.params)
         tr.restore(log)
-        use_schedule(tr.scheduler, recorded_schedule(tr.state.extra, cfg.train))
+        use_schedule(tr.scheduler, recorded_schedule(tr.progress, cfg.train))
         if plan.action == "force":
             lr = cfg.train.lr if cfg.train.lr is not None else DEFAULT_LR[cfg.method.name]
-            apply_force(tr.optimizer, tr.scheduler, tr.params, tr.state, cfg.train, lr, plan, log)
+            apply_force(
+                optimizer=tr.optimizer,
+                scheduler=tr.scheduler,
+                params=tr.params,
+                state=tr.state,
+                progress=tr.progress,
+                t=cfg.train,
+                lr=lr,
+                plan=plan,
+                log=log,
+            )
     if files.write_config:
         write_file(files.run_dir / "config.yaml", files.config_yaml)
     if plan.action == "force":
@@ -460,10 +544,8 @@ def run_loop(tr: Trainer, loop: LoopSettings, evaluator: PeriodicEval | None = N
         with tr.stop.deferred():
             while tr.state.step < loop.max_steps:
                 result = _step(tr)
-                extra = tr.state.extra
-                extra["train_time_s"] = (
-                    extra.get("train_time_s", 0.0) + result.record["step_time_s"]
-                )
+                # tr.progress, not a local alias: a rollback replaces it.
+                tr.progress.train_time_s += result.record["step_time_s"]
                 if result.decision.action != "step" and act_on_guard(tr, result):
                     tr.sinks.start(tr.state.step)  # rolled back: what came after is gone
                     continue
@@ -491,7 +573,7 @@ def _after_update(
     tr: Trainer, result: StepResult, loop: LoopSettings, evaluator: PeriodicEval | None
 ) -> None:
     """Report an applied step, then evaluate and save when they are due."""
-    tr.state.extra["last_loss"] = result.record["loss"]
+    tr.progress.last_loss = result.record["loss"]
     tr.sinks.metrics(result.record)
     step = tr.state.step
     if evaluator is not None and step % loop.eval_every == 0:
@@ -548,7 +630,7 @@ def finish(session: Session, *, log: Log, started: float) -> dict[str, Any]:
         rope_scaling=cfg.model.rope_scaling,
         quantization=s.quantization,
     )
-    results: dict[str, Any] = {"final_train_loss": tr.state.extra.get("last_loss")}
+    results: dict[str, Any] = {"final_train_loss": tr.progress.last_loss}
     if s.eval_inputs is not None:
         merge_for_inference(s.model)
         preds = files.run_dir / "eval_predictions.jsonl" if cfg.train.eval_exact_match else None
@@ -556,7 +638,12 @@ def finish(session: Session, *, log: Log, started: float) -> dict[str, Any]:
             s.model, s.eval_inputs, s.eval_settings, predictions_file=preds, step=tr.state.step
         )
     results["wall_time_s"] = round(time.perf_counter() - started, 2)  # this invocation
-    return write_summary(files.run_dir, tr.state, s.trainable_params, s.total_params, results, log)
+    summary = write_summary(
+        files.run_dir, tr.state, tr.progress, s.trainable_params, s.total_params, results, log
+    )
+    if cfg.monitor.report:
+        report_at_end(files.run_dir, log)
+    return summary
 
 
 def _base_path(path: str) -> str:

@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from safetensors import safe_open
@@ -36,6 +36,7 @@ from leantune.training.optim import (
     set_weight_decay,
     use_schedule,
 )
+from leantune.training.progress import RunProgress
 from leantune.training.rundir import RUN_FILE, RunRecord, read_record
 
 Log = Callable[[str], None]
@@ -241,26 +242,24 @@ def check_weights_fit(plan: ResumePlan, params: dict[str, torch.nn.Parameter]) -
     )
 
 
-def recorded_schedule(extra: dict[str, Any], t: TrainConfig) -> Schedule:
-    """The LR schedule a checkpoint follows (kept in its ``state.extra``); the config's for a
-    checkpoint written before schedules were recorded. Records it in `extra`."""
-    raw = extra.get("schedule")
-    try:
-        schedule = Schedule.from_json(raw) if isinstance(raw, dict) else None
-    except (KeyError, TypeError, ValueError):
-        schedule = None
+def recorded_schedule(progress: RunProgress, t: TrainConfig) -> Schedule:
+    """The LR schedule a checkpoint follows (kept in its run progress); the config's for a
+    checkpoint written before schedules were recorded. Records it in `progress`."""
+    schedule = progress.schedule
     if schedule is None:
         assert t.max_steps is not None, "train() resolves it from train.epochs and the data"
         schedule = default_schedule(t.max_steps, t.warmup_ratio, t.min_lr_ratio)
-    extra["schedule"] = schedule.to_json()
+    progress.schedule = schedule
     return schedule
 
 
 def apply_force(
+    *,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LambdaLR,
     params: dict[str, torch.nn.Parameter],
     state: TrainingState,
+    progress: RunProgress,
     t: TrainConfig,
     lr: float,
     plan: ResumePlan,
@@ -271,22 +270,21 @@ def apply_force(
     A restored optimizer and scheduler carry the old peak LR and weight decay, so both are set
     from the config (`lr`, resolved; times a rollback's ``lr_scale``). A change of max_steps,
     min_lr_ratio or warmup_ratio continues the schedule from where it is
-    (:meth:`Schedule.continued`); the new schedule goes into ``state.extra`` so that resuming
-    the continued run is exact.
+    (:meth:`Schedule.continued`); the new schedule goes into `progress` so that resuming the
+    continued run is exact.
     """
     assert t.max_steps is not None, "train() resolves it from train.epochs and the data"
-    extra = state.extra
-    schedule = recorded_schedule(extra, t)
+    schedule = recorded_schedule(progress, t)
     at = scheduler.last_epoch
     if plan.changed("train.max_steps", "train.min_lr_ratio", "train.warmup_ratio"):
         warmup = round(t.max_steps * t.warmup_ratio) if plan.changed("train.warmup_ratio") else None
         reached = current_multiplier(optimizer, scheduler)
         schedule = schedule.continued(at, reached, t.max_steps, t.min_lr_ratio, warmup)
-    peak = lr * float(extra.get("lr_scale", 1.0))
+    peak = lr * progress.lr_scale
     use_schedule(scheduler, schedule)
     now = set_peak_lr(optimizer, scheduler, peak, schedule)
     set_weight_decay(optimizer, params, t.weight_decay)
-    extra["schedule"] = schedule.to_json()
+    progress.schedule = schedule
     if state.step >= t.max_steps:
         log(
             f"run.resume=force: the run is at train.max_steps={t.max_steps} already: nothing "

@@ -40,12 +40,11 @@ from leantune.config import (
     effective_pack,
 )
 from leantune.config_checks import MAX_SEQ_LEN
-from leantune.data.dataset import PreparedData
+from leantune.data.dataset import PreparedData, prepared_data
 from leantune.data.packing import longest_example, rows_for
 from leantune.data.prepare.command import engine_options, settings_from_config
 from leantune.data.prepare.pipeline import read_report
-from leantune.data.prepare.training import prepared_data
-from leantune.memory.planner import plan_for_run
+from leantune.memory.planner import PlannedMemory, plan_for_run
 from leantune.models.loading import ModelSource
 from leantune.training.fingerprint import run_fingerprint
 from leantune.training.guard import GuardSettings
@@ -71,6 +70,8 @@ class RunSetup:
     eval_data: PreparedData | None
     global_batch: int
     """Rows per optimizer step: the configured global batch, or all rows when fewer."""
+    memory: PlannedMemory | None = None
+    """The memory planner's prediction and budget (shown against the measured memory)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,7 +238,14 @@ def load_datasets(
 
     def prepare(path: str, eval_limit: int | None) -> PreparedData:
         data = prepared_data(
-            path, settings, tokenizer, cache, d.max_bad_fraction, eval_limit, log, engine_options(d)
+            path,
+            settings=settings,
+            tokenizer=tokenizer,
+            cache_dir=cache,
+            max_bad_fraction=d.max_bad_fraction,
+            limit=eval_limit,
+            log=log,
+            engine=engine_options(d),
         )
         for bad in data.bad[:20]:
             log(f"bad line skipped: {bad}")
@@ -313,9 +321,9 @@ def set_up_run(
     # The fingerprint holds the configured micro-batch split (auto, or the numbers given).
     plan = plan_run(cfg, location, gguf_file, log)
     labels = [r.labels for r in train_data.rows]
-    t, memory_note = plan_for_run(cfg, device, labels, batch)
-    log(memory_note)
-    return RunSetup(dataclasses.replace(cfg, train=t), plan, train_data, eval_data, batch)
+    t, memory = plan_for_run(cfg, device, labels, batch)
+    log(memory.note)
+    return RunSetup(dataclasses.replace(cfg, train=t), plan, train_data, eval_data, batch, memory)
 
 
 def seed_everything(seed: int) -> None:

@@ -8,24 +8,25 @@ from pathlib import Path
 from typing import Any
 
 from leantune.training.checkpoint import TrainingState
+from leantune.training.progress import RunProgress
 
 
 def write_summary(
     run_dir: Path,
     state: TrainingState,
+    progress: RunProgress,
     trainable_params: int,
     total_params: int,
     results: dict[str, Any],
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Write run_dir/summary.json and print the headline numbers."""
-    extra = state.extra
     summary: dict[str, Any] = {
         "steps": state.step,
-        "train_time_s": round(float(extra.get("train_time_s", 0.0)), 2),
+        "train_time_s": round(progress.train_time_s, 2),
         "trainable_params": trainable_params,
         "total_params": total_params,
-        "base_exact_match": extra.get("base_exact_match"),
+        "base_exact_match": progress.base_exact_match,
         **results,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

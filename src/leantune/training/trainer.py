@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from torch import nn
 
 from leantune.data.dataset import PreparedData
 from leantune.data.loader import SampleStream, collate, split_window
+from leantune.monitor.step_stats import StepStats
 from leantune.training.checkpoint import (
     Checkpoint,
     TrainingState,
@@ -37,13 +38,14 @@ from leantune.training.checkpoint import (
 from leantune.training.events import EventLog, OutOfMemoryAtMinimum
 from leantune.training.faults import FaultHooks, kill_after, signal_after
 from leantune.training.guard import Decision, GuardHistory, GuardSettings, decide, remember
-from leantune.training.loss import count_supervised, token_loss_sum
 from leantune.training.metrics import memory_stats
 from leantune.training.oom import MemoryBudget, free_memory, halved, is_out_of_memory
 from leantune.training.precision import autocast
+from leantune.training.progress import Batching, RunProgress
 from leantune.training.signals import Interrupted, StopSignals
 from leantune.training.sinks import Sinks
 from leantune.training.strategy import ParallelStrategy, SingleProcess
+from leantune.training.token_loss import count_supervised, token_loss_sum
 
 Log = Callable[[str], None]
 
@@ -98,12 +100,16 @@ class Trainer:
     strategy: ParallelStrategy = field(default_factory=SingleProcess)
     history: GuardHistory = field(default_factory=GuardHistory)
     samples_seen: int = 0
+    progress: RunProgress = field(default_factory=RunProgress)
+    """What a checkpoint keeps beyond weights and counters (a rollback replaces it)."""
     budget: MemoryBudget = field(default_factory=lambda: MemoryBudget(None))
     faults: FaultHooks = field(default_factory=FaultHooks)
     levers: str = ""
     """What to try when one sequence does not fit (the OOM-at-minimum message)."""
     stop: StopSignals = field(default_factory=StopSignals)
     """SIGTERM/SIGINT: `accumulate` checks it at every micro-batch boundary."""
+    stats: StepStats = field(default_factory=StepStats)
+    """The record's padding, MFU, data-wait, ETA, CPU and GPU fields (`monitor.step_stats`)."""
 
     @property
     def grad_accum(self) -> int:
@@ -118,15 +124,11 @@ class Trainer:
             CheckpointWriteError: the disk refused the write; earlier checkpoints are intact
                 (exit 2).
         """
-        self.state.extra["batching"] = {
-            "global_batch": self.global_batch,
-            "micro_batch_size": self.micro_batch_size,
-            "samples_seen": self.samples_seen,
-        }
-        self.state.extra["guard"] = self.history.to_json()
+        batching = Batching(self.global_batch, self.micro_batch_size, self.samples_seen)
+        self.progress.batching, self.progress.guard = batching, self.history
         return save_checkpoint(
             self.files.ckpt_dir,
-            self.state,
+            replace(self.state, extra=self.progress.to_json()),
             weights=self.strategy.weights_for_checkpoint(self.params),
             optimizer=self.optimizer.state_dict(),
             scheduler=self.scheduler.state_dict(),
@@ -149,16 +151,16 @@ class Trainer:
         if self.scaler is not None and ckpt.scaler is not None:
             self.scaler.load_state_dict(ckpt.scaler)
         restore_rng_state(ckpt.rng)
-        self.state = ckpt.state
-        extra = ckpt.state.extra
-        batching = extra.get("batching")
+        self.state = TrainingState(ckpt.state.step, ckpt.state.micro_batches_seen)
+        self.progress = RunProgress.from_json(ckpt.state.extra)
+        batching = self.progress.batching
         if batching is None:  # written before the data position was kept in samples
             self.samples_seen = ckpt.state.micro_batches_seen * self.micro_batch_size
         else:
-            self.samples_seen = int(batching["samples_seen"])
-            if batching["global_batch"] == self.global_batch:  # a shrink after an OOM holds
-                self.micro_batch_size = min(self.micro_batch_size, batching["micro_batch_size"])
-        self.history = GuardHistory.from_json(extra.get("guard"))
+            self.samples_seen = batching.samples_seen
+            if batching.global_batch == self.global_batch:  # a shrink after an OOM holds
+                self.micro_batch_size = min(self.micro_batch_size, batching.micro_batch_size)
+        self.history = self.progress.guard
 
     def restore(self, log: Log) -> None:
         """Continue from the newest checkpoint that checks out (sizes, checksums, state
@@ -189,9 +191,12 @@ class StepResult:
 def train_step(tr: Trainer) -> StepResult:
     """One window: backward -> unscale -> clip (measure) -> guard -> step or skip."""
     start = time.perf_counter()
+    tr.stats.begin()
     step = tr.state.step + 1
-    window = tr.stream.window(tr.samples_seen, tr.global_batch)
-    loss, batches = accumulate(tr, tr.strategy.shard_window(window))
+    with tr.stats.data:
+        window = tr.stream.window(tr.samples_seen, tr.global_batch)
+        shard = tr.strategy.shard_window(window)
+    loss, batches = accumulate(tr, shard)
     loss = tr.faults.spike(step, loss, tr.params.values())
     if tr.scaler is not None:
         tr.scaler.unscale_(tr.optimizer)
@@ -210,7 +215,9 @@ def train_step(tr: Trainer) -> StepResult:
     tr.samples_seen += len(window)
     tr.state.micro_batches_seen += len(batches)
     elapsed = time.perf_counter() - start
-    tokens = sum(len(tr.data.rows[i].input_ids) for i in window)
+    tokens = sum(len(tr.data.rows[i].input_ids) for i in window)  # non-pad: the useful ones
+    local = sum(len(tr.data.rows[i].input_ids) for i in shard)
+    elements = sum(b["input_ids"].numel() for b in batches)
     record = {
         "step": step,
         "loss": loss,
@@ -224,6 +231,7 @@ def train_step(tr: Trainer) -> StepResult:
         "optimizer_stepped": stepped,
         "micro_batch_size": tr.micro_batch_size,
         "grad_accum": tr.grad_accum,
+        **tr.stats.fields(step, local, elements, elapsed),
     }
     return StepResult(record, decision, window, tr.samples_seen)
 
@@ -269,8 +277,9 @@ def accumulate(tr: Trainer, window: list[int]) -> tuple[float, list[dict[str, to
     tr.stop.check()
     rng = capture_rng_state()
     while True:
-        micro = split_window(window, tr.micro_batch_size)
-        batches = [collate([tr.data.rows[i] for i in m], tr.pad_id) for m in micro]
+        with tr.stats.data:
+            micro = split_window(window, tr.micro_batch_size)
+            batches = [collate([tr.data.rows[i] for i in m], tr.pad_id) for m in micro]
 
         def check(k: int, count: int = len(batches)) -> None:
             tr.stop.check()

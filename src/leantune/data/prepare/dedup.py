@@ -9,6 +9,7 @@ one key per LSH band.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ def minhash(text: str, num_perm: int) -> np.ndarray:
     return out.astype(np.uint32)
 
 
+@functools.cache  # ~14 ms of numpy per call, and every preparation builds a DedupIndex
 def lsh_bands(threshold: float, num_perm: int) -> tuple[int, int]:
     """(bands, rows) minimising weighted false positives and negatives around `threshold`.
 

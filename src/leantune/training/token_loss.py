@@ -6,16 +6,34 @@ accumulation window, so accumulating k micro-batches equals one k-times larger b
 
 The output projection runs only on supervised positions: with answer-only loss most positions
 carry no label, and the vocab projection (49k x 576 for SmolLM2) is a large share of the step.
+So the loss runs the model's decoder itself; a method whose trained weights live outside the
+decoder's modules (virtual tokens) gives the model a `VirtualTokens` forward under
+`VIRTUAL_TOKENS_HOOK` for it.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from leantune.data.tokenize import IGNORE_INDEX
-from leantune.methods.prompt import prompt_learning_hidden
+from leantune.training.chunked_ce import linear_cross_entropy_sum
+
+VIRTUAL_TOKENS_HOOK = "leantune_virtual_tokens"
+"""The model attribute that holds its `VirtualTokens` forward, when it has one (methods/prompt.py
+sets it on prefix and prompt tuning models)."""
+
+
+class VirtualTokens(Protocol):
+    """Last hidden states at the input positions with a method's virtual tokens in effect, or
+    None while they are disabled (then the plain decoder computes them)."""
+
+    def __call__(
+        self, decoder: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor | None: ...
 
 
 def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
@@ -30,27 +48,39 @@ def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     return decoder, head
 
 
-def supervised_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Logits at the supervised positions of `batch`, shape (n_supervised, vocab).
+def supervised_hidden(
+    model: nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, nn.Linear] | None:
+    """The last hidden states at the supervised positions of `batch` (n_supervised, hidden) and
+    the output projection, or None for a model without a plain decoder and linear head.
 
     `use_cache=False` is required: transformers only derives the per-example (packed) mask from
     position ids when no KV cache is created.
     """
-    mask = batch["labels"] != IGNORE_INDEX
     parts = _decoder_and_head(model)
     if parts is None:
-        logits = model(
-            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
-        ).logits
-        return logits[mask]
+        return None
     decoder, head = parts
-    # Prompt-learning adapters (prefix, prompt tuning) live outside the decoder's modules.
-    hidden = prompt_learning_hidden(model, decoder, batch["input_ids"], batch["position_ids"])
+    assert isinstance(head, nn.Linear)
+    virtual: VirtualTokens | None = getattr(model, VIRTUAL_TOKENS_HOOK, None)
+    hidden = virtual(decoder, batch["input_ids"], batch["position_ids"]) if virtual else None
     if hidden is None:
         hidden = decoder(
             input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
         ).last_hidden_state
-    return head(hidden[mask])
+    return hidden[batch["labels"] != IGNORE_INDEX], head
+
+
+def supervised_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Logits at the supervised positions of `batch`, shape (n_supervised, vocab)."""
+    found = supervised_hidden(model, batch)
+    if found is None:
+        logits = model(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+        ).logits
+        return logits[batch["labels"] != IGNORE_INDEX]
+    hidden, head = found
+    return head(hidden)
 
 
 def token_loss_sum(
@@ -58,12 +88,20 @@ def token_loss_sum(
 ) -> torch.Tensor:
     """Sum of cross-entropy over the supervised positions (labels are already shifted), in fp32.
 
+    The vocab projection and the loss run a chunk of positions at a time
+    (`chunked_ce.linear_cross_entropy_sum`), so the logits of the whole batch never exist.
     With `kl_coef > 0`, adds `kl_coef * KL(model || base)` summed over the same positions: the
     seeds' remedy for repetitive generations after fine-tuning. The base is the same model with
-    its adapters disabled, so this needs an adapter method (no second copy of the weights).
+    its adapters disabled, so this needs an adapter method (no second copy of the weights);
+    the KL needs both models' logits, so that path keeps them.
     """
-    logits = supervised_logits(model, batch)
     targets = batch["labels"][batch["labels"] != IGNORE_INDEX]
+    if kl_coef == 0:
+        found = supervised_hidden(model, batch)
+        if found is not None and found[1].bias is None:
+            hidden, head = found
+            return linear_cross_entropy_sum(hidden, head.weight, targets)
+    logits = supervised_logits(model, batch)
     loss = F.cross_entropy(logits.float(), targets, reduction="sum")
     if kl_coef > 0:
         loss = loss + kl_coef * kl_to_base(model, batch, logits)

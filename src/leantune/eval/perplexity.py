@@ -9,8 +9,8 @@ from torch import nn
 
 from leantune.data.loader import collate
 from leantune.data.packing import Row
-from leantune.training.loss import count_supervised, token_loss_sum
 from leantune.training.precision import autocast
+from leantune.training.token_loss import count_supervised, token_loss_sum
 
 
 @torch.no_grad()

@@ -1,0 +1,305 @@
+"""`leantune bench throughput`: leantune against HF Trainer + PEFT on the same work.
+
+Both train the same model on the same variable-length chat corpus (`bench.chat_corpus`), one
+epoch, the same hyper-parameters (LoRA r16/alpha32 on all linear layers, or full fine-tuning;
+lr 2e-4 cosine), each in its own process, alternating, `reps` times. Both run in the precision
+this machine runs fastest (leantune's measured `train.precision=auto`, applied to the baseline
+too: bf16 on a CPU without fast bf16 matmul would be unfair to it). The baseline is configured
+as a user would (its padding collator, `use_cpu=True`); leantune runs with its defaults.
+
+Reported per system and method: useful (non-pad) tokens/s, step time, peak RSS of the process,
+held-out loss of the final model (the same function, fp32, for both), MFU against a matmul peak
+measured in the same run, and leantune's ratios to the baseline. One JSON line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+Log = Callable[[str], None]
+SYSTEMS = ("hf_trainer_peft", "leantune")
+
+
+def matmul_peak(dtype: str, threads: int, size: int = 1024, seconds: float = 1.0) -> float:
+    """Sustained GFLOP/s of a square matmul in `dtype` ("fp32" or "bf16") on this CPU, now."""
+    import torch
+
+    torch.set_num_threads(threads)
+    kind = torch.bfloat16 if dtype == "bf16" else torch.float32
+    a = torch.randn(size, size).to(kind)
+    b = torch.randn(size, size).to(kind)
+    a @ b  # warm-up (oneDNN picks its kernel)
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        n += 1
+    return 2 * size**3 * n / (time.perf_counter() - start) / 1e9
+
+
+def flops_per_token(model_dir: str, method: str, mean_len: float) -> float:
+    """Training FLOPs per token: 2N forward over the matmul weights N (blocks and lm_head), plus
+    2N for the input gradients and, for full fine-tuning, 2N for the weight gradients (6N;
+    LoRA's adapters are negligible: 4N), plus causal attention (QK^T and AV over half the mean
+    example length on average, forward and backward)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    d, layers, inter, vocab = c.hidden_size, c.num_hidden_layers, c.intermediate_size, c.vocab_size
+    kv = d * c.num_key_value_heads // c.num_attention_heads
+    per_layer = d * d * 2 + d * kv * 2 + 3 * d * inter
+    n = layers * per_layer + d * vocab
+    matmul = (6 if method == "full" else 4) * n
+    attention = 3 * 2 * 2 * layers * d * (mean_len / 2)
+    return float(matmul + attention)
+
+
+def run_child(cmd: list[str], threads: int) -> tuple[int, int, float, str]:
+    """Run `cmd`; its exit code, its own peak RSS in bytes, wall seconds, its output's tail."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    assert proc.stdout is not None
+    output = proc.stdout.read().decode(errors="replace")
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_maxrss * 1024, time.perf_counter() - started, output[-3000:]
+
+
+def leantune_command(model: str, train: Path, method: str, run_dir: Path) -> list[str]:
+    lora = ["method.r=16", "method.alpha=32"] if method == "lora" else []
+    return [
+        sys.executable, "-m", "leantune", "train", f"model.path={model}", f"data.train={train}",
+        "data.format=chat", "data.eval=null", "train.eval_exact_match=false",
+        f"method.name={method}", *lora, "train.lr=2e-4", "train.epochs=1", f"run.dir={run_dir}",
+        "run.resume=never", "run.progress=false", "monitor.report=false",
+    ]  # fmt: skip
+
+
+def hf_command(
+    model: str, train: Path, method: str, out: Path, precision: str, threads: int
+) -> list[str]:
+    return [
+        sys.executable, "-m", "leantune.bench.hf_baseline", "--model", model, "--train",
+        str(train), "--out", str(out), "--method", method, "--precision", precision,
+        "--threads", str(threads),
+    ]  # fmt: skip
+
+
+def _leantune_result(run_dir: Path) -> dict[str, Any]:
+    from leantune.training.metrics import read_metrics
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    cfg = (run_dir / "config.yaml").read_text()
+    return {
+        "train_time_s": float(summary["train_time_s"]),
+        "steps": int(summary["steps"]),
+        "useful_tokens": sum(int(m["tokens"]) for m in metrics),
+        "precision": "bf16" if "precision: bf16" in cfg else "fp32",
+    }
+
+
+def one_run(
+    system: str, method: str, work: Path, rep: int, ctx: dict[str, Any], log: Log
+) -> dict[str, Any]:
+    """Train once with `system`; its result with the child's peak RSS."""
+    out = work / f"{system}-{method}-{rep}"
+    if system == "leantune":
+        cmd = leantune_command(ctx["model"], ctx["train"], method, out)
+    else:
+        cmd = hf_command(ctx["model"], ctx["train"], method, out, ctx["precision"], ctx["threads"])
+    code, rss, wall, tail = run_child(cmd, ctx["threads"])
+    if code != 0:
+        raise RuntimeError(f"{system} {method} rep {rep} failed (exit {code}):\n{tail}")
+    result = (
+        _leantune_result(out)
+        if system == "leantune"
+        else json.loads((out / "result.json").read_text())
+    )
+    result.update(system=system, method=method, rep=rep, peak_rss_bytes=rss, wall_s=wall)
+    result["useful_tokens_per_s"] = result["useful_tokens"] / result["train_time_s"]
+    result["step_time_s"] = result["train_time_s"] / max(1, result["steps"])
+    result["model_dir"] = str(out / ("final" if system == "leantune" else "model"))
+    log(
+        f"{system:16s} {method:4s} rep {rep}: {result['useful_tokens_per_s']:.1f} useful tok/s, "
+        f"{result['steps']} steps, peak RSS {rss / 2**30:.2f} GiB"
+    )
+    return result
+
+
+def heldout_loss(model_dir: str, eval_file: Path, max_seq_len: int) -> float:
+    """Mean loss per supervised token on the held-out conversations (fp32, unpacked)."""
+    from leantune.data.dataset import prepared_data
+    from leantune.data.prepare.records import PrepareSettings
+    from leantune.eval.perplexity import evaluate_loss
+    from leantune.models.artifacts import load_for_inference
+
+    model, tokenizer = load_for_inference(model_dir)
+    settings = PrepareSettings(format="chat", max_seq_len=max_seq_len, pack=False)
+    data = prepared_data(eval_file, settings=settings, tokenizer=tokenizer, max_bad_fraction=1.0)
+    return float(evaluate_loss(model, data.rows, int(tokenizer.pad_token_id), 8, "fp32")["loss"])
+
+
+def _aggregate(runs: list[dict[str, Any]], losses: dict[tuple[str, str], float]) -> dict[str, Any]:
+    """Medians per (system, method) and leantune's ratios to the baseline."""
+    table: dict[str, Any] = {}
+    for method in sorted({r["method"] for r in runs}):
+        row: dict[str, Any] = {}
+        for system in SYSTEMS:
+            mine = [r for r in runs if r["system"] == system and r["method"] == method]
+            row[system] = {
+                "useful_tokens_per_s": statistics.median(r["useful_tokens_per_s"] for r in mine),
+                "step_time_s": statistics.median(r["step_time_s"] for r in mine),
+                "steps": mine[0]["steps"],
+                "peak_rss_bytes": statistics.median(r["peak_rss_bytes"] for r in mine),
+                "heldout_loss": losses[(system, method)],
+                "mfu": statistics.median(r["mfu"] for r in mine),
+                "padding_ratio": mine[0].get("padding_ratio"),
+                "precision": mine[0]["precision"],
+                "reps": len(mine),
+            }
+        base, ours = row["hf_trainer_peft"], row["leantune"]
+        row["ratios"] = {
+            "useful_tokens_per_s": ours["useful_tokens_per_s"] / base["useful_tokens_per_s"],
+            "peak_rss": ours["peak_rss_bytes"] / base["peak_rss_bytes"],
+            "heldout_loss": ours["heldout_loss"] / base["heldout_loss"],
+        }
+        table[method] = row
+    return table
+
+
+def markdown(table: dict[str, Any]) -> str:
+    """The README's table."""
+    lines = [
+        "| method | system | useful tok/s | step time (s) | peak RSS (GiB) | held-out loss | MFU |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for method, row in table.items():
+        for system in SYSTEMS:
+            r = row[system]
+            lines.append(
+                f"| {method} | {system} | {r['useful_tokens_per_s']:.1f} | {r['step_time_s']:.2f} "
+                f"| {r['peak_rss_bytes'] / 2**30:.2f} | {r['heldout_loss']:.4f} | {r['mfu']:.1%} |"
+            )
+        q = row["ratios"]
+        lines.append(
+            f"| {method} | ratio | {q['useful_tokens_per_s']:.2f}x | | {q['peak_rss']:.2f}x "
+            f"| {q['heldout_loss']:.3f}x | |"
+        )
+    return "\n".join(lines)
+
+
+def run_benchmark(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
+    """Generate the corpus, alternate the systems `args.reps` times, judge, aggregate."""
+    from leantune.bench.chat_corpus import write_corpus
+    from leantune.models.loading import load_tokenizer, resolve_model
+    from leantune.training.precision import resolve_precision
+
+    work = Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    source = resolve_model(args.model)
+    model = source.location
+    tokenizer = load_tokenizer(source, False)
+    lo, hi = args.min_tokens, args.max_tokens
+    train = write_corpus(work / "train.jsonl", tokenizer, args.conversations, 0, lo, hi)
+    heldout = write_corpus(work / "heldout.jsonl", tokenizer, args.heldout, 1, lo, hi)
+    precision = resolve_precision("auto", "cpu", None, "auto").precision
+    peaks = {p: matmul_peak(p, args.threads) for p in ("fp32", "bf16")}
+    log(f"matmul peak: fp32 {peaks['fp32']:.0f} GFLOP/s, bf16 {peaks['bf16']:.0f} GFLOP/s")
+    ctx = {"model": model, "train": train, "precision": precision, "threads": args.threads}
+    runs: list[dict[str, Any]] = []
+    for rep in range(args.reps):
+        for method in args.methods:
+            order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]  # alternate who goes first
+            for system in order:
+                runs.append(one_run(system, method, work, rep, ctx, log))
+    lengths = [_chat_tokens(tokenizer, json.loads(x)["messages"])
+               for x in train.read_text().splitlines()]  # fmt: skip
+    mean_len = sum(lengths) / len(lengths)
+    for r in runs:
+        per_token = flops_per_token(model, r["method"], mean_len)
+        r["mfu"] = r["useful_tokens_per_s"] * per_token / (peaks[r["precision"]] * 1e9)
+    losses = {
+        (r["system"], r["method"]): heldout_loss(r["model_dir"], heldout, args.max_seq_len)
+        for r in runs
+        if r["rep"] == args.reps - 1
+    }
+    table = _aggregate(runs, losses)
+    return {
+        "benchmark": "throughput_vs_hf",
+        "model": args.model,
+        "conversations": args.conversations,
+        "mean_tokens": mean_len,
+        "threads": args.threads,
+        "precision": precision,
+        "matmul_peak_gflops": peaks,
+        "cpu": _cpu_name(),
+        "results": table,
+        "runs": runs,
+    }
+
+
+def _chat_tokens(tokenizer: Any, messages: list[dict[str, str]]) -> int:
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    return len(tokenizer(text)["input_ids"])
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's options (on `leantune bench throughput` and `benchmarks/vs_hf.py`)."""
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model both systems train")
+    p.add_argument("--conversations", type=int, default=128, help="training conversations")
+    p.add_argument("--heldout", type=int, default=32, help="held-out conversations (the judge)")
+    p.add_argument("--min-tokens", type=int, default=40, help="shortest conversation (target)")
+    p.add_argument("--max-tokens", type=int, default=1200, help="longest conversation (target)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions, alternating who goes first")
+    p.add_argument(
+        "--methods", type=lambda s: s.split(","), default=["lora", "full"], help="lora,full"
+    )
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="intra-op threads")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="longest example kept")
+    p.add_argument("--out", default="runs/bench-throughput", help="working folder")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="leantune bench throughput",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_arguments(p)
+    return p
+
+
+def report(args: argparse.Namespace) -> int:
+    """Run the benchmark; the table on stderr, one JSON line on stdout."""
+    result = run_benchmark(args, log=lambda m: print(m, file=sys.stderr))
+    print(markdown(result["results"]), file=sys.stderr)
+    print(json.dumps(result))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return report(parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,73 @@
+"""`leantune dashboard [RUNS_DIR] [--port N] [--host H]`: flags and the command itself."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from leantune.errors import UserError
+
+DEFAULT_PORT = 8470
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The command's flags."""
+    p.add_argument(
+        "runs_dir",
+        metavar="RUNS_DIR",
+        nargs="?",
+        default="runs",
+        help="the folder whose runs to show, directly in it or one level deeper (default: runs)",
+    )
+    p.add_argument(
+        "--port",
+        type=_port,
+        default=DEFAULT_PORT,
+        help=f"port to listen on (default {DEFAULT_PORT}; 0: any free port)",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1: this machine only; anything else lets "
+        "whoever reaches it read every run's config and metrics)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve the dashboard until Ctrl-C.
+
+    Raises:
+        UserError: RUNS_DIR is not a folder, or the address cannot be bound.
+    """
+    from leantune.monitor.dashboard.server import allowed_hosts, make_server, serve
+
+    root = Path(args.runs_dir)
+    if not root.is_dir():
+        what = "is not a folder" if root.exists() else "does not exist"
+        raise UserError(f"RUNS_DIR {root} {what}; give the folder that holds your runs")
+    try:
+        server = make_server(root, args.host, args.port)
+    except OSError as exc:
+        raise UserError(
+            f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; "
+            "pick another --port (0: any free one)"
+        ) from None
+    if allowed_hosts(args.host, args.port) is None:
+        print(
+            f"warning: --host {args.host} is not a loopback address: anyone who can reach it "
+            "can read every run's config, metrics and events (there is no login)",
+            file=sys.stderr,
+        )
+    serve(server)
+    return 0
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0..65535, got {text}")
+    return value

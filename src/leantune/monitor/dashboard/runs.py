@@ -1,0 +1,224 @@
+"""The runs under a folder, and what the dashboard shows of each, read from its files only.
+
+A run is a directory holding `leantune_run.json`, `config.yaml` or `metrics.jsonl`, directly
+under the runs folder or one level deeper (`runs/<group>/<run>`). Nothing outside the runs
+folder is ever read: a run is found only by listing the folder, never by joining a requested
+name to a path, and a run directory or run file whose real path (symbolic links resolved)
+leaves the folder is skipped. Hidden entries (a leading dot) are never runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from leantune.monitor.dashboard.series import JsonlCache, finite_json
+from leantune.monitor.dashboard.status import run_status
+from leantune.training.events import EVENTS_FILE, PAUSED_MARKER
+
+# training.rundir's names (see status.LOCK_FILE for why they are not imported from there).
+RUN_FILE = "leantune_run.json"
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+EVAL_FILE = "eval.jsonl"
+SUMMARY_FILE = "summary.json"
+MARKS = (RUN_FILE, CONFIG_FILE, METRICS_FILE)
+MAX_TEXT = 1 << 20
+"""Largest config.yaml/summary.json read (a run writes a few kB)."""
+PLANNED_KEY = "planned_peak_bytes"
+"""The metrics-row field that holds the memory planner's predicted peak, when a run records
+it; the memory chart draws it as a line."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run directory: its name under the runs folder (``a`` or ``group/a``), its path."""
+
+    name: str
+    path: Path
+
+
+class RunsFolder:
+    """The runs folder being served, and the cached reads of its runs' files."""
+
+    def __init__(self, root: Path):
+        self.root = root.resolve()
+        self.cache = JsonlCache()
+
+    # --- finding runs ----------------------------------------------------------------------
+
+    def runs(self) -> list[Run]:
+        """Every run under the folder, by name."""
+        found: list[Run] = []
+        for name, path in self._children(self.root, ""):
+            if _is_run(path):
+                found.append(Run(name, path))
+            else:
+                found.extend(Run(n, p) for n, p in self._children(path, name + "/") if _is_run(p))
+        return sorted(found, key=lambda r: r.name)
+
+    def find(self, name: str) -> Run | None:
+        """The run called `name` (a name `runs()` lists), or None for any other string."""
+        parts = name.split("/")
+        if len(parts) > 2 or any(not p or p.startswith(".") or "\\" in p for p in parts):
+            return None
+        return next((r for r in self.runs() if r.name == name), None)
+
+    def _children(self, folder: Path, prefix: str) -> list[tuple[str, Path]]:
+        """Visible sub-directories of `folder` whose real path stays inside the runs folder."""
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError:
+            return []
+        out = []
+        for e in entries:
+            path = Path(e.path)
+            if not e.name.startswith(".") and path.is_dir() and self.inside(path):
+                out.append((prefix + e.name, path))
+        return out
+
+    def inside(self, path: Path) -> bool:
+        """Whether `path`, symbolic links resolved, lies in the runs folder."""
+        try:
+            return Path(os.path.realpath(path)).is_relative_to(self.root)
+        except (OSError, ValueError):
+            return False
+
+    def file(self, run: Run, name: str) -> Path | None:
+        """`run`'s file `name` when it is a file inside the runs folder, else None."""
+        path = run.path / name
+        return path if path.is_file() and self.inside(path) else None
+
+    # --- reading a run ---------------------------------------------------------------------
+
+    def jsonl(self, run: Run, name: str) -> Any:
+        """The cached rows of one of `run`'s JSONL files (`series.Rows`)."""
+        return self.cache.read(self.file(run, name))
+
+    def events(self, run: Run) -> list[dict[str, Any]]:
+        """`run`'s events, in order."""
+        return [json.loads(x) for x in self.jsonl(run, EVENTS_FILE).lines]
+
+    def overview(self, run: Run) -> dict[str, Any]:
+        """One row of the run list: name, method, model, steps, last loss, status."""
+        cfg = _config(self._text(run, CONFIG_FILE)) or {}
+        record = _json(self._text(run, RUN_FILE)) or {}
+        metrics = self.jsonl(run, METRICS_FILE)
+        last = json.loads(metrics.lines[-1]) if metrics.lines else {}
+        evals = self.jsonl(run, EVAL_FILE).lines
+        last_eval = json.loads(evals[-1]) if evals else {}
+        summary = _json(self._text(run, SUMMARY_FILE))
+        status = run_status(run.path, self.events(run), last.get("step"), summary)
+        fingerprint = record.get("fingerprint", {}) if isinstance(record, dict) else {}
+        return {
+            "name": run.name,
+            "method": _get(cfg, "method", "name") or fingerprint.get("method.name"),
+            "model": _model_name(_get(cfg, "model", "path")),
+            "steps_done": last.get("step", 0),
+            "max_steps": _get(cfg, "train", "max_steps"),
+            "last_loss": last.get("loss"),
+            "last_eval_loss": last_eval.get("eval_loss"),
+            "tokens_per_s": last.get("tokens_per_s"),
+            "status": status.state,
+            "reason": status.reason,
+            "pid": status.pid,
+            "updated": self._updated(run),
+        }
+
+    def detail(self, run: Run) -> dict[str, Any]:
+        """Everything of `run` but its series: the overview, config, summary, checkpoints."""
+        config_text = self._text(run, CONFIG_FILE)
+        metrics = self.jsonl(run, METRICS_FILE).lines
+        planned = None
+        if metrics:
+            value = json.loads(metrics[-1]).get(PLANNED_KEY)
+            planned = value if isinstance(value, int | float) else None
+        return {
+            **self.overview(run),
+            "config": _config(config_text),
+            "config_text": config_text,
+            "summary": _json(self._text(run, SUMMARY_FILE)),
+            "paused": _json(self._text(run, PAUSED_MARKER)),
+            "checkpoints": self._checkpoints(run),
+            "has_final": self._is_dir(run, "final"),
+            "planned_peak_bytes": planned,
+        }
+
+    def _text(self, run: Run, name: str) -> str | None:
+        path = self.file(run, name)
+        if path is None:
+            return None
+        try:
+            with path.open("r", encoding="utf-8", errors="replace") as f:
+                return f.read(MAX_TEXT)
+        except OSError:
+            return None
+
+    def _is_dir(self, run: Run, name: str) -> bool:
+        path = run.path / name
+        return path.is_dir() and self.inside(path)
+
+    def _checkpoints(self, run: Run) -> list[int]:
+        """Steps of the checkpoints kept (`checkpoints/step-NNNNNN`; unfinished ones too)."""
+        if not self._is_dir(run, "checkpoints"):
+            return []
+        steps = []
+        for e in os.scandir(run.path / "checkpoints"):
+            head, _, digits = e.name.partition("step-")
+            if not head and digits.isdigit():
+                steps.append(int(digits))
+        return sorted(steps)
+
+    def _updated(self, run: Run) -> float | None:
+        """When the run last wrote a step, an eval or an event (seconds since the epoch)."""
+        times = []
+        for name in (METRICS_FILE, EVAL_FILE, EVENTS_FILE, SUMMARY_FILE):
+            path = self.file(run, name)
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    times.append(path.stat().st_mtime)
+        return max(times, default=None)
+
+
+def _is_run(path: Path) -> bool:
+    return any((path / mark).is_file() for mark in MARKS)
+
+
+def _json(text: str | None) -> Any:
+    if text is None:
+        return None
+    try:
+        return finite_json(json.loads(text))
+    except (ValueError, RecursionError):
+        return None
+
+
+def _config(text: str | None) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    try:
+        cfg = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return None
+    return finite_json(cfg) if isinstance(cfg, dict) else None
+
+
+def _get(cfg: dict[str, Any], section: str, key: str) -> Any:
+    part = cfg.get(section)
+    return part.get(key) if isinstance(part, dict) else None
+
+
+def _model_name(path: Any) -> str | None:
+    """The model as a short name: the hub id as it is, a local path's last two parts."""
+    if not isinstance(path, str):
+        return None
+    parts = [p for p in path.replace("\\", "/").split("/") if p]
+    if path.startswith(("/", ".", "~")) and len(parts) > 2:
+        return "/".join(parts[-2:])
+    return path

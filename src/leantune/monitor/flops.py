@@ -1,0 +1,113 @@
+"""How much arithmetic a training token costs, and how much this device can do.
+
+MFU (model FLOPs utilisation) is the share of the device's matmul peak that the model's own
+arithmetic used: `flops_per_token x tokens/s / peak`. The peak is measured once at set-up by a
+short matmul in the run's precision (`measure_peak_flops`) rather than read from a table of
+data-sheet numbers, so it is what this device (and, on CPU, these cores under their current
+load) delivers to a large matmul.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from torch import nn
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PROBE_SECONDS = 0.01
+"""Each timed round of the peak probe lasts about this long (the probe: ~4 rounds)."""
+MAX_PROBE_SIZE = {"cuda": 8192, "cpu": 1024}
+
+
+def flops_per_token(matmul_params: int, trainable_matmul_params: int) -> float:
+    """Training FLOPs per token: 4N + 2N_trainable.
+
+    Every weight that multiplies costs 2 FLOPs per token forward and 2 more backward for the
+    gradient with respect to its input (which the layers below need, frozen or not); only
+    trainable weights cost the last 2, their own gradient. Full fine-tuning is the usual 6N;
+    LoRA on a frozen base is ~4N (its adapters add 6 x their few parameters). Attention's
+    sequence-length term and the forward that gradient checkpointing recomputes are not
+    counted: MFU counts the model's FLOPs, not the hardware's.
+
+    Args:
+        matmul_params: N, the parameters that multiply (`matmul_parameters`).
+        trainable_matmul_params: the trainable ones among them.
+    """
+    return 4.0 * matmul_params + 2.0 * trainable_matmul_params
+
+
+def matmul_parameters(model: nn.Module) -> tuple[int, int]:
+    """(all, trainable) parameters of `model` that take part in a matmul.
+
+    The input embedding is a table lookup and is left out, unless it is tied to the output head
+    (which multiplies). A 4-bit weight counts the elements it stands for, not its packed bytes.
+    """
+    skip: set[int] = set()
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    embedding = get_in() if callable(get_in) else None
+    head = get_out() if callable(get_out) else None
+    if embedding is not None:
+        tied = head is not None and getattr(head, "weight", None) is embedding.weight
+        if not tied:
+            skip = {id(p) for p in embedding.parameters()}
+    total = trainable = 0
+    for p in model.parameters():
+        if id(p) in skip:
+            continue
+        shape = getattr(getattr(p, "quant_state", None), "shape", None)  # bitsandbytes 4-bit
+        n = math.prod(shape) if shape is not None else p.numel()
+        total += n
+        trainable += n if p.requires_grad else 0
+    return total, trainable
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _seconds(a: torch.Tensor, b: torch.Tensor, repeats: int, device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def measure_peak_flops(device: torch.device, precision: str, rounds: int = 3) -> float | None:
+    """Matmul FLOP/s of `device` in `precision` (fp32, bf16 or fp16): the best of a few rounds.
+
+    A first matmul of 256 x 256 sizes the probe: square matrices up to 1024 (CPU) or 8192 (CUDA)
+    and enough repeats for ~10 ms a round, so it costs ~50 ms on any device. Returns None when
+    the device has no memory left for it (MFU is then not reported).
+    """
+    try:
+        return _probe(device, DTYPES[precision], rounds)
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        if device.type == "cuda":  # the probe's matrices are gone: give their memory back
+            torch.cuda.empty_cache()
+
+
+def _probe(device: torch.device, dtype: torch.dtype, rounds: int) -> float:
+    # Its own generator: the probe's size depends on timing, and the run's RNG must not.
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def matrix(n: int) -> torch.Tensor:
+        return torch.randn(n, n, device=device, generator=gen).to(dtype)
+
+    a = matrix(256)
+    one = _seconds(a, a, 1, device) + _seconds(a, a, 1, device)  # warm-up, then a first timing
+    rate = 2 * 256**3 / max(one / 2, 1e-9)
+    size = int((rate * PROBE_SECONDS / 2) ** (1 / 3)) // 256 * 256
+    size = min(max(size, 256), MAX_PROBE_SIZE.get(device.type, 1024))
+    a, b = matrix(size), matrix(size)
+    first = _seconds(a, b, 1, device)
+    repeats = max(1, math.ceil(PROBE_SECONDS / max(first, 1e-9)))
+    best = min(_seconds(a, b, repeats, device) for _ in range(rounds)) / repeats
+    return 2 * size**3 / max(best, 1e-12)

@@ -1,0 +1,94 @@
+"""What every monitoring backend does alike: numeric fields, a flat config, event counts, the
+run's outcome, and the backend run ids a resume continues."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+Record = dict[str, Any]
+RUN_IDS_FILE = "monitor_runs.json"
+"""<run dir>/monitor_runs.json: the W&B and MLflow run ids, so a resume logs to the same run."""
+
+OUTCOMES = {0: "finished", 3: "paused", 4: "stopped", 5: "out_of_memory", 130: "interrupted"}
+OUTCOMES[143] = "interrupted"
+
+
+def numeric_fields(record: Record, skip: tuple[str, ...] = ("step",)) -> dict[str, float]:
+    """The record's numbers (booleans as 0/1); strings, lists and `skip` are left out."""
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if k not in skip and isinstance(v, (int, float))  # bool is an int
+    }
+
+
+def flat_config(config: dict[str, Any], prefix: str = "") -> dict[str, str | int | float | bool]:
+    """`section.field` -> value, nested sections flattened; None and lists as text."""
+    flat: dict[str, str | int | float | bool] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flat_config(value, f"{name}."))
+        elif isinstance(value, (bool, int, float, str)):
+            flat[name] = value
+        else:
+            flat[name] = json.dumps(value)
+    return flat
+
+
+class EventCounts:
+    """Events by kind since the run began: those given (events.jsonl, which a resume keeps),
+    then each one added."""
+
+    def __init__(self, events: Iterable[Record] = ()) -> None:
+        self.counts: Counter[str] = Counter()
+        for event in events:
+            self.add(event)
+
+    def add(self, event: Record) -> int:
+        """Count `event`; returns how many of its kind there have been."""
+        kind = str(event.get("kind"))
+        self.counts[kind] += 1
+        return self.counts[kind]
+
+
+def outcome() -> tuple[str, int]:
+    """How the run's loop ended, for a sink's `close()`: (name, exit code).
+
+    `close()` runs in the loop's `finally`, so the exception on its way out (a guard pause or
+    stop, a signal, a crash), if any, is the one `sys.exc_info` holds; its `exit_code` is the
+    CLI's.
+    """
+    exc = sys.exc_info()[1]
+    if exc is None:
+        return "finished", 0
+    code = getattr(exc, "exit_code", 1)
+    code = code if isinstance(code, int) else 1
+    return OUTCOMES.get(code, "failed"), code
+
+
+def remembered_id(run_dir: Path, backend: str) -> str | None:
+    """The backend's run id recorded by an earlier attempt of this run, if any."""
+    try:
+        ids = json.loads((run_dir / RUN_IDS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = ids.get(backend) if isinstance(ids, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def remember_id(run_dir: Path, backend: str, run_id: str) -> None:
+    """Record the backend's run id for the next attempt (resume) of this run."""
+    path = run_dir / RUN_IDS_FILE
+    try:
+        ids = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        ids = {}
+    ids = ids if isinstance(ids, dict) else {}
+    ids[backend] = run_id
+    path.write_text(json.dumps(ids, indent=2) + "\n", encoding="utf-8")

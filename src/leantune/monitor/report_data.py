@@ -1,0 +1,200 @@
+"""What the run report shows, read from the run directory's files only.
+
+Nothing here imports torch or the training code: a run copied from another machine, or one
+that is still going, paused or stopped, reads the same way. Files that are missing (a run that
+has not logged a step yet) or torn (a kill mid-write) give empty parts, never an error.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from leantune.config_parse import ParseError, memory_size
+from leantune.errors import UserError
+
+# The run directory's files (training.rundir, training.events, data.prepare.pipeline): named
+# here so that reading a report never imports the training or data code (a test keeps them
+# equal).
+RUN_FILE = "leantune_run.json"
+EVENTS_FILE = "events.jsonl"
+PAUSED_MARKER = "PAUSED"
+PREPARE_REPORT = "prepare_report.json"
+REJECTED = "rejected.jsonl"
+BAD_LINES_SHOWN = 20
+PLAN_FILES = ("memory_plan.json",)
+"""Where a run records the memory planner's prediction ({"peak_bytes": N}), when it does."""
+
+
+class NotARun(UserError):
+    """The directory is not a leantune run directory."""
+
+
+@dataclass
+class DataReport:
+    """One data file's preparation: its prepare_report.json and first rejected lines."""
+
+    role: str
+    """train or eval."""
+    report: dict[str, Any]
+    rejected: list[dict[str, Any]]
+
+
+@dataclass
+class RunData:
+    """Everything the report shows."""
+
+    run_dir: Path
+    config: dict[str, Any] = field(default_factory=dict)
+    config_text: str = ""
+    record: dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, Any] | None = None
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    paused: dict[str, Any] | None = None
+    data: list[DataReport] = field(default_factory=list)
+    planned_peak_bytes: int | None = None
+    budget_bytes: int | None = None
+
+    def setting(self, dotted: str) -> Any:
+        """A value of the resolved config (`train.max_steps`), None when absent."""
+        value: Any = self.config
+        for part in dotted.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        return value
+
+
+def is_run_dir(path: Path) -> bool:
+    """A leantune run: its record (written once set-up is done), or checkpoints of an older
+    leantune, as `training.rundir.is_run` says (without importing torch)."""
+    return (path / RUN_FILE).is_file() or any((path / "checkpoints").glob("step-*"))
+
+
+def read_run(run_dir: Path) -> RunData:
+    """Read the run directory's files for the report.
+
+    Raises:
+        NotARun: `run_dir` is not a leantune run directory (exit 2).
+    """
+    if not run_dir.is_dir() or not is_run_dir(run_dir):
+        what = "does not exist" if not run_dir.exists() else f"holds no {RUN_FILE}"
+        raise NotARun(f"{run_dir}: not a leantune run directory ({what})")
+    data = RunData(run_dir)
+    config_file = run_dir / "config.yaml"
+    if config_file.is_file():
+        data.config_text = config_file.read_text(encoding="utf-8")
+        loaded = yaml.safe_load(data.config_text)
+        data.config = loaded if isinstance(loaded, dict) else {}
+    data.record = _json(run_dir / RUN_FILE) or {}
+    data.summary = _json(run_dir / "summary.json")
+    data.metrics = _jsonl(run_dir / "metrics.jsonl")
+    data.evals = _jsonl(run_dir / "eval.jsonl")
+    data.events = _jsonl(run_dir / EVENTS_FILE)
+    data.paused = _json(run_dir / PAUSED_MARKER) if (run_dir / PAUSED_MARKER).exists() else None
+    if (run_dir / PAUSED_MARKER).exists() and data.paused is None:
+        data.paused = {"reason": "unknown"}
+    data.data = _data_reports(data)
+    data.planned_peak_bytes = _planned_peak(run_dir)
+    budget = data.setting("train.memory_budget")
+    try:
+        data.budget_bytes = memory_size(str(budget)) if budget else None
+    except ParseError:
+        data.budget_bytes = None
+    return data
+
+
+def status(data: RunData) -> str:
+    """finished, paused, stopped by the guard, interrupted, out of memory, or in progress."""
+    last_step = data.metrics[-1]["step"] if data.metrics else 0
+    if data.paused is not None:
+        p = data.paused
+        return (
+            f"paused by the guard at step {p.get('step')} ({p.get('detector')}): {p.get('reason')}"
+        )
+    if data.summary is not None and data.summary.get("steps") == last_step:
+        return "finished"
+    ends = [e for e in data.events if e.get("kind") in ("stop", "signal", "oom", "pause")]
+    if ends:
+        last = ends[-1]
+        kind = last.get("kind")
+        if kind == "stop":
+            return f"stopped by the guard at step {last.get('step')}"
+        if kind == "signal":
+            return f"interrupted by a signal at step {last.get('step')}"
+        if kind == "oom" and "Checkpoint" in str(last.get("message")):
+            return f"out of memory at step {last.get('step')} (micro-batch 1)"
+    return "in progress, or ended without a summary"
+
+
+def _json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    """The objects of a JSONL file; a torn last line (a kill mid-write) is left out."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    rows = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def _data_reports(data: RunData) -> list[DataReport]:
+    """The preparation report of data.train and data.eval: in the prepared directory given as
+    the data, or the newest matching one in the cache (data.cache_dir, else <run>/prepared)."""
+    cache = data.setting("data.cache_dir")
+    caches = [Path(cache)] if cache else []
+    caches.append(data.run_dir / "prepared")
+    found = []
+    for role in ("train", "eval"):
+        source = data.setting(f"data.{role}")
+        if not source:
+            continue
+        report_dir = _prepared_dir(Path(source), caches)
+        if report_dir is None:
+            continue
+        report = _json(report_dir / PREPARE_REPORT) or {}
+        rejected = _jsonl(report_dir / REJECTED)[:BAD_LINES_SHOWN]
+        found.append(DataReport(role, report, rejected))
+    return found
+
+
+def _prepared_dir(source: Path, caches: list[Path]) -> Path | None:
+    if (source / PREPARE_REPORT).is_file():  # a directory from `leantune prepare`
+        return source
+    wanted = str(source.resolve())
+    matches = []
+    for cache in caches:
+        for report in cache.glob(f"*/{PREPARE_REPORT}"):
+            files = (_json(report) or {}).get("files") or []
+            if wanted in files or str(source) in files:
+                matches.append(report)
+    if not matches:
+        return None
+    return max(matches, key=lambda p: (p.stat().st_mtime, str(p))).parent
+
+
+def _planned_peak(run_dir: Path) -> int | None:
+    for name in PLAN_FILES:
+        plan = _json(run_dir / name) or {}
+        value = plan.get("peak_bytes")
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

@@ -1,0 +1,70 @@
+"""Cross-entropy through the output projection, a chunk of positions at a time.
+
+For n supervised positions the vocab logits are n x V (49k for SmolLM2): in fp32, with their
+gradient, 2 x 4 x n x V bytes (0.8 GB at n = 1,000), the largest tensors of a step. Here the
+projection, the loss and its gradients run `chunk` positions at a time inside one autograd
+function (the approach of Liger-Kernel's fused linear cross-entropy): the forward computes each
+chunk's loss and, at once, its gradients with respect to the hidden states and the projection
+weight, and keeps only those; no logits survive a chunk. There is no recomputation, so the cost
+is the same matmuls as the plain path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 256
+"""Positions per chunk: 256 x 49k fp32 logits are 50 MB, and the matmuls stay large."""
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int
+    ) -> torch.Tensor:
+        needs_w = weight.requires_grad
+        grad_h = torch.empty_like(hidden)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        rows = torch.arange(chunk, device=targets.device)
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start : start + chunk]
+            t = targets[start : start + chunk]
+            logits = F.linear(h, weight).float()  # bf16 matmul under autocast, as the head's
+            lse = torch.logsumexp(logits, dim=-1)
+            at = rows[: t.shape[0]]
+            total += (lse - logits[at, t]).sum()
+            # d(sum CE)/d logits = softmax - one_hot, formed in the logits' own memory.
+            grad = logits.sub_(lse.unsqueeze(1)).exp_()
+            grad[at, t] -= 1
+            # Under autocast these matmuls run in bf16, as autograd's backward of the head would.
+            grad_h[start : start + chunk] = (grad @ weight).to(hidden.dtype)
+            if needs_w:
+                grad_w += (grad.t() @ h).float()
+            del logits, grad
+        ctx.save_for_backward(grad_h, grad_w if needs_w else torch.empty(0))
+        ctx.weight_dtype = weight.dtype if needs_w else None
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
+        grad_h, grad_w = ctx.saved_tensors
+        gw = None if ctx.weight_dtype is None else (grad_w * grad_out).to(ctx.weight_dtype)
+        return grad_h * grad_out.to(grad_h.dtype), gw, None, None
+
+
+def linear_cross_entropy_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = CHUNK
+) -> torch.Tensor:
+    """`cross_entropy(hidden @ weight.T, targets, reduction="sum")` in fp32, `chunk` rows at a
+    time: the same value and gradients (to float rounding) without the n x V logits."""
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(hidden, weight, targets, chunk)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk):  # evaluation: the loss only
+        logits = F.linear(hidden[start : start + chunk], weight).float()
+        total += F.cross_entropy(logits, targets[start : start + chunk], reduction="sum")
+    return total

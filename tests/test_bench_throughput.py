@@ -1,0 +1,62 @@
+"""`leantune bench throughput` end to end on the tiny model: both systems train the same
+examples, each in its own process, and the result says so in numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import run_cli
+
+from leantune.bench.chat_corpus import write_corpus
+from leantune.bench.throughput import flops_per_token, parser, run_benchmark
+from leantune.models.loading import load_tokenizer, resolve_model
+
+
+def test_corpus_spreads_lengths_and_turns(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    tok = load_tokenizer(resolve_model(str(tiny_llama_dir)), False)
+    path = write_corpus(tmp_path / "c.jsonl", tok, 40, seed=0, min_tokens=40, max_tokens=400)
+    records = [json.loads(x) for x in path.read_text().splitlines()]
+    turns = {len(r["messages"]) // 2 for r in records}
+    lengths = [
+        len(tok(tok.apply_chat_template(r["messages"], tokenize=False))["input_ids"])
+        for r in records
+    ]
+    assert turns == {1, 2, 3, 4}
+    assert min(lengths) < 120 and max(lengths) > 250  # a real spread, not one length
+    again = write_corpus(tmp_path / "d.jsonl", tok, 40, seed=0, min_tokens=40, max_tokens=400)
+    assert again.read_text() == path.read_text()  # seeded
+
+
+def test_flops_per_token_counts_weight_gradients_only_for_full(tiny_llama_dir: Path) -> None:
+    lora = flops_per_token(str(tiny_llama_dir), "lora", 0)
+    full = flops_per_token(str(tiny_llama_dir), "full", 0)
+    assert full == lora * 1.5
+
+
+def test_both_systems_train_the_same_examples(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    args = parser().parse_args(
+        ["--model", str(tiny_llama_dir), "--conversations", "16", "--heldout", "4", "--reps",
+         "1", "--methods", "lora", "--threads", "1", "--min-tokens", "20", "--max-tokens", "200",
+         "--max-seq-len", "512", "--out", str(tmp_path / "bench")]
+    )  # fmt: skip
+    result = run_benchmark(args, log=lambda _: None)
+    runs = {r["system"]: r for r in result["runs"]}
+    hf, ours = runs["hf_trainer_peft"], runs["leantune"]
+    assert hf["useful_tokens"] == ours["useful_tokens"] > 0  # every example once, both
+    assert hf["examples"] == 16 and hf["steps"] == 2  # batch 8, one epoch
+    assert hf["processed_tokens"] > hf["useful_tokens"]  # the padding collator pads
+    row = result["results"]["lora"]
+    for system in ("hf_trainer_peft", "leantune"):
+        r = row[system]
+        assert r["peak_rss_bytes"] > 50 * 2**20 and 0 < r["mfu"] < 1
+        assert 0 < r["heldout_loss"] < 20
+    ratio = row["ratios"]["useful_tokens_per_s"]
+    assert ratio == (
+        row["leantune"]["useful_tokens_per_s"] / row["hf_trainer_peft"]["useful_tokens_per_s"]
+    )
+
+
+def test_the_cli_shows_the_benchmark_help() -> None:
+    result = run_cli(["bench", "throughput", "--help"])
+    assert result.code == 0 and "--conversations" in result.out

@@ -1,0 +1,62 @@
+"""The chunked linear cross-entropy equals the plain one, in value and in gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from leantune.training.chunked_ce import linear_cross_entropy_sum
+
+
+def _plain(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(F.linear(h, w).float(), t, reduction="sum")
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+@pytest.mark.parametrize("weight_grad", [True, False])
+def test_value_and_gradients_equal_the_plain_cross_entropy(chunk: int, weight_grad: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(50, 16, generator=g, requires_grad=True)
+    w = torch.randn(97, 16, generator=g, requires_grad=weight_grad)
+    t = torch.randint(0, 97, (50,), generator=g)
+    ref = _plain(h, w, t)
+    ref.backward(torch.tensor(0.37))
+    ref_h, ref_w = h.grad.clone(), (w.grad.clone() if weight_grad else None)  # type: ignore[union-attr]
+    h.grad, w.grad = None, None
+    got = linear_cross_entropy_sum(h, w, t, chunk=chunk)
+    got.backward(torch.tensor(0.37))
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(h.grad, ref_h, rtol=1e-5, atol=1e-6)
+    if weight_grad:
+        torch.testing.assert_close(w.grad, ref_w, rtol=1e-5, atol=1e-6)
+    else:
+        assert w.grad is None
+
+
+def test_under_bf16_autocast_it_stays_close_to_autograd() -> None:
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(40, 32, generator=g, requires_grad=True)
+    w = torch.randn(300, 32, generator=g, requires_grad=True)
+    t = torch.randint(0, 300, (40,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = _plain(h, w, t)
+    ref.backward()
+    ref_h, ref_w = h.grad.clone(), w.grad.clone()  # type: ignore[union-attr]
+    h.grad, w.grad = None, None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear_cross_entropy_sum(h, w, t, chunk=16)
+    got.backward()
+    assert got.dtype == torch.float32 and h.grad.dtype == torch.float32  # type: ignore[union-attr]
+    torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-2)
+    torch.testing.assert_close(h.grad, ref_h, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(w.grad, ref_w, rtol=2e-2, atol=2e-2)
+
+
+def test_without_gradients_it_only_computes_the_loss() -> None:
+    h, w = torch.randn(30, 8), torch.randn(20, 8)
+    t = torch.randint(0, 20, (30,))
+    with torch.no_grad():
+        got = linear_cross_entropy_sum(h, w, t, chunk=4)
+    torch.testing.assert_close(got, _plain(h, w, t), rtol=1e-6, atol=1e-5)
+    assert got.grad_fn is None
