@@ -19,10 +19,11 @@ from conftest import tiny_llama_config, tiny_qwen2_config, write_jsonl
 from transformers import LlamaForCausalLM, PreTrainedModel, Qwen2ForCausalLM
 
 import leantune.models.attention as attention
-from leantune.config import UNPACKED_METHODS, MethodConfig, load_config
+from leantune.config import MethodConfig, load_config
 from leantune.data.loader import collate
 from leantune.data.packing import Row, pack_examples, single_rows
 from leantune.data.tokenize import Example
+from leantune.methods.registry import METHODS as SPECS
 from leantune.methods.registry import apply_method
 from leantune.models.attention import (
     SEGMENTS,
@@ -227,7 +228,7 @@ def test_every_method_equals_sdpa(method: str) -> None:
     whose virtual tokens (a KV-cache prefix, or prepended embeddings) make sdpa's mask the
     path (prefix) or join every row's one example (prompt)."""
     examples = _examples()
-    if method in UNPACKED_METHODS:
+    if SPECS[method].needs_unpacked_data:
         batch = collate(single_rows(examples)[:4], pad_id=0)
     else:
         batch = _packed_batch()
