@@ -28,7 +28,7 @@ from leantune.monitor.dashboard import make_server
 from leantune.monitor.dashboard import runs as dash_runs
 from leantune.monitor.dashboard import status as dash_status
 from leantune.monitor.dashboard.server import DashboardServer
-from leantune.training import rundir
+from leantune.training import recipe, rundir
 from leantune.training.events import read_events
 from leantune.training.faults import LOSS_SCALE_ENV
 from leantune.training.metrics import read_metrics
@@ -199,7 +199,8 @@ def test_a_run_page_gets_config_summary_checkpoints_and_every_series(real_run: P
     assert detail["config"]["method"]["name"] == "lora"
     assert detail["summary"] == json.loads((real_run / "summary.json").read_text())
     assert detail["checkpoints"] == [0, 4, 8, 12, 16] and detail["has_final"]
-    assert detail["planned_peak_bytes"] is None  # the run does not record the planner's peak
+    plan = json.loads((real_run / "memory_plan.json").read_text())  # written by train
+    assert detail["planned_peak_bytes"] == plan["peak_bytes"] > 0
     assert detail["status"] == "finished"
     assert metrics["rows"] == read_metrics(real_run / "metrics.jsonl")
     assert [r["step"] for r in metrics["rows"]] == list(range(1, 17))
@@ -323,6 +324,7 @@ def test_a_run_folder_that_vanishes_mid_read_is_a_503_not_a_dropped_connection(
 
 def test_the_dashboards_file_names_are_the_run_directorys() -> None:
     assert dash_status.LOCK_FILE == rundir.LOCK_FILE
+    assert dash_runs.PLAN_FILE == recipe.MEMORY_PLAN_FILE
     assert (dash_runs.RUN_FILE, dash_runs.CONFIG_FILE) == (rundir.RUN_FILE, rundir.CONFIG_FILE)
 
 
@@ -553,8 +555,12 @@ def test_the_run_page_draws_the_runs_numbers(real_run: Path, page: Page, tmp_pat
         }
         # 2 events (loss_spike, rollback) + 5 checkpoints, on every chart's step axis
         assert {chart(page, c)["markers"] for c in ("loss", "lr", "grad", "tps", "mem")} == {7}
+        planned = json.loads((real_run / "memory_plan.json").read_text())["peak_bytes"]
+        assert page.evaluate("JSON.parse(document.getElementById('chart-mem').dataset.lines)") == [
+            planned
+        ]  # fmt: skip  (the planner's peak, drawn as a line)
         assert page.evaluate("document.querySelector('#chart-mem .leanchart-note').textContent") \
-            == "no planned peak recorded by this run"  # fmt: skip
+            == ""  # fmt: skip
         assert float(page.evaluate("document.getElementById('last-loss').dataset.value")) \
             == last["loss"]  # fmt: skip
         assert page.evaluate("document.getElementById('last-step').textContent") == "16"

@@ -83,8 +83,13 @@ def test_a_paused_then_finished_run_has_a_report_each_time(
     assert '<th>kept</th><td class="num">24</td>' in text
     charts = images(text)
     assert [t for t, _ in charts] == [
-        "Loss", "Learning rate", "Gradient norm (before clipping)", "Throughput", "Memory",
-    ]  # fmt: skip
+        "Loss",
+        "Learning rate",
+        "Gradient norm (before clipping)",
+        "Throughput",
+        "Memory vs plan",
+    ]  # fmt: skip  (the run wrote the planner's peak: memory_plan.json)
+    assert json.loads((run / "memory_plan.json").read_text())["peak_bytes"] > 0
     assert all(image.format == "PNG" and image.size[0] > 300 for _, image in charts)
     assert_self_contained(text)
 
@@ -176,9 +181,10 @@ def test_the_report_of_a_demo_sized_run_is_quick_and_shows_memory_against_the_pl
 
 def test_the_report_names_the_run_files_as_the_training_code_does() -> None:
     from leantune.data.prepare import pipeline
-    from leantune.training import events, rundir
+    from leantune.training import events, recipe, rundir
 
     assert report_data.RUN_FILE == rundir.RUN_FILE
+    assert report_data.PLAN_FILES == (recipe.MEMORY_PLAN_FILE,)
     assert report_data.EVENTS_FILE == events.EVENTS_FILE
     assert report_data.PAUSED_MARKER == events.PAUSED_MARKER
     assert report_data.PREPARE_REPORT == pipeline.REPORT

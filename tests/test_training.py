@@ -97,6 +97,7 @@ def test_lora_run_trains_only_adapters_and_leaves_a_complete_run(
         "eval_predictions.jsonl",
         "final",
         "leantune_run.json",  # the run's fingerprint: what a resume must match
+        "memory_plan.json",  # the planner's predicted peak, drawn against the measured memory
         "metrics.jsonl",
         "prepared",  # the tokenise-once cache of data.train / data.eval
         "report.html",  # monitor.report: charts, events, data report (rebuilt by `leantune report`)

@@ -26,6 +26,7 @@ step (`training.signals`, checked in `trainer.accumulate` only).
 from __future__ import annotations
 
 import copy
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -130,6 +131,8 @@ from leantune.training.trainer import RunFiles, StepResult, StepSettings, Traine
 Log = Callable[[str], None]
 # Test hook: SIGKILL this process right after the backward of this global micro-batch index.
 FAULT_ENV = KILL_ENV
+MEMORY_PLAN_FILE = "memory_plan.json"
+"""The planner's predicted peak and the budget (set-up writes it when the planner models it)."""
 
 __all__ = ["FAULT_ENV", "Session", "StepResult", "Trainer", "train"]
 
@@ -404,6 +407,10 @@ def _monitoring(
         peak_flops=stats.peak_flops,
     )
     main = strategy.is_main_process
+    if main and memory is not None and memory.peak_bytes is not None:
+        # The report and the dashboard draw the measured memory against this.
+        plan = {"peak_bytes": memory.peak_bytes, "budget_bytes": memory.budget_bytes}
+        write_file(files.run_dir / MEMORY_PLAN_FILE, json.dumps(plan) + "\n")
     sinks = _sinks(cfg, files, with_eval=evaluator is not None, log=log, facts=facts, main=main)
     events.listeners.append(sinks.event)
     return stats, sinks

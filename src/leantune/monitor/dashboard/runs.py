@@ -31,7 +31,8 @@ SUMMARY_FILE = "summary.json"
 MARKS = (RUN_FILE, CONFIG_FILE, METRICS_FILE)
 MAX_TEXT = 1 << 20
 """Largest config.yaml/summary.json read (a run writes a few kB)."""
-PLANNED_KEY = "planned_peak_bytes"
+PLAN_FILE = "memory_plan.json"
+"""The planner's prediction, written by `train` at set-up (`training.recipe.MEMORY_PLAN_FILE`)."""
 """The metrics-row field that holds the memory planner's predicted peak, when a run records
 it; the memory chart draws it as a line."""
 
@@ -134,11 +135,9 @@ class RunsFolder:
     def detail(self, run: Run) -> dict[str, Any]:
         """Everything of `run` but its series: the overview, config, summary, checkpoints."""
         config_text = self._text(run, CONFIG_FILE)
-        metrics = self.jsonl(run, METRICS_FILE).lines
-        planned = None
-        if metrics:
-            value = json.loads(metrics[-1]).get(PLANNED_KEY)
-            planned = value if isinstance(value, int | float) else None
+        plan = _json(self._text(run, PLAN_FILE)) or {}
+        value = plan.get("peak_bytes") if isinstance(plan, dict) else None
+        planned = value if isinstance(value, int | float) else None
         return {
             **self.overview(run),
             "config": _config(config_text),

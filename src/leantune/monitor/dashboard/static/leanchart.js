@@ -258,6 +258,7 @@
       }
       this.el.dataset.summary = JSON.stringify(summary);
       this.el.dataset.markers = String(this.markers.length);
+      this.el.dataset.lines = JSON.stringify(this.lines.map(l => l.y));
       this.el.dataset.renders = String(Number(this.el.dataset.renders || 0) + 1);
     }
 
