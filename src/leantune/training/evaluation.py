@@ -115,6 +115,21 @@ def _retrying(
         )
 
 
+def _heldout_loss(
+    model: nn.Module, inputs: EvalInputs, settings: EvalSettings, step: int
+) -> dict[str, Any]:
+    """Loss and perplexity on every eval row (the eval batch halves on OOM)."""
+    rows, pad_id = inputs.data.rows, inputs.pad_id
+    ev = _retrying(
+        lambda bs: evaluate_loss(model, rows, pad_id, bs, settings.precision),
+        model,
+        inputs,
+        settings,
+        step,
+    )
+    return {"eval_loss": ev["loss"], "eval_perplexity": ev["perplexity"]}
+
+
 def exact_match_before(
     model: nn.Module, inputs: EvalInputs, settings: EvalSettings, log: Callable[[str], None]
 ) -> float:
@@ -145,15 +160,7 @@ def evaluate_after(
 ) -> dict[str, Any]:
     """The end of a run: loss and perplexity on every eval row, and with a `predictions_file`
     exact match on every record (each prediction written there)."""
-    rows, pad_id = inputs.data.rows, inputs.pad_id
-    ev = _retrying(
-        lambda bs: evaluate_loss(model, rows, pad_id, bs, settings.precision),
-        model,
-        inputs,
-        settings,
-        step,
-    )
-    results: dict[str, Any] = {"eval_loss": ev["loss"], "eval_perplexity": ev["perplexity"]}
+    results = _heldout_loss(model, inputs, settings, step)
     if predictions_file is not None:
         records = inputs.data.records
         results["eval_exact_match"] = _retrying(
@@ -183,19 +190,7 @@ class PeriodicEval:
         was_training = self.model.training
         model, inputs, settings = self.model, self.inputs, self.settings
         try:
-            rows, pad_id = inputs.data.rows, inputs.pad_id
-            ev = _retrying(
-                lambda bs: evaluate_loss(model, rows, pad_id, bs, settings.precision),
-                model,
-                inputs,
-                settings,
-                step,
-            )
-            row: dict[str, Any] = {
-                "step": step,
-                "eval_loss": ev["loss"],
-                "eval_perplexity": ev["perplexity"],
-            }
+            row: dict[str, Any] = {"step": step, **_heldout_loss(model, inputs, settings, step)}
             sample = [r for r in inputs.data.records if r.messages is not None]
             sample = sample[: self.exact_match_sample]
             if sample:
