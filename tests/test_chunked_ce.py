@@ -60,3 +60,21 @@ def test_without_gradients_it_only_computes_the_loss() -> None:
         got = linear_cross_entropy_sum(h, w, t, chunk=4)
     torch.testing.assert_close(got, _plain(h, w, t), rtol=1e-6, atol=1e-5)
     assert got.grad_fn is None
+
+
+def test_bf16_weights_without_autocast_match_autograd() -> None:
+    # Frozen weights stored in bf16 (model.dtype=bf16) with train.precision=fp32: the head's
+    # matmuls run in bf16 and its gradients come back in bf16, as autograd's would.
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(30, 16, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(50, 16, generator=g).bfloat16()
+    t = torch.randint(0, 50, (30,), generator=g)
+    ref = _plain(h, w, t)
+    ref.backward()
+    ref_h = h.grad.clone()  # type: ignore[union-attr]
+    h.grad = None
+    got = linear_cross_entropy_sum(h, w, t, chunk=8)
+    got.backward()
+    assert h.grad.dtype == torch.bfloat16  # type: ignore[union-attr]
+    torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-2)
+    torch.testing.assert_close(h.grad, ref_h, rtol=2e-2, atol=2e-2)

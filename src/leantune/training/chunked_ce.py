@@ -40,10 +40,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # d(sum CE)/d logits = softmax - one_hot, formed in the logits' own memory.
             grad = logits.sub_(lse.unsqueeze(1)).exp_()
             grad[at, t] -= 1
-            # Under autocast these matmuls run in bf16, as autograd's backward of the head would.
-            grad_h[start : start + chunk] = (grad @ weight).to(hidden.dtype)
+            # In the weight's dtype (bf16 frozen weights without autocast), or bf16 under
+            # autocast: as autograd's backward of the head would compute them.
+            g = grad if grad.dtype == weight.dtype else grad.to(weight.dtype)
+            grad_h[start : start + chunk] = (g @ weight).to(hidden.dtype)
             if needs_w:
-                grad_w += (grad.t() @ h).float()
+                grad_w += (g.t() @ h.to(g.dtype)).float()
             del logits, grad
         ctx.save_for_backward(grad_h, grad_w if needs_w else torch.empty(0))
         ctx.weight_dtype = weight.dtype if needs_w else None
