@@ -163,6 +163,21 @@ def test_resolve_micro_batch_auto() -> None:
         resolve_micro_batch(facts, step, 12, 1000)
 
 
+def test_resolve_micro_batch_enough_tokens() -> None:
+    """On CPU auto takes the smallest micro-batch holding enough tokens, not the largest."""
+    facts = model_facts_for(tiny_llama_config(), "fp32", "sdpa", MethodConfig(name="lora"))
+    step = StepSettings(16, 128)
+    big = 10 * estimate(facts, step).peak
+    assert resolve_micro_batch(facts, step, 16, big)[:2] == (16, 1)
+    # 16 x 128 tokens: 4 rows are the first with 512 tokens, 2 rows are not enough.
+    assert resolve_micro_batch(facts, step, 16, big, enough_tokens=512)[:2] == (4, 4)
+    assert resolve_micro_batch(facts, step, 16, big, enough_tokens=500)[:2] == (4, 4)
+    # More tokens than the whole batch holds: the largest that fits.
+    assert resolve_micro_batch(facts, step, 16, big, enough_tokens=10**6)[:2] == (16, 1)
+    fits_2 = estimate(facts, replace(step, micro_batch=2)).peak
+    assert resolve_micro_batch(facts, step, 16, fits_2, enough_tokens=10**6)[:2] == (2, 8)
+
+
 def test_parse_size_and_supervised_rows() -> None:
     assert parse_size("24GiB") == 24 * GIB
     assert parse_size("512MiB") == 512 * 2**20

@@ -175,8 +175,10 @@ def resolve_micro_batch(
     global_batch: int,
     budget: int,
     weight_itemsize: int = 4,
+    enough_tokens: int | None = None,
 ) -> tuple[int, int, Breakdown]:
-    """`train.micro_batch_size=auto`: the largest micro-batch dividing `global_batch` that fits.
+    """`train.micro_batch_size=auto`: the largest micro-batch dividing `global_batch` that fits,
+    or, with `enough_tokens`, the smallest that fits and holds at least that many tokens.
 
     `step.micro_batch` is the largest to try. Returns (micro_batch, grad_accum, breakdown) with
     micro_batch * grad_accum == global_batch.
@@ -184,10 +186,15 @@ def resolve_micro_batch(
     Raises:
         MemoryError: not even micro-batch 1 fits, naming the predicted peak and the levers.
     """
+    fitting = []
     for mb in _halvings(step.micro_batch, global_batch):
         b = estimate(facts, replace(step, micro_batch=mb), weight_itemsize)
         if b.peak <= budget:
-            return mb, global_batch // mb, b
+            fitting.append((mb, b))
+    if fitting:
+        full = [f for f in fitting if enough_tokens and f[0] * step.seq_len >= enough_tokens]
+        mb, b = full[-1] if full else fitting[0]
+        return mb, global_batch // mb, b
     b = estimate(facts, replace(step, micro_batch=1), weight_itemsize)
     raise MemoryError(
         f"train.micro_batch_size=auto: even micro-batch 1 needs {b.peak / GIB:.2f} GiB, over the "
@@ -334,6 +341,12 @@ CPU_RSS_FACTOR = 1.7
 """CPU RSS measured up to 1.7x a run's live tensors with glibc's default malloc
 (benchmarks/plan_accuracy.py): micro_batch_size=auto on CPU without train.memory_budget plans
 within the default budget divided by it."""
+CPU_ENOUGH_TOKENS = 2048
+"""micro_batch_size=auto on CPU: the smallest micro-batch of at least this many tokens (that
+fits). A CPU's matmuls already run at their peak on one 2,048-token row, so more rows per
+micro-batch only add activation memory (about 1.6 GB per 2,048-token row on the demo model in
+bf16): benchmarks/cpu_step.py measured LoRA fwd+bwd at 286, 318 and 307 tokens per CPU-second
+with 1, 2 and 4 such rows, peaking at 4.6, 8.1 and 14.7 GB."""
 FALLBACK_MICRO_BATCH = 4
 """micro_batch_size=auto where the planner cannot model the run (an OOM still halves it)."""
 
@@ -398,7 +411,12 @@ def plan_for_run(
             budget = int(budget / CPU_RSS_FACTOR)
         try:
             mb, accum, b = resolve_micro_batch(
-                inputs.facts, inputs.step, inputs.global_batch, budget, inputs.weight_itemsize
+                inputs.facts,
+                inputs.step,
+                inputs.global_batch,
+                budget,
+                inputs.weight_itemsize,
+                enough_tokens=CPU_ENOUGH_TOKENS if device == "cpu" else None,
             )
         except MemoryError as e:  # a prediction: the run (and its OOM handling) decides
             t = replace(t, micro_batch_size=1, grad_accum=inputs.global_batch)

@@ -126,6 +126,7 @@ from leantune.training.signals import Interrupted, StopSignals
 from leantune.training.sinks import ConsoleSink, JsonlSink, Sink, Sinks
 from leantune.training.strategy import ParallelStrategy, SingleProcess
 from leantune.training.summary import write_summary
+from leantune.training.threads import configure_threads
 from leantune.training.trainer import RunFiles, StepResult, StepSettings, Trainer, train_step
 
 Log = Callable[[str], None]
@@ -231,10 +232,10 @@ def set_up(
     """Build the run's components in dependency order and put the trainer at its start state
     (fresh, resumed or forced, as the run directory's record allows)."""
     # Device and precision first: the fingerprint records the resolved precision.
-    device, cfg, why = _resolve_device(cfg)
+    device, cfg, notes = _resolve_device(cfg)
     check_resumable(cfg, source.location, source.gguf_file)  # before anything is written
-    if why:
-        log(why)  # once the run directory's run is known to be this one
+    for note in notes:
+        log(note)  # once the run directory's run is known to be this one
     files = _run_files(cfg, inputs)
     events = EventLog(files.run_dir / EVENTS_FILE, log)
     faults = FaultHooks()
@@ -311,16 +312,19 @@ def parallel_strategy(cfg: Config) -> ParallelStrategy:
     return SingleProcess()
 
 
-def _resolve_device(cfg: Config) -> tuple[torch.device, Config, str | None]:
+def _resolve_device(cfg: Config) -> tuple[torch.device, Config, list[str]]:
     """The device, `cfg` with train.precision=auto resolved for it (a resumed run keeps the
-    precision it started with) and model.attn_implementation=auto too, and the line that says
-    what auto chose for the precision and why."""
+    precision it started with) and model.attn_implementation=auto too, and the lines that say
+    how many CPU threads run and what auto chose for the precision and why."""
     device = pick_device(cfg.train.device)
+    # Threads before the precision probe: it measures (and caches by) the thread count.
+    notes: list[str | None] = [configure_threads()] if device.type == "cpu" else []
     compute = compute_dtype(cfg.method)
     recorded = recorded_precision(cfg.run_dir)
     choice = resolve_precision(cfg.train.precision, device.type, recorded, compute)
     resolved = replace(cfg, train=replace(cfg.train, precision=choice.precision))
-    return device, _resolve_attention(resolved), choice.note
+    notes.append(choice.note)
+    return device, _resolve_attention(resolved), [n for n in notes if n]
 
 
 def _resolve_attention(cfg: Config) -> Config:
