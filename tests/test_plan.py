@@ -350,3 +350,66 @@ def test_plan_recommends_low_bit_optimizer_state_when_adamw_does_not_fit(
     assert rec["method"] == "full" and rec["optimizer"] in ("adamw_8bit", "adamw_4bit"), rec
     assert rec["micro_batch"] * rec["grad_accum"] == 8
     assert rec["breakdown"]["peak"] <= (adamw + low_bit) // 2
+
+
+def test_gradient_checkpointing_auto_turns_on_only_when_needed(
+    tiny_llama_dir: Path, tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gradient_checkpointing=auto (the default): off while micro-batch 1 fits, on when only
+    checkpointing makes it fit, and the run then really checkpoints; never for prefix."""
+    from dataclasses import replace as dc_replace
+
+    import leantune.training.recipe as recipe
+    from leantune.memory.planner import plan_for_run, plan_inputs
+
+    overrides = [
+        "data.pack=false",
+        "train.micro_batch_size=auto",
+        "train.global_batch_size=4",
+        "train.max_steps=1",
+        f"run.dir={tmp_path / 'run'}",
+        "run.progress=false",
+        "train.save_every=0",
+    ]
+    cfg = load_config(_config_file(tmp_path, tiny_llama_dir), overrides)
+    assert cfg.train.gradient_checkpointing == "auto"
+    assert cfg.data.train is not None
+    data = prepare_rows(cfg.data.train, "chat", tokenizer, 64, False)
+    labels = [r.labels for r in data.rows]
+    longest = max(len(r.input_ids) for r in data.rows)
+    inputs = plan_inputs(cfg, "cpu", max_supervised_per_row(labels), longest)
+    assert inputs.step.gradient_checkpointing is False
+
+    def peak(mb: int, ckpt: bool) -> int:
+        step = dc_replace(inputs.step, micro_batch=mb, gradient_checkpointing=ckpt)
+        return estimate(inputs.facts, step).peak
+
+    assert peak(1, True) < peak(1, False)
+    roomy = dc_replace(cfg, train=dc_replace(cfg.train, memory_budget=str(10 * peak(4, False))))
+    t, memory = plan_for_run(roomy, "cpu", labels)
+    assert t.gradient_checkpointing is False and "checkpointing" not in memory.note
+    tight_budget = str((peak(1, True) + peak(1, False)) // 2)
+    tight = dc_replace(cfg, train=dc_replace(cfg.train, memory_budget=tight_budget))
+    t, memory = plan_for_run(tight, "cpu", labels)
+    assert t.gradient_checkpointing is True and t.micro_batch_size * t.grad_accum == 4
+    assert "gradient checkpointing on (gradient_checkpointing=auto)" in memory.note
+    # A configured micro-batch: the same decision for it.
+    fixed = dc_replace(tight, train=dc_replace(tight.train, micro_batch_size=1, grad_accum=4))
+    t, memory = plan_for_run(fixed, "cpu", labels)
+    assert t.gradient_checkpointing is True and "would not fit" in memory.note
+    # An explicit false is kept (the prediction then warns), and prefix never checkpoints.
+    off = dc_replace(tight, train=dc_replace(tight.train, gradient_checkpointing=False))
+    t, memory = plan_for_run(off, "cpu", labels)
+    assert t.gradient_checkpointing is False and memory.note.startswith("warning:")
+    prefix = dc_replace(tight, method=dc_replace(tight.method, name="prefix"))
+    assert plan_for_run(prefix, "cpu", labels)[0].gradient_checkpointing is False
+
+    # End to end: the run under the tight budget enables checkpointing on its model.
+    calls: list[object] = []
+    monkeypatch.setattr(recipe, "enable_gradient_checkpointing", calls.append)
+    unarmed = recipe.MemoryBudget(None)  # this pytest process's RSS is not the run's
+    monkeypatch.setattr(recipe, "MemoryBudget", lambda limit: unarmed)
+    logs: list[str] = []
+    recipe.train(tight, log=logs.append)
+    assert len(calls) == 1
+    assert any("gradient checkpointing on (gradient_checkpointing=auto)" in x for x in logs)

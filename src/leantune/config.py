@@ -220,8 +220,11 @@ class TrainConfig:
     """Complete checkpoints to keep."""
     kl_coef: float = 0.0
     """Weight of KL(model || base model) added to the loss (adapter methods only; 0 = off)."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward to save memory."""
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
+    """Recompute activations in backward to save memory (about a third more compute). auto: on
+    only where the memory planner predicts that not even micro-batch 1 (micro_batch_size=auto)
+    or the configured micro-batch fits the memory budget without it, and never for a method
+    that does not support it."""
     eval_exact_match: bool = False
     """Measure exact match on the eval set before and after training (chat/alpaca)."""
     eval_every: int = 0
@@ -612,7 +615,7 @@ def _validate_method(cfg: Config) -> None:
     for key, size in sizes.items():
         if size is not None and size < 1:
             raise ConfigError(f"{key}: must be >= 1, got {size}")
-    if not spec.supports_gradient_checkpointing and t.gradient_checkpointing:
+    if not spec.supports_gradient_checkpointing and t.gradient_checkpointing is True:
         raise ConfigError(
             f"train.gradient_checkpointing does not work with method.name={m.name}: transformers "
             "drops the KV cache, which holds the prefix, in checkpointed blocks; set it to false"

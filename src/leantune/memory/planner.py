@@ -272,7 +272,7 @@ def plan_inputs(
         micro_batch=micro,
         seq_len=min(limit, longest_row or limit),
         supervised_per_row=supervised_per_row,
-        gradient_checkpointing=t.gradient_checkpointing,
+        gradient_checkpointing=t.gradient_checkpointing is True,
         attn_implementation=resolve_attention(
             cfg.model.attn_implementation,
             effective_pack(cfg.data.pack, cfg.method.name),
@@ -373,18 +373,26 @@ def _budget_or_none(cfg: Config, device: str) -> int | None:
 def plan_for_run(
     cfg: Config, device: str, labels_per_row: list[list[int]], global_batch: int | None = None
 ) -> tuple[TrainConfig, PlannedMemory]:
-    """At the start of `train`: resolve `micro_batch_size=auto` and describe the prediction.
+    """At the start of `train`: resolve `micro_batch_size=auto` and `gradient_checkpointing=auto`
+    and describe the prediction.
 
     Returns the train config to use (a copy with micro_batch_size and grad_accum resolved when
-    auto; `cfg.train` itself otherwise) and the prediction with its log line. `global_batch`
-    is the run's rows per step when its data holds fewer than the configured global batch.
+    auto, and gradient_checkpointing always a bool) and the prediction with its log line.
+    `global_batch` is the run's rows per step when its data holds fewer than the configured
+    global batch.
 
     auto is the default, so a planner that cannot model the model or method (it builds it on the
     meta device) does not stop the run: auto then means micro-batch 4 (or the global batch when
-    smaller), said in the log line; and a prediction that not even micro-batch 1 fits is a
-    warning with micro-batch 1 (an out of memory then stops the run with exit 5).
+    smaller) without checkpointing, said in the log line; and a prediction that not even
+    micro-batch 1 fits is a warning with micro-batch 1 (an out of memory then stops the run with
+    exit 5).
     """
     t = cfg.train
+    if (
+        t.gradient_checkpointing == "auto"
+        and not METHODS[cfg.method.name].supports_gradient_checkpointing
+    ):
+        t = replace(t, gradient_checkpointing=False)
     try:
         longest = max((len(row) for row in labels_per_row), default=0) or None
         supervised = max_supervised_per_row(labels_per_row)
@@ -392,51 +400,110 @@ def plan_for_run(
     except Exception as e:  # a prediction is advice: it must never stop a configured run
         if isinstance(e, MethodError):  # nor let one go wrong
             raise
-        budget = _budget_or_none(cfg, device)
-        if t.micro_batch_size != "auto":
-            return t, PlannedMemory(f"memory planner: no prediction ({e})", None, budget)
-        batch = global_batch or configured_global_batch(t)
-        mb = min(FALLBACK_MICRO_BATCH, batch)
-        t = replace(t, micro_batch_size=mb, grad_accum=-(-batch // mb))
-        note = (
-            f"micro_batch_size=auto: the memory planner cannot model this run ({e}); "
-            f"micro-batch {mb} x grad_accum {t.grad_accum} (global batch {batch}; an out of "
-            "memory halves it)"
-        )
-        return t, PlannedMemory(note, None, budget)
+        return _unmodelled(cfg, t, device, global_batch, e)
+    headroom = device == "cpu" and t.memory_budget is None
+    budget = _budget_or_none(cfg, device)
+    # Nothing catches an out of memory on CPU without a budget: plan with the allocator's share.
+    plan_budget = int(budget / CPU_RSS_FACTOR) if budget is not None and headroom else budget
     if t.micro_batch_size == "auto":
-        budget = budget_for(cfg, device)
-        headroom = device == "cpu" and t.memory_budget is None
-        if headroom:  # nothing catches an out of memory on CPU without a budget
-            budget = int(budget / CPU_RSS_FACTOR)
+        return _auto_micro_batch(cfg, t, device, inputs, plan_budget, headroom)
+    ckpt = t.gradient_checkpointing
+    b = estimate(
+        inputs.facts,
+        replace(inputs.step, gradient_checkpointing=ckpt is True),
+        inputs.weight_itemsize,
+    )
+    reason = ""
+    if ckpt == "auto":
+        ckpt = False
+        if plan_budget is not None and b.peak > plan_budget:
+            with_ckpt = estimate(
+                inputs.facts,
+                replace(inputs.step, gradient_checkpointing=True),
+                inputs.weight_itemsize,
+            )
+            if with_ckpt.peak <= plan_budget:
+                ckpt, b = True, with_ckpt
+                reason = (
+                    f"; gradient checkpointing on (gradient_checkpointing=auto): without it the "
+                    f"micro-batch of {t.micro_batch_size} would not fit"
+                )
+    t = replace(t, gradient_checkpointing=ckpt)
+    note = (
+        f"planner predicts peak {b.peak / GIB:.2f} GiB (weights {b.weights / GIB:.2f}, "
+        f"optimizer {b.optimizer / GIB:.2f}, activations {b.activations / GIB:.2f}, "
+        f"loss {b.loss / GIB:.2f}, gradients {b.gradients / GIB:.2f}){reason}"
+    )
+    return t, PlannedMemory(note, b.peak, budget)
+
+
+def _unmodelled(
+    cfg: Config, t: TrainConfig, device: str, global_batch: int | None, e: Exception
+) -> tuple[TrainConfig, PlannedMemory]:
+    """The plan when the planner cannot model the run: auto means micro-batch 4, no
+    checkpointing."""
+    budget = _budget_or_none(cfg, device)
+    if t.gradient_checkpointing == "auto":
+        t = replace(t, gradient_checkpointing=False)
+    if t.micro_batch_size != "auto":
+        return t, PlannedMemory(f"memory planner: no prediction ({e})", None, budget)
+    batch = global_batch or configured_global_batch(t)
+    mb = min(FALLBACK_MICRO_BATCH, batch)
+    t = replace(t, micro_batch_size=mb, grad_accum=-(-batch // mb))
+    note = (
+        f"micro_batch_size=auto: the memory planner cannot model this run ({e}); "
+        f"micro-batch {mb} x grad_accum {t.grad_accum} (global batch {batch}; an out of "
+        "memory halves it)"
+    )
+    return t, PlannedMemory(note, None, budget)
+
+
+def _auto_micro_batch(
+    cfg: Config,
+    t: TrainConfig,
+    device: str,
+    inputs: PlanInputs,
+    budget: int | None,
+    headroom: bool,
+) -> tuple[TrainConfig, PlannedMemory]:
+    """micro_batch_size=auto: the planner's pick within `budget`; with gradient_checkpointing
+    =auto, checkpointing only when not even micro-batch 1 fits without it."""
+    if budget is None:
+        budget = budget_for(cfg, device)  # raises: no CUDA device here to measure
+    enough = CPU_ENOUGH_TOKENS if device == "cpu" else None
+    ckpt_options = (
+        [t.gradient_checkpointing] if t.gradient_checkpointing != "auto" else [False, True]
+    )
+    error: MemoryError | None = None
+    for ckpt in ckpt_options:
+        step = replace(inputs.step, gradient_checkpointing=bool(ckpt))
         try:
             mb, accum, b = resolve_micro_batch(
-                inputs.facts,
-                inputs.step,
-                inputs.global_batch,
-                budget,
-                inputs.weight_itemsize,
-                enough_tokens=CPU_ENOUGH_TOKENS if device == "cpu" else None,
+                inputs.facts, step, inputs.global_batch, budget, inputs.weight_itemsize, enough
             )
         except MemoryError as e:  # a prediction: the run (and its OOM handling) decides
-            t = replace(t, micro_batch_size=1, grad_accum=inputs.global_batch)
-            note = f"warning: {e}; training with 1 x grad_accum {inputs.global_batch}"
-            one = estimate(
-                inputs.facts, replace(inputs.step, micro_batch=1), inputs.weight_itemsize
-            )
-            return t, PlannedMemory(note, one.peak, budget_for(cfg, device))
-        t = replace(t, micro_batch_size=mb, grad_accum=accum)
+            error = error or e
+            continue
+        t = replace(t, micro_batch_size=mb, grad_accum=accum, gradient_checkpointing=bool(ckpt))
         note = (
             f"micro_batch_size=auto: {mb} x grad_accum {accum} (global batch "
             f"{inputs.global_batch}); planner predicts peak {b.peak / GIB:.2f} GiB of a "
             f"{budget / GIB:.2f} GiB budget"
             + (f" (available RAM / {CPU_RSS_FACTOR:g} for the allocator)" if headroom else "")
+            + (
+                "; gradient checkpointing on (gradient_checkpointing=auto): without it not "
+                "even micro-batch 1 fits"
+                if ckpt is True and len(ckpt_options) == 2
+                else ""
+            )
         )
         return t, PlannedMemory(note, b.peak, budget_for(cfg, device))
-    b = estimate(inputs.facts, inputs.step, inputs.weight_itemsize)
-    note = (
-        f"planner predicts peak {b.peak / GIB:.2f} GiB (weights {b.weights / GIB:.2f}, "
-        f"optimizer {b.optimizer / GIB:.2f}, activations {b.activations / GIB:.2f}, "
-        f"loss {b.loss / GIB:.2f}, gradients {b.gradients / GIB:.2f})"
+    ckpt = ckpt_options[-1] is True
+    t = replace(t, micro_batch_size=1, grad_accum=inputs.global_batch, gradient_checkpointing=ckpt)
+    note = f"warning: {error}; training with 1 x grad_accum {inputs.global_batch}"
+    one = estimate(
+        inputs.facts,
+        replace(inputs.step, micro_batch=1, gradient_checkpointing=ckpt),
+        inputs.weight_itemsize,
     )
-    return t, PlannedMemory(note, b.peak, _budget_or_none(cfg, device))
+    return t, PlannedMemory(note, one.peak, budget_for(cfg, device))

@@ -498,7 +498,9 @@ def build_trainer(
         strategy=strategy,
         budget=MemoryBudget(budget),
         faults=faults,
-        levers=levers_message(int(cfg.data.max_seq_len), t.gradient_checkpointing, cfg.method.name),
+        levers=levers_message(
+            int(cfg.data.max_seq_len), t.gradient_checkpointing is True, cfg.method.name
+        ),
         stop=stop,
         stats=stats if stats is not None else StepStats(),
     )
