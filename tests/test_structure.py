@@ -190,9 +190,10 @@ def test_the_loop_reaches_the_strategy_for_each_of_its_duties(
     assert len(strategy.counts) == 4  # one reduction of the supervised tokens per window
     assert strategy.syncs == [False, False, True] * 4  # sync on each window's last micro-batch
     assert strategy.saved == 2 and strategy.loaded == 0  # steps 2 and 4
-    # Two decisions per micro-batch (after its forward, after its backward), and four of the
-    # set-up (run directory claimed, data prepared, read before written, step-0 save or not).
-    assert strategy.agreements == 2 * 12 + 4 and strategy.finals == 1
+    # Two decisions per micro-batch (after its forward, after its backward), one per step (a
+    # loss or gradient not finite), and four of the set-up (run directory claimed, data
+    # prepared, read before written, step-0 save or not).
+    assert strategy.agreements == 2 * 12 + 4 + 4 and strategy.finals == 1
     wa = load_file(tmp_path / "a" / "final" / "adapter_model.safetensors")
     wb = load_file(tmp_path / "b" / "final" / "adapter_model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

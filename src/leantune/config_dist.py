@@ -35,7 +35,7 @@ class DistConfig:
     again for the backward (less memory, one more all-gather per block)."""
 
 
-def check_dist(d: DistConfig, method: str, device: str) -> None:
+def check_dist(d: DistConfig, method: str, device: str, eval_every: int) -> None:
     """Cross-field checks of `dist:`; raises ConfigError naming the field and the fix."""
     if not d.timeout_s > 0:
         raise ConfigError(f"dist.timeout_s: must be > 0 seconds, got {d.timeout_s}")
@@ -45,6 +45,12 @@ def check_dist(d: DistConfig, method: str, device: str) -> None:
         raise ConfigError(
             f"dist.cpu_offload and dist.reshard_after_forward are fsdp2 settings; "
             f"set dist.strategy=fsdp2 or leave them at their defaults (strategy {d.strategy})"
+        )
+    if d.strategy == "fsdp2" and eval_every:
+        raise ConfigError(
+            "train.eval_every with dist.strategy=fsdp2: the periodic evaluation runs on rank 0, "
+            "which holds only a shard of the model; use dist.strategy=ddp, or train.eval_every=0 "
+            "(the closing evaluation still runs, on the gathered model)"
         )
     if d.strategy == "fsdp2" and method == "qlora":
         raise ConfigError(

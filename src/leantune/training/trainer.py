@@ -199,6 +199,9 @@ def train_step(tr: Trainer) -> StepResult:
     clip_to = max_norm if max_norm > 0 else float("inf")
     grad_norm = float(torch.nn.utils.clip_grad_norm_(list(tr.params.values()), clip_to))
     lr = float(tr.optimizer.param_groups[0]["lr"])  # a tensor for torchao optimizers
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    if tr.strategy.agree(int(not finite)) and finite:
+        loss = math.nan  # not finite on another process: every process skips alike
     # An fp16 overflow (finite loss, inf gradients) is the scaler's business: it skips the
     # update and lowers the scale. Everything else goes through the guard, here and only here.
     overflow = tr.scaler is not None and math.isfinite(loss) and not math.isfinite(grad_norm)

@@ -7,8 +7,12 @@ Both strategies implement `training.strategy.ParallelStrategy`; the loop never s
 
 from __future__ import annotations
 
-from leantune.training.distributed.world import init_world, launched_by_torchrun
-from leantune.training.strategy import ParallelStrategy
+from typing import TYPE_CHECKING
+
+from leantune.training.distributed.launch import launched_by_torchrun
+
+if TYPE_CHECKING:
+    from leantune.training.strategy import ParallelStrategy
 
 __all__ = ["build_strategy", "launched_by_torchrun"]
 
@@ -24,6 +28,8 @@ def build_strategy(
     reshard_after_forward: bool,
 ) -> ParallelStrategy:
     """Join the process group and build the `name` strategy (``ddp`` or ``fsdp2``)."""
+    from leantune.training.distributed.world import init_world
+
     world = init_world(backend, device_type, timeout_s)
     if name == "ddp":
         from leantune.training.distributed.ddp import DDPStrategy

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from leantune.errors import UserError
+from leantune.training.distributed.launch import EXPECTED_WORLD_ENV, launched_by_torchrun
 
 
 class WorldSizeMismatch(UserError):
@@ -41,15 +42,6 @@ class World:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-EXPECTED_WORLD_ENV = "LEANTUNE_EXPECTED_WORLD_SIZE"
-"""Set by `leantune train --nproc N`: the world size torchrun must have started."""
-
-
-def launched_by_torchrun() -> bool:
-    """Whether torchrun (or another env:// launcher) started this process."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
 def init_world(backend: str, device_type: str, timeout_s: float) -> World:
