@@ -28,6 +28,7 @@ from leantune.training.faults import (
     FAULT_RANK_ENV,
     KILL_ENV,
     LOSS_SCALE_ENV,
+    OOM_STEP_ENV,
     SIGNAL_ENV,
 )
 from leantune.training.metrics import read_metrics
@@ -193,6 +194,25 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank(
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_an_out_of_memory_error_on_one_rank_halves_the_micro_batch_on_every_rank(
+    tiny_llama_dir: Path,
+    train_file: Path,
+    reference: dict[str, Path],
+    tmp_path: Path,
+    strategy: str,
+) -> None:
+    run_dir = tmp_path / "run"
+    args = _args(tiny_llama_dir, train_file, run_dir, *TWO, f"dist.strategy={strategy}")
+    _ok(_torchrun(2, args, **{OOM_STEP_ENV: "2", FAULT_RANK_ENV: "1"}))
+    ooms = [e for e in read_events(run_dir / "events.jsonl") if e["kind"] == "oom"]
+    # Rank 0 speaks for the run: its micro-batch was halved for rank 1's error.
+    assert [(e["step"], e["micro_batch_size"]) for e in ooms] == [(2, 1)]
+    assert "out of memory on another process" in ooms[0]["error"]
+    assert [r["micro_batch_size"] for r in read_metrics(run_dir / "metrics.jsonl")] == [2, 1, 1, 1]
+    _assert_same_run(reference["lora"], run_dir)  # the replay equals the planned window
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_a_run_continues_at_another_world_size(
     tiny_llama_dir: Path,
     train_file: Path,
@@ -304,9 +324,12 @@ def test_a_hung_collective_times_out_naming_the_rank_and_the_operation(tmp_path:
         (["dist.strategy=zero3"], "dist.strategy"),
     ],
 )
-def test_dist_settings_are_checked_before_anything_runs(overrides: list[str], message: str) -> None:
+def test_dist_settings_are_checked_before_anything_runs(
+    overrides: list[str], message: str, tmp_path: Path
+) -> None:
+    eval_file = write_jsonl(tmp_path / "eval.jsonl", chat_rows(2))
     with pytest.raises(ConfigError, match=message):
-        load_config(None, overrides)
+        load_config(None, [o.format(eval=eval_file) for o in overrides])
 
 
 def test_a_window_that_does_not_divide_over_the_ranks_is_refused() -> None:

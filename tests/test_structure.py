@@ -23,7 +23,7 @@ from leantune.training.events import read_events
 from leantune.training.faults import LOSS_SCALE_ENV
 from leantune.training.metrics import read_metrics
 from leantune.training.sinks import Sinks
-from leantune.training.strategy import CheckpointParts, SingleProcess
+from leantune.training.strategy import CheckpointParts, SingleProcess, SyncScope
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "leantune"
 
@@ -147,9 +147,9 @@ class RecordingStrategy(SingleProcess):
         return count
 
     @contextlib.contextmanager
-    def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[None]:
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[SyncScope]:
         self.syncs.append(enabled)
-        yield
+        yield SyncScope()
 
     def agree(self, code: int) -> int:
         self.agreements += 1

@@ -8,8 +8,9 @@
 - ``LEANTUNE_SIGNAL_AT_MICRO_BATCH=k:SIG``: send SIGSIG (TERM or INT) to this process right after
   the backward of global micro-batch k: a real signal at a known point of the loop.
 - ``LEANTUNE_SIGNAL_AT_START=SIG``: send SIGSIG to this process as `train` starts setting up.
-- ``LEANTUNE_FAULT_RANK=r``: under torchrun, the kill and the loss scale hit rank r only, and
-  the kill only torchrun's first attempt (TORCHELASTIC_RESTART_COUNT=0), so a restart gets on.
+- ``LEANTUNE_FAULT_RANK=r``: under torchrun, the kill, the OOM and the loss scale hit rank r
+  only, and the kill only torchrun's first attempt (TORCHELASTIC_RESTART_COUNT=0), so a restart
+  gets on.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class FaultHooks:
 
     def __init__(self) -> None:
         oom_step = os.environ.get(OOM_STEP_ENV)
-        self.oom_step = int(oom_step) if oom_step else None
+        self.oom_step = int(oom_step) if oom_step and _this_rank_is_hit(False) else None
         self.eval_ooms = int(os.environ.get(OOM_EVAL_ENV) or 0)
         scale = os.environ.get(LOSS_SCALE_ENV)
         self.scale_step: int | None = None

@@ -30,6 +30,15 @@ Warn = Callable[[str], None]
 
 
 @dataclass
+class SyncScope:
+    """One micro-batch inside `gradient_sync`: its loss, from the forward until its backward
+    has run (a strategy that prepared a gradient sync for it completes that sync when the
+    micro-batch is abandoned: an out-of-memory replay or a stop)."""
+
+    loss: torch.Tensor | None = None
+
+
+@dataclass
 class CheckpointParts:
     """What one checkpoint holds, as the trainer has it (the strategy gathers or shards it)."""
 
@@ -71,8 +80,12 @@ class ParallelStrategy(Protocol):
         """The largest `code` over processes: a decision (0 = none) every process takes."""
         ...
 
-    def gradient_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
-        """A context for one micro-batch's forward and backward; sync only when `enabled`."""
+    def gradient_sync(
+        self, model: nn.Module, enabled: bool
+    ) -> contextlib.AbstractContextManager[SyncScope]:
+        """A context for one micro-batch's forward and backward; sync only when `enabled`.
+        Left by an exception, it discards what the window accumulated (the replay or the
+        stop starts clean on every process)."""
         ...
 
     def save_checkpoint(self, root: Path, parts: CheckpointParts) -> Path:
@@ -119,8 +132,8 @@ class SingleProcess:
         return code
 
     @contextlib.contextmanager
-    def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[None]:
-        yield
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[SyncScope]:
+        yield SyncScope()
 
     def save_checkpoint(self, root: Path, parts: CheckpointParts) -> Path:
         return save_checkpoint(

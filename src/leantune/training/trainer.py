@@ -360,14 +360,17 @@ def backward_window(
     for k, batch in enumerate(batches):
         batch = {key: v.to(device) for key, v in batch.items()}
 
-        def forward(batch: dict[str, torch.Tensor] = batch) -> torch.Tensor:
-            with autocast(device.type, precision):
-                return token_loss_sum(model, batch, kl_coef) / n_supervised
+        with strategy.gradient_sync(model, enabled=k == len(batches) - 1) as scope:
 
-        with strategy.gradient_sync(model, enabled=k == len(batches) - 1):
+            def forward(batch: dict[str, torch.Tensor] = batch) -> torch.Tensor:
+                with autocast(device.type, precision):
+                    scope.loss = token_loss_sum(model, batch, kl_coef) / n_supervised
+                return scope.loss
+
             loss = agreed(strategy, forward, memory_check, k)
             (scaler.scale(loss) if scaler is not None else loss).backward()
-        agreed(strategy, loss.detach, memory_check, k)
+            scope.loss = None
+            agreed(strategy, loss.detach, memory_check, k)
         loss_sum += loss.detach().double().cpu()
         kill_after(first_micro_batch + k)
         signal_after(first_micro_batch + k)

@@ -26,6 +26,7 @@ from leantune.training.distributed.world import World
 from leantune.training.strategy import (
     CheckpointParts,
     SingleProcess,
+    SyncScope,
     Warn,
     load_full_checkpoint,
 )
@@ -70,12 +71,22 @@ class DDPStrategy(Reductions):
         return ThroughWrapper(ddp, model)
 
     @contextlib.contextmanager
-    def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[None]:
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[SyncScope]:
         ddp = model.wrapped if isinstance(model, ThroughWrapper) else model
         assert isinstance(ddp, DistributedDataParallel)
         op = "the gradient all-reduce" if enabled else "a micro-batch (no gradient sync)"
-        with self.named(op), contextlib.nullcontext() if enabled else ddp.no_sync():
-            yield
+        scope = SyncScope()
+        try:
+            with self.named(op), contextlib.nullcontext() if enabled else ddp.no_sync():
+                yield scope
+        except BaseException:
+            if enabled and scope.loss is not None:
+                # The forward prepared DDP's reducer for a backward that will not come: left
+                # so, it would all-reduce inside the replay's first no-sync backward. Every
+                # rank abandons this same micro-batch (they agreed), so all complete it alike.
+                with self.named("the gradient all-reduce of an abandoned micro-batch"):
+                    (scope.loss * 0).backward()
+            raise
 
     def save_checkpoint(self, root: Path, parts: CheckpointParts) -> Path:
         """Rank 0 writes the single-process layout; the others wait for it and learn whether

@@ -29,7 +29,7 @@ from leantune.training.checkpoint import Checkpoint
 from leantune.training.distributed import sharded
 from leantune.training.distributed.replicated import Reductions, ThroughWrapper
 from leantune.training.distributed.world import World
-from leantune.training.strategy import CheckpointParts, Warn
+from leantune.training.strategy import CheckpointParts, SyncScope, Warn
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -107,17 +107,21 @@ class FSDP2Strategy(Reductions):
         return ThroughWrapper(model, model)
 
     @contextlib.contextmanager
-    def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[None]:
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[SyncScope]:
         root = self.root
         assert isinstance(root, FSDPModule)
         root.set_requires_gradient_sync(enabled)
         op = (
             "a forward/backward (all-gather, reduce-scatter)"
             if enabled
-            else ("a forward/backward without gradient sync (all-gather)")
+            else "a forward/backward without gradient sync (all-gather)"
         )
-        with self.named(op):
-            yield
+        try:
+            with self.named(op):
+                yield SyncScope()
+        except BaseException:
+            _drop_unreduced_gradients(root)
+            raise
 
     def save_checkpoint(self, root: Path, parts: CheckpointParts) -> Path:
         assert self.root is not None
@@ -148,3 +152,17 @@ class FSDP2Strategy(Reductions):
             raise RuntimeError(f"the rebuilt model lacks trained weights: {sorted(missing)[:3]}")
         fresh.load_state_dict(full, strict=False)
         return fresh
+
+
+def _drop_unreduced_gradients(root: nn.Module) -> None:
+    """Forget the gradients FSDP keeps, unsharded, between backwards without sync: the
+    optimizer's zero_grad reaches only the sharded ones, and an abandoned window's would
+    otherwise join the replay's reduce-scatter. (FSDP2 has no public call for this.)"""
+    for module in root.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        for param in group.fsdp_params if group is not None else []:
+            param.unsharded_accumulated_grad = None
+            if hasattr(param, "_unsharded_param"):
+                param._unsharded_param.grad = None
