@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from leantune.config import load_config
 from leantune.config_parse import ConfigError
+from leantune.methods.registry import METHODS
 from leantune.training import recipe
 from leantune.training.checkpoint import CheckpointError, list_complete_checkpoints, load_checkpoint
 from leantune.training.events import read_events
@@ -316,6 +317,7 @@ def test_a_hung_collective_times_out_naming_the_rank_and_the_operation(tmp_path:
         (["dist.strategy=fsdp2", "method.name=qlora"], "fsdp2 with method.name=qlora"),
         (["dist.cpu_offload=true"], "dist.cpu_offload and dist.reshard_after_forward are fsdp2"),
         (["dist.timeout_s=0"], "dist.timeout_s: must be > 0"),
+        (["dist.strategy=fsdp2", "dist.cpu_offload=true", "train.device=cpu"], "needs CUDA"),
         (["dist.backend=nccl", "train.device=cpu"], "dist.backend=nccl needs CUDA"),
         (
             ["dist.strategy=fsdp2", "train.eval_every=2", "data.eval={eval}"],
@@ -340,3 +342,81 @@ def test_a_window_that_does_not_divide_over_the_ranks_is_refused() -> None:
     assert [shard(list(range(8)), w) for w in worlds] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     with pytest.raises(ValueError, match="multiple of 2"):
         shard(list(range(7)), worlds[0])
+
+
+METHOD_CASES = [
+    (strategy, method)
+    for strategy in ("ddp", "fsdp2")
+    for method in METHODS
+    if (strategy, method) != ("fsdp2", "qlora")  # refused by check_dist
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("strategy", "method"), METHOD_CASES)
+def test_every_method_trains_on_two_processes_as_on_one(
+    tiny_llama_dir: Path, train_file: Path, tmp_path: Path, strategy: str, method: str
+) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    extra = (f"method.name={method}", "train.max_steps=2")
+    recipe.train(
+        make_config(tiny_llama_dir, train_file, one, *COMMON, *ONE, *extra), log=lambda _: None
+    )
+    args = _args(tiny_llama_dir, train_file, two, *TWO, *extra)
+    _ok(_torchrun(2, [*args, f"dist.strategy={strategy}"]))
+    ra, rb = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
+    assert [r["loss"] for r in ra] == pytest.approx([r["loss"] for r in rb], rel=1e-4)
+    assert [r["grad_norm"] for r in ra] == pytest.approx([r["grad_norm"] for r in rb], rel=1e-3)
+    assert (two / "final").is_dir() and (two / "summary.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_the_demo_model_on_two_processes(tmp_path: Path, strategy: str) -> None:
+    """SmolLM2-135M, LoRA, the demo's data packed to 512 tokens: 2 processes x 1 row per step
+    against 1 process x 2 rows, 6 steps; then the adapter loads in plain PEFT."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from leantune.models.loading import resolve_model
+
+    common = ["run.progress=false", "train.max_steps=6", "train.save_every=3",
+              "train.eval_exact_match=false", "train.precision=fp32",
+              "method.dropout=0"]  # fmt: skip
+    one, two = tmp_path / "one", tmp_path / "two"
+    _ok(_one_process([*common, f"run.dir={one}", "train.micro_batch_size=2"]))
+    args = [*common, f"run.dir={two}", "train.micro_batch_size=1", "train.grad_accum=2"]
+    _ok(_torchrun(2, [*args, f"dist.strategy={strategy}"]))
+    ra, rb = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
+    assert [r["loss"] for r in ra] == pytest.approx([r["loss"] for r in rb], rel=1e-4)
+    assert rb[-1]["loss"] < rb[0]["loss"]
+    base = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2-135m-instruct").location)
+    model = PeftModel.from_pretrained(base, two / "final")
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in model.state_dict().items())
+
+
+def test_fsdp_units_are_the_blocks_and_the_trainable_leaves_of_another_dtype(
+    tiny_llama_dir: Path,
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from leantune.methods.registry import apply_method
+    from leantune.training.distributed.fsdp import odd_dtype_leaves, transformer_blocks
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16)
+    model = apply_method(base, load_config(None, ["method.name=lora"]).method)
+    blocks = transformer_blocks(model)
+    assert [type(b).__name__ for b in blocks] == ["LlamaDecoderLayer"] * 2
+    names = {m: n for n, m in blocks[0].named_modules()}
+    leaves = odd_dtype_leaves(blocks[0])
+    # The fp32 LoRA A and B matrices of every adapted projection, nothing of the bf16 base.
+    assert leaves and all(names[m].split(".")[-2] in ("lora_A", "lora_B") for m in leaves)
+    assert {p.dtype for m in leaves for p in m.parameters()} == {torch.float32}
+    adapted = [n for n, p in blocks[0].named_parameters() if p.requires_grad]
+    assert len(adapted) == sum(len(list(m.parameters())) for m in leaves)
+    # One dtype throughout (fp32 base): the block is one unit with its adapters.
+    fp32 = apply_method(
+        AutoModelForCausalLM.from_pretrained(tiny_llama_dir),
+        load_config(None, ["method.name=lora"]).method,
+    )
+    assert odd_dtype_leaves(transformer_blocks(fp32)[0]) == []

@@ -630,16 +630,7 @@ def _add_export_parser(sub: Any) -> None:
     x.set_defaults(func=cmd_export)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from leantune import __version__
-
-    p = _Parser(
-        prog="leantune",
-        description="Fine-tune text-generation LLMs on the hardware you have. "
-        "`leantune COMMAND --help` shows a command's flags and their defaults.",
-    )
-    p.add_argument("--version", action="version", version=f"leantune {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)  # parsers of the same class, _Parser
+def _add_train_parser(sub: Any) -> None:
     t = sub.add_parser(
         "train",
         help="fine-tune (no CONFIG and no data.train=...: the built-in demo)",
@@ -661,7 +652,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="run on N processes of this machine: execs `torchrun --standalone "
-        "--nproc-per-node N -m leantune train ...` (dist.strategy: auto = ddp)",
+        "--nproc-per-node N -m leantune train ...` (dist.strategy: auto = ddp; default: this "
+        "process alone)",
     )
     t.add_argument(
         "--max-restarts",
@@ -672,6 +664,19 @@ def build_parser() -> argparse.ArgumentParser:
         "each restart resumes from the newest checkpoint (default: 0)",
     )
     t.set_defaults(func=cmd_train)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from leantune import __version__
+
+    p = _Parser(
+        prog="leantune",
+        description="Fine-tune text-generation LLMs on the hardware you have. "
+        "`leantune COMMAND --help` shows a command's flags and their defaults.",
+    )
+    p.add_argument("--version", action="version", version=f"leantune {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)  # parsers of the same class, _Parser
+    _add_train_parser(sub)
     v = sub.add_parser("validate", help="check a config without loading a model")
     v.add_argument("args", nargs="*", help="CONFIG.yaml [section.key=value ...]")
     v.add_argument(

@@ -35,6 +35,12 @@ class DistConfig:
     again for the backward (less memory, one more all-gather per block)."""
 
 
+CPU_OFFLOAD_ON_CPU = (
+    "dist.cpu_offload=true needs CUDA: training on the CPU, the shards are in CPU memory "
+    "already; leave it false"
+)
+
+
 def check_dist(d: DistConfig, method: str, device: str, eval_every: int) -> None:
     """Cross-field checks of `dist:`; raises ConfigError naming the field and the fix."""
     if not d.timeout_s > 0:
@@ -46,6 +52,8 @@ def check_dist(d: DistConfig, method: str, device: str, eval_every: int) -> None
             f"dist.cpu_offload and dist.reshard_after_forward are fsdp2 settings; "
             f"set dist.strategy=fsdp2 or leave them at their defaults (strategy {d.strategy})"
         )
+    if d.cpu_offload and device == "cpu":
+        raise ConfigError(CPU_OFFLOAD_ON_CPU)
     if d.strategy == "fsdp2" and eval_every:
         raise ConfigError(
             "train.eval_every with dist.strategy=fsdp2: the periodic evaluation runs on rank 0, "

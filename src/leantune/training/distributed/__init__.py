@@ -28,8 +28,12 @@ def build_strategy(
     reshard_after_forward: bool,
 ) -> ParallelStrategy:
     """Join the process group and build the `name` strategy (``ddp`` or ``fsdp2``)."""
+    from leantune.config_dist import CPU_OFFLOAD_ON_CPU
+    from leantune.config_parse import ConfigError
     from leantune.training.distributed.world import init_world
 
+    if cpu_offload and device_type == "cpu":  # train.device=auto found no GPU
+        raise ConfigError(CPU_OFFLOAD_ON_CPU)
     world = init_world(backend, device_type, timeout_s)
     if name == "ddp":
         from leantune.training.distributed.ddp import DDPStrategy

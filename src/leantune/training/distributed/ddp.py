@@ -21,7 +21,7 @@ from leantune.training.checkpoint import (
     resume_checkpoint,
 )
 from leantune.training.distributed import collectives as c
-from leantune.training.distributed.replicated import Reductions, ThroughWrapper
+from leantune.training.distributed.replicated import Reductions
 from leantune.training.distributed.world import World
 from leantune.training.strategy import (
     CheckpointParts,
@@ -30,6 +30,7 @@ from leantune.training.strategy import (
     Warn,
     load_full_checkpoint,
 )
+from leantune.training.token_loss import LossModule, WrappedLoss
 
 
 def _sum_hook(
@@ -62,17 +63,17 @@ class DDPStrategy(Reductions):
         self.plain = model
         w = self.world
         ddp = DistributedDataParallel(
-            model,
+            LossModule(model),  # the chunked loss runs inside DDP's forward
             device_ids=[w.local_rank] if w.device.type == "cuda" else None,
             process_group=w.mesh.get_group(),
             forward_sync_buffers=False,  # the buffers (rotary tables) are the same everywhere
         )
         ddp.register_comm_hook(w.mesh.get_group(), _sum_hook)
-        return ThroughWrapper(ddp, model)
+        return WrappedLoss(ddp, model)
 
     @contextlib.contextmanager
     def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[SyncScope]:
-        ddp = model.wrapped if isinstance(model, ThroughWrapper) else model
+        ddp = model.wrapped if isinstance(model, WrappedLoss) else model
         assert isinstance(ddp, DistributedDataParallel)
         op = "the gradient all-reduce" if enabled else "a micro-batch (no gradient sync)"
         scope = SyncScope()

@@ -27,9 +27,10 @@ from torch.distributed.fsdp import (
 
 from leantune.training.checkpoint import Checkpoint
 from leantune.training.distributed import sharded
-from leantune.training.distributed.replicated import Reductions, ThroughWrapper
+from leantune.training.distributed.replicated import Reductions
 from leantune.training.distributed.world import World
 from leantune.training.strategy import CheckpointParts, SyncScope, Warn
+from leantune.training.token_loss import LossModule, WrappedLoss
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -97,14 +98,15 @@ class FSDP2Strategy(Reductions):
             for leaf in odd_dtype_leaves(block):
                 shard(leaf)
             shard(block)
-        shard(model)
-        for module in model.modules():
+        root = LossModule(model)  # the root's forward runs the chunked loss
+        shard(root)
+        for module in root.modules():
             if isinstance(module, FSDPModule):
                 # Each rank's loss is over the whole window's tokens: sum, never average.
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-        self.root = model
-        return ThroughWrapper(model, model)
+        self.root = root
+        return WrappedLoss(root, model)
 
     @contextlib.contextmanager
     def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[SyncScope]:
@@ -142,8 +144,10 @@ class FSDP2Strategy(Reductions):
         options = StateDictOptions(
             full_state_dict=True, cpu_offload=True, ignore_frozen_params=True
         )
+        assert self.root is not None
         with self.named("gathering the trained weights for final/"):
-            full = get_model_state_dict(model, options=options)
+            gathered = get_model_state_dict(self.root, options=options)
+        full = {k.removeprefix("model."): v for k, v in gathered.items()}  # LossModule.model
         if not self.world.is_main:
             return None
         fresh = rebuild()

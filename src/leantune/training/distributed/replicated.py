@@ -1,36 +1,15 @@
-"""What the two data-parallel strategies share: the window's share, the reductions, the
-agreement, and a forward that always goes through the wrapped model."""
+"""What the two data-parallel strategies share: the window's share, the reductions and the
+agreement."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, cast
 
 import torch
-from torch import nn
 
 from leantune.training.distributed import collectives as c
 from leantune.training.distributed.world import World
-
-
-class ThroughWrapper(nn.Module):
-    """The model as the loss sees it: every call goes through `wrapped` (DDP's forward
-    prepares the gradient all-reduce, FSDP's root forward gathers the root's parameters), so
-    the loss cannot reach into the decoder past it. `disable_adapter` (train.kl_coef) is the
-    plain model's."""
-
-    def __init__(self, wrapped: nn.Module, plain: nn.Module) -> None:
-        super().__init__()
-        self.wrapped = wrapped
-        object.__setattr__(self, "_plain", plain)  # not a second registration of its weights
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.wrapped(*args, **kwargs)
-
-    def disable_adapter(self) -> contextlib.AbstractContextManager:
-        plain: Any = self.__dict__["_plain"]
-        return cast(contextlib.AbstractContextManager, plain.disable_adapter())
 
 
 class Reductions:
