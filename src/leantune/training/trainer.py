@@ -44,7 +44,7 @@ from leantune.training.progress import Batching, RunProgress
 from leantune.training.signals import Interrupted, StopSignals
 from leantune.training.sinks import Sinks
 from leantune.training.strategy import CheckpointParts, ParallelStrategy, SingleProcess
-from leantune.training.token_loss import count_supervised, token_loss_sum
+from leantune.training.token_loss import IGNORE_INDEX, count_supervised, token_loss_sum
 
 Log = Callable[[str], None]
 
@@ -222,7 +222,10 @@ def train_step(tr: Trainer) -> StepResult:
         "lr": lr,
         "grad_norm": grad_norm,
         "tokens": tokens,
-        "supervised_tokens": sum(count_supervised(b["labels"]) for b in batches),
+        # The window's, over every process (its rows' labels are already shifted).
+        "supervised_tokens": sum(
+            sum(label != IGNORE_INDEX for label in tr.data.rows[i].labels) for i in window
+        ),
         "tokens_per_s": tokens / elapsed,
         "step_time_s": elapsed,
         **memory_stats(tr.device),

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from leantune.training.checkpoint import (
     Checkpoint,
     CheckpointError,
+    _newest_complete,
     _step_dir_name,
     load_checkpoint,
     resume_checkpoint,
@@ -23,6 +24,7 @@ from leantune.training.checkpoint import (
 from leantune.training.distributed import collectives as c
 from leantune.training.distributed.replicated import Reductions
 from leantune.training.distributed.world import World
+from leantune.training.divergence import diverged
 from leantune.training.strategy import (
     CheckpointParts,
     SingleProcess,
@@ -92,6 +94,9 @@ class DDPStrategy(Reductions):
     def save_checkpoint(self, root: Path, parts: CheckpointParts) -> Path:
         """Rank 0 writes the single-process layout; the others wait for it and learn whether
         it worked (a refused save, e.g. weights gone NaN, raises on every rank alike)."""
+        bad = [n for n, p in parts.params.items() if not bool(p.detach().isfinite().all())]
+        if bad:  # the same weights on every rank: each refuses alike (exit 4 everywhere)
+            raise diverged(parts.state.step, bad, _newest_complete(root))
         error: BaseException | None = None
         path = root / _step_dir_name(parts.state.step)
         if self.world.is_main:
