@@ -103,3 +103,14 @@ def shard(window: list[int], world: World) -> list[int]:
         )
     per = n // world.world_size
     return window[world.rank * per : (world.rank + 1) * per]
+
+
+COUNT = "the window's supervised-token count"
+LOSS = "the window's loss"
+DECISION = "a decision every rank takes alike (out of memory, stop, non-finite, set-up step)"
+
+
+def nonfinite_anywhere(world: World, tensors: list[torch.Tensor]) -> bool:
+    """Whether any rank's local `tensors` hold NaN or inf (every rank gets the same answer)."""
+    local = any(t.is_floating_point() and not bool(t.isfinite().all()) for t in tensors)
+    return bool(max_int(world, int(local), "the weights' finiteness check"))

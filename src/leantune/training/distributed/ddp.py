@@ -22,7 +22,6 @@ from leantune.training.checkpoint import (
     resume_checkpoint,
 )
 from leantune.training.distributed import collectives as c
-from leantune.training.distributed.replicated import Reductions
 from leantune.training.distributed.world import World
 from leantune.training.divergence import diverged
 from leantune.training.strategy import (
@@ -54,15 +53,29 @@ _sum_hook.__annotations__ = {
 }
 
 
-class DDPStrategy(Reductions):
+class DDPStrategy:
     """DistributedDataParallel over the world's mesh."""
 
     def __init__(self, world: World) -> None:
-        super().__init__(world)
-        self.plain: nn.Module | None = None
+        self.world = world
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.world.is_main
+
+    def shard_window(self, window: list[int]) -> list[int]:
+        return c.shard(window, self.world)
+
+    def reduce_count(self, count: int) -> int:
+        return c.sum_int(self.world, count, c.COUNT)
+
+    def reduce_sum(self, value: float) -> float:
+        return c.sum_float(self.world, value, c.LOSS)
+
+    def agree(self, code: int) -> int:
+        return c.max_int(self.world, code, c.DECISION)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        self.plain = model
         w = self.world
         ddp = DistributedDataParallel(
             LossModule(model),  # the chunked loss runs inside DDP's forward
@@ -80,14 +93,14 @@ class DDPStrategy(Reductions):
         op = "the gradient all-reduce" if enabled else "a micro-batch (no gradient sync)"
         scope = SyncScope()
         try:
-            with self.named(op), contextlib.nullcontext() if enabled else ddp.no_sync():
+            with c.named(self.world, op), contextlib.nullcontext() if enabled else ddp.no_sync():
                 yield scope
         except BaseException:
             if enabled and scope.loss is not None:
                 # The forward prepared DDP's reducer for a backward that will not come: left
                 # so, it would all-reduce inside the replay's first no-sync backward. Every
                 # rank abandons this same micro-batch (they agreed), so all complete it alike.
-                with self.named("the gradient all-reduce of an abandoned micro-batch"):
+                with c.named(self.world, "the gradient all-reduce of an abandoned micro-batch"):
                     (scope.loss * 0).backward()
             raise
 

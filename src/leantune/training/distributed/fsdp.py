@@ -26,8 +26,8 @@ from torch.distributed.fsdp import (
 )
 
 from leantune.training.checkpoint import Checkpoint
+from leantune.training.distributed import collectives as c
 from leantune.training.distributed import sharded
-from leantune.training.distributed.replicated import Reductions
 from leantune.training.distributed.world import World
 from leantune.training.strategy import CheckpointParts, SyncScope, Warn
 from leantune.training.token_loss import LossModule, WrappedLoss
@@ -60,7 +60,7 @@ def odd_dtype_leaves(block: nn.Module) -> list[nn.Module]:
     return leaves
 
 
-class FSDP2Strategy(Reductions):
+class FSDP2Strategy:
     """`fully_shard` over the world's mesh."""
 
     def __init__(
@@ -71,11 +71,27 @@ class FSDP2Strategy(Reductions):
         cpu_offload: bool,
         reshard_after_forward: bool,
     ) -> None:
-        super().__init__(world)
+        self.world = world
         self.bf16 = bf16
         self.cpu_offload = cpu_offload
         self.reshard_after_forward = reshard_after_forward
         self.root: nn.Module | None = None
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.world.is_main
+
+    def shard_window(self, window: list[int]) -> list[int]:
+        return c.shard(window, self.world)
+
+    def reduce_count(self, count: int) -> int:
+        return c.sum_int(self.world, count, c.COUNT)
+
+    def reduce_sum(self, value: float) -> float:
+        return c.sum_float(self.world, value, c.LOSS)
+
+    def agree(self, code: int) -> int:
+        return c.max_int(self.world, code, c.DECISION)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         mp = (
@@ -119,7 +135,7 @@ class FSDP2Strategy(Reductions):
             else "a forward/backward without gradient sync (all-gather)"
         )
         try:
-            with self.named(op):
+            with c.named(self.world, op):
                 yield SyncScope()
         except BaseException:
             _drop_unreduced_gradients(root)
@@ -145,7 +161,7 @@ class FSDP2Strategy(Reductions):
             full_state_dict=True, cpu_offload=True, ignore_frozen_params=True
         )
         assert self.root is not None
-        with self.named("gathering the trained weights for final/"):
+        with c.named(self.world, "gathering the trained weights for final/"):
             gathered = get_model_state_dict(self.root, options=options)
         full = {k.removeprefix("model."): v for k, v in gathered.items()}  # LossModule.model
         if not self.world.is_main:

@@ -31,7 +31,6 @@ from leantune.training import checkpoint as ck
 from leantune.training import checkpoint_verify as verify
 from leantune.training.checkpoint import Checkpoint, CheckpointError
 from leantune.training.distributed import collectives as c
-from leantune.training.distributed.replicated import nonfinite_anywhere
 from leantune.training.distributed.world import World
 from leantune.training.divergence import diverged
 from leantune.training.strategy import CheckpointParts, Warn
@@ -48,7 +47,7 @@ def save(world: World, root: Path, model: nn.Module, parts: CheckpointParts) -> 
     """
     step = parts.state.step
     local = [_local(p) for p in parts.params.values()]
-    if nonfinite_anywhere(world, local):
+    if c.nonfinite_anywhere(world, local):
         bad = [n for n, t in zip(parts.params, local, strict=True) if not t.isfinite().all()]
         raise diverged(step, bad or ["(a shard on another rank)"], ck._newest_complete(root))
     name = ck._step_dir_name(step)
