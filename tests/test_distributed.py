@@ -66,10 +66,11 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _torchrun(
-    nproc: int, args: list[str], *, max_restarts: int = 0, **env: str
+    nproc: int, args: list[str], *, log_dir: Path | None = None, **env: str
 ) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += [f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}"]
+    command += [f"--nproc-per-node={nproc}"]
+    command += [f"--log-dir={log_dir}", "--redirects=3"] if log_dir else []
     command += ["-m", "leantune", "train", *args]
     return subprocess.run(command, env=_env(**env), capture_output=True, text=True, timeout=300)
 
@@ -137,9 +138,11 @@ def test_two_processes_update_as_one_with_twice_the_micro_batch(
 ) -> None:
     run_dir = tmp_path / "run"
     args = _args(tiny_llama_dir, train_file, run_dir, *TWO, f"method.name={method}")
-    _ok(_torchrun(2, [*args, f"dist.strategy={strategy}"]))
+    _ok(_torchrun(2, [*args, f"dist.strategy={strategy}"], log_dir=tmp_path / "logs"))
     _assert_same_run(reference[method], run_dir)
-    # Rank 0 alone wrote the run's files: one record per step, one final/.
+    # Rank 0 alone speaks (each rank's output in its own file) and writes the run's files.
+    out = {p.parent.name: p.read_text() for p in (tmp_path / "logs").glob("*/*/*/stdout.log")}
+    assert set(out) == {"0", "1"} and "summary: steps=4" in out["0"] and out["1"] == ""
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
     assert not list(tmp_path.glob("**/.tmp-*"))
     ckpts = list_complete_checkpoints(run_dir / "checkpoints")
