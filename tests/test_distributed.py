@@ -66,13 +66,20 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _torchrun(
-    nproc: int, args: list[str], *, log_dir: Path | None = None, **env: str
+    nproc: int,
+    args: list[str],
+    *,
+    log_dir: Path | None = None,
+    cwd: Path | None = None,
+    **env: str,
 ) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += [f"--nproc-per-node={nproc}"]
     command += [f"--log-dir={log_dir}", "--redirects=3"] if log_dir else []
     command += ["-m", "leantune", "train", *args]
-    return subprocess.run(command, env=_env(**env), capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        command, env=_env(**env), capture_output=True, text=True, timeout=300, cwd=cwd
+    )
 
 
 def _one_process(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
@@ -177,6 +184,33 @@ def test_final_dirs_of_fsdp2_load_in_plain_transformers_and_peft(
             assert len(lora) == len(saved)
             moved = [k for k in lora if "lora_B" in k]
             assert moved and all(lora[k].abs().sum() > 0 for k in moved)  # B starts at zero
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_evaluation_on_two_processes_equals_one_process(
+    tiny_llama_dir: Path, train_file: Path, tmp_path: Path, strategy: str
+) -> None:
+    """Base exact match, periodic evaluation (ddp) and the closing evaluation; a run named
+    run.name=auto (the name is derived before the process group needs the run directory)."""
+    eval_file = write_jsonl(tmp_path / "eval.jsonl", chat_rows(6, offset=100))
+    evals = [f"data.eval={eval_file}", "train.eval_exact_match=true", "train.max_new_tokens=8"]
+    evals += ["train.eval_every=2"] if strategy == "ddp" else []
+    one = tmp_path / "one"
+    cfg = make_config(tiny_llama_dir, train_file, one, *COMMON, *ONE, *evals)
+    recipe.train(cfg, log=lambda _: None)
+    args = _args(tiny_llama_dir, train_file, tmp_path, *TWO, *evals, f"dist.strategy={strategy}")
+    args = [a for a in args if not a.startswith("run.dir=")] + ["run.name=auto"]
+    _ok(_torchrun(2, args, cwd=tmp_path))
+    (two,) = (tmp_path / "runs").iterdir()
+    sa = json.loads((one / "summary.json").read_text())
+    sb = json.loads((two / "summary.json").read_text())
+    keys = ["eval_loss", "eval_perplexity", "eval_exact_match", "base_exact_match"]
+    assert all(k in sb for k in keys)
+    assert [sb[k] for k in keys] == pytest.approx([sa[k] for k in keys], rel=1e-4)
+    if strategy == "ddp":
+        ea, eb = read_metrics(one / "eval.jsonl"), read_metrics(two / "eval.jsonl")
+        assert [r["step"] for r in eb] == [2, 4]
+        assert [r["eval_loss"] for r in eb] == pytest.approx([r["eval_loss"] for r in ea], rel=1e-4)
 
 
 def test_a_nan_on_one_rank_skips_the_step_on_every_rank(

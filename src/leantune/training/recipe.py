@@ -164,10 +164,10 @@ def train(cfg: Config, log: Log = print, config_file: Path | None = None) -> dic
     for warning in validate(cfg):
         log(f"warning: {warning}")
     cfg = copy.deepcopy(cfg)  # what the run resolves (its name, lengths, steps) stays its own
-    strategy = parallel_strategy(cfg)
-    log = log if strategy.is_main_process else _quiet  # rank 0 speaks for the run
     source = resolve_model(cfg.model.path, cfg.model.gguf_file)
     cfg = named_run(cfg, source.location, source.gguf_file)
+    strategy = parallel_strategy(cfg)  # run.dir known: a resumed run keeps its precision
+    log = log if strategy.is_main_process else _quiet  # rank 0 speaks for the run
     log(f"run directory: {cfg.run_dir}")  # a derived name changes with the settings
     inputs = [config_file] if config_file else []
     with StopSignals() as stop, _claimed(cfg, strategy, log) as run:
@@ -294,10 +294,11 @@ def set_up(
     base_exact_match = None
     if t.eval_exact_match and t.eval_base and eval_inputs and run.plan.action == "fresh":
         # On the bare base model, before any adapter exists (an untrained adapter is a no-op
-        # that would only cost time). The main process evaluates, and reports.
-        base_exact_match = exact_match_before(model, eval_inputs, settings, log) if main else None
+        # that would only cost time). Every rank evaluates (the same), so none waits for rank 0
+        # in a collective longer than dist.timeout_s; rank 0's result is the run's.
+        base_exact_match = exact_match_before(model, eval_inputs, settings, log)
     model, trained, params, (trainable, total) = _wrap(cfg, model, strategy, log)
-    evaluator = _periodic_eval(cfg, model, eval_inputs, settings) if main else None
+    evaluator = _periodic_eval(cfg, model, eval_inputs, settings)  # on every rank, as above
     # The trainer, its sinks (events reach them too), then its start state.
     stats, sinks = _monitoring(cfg, run, files, events, model, device, strategy, evaluator, log)
     trainer = build_trainer(
