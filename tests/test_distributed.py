@@ -310,6 +310,12 @@ def test_a_damaged_shard_is_refused(tiny_llama_dir: Path, train_file: Path, tmp_
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"__1_0\.distcp with sha256"):
         load_checkpoint(ckpt)
+    # Resuming it: rank 0 refuses as a single process would (exit 2), rank 1 says why it stops.
+    done = _torchrun(2, [*args, "train.max_steps=2"])
+    assert done.returncode != 0
+    assert "error: rank 0 of 2: no checkpoint in" in done.stderr
+    assert "__1_0.distcp with sha256" in done.stderr
+    assert "rank 1: rank 0 could not find a checkpoint to resume" in done.stderr
 
 
 def test_torchrun_with_another_world_size_than_asked_fails_on_every_rank(

@@ -52,16 +52,14 @@ def save(world: World, root: Path, model: nn.Module, parts: CheckpointParts) -> 
         raise diverged(step, bad or ["(a shard on another rank)"], ck._newest_complete(root))
     name = ck._step_dir_name(step)
     tmp = root / f"{ck._TMP_PREFIX}{name}-sharded"
-    error = _on_main(world, lambda: _fresh_dir(root, tmp))
-    _raise_if(world, error, "prepare the checkpoint folder")
+    _on_main(world, lambda: _fresh_dir(root, tmp), "prepare the checkpoint folder")
     state: dict[str, Any] = {"model": get_model_state_dict(model, options=_TRAINABLE)}
     if parts.optimizer.state:  # a fresh optimizer has none (and DCP would make one up)
         state["optim"] = get_optimizer_state_dict(model, parts.optimizer)
     with c.named(world, "dcp.save of the sharded checkpoint"):
         dcp.save(state, checkpoint_id=str(tmp / ck.SHARDED_DIR))
     final = root / name
-    error = _on_main(world, lambda: _commit(tmp, final, parts))
-    _raise_if(world, error, "commit the checkpoint")
+    _on_main(world, lambda: _commit(tmp, final, parts), "commit the checkpoint")
     return final
 
 
@@ -72,15 +70,9 @@ def find(world: World, root: Path, warn: Warn) -> Checkpoint | None:
     def pick() -> None:
         found[0] = ck.resume_checkpoint(root, warn=warn)
 
-    error = _on_main(world, pick)
-    chosen = c.broadcast(
-        world,
-        (None if found[0] is None else str(found[0].path), error),
-        "the checkpoint to resume",
-    )
-    path, failed = chosen
-    if failed is not None:
-        raise CheckpointError(f"rank {world.rank}: rank 0 could not resume: {failed}")
+    _on_main(world, pick, "find a checkpoint to resume")
+    picked = None if found[0] is None else str(found[0].path)
+    path = c.broadcast(world, picked, "the checkpoint to resume")
     if world.is_main or path is None:
         return found[0]
     return ck.load_checkpoint(Path(path))
@@ -165,17 +157,18 @@ def _commit(tmp: Path, final: Path, parts: CheckpointParts) -> None:
     ck._rotate(final.parent, parts.keep_last, final)
 
 
-def _on_main(world: World, work: Any) -> str | None:
-    """Run `work()` on rank 0; the error it raised (as text) on every rank, or None."""
-    error = None
+def _on_main(world: World, work: Any, what: str) -> None:
+    """Run `work()` on rank 0, and let every rank know whether it worked: rank 0 raises its own
+    error (a `CheckpointWriteError` or `DamagedCheckpoints` keeps its exit code), the others a
+    `CheckpointError` naming it."""
+    error: Exception | None = None
     if world.is_main:
         try:
             work()
         except Exception as exc:  # every rank must hear of it before anyone raises
-            error = f"{type(exc).__name__}: {exc}"
-    return cast("str | None", c.broadcast(world, error, "rank 0's outcome"))
-
-
-def _raise_if(world: World, error: str | None, what: str) -> None:
+            error = exc
+    told = c.broadcast(world, None if error is None else f"{type(error).__name__}: {error}", what)
     if error is not None:
-        raise CheckpointError(f"rank {world.rank}: rank 0 could not {what}: {error}")
+        raise error
+    if told is not None:
+        raise CheckpointError(f"rank {world.rank}: rank 0 could not {what}: {told}")
