@@ -281,6 +281,23 @@ def test_a_run_continues_at_another_world_size(
     _assert_same_run(reference["lora"], run_dir)
 
 
+def test_a_single_process_checkpoint_continues_under_fsdp2(
+    tiny_llama_dir: Path, train_file: Path, reference: dict[str, Path], tmp_path: Path
+) -> None:
+    """Its whole weights and optimizer state (numbered by parameter order) cut into shards."""
+    run_dir = tmp_path / "run"
+    args = _args(tiny_llama_dir, train_file, run_dir)
+    done = _one_process([*args, *ONE], **{SIGNAL_ENV: "2:TERM"})
+    assert done.returncode == 143, done.stderr[-3000:]
+    assert not load_checkpoint(list_complete_checkpoints(run_dir / "checkpoints")[-1]).sharded
+    done = _torchrun(2, [*args, *TWO, "dist.strategy=fsdp2"])
+    _ok(done)
+    assert "resumed from" in done.stdout
+    _assert_same_run(reference["lora"], run_dir)
+    # ...and from then on the run's checkpoints are sharded.
+    assert load_checkpoint(list_complete_checkpoints(run_dir / "checkpoints")[-1]).sharded
+
+
 def test_a_killed_rank_is_restarted_by_torchrun_and_the_run_resumes(
     tiny_llama_dir: Path, train_file: Path, reference: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -152,7 +152,7 @@ class FSDP2Strategy:
         self, ckpt: Checkpoint, params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer
     ) -> None:
         assert self.root is not None
-        sharded.load(self.world, ckpt, self.root, optimizer)
+        sharded.load(self.world, ckpt, self.root, params, optimizer)
 
     def final_model(self, model: nn.Module, rebuild: Callable[[], nn.Module]) -> nn.Module | None:
         """The trainable weights gathered onto rank 0 and put into a model built again there

@@ -79,19 +79,21 @@ def find(world: World, root: Path, warn: Warn) -> Checkpoint | None:
 
 
 def load(
-    world: World, ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer
+    world: World,
+    ckpt: Checkpoint,
+    model: nn.Module,
+    params: dict[str, nn.Parameter],
+    optimizer: torch.optim.Optimizer,
 ) -> None:
-    """Read this rank's share of a sharded checkpoint into the model and the optimizer.
+    """Read this rank's share of a checkpoint into the model and the optimizer: of a sharded
+    one with `dcp.load`, of a single-process (or DDP) one by cutting its whole tensors.
 
     Raises:
-        CheckpointError: `ckpt` is a single-process checkpoint, or its weights are not this
-            model's trainable parameters.
+        CheckpointError: its weights are not this model's trainable parameters.
     """
     if not ckpt.sharded:
-        raise CheckpointError(
-            f"{ckpt.path} was written by a single process or DDP; continue it with "
-            "dist.strategy=ddp (or no dist strategy), or start this fsdp2 run over"
-        )
+        _load_whole(ckpt, model, params, optimizer)
+        return
     directory = ckpt.path / ck.SHARDED_DIR
     saved = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     state: dict[str, Any] = {"model": get_model_state_dict(model, options=_TRAINABLE)}
@@ -113,6 +115,47 @@ def load(
         set_optimizer_state_dict(model, optimizer, state["optim"])
     else:
         optimizer.state.clear()  # as the run was when this checkpoint was written
+
+
+def _load_whole(
+    ckpt: Checkpoint,
+    model: nn.Module,
+    params: dict[str, nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+) -> None:
+    """A single-process checkpoint (every rank read the whole file) into the shards: its
+    weights by name, its optimizer state from the optimizer's own numbering (the order of
+    its parameters, which the same method and model give again) to names."""
+    if set(ckpt.weights) != set(params):
+        raise CheckpointError(
+            f"{ckpt.path}: checkpoint weights do not match the model's trainable parameters "
+            "(was it written with another method or model?)"
+        )
+    prefix = _prefix(model, params)
+    whole = StateDictOptions(full_state_dict=True, strict=False)
+    weights: dict[str, Any] = {prefix + name: t for name, t in ckpt.weights.items()}
+    set_model_state_dict(model, weights, options=whole)
+    name_of = {id(p): prefix + n for n, p in params.items()}
+    order = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    saved = ckpt.optimizer
+    state: dict[str, Any] = {
+        "state": {order[int(i)]: v for i, v in saved["state"].items()},
+        "param_groups": [
+            {**g, "params": [order[int(i)] for i in g["params"]]} for g in saved["param_groups"]
+        ],
+    }
+    if state["state"]:
+        options = StateDictOptions(full_state_dict=True)
+        set_optimizer_state_dict(model, optimizer, state, options=options)
+
+
+def _prefix(model: nn.Module, params: dict[str, nn.Parameter]) -> str:
+    """What `model`'s names put before the trainable parameters' (the `LossModule` around)."""
+    first_name, first = next(iter(params.items()))
+    for name, p in model.named_parameters():
+        if p is first:
+            return name.removesuffix(first_name)
+    raise RuntimeError("the trainable parameters are not the model's")
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
