@@ -281,11 +281,13 @@ def test_a_run_continues_at_another_world_size(
     _assert_same_run(reference["lora"], run_dir)
 
 
-def test_a_single_process_checkpoint_continues_under_fsdp2(
+def test_checkpoints_continue_across_single_process_and_fsdp2(
     tiny_llama_dir: Path, train_file: Path, reference: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Its whole weights and optimizer state (numbered by parameter order) cut into shards."""
-    run_dir = tmp_path / "run"
+    """A single process's checkpoint under 2 fsdp2 processes (its whole weights and optimizer
+    state, numbered by parameter order, cut into shards), and 2 fsdp2 processes' sharded
+    checkpoint under a single process (read whole): both equal the uninterrupted run."""
+    run_dir = tmp_path / "single_then_fsdp2"
     args = _args(tiny_llama_dir, train_file, run_dir)
     done = _one_process([*args, *ONE], **{SIGNAL_ENV: "2:TERM"})
     assert done.returncode == 143, done.stderr[-3000:]
@@ -294,8 +296,17 @@ def test_a_single_process_checkpoint_continues_under_fsdp2(
     _ok(done)
     assert "resumed from" in done.stdout
     _assert_same_run(reference["lora"], run_dir)
-    # ...and from then on the run's checkpoints are sharded.
     assert load_checkpoint(list_complete_checkpoints(run_dir / "checkpoints")[-1]).sharded
+
+    run_dir = tmp_path / "fsdp2_then_single"
+    args = _args(tiny_llama_dir, train_file, run_dir)
+    done = _torchrun(2, [*args, *TWO, "dist.strategy=fsdp2"], **{SIGNAL_ENV: "4:TERM"})
+    assert done.returncode != 0 and "stopped before step 3" in done.stderr
+    assert load_checkpoint(list_complete_checkpoints(run_dir / "checkpoints")[-1]).sharded
+    done = _one_process([*args, *ONE])
+    _ok(done)
+    assert "resumed from" in done.stdout
+    _assert_same_run(reference["lora"], run_dir)
 
 
 def test_a_killed_rank_is_restarted_by_torchrun_and_the_run_resumes(

@@ -163,23 +163,23 @@ class SingleProcess:
 def load_full_checkpoint(
     ckpt: Checkpoint, params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer
 ) -> None:
-    """Copy a whole-model checkpoint's weights and optimizer state in (every replica does).
+    """Copy a checkpoint's weights and optimizer state into whole parameters (every replica
+    does); a sharded (fsdp2) checkpoint is read whole first.
 
     Raises:
-        RuntimeError: the checkpoint's weights are not these trainable parameters, or it is a
-            sharded checkpoint (`dist.strategy=fsdp2` reads those).
+        RuntimeError: the checkpoint's weights are not these trainable parameters.
     """
+    weights, optim = ckpt.weights, ckpt.optimizer
     if ckpt.sharded:
-        raise RuntimeError(
-            f"{ckpt.path} is a sharded (fsdp2) checkpoint: resume it with dist.strategy=fsdp2, "
-            "at any number of processes (torchrun --nproc-per-node N, or 1)"
-        )
-    if set(ckpt.weights) != set(params):
+        from leantune.training.distributed.sharded import read_whole
+
+        weights, optim = read_whole(ckpt, params, optimizer)
+    if set(weights) != set(params):
         raise RuntimeError(
             f"{ckpt.path}: checkpoint weights do not match the model's trainable parameters "
             f"(was it written with another method or model?)"
         )
     with torch.no_grad():
-        for name, tensor in ckpt.weights.items():
+        for name, tensor in weights.items():
             params[name].copy_(tensor)
-    optimizer.load_state_dict(ckpt.optimizer)
+    optimizer.load_state_dict(optim)

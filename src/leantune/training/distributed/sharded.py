@@ -12,12 +12,14 @@ continues at any number of processes (DCP reshards; the data position is global)
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import IO, Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -147,6 +149,36 @@ def _load_whole(
     if state["state"]:
         options = StateDictOptions(full_state_dict=True)
         set_optimizer_state_dict(model, optimizer, state, options=options)
+
+
+def read_whole(
+    ckpt: Checkpoint, params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A sharded checkpoint read whole by one process (any world size wrote it): the trainable
+    weights by name, and the optimizer state numbered as `optimizer` numbers its parameters,
+    ready for `optimizer.load_state_dict` (a single process or DDP continuing an fsdp2 run)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        whole = Path(tmp) / "whole.pt"
+        dcp_to_torch_save(ckpt.path / ck.SHARDED_DIR, whole)
+        saved = torch.load(whole, map_location="cpu", weights_only=True)
+    # Without LossModule's prefix; DCP's trainable-only state dict also holds a frozen head
+    # tied to the embeddings (the same values as the base's): only the trainable weights load.
+    named = {k.removeprefix("model."): v for k, v in saved["model"].items()}
+    weights = {k: v for k, v in named.items() if k in params}
+    if "optim" not in saved:  # written before the first update
+        return weights, {"state": {}, "param_groups": optimizer.state_dict()["param_groups"]}
+    name_of = {id(p): n for n, p in params.items()}
+    index = {
+        name_of[id(p)]: i
+        for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])
+    }
+    optim = saved["optim"]
+    state = {index[k.removeprefix("model.")]: v for k, v in optim["state"].items()}
+    groups = [
+        {**g, "params": [index[k.removeprefix("model.")] for k in g["params"]]}
+        for g in optim["param_groups"]
+    ]
+    return weights, {"state": state, "param_groups": groups}
 
 
 def _prefix(model: nn.Module, params: dict[str, nn.Parameter]) -> str:
