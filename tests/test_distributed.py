@@ -160,33 +160,28 @@ def test_two_processes_update_as_one_with_twice_the_micro_batch(
         assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(marker["files"])
     else:  # replicated state: the single-process layout, written once
         assert "layout" not in marker and "model.safetensors" in marker["files"]
+    _assert_loads_in_plain_transformers(run_dir / "final", tiny_llama_dir, method)
 
 
-def test_final_dirs_of_fsdp2_load_in_plain_transformers_and_peft(
-    tiny_llama_dir: Path, train_file: Path, tmp_path: Path
-) -> None:
+def _assert_loads_in_plain_transformers(final: Path, base_dir: Path, method: str) -> None:
+    """final/ is a consolidated HF directory (full) or PEFT adapter (lora) holding the weights
+    the run wrote."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    for method in ("lora", "full"):
-        run_dir = tmp_path / method
-        args = _args(tiny_llama_dir, train_file, run_dir, *TWO, f"method.name={method}")
-        _ok(_torchrun(2, [*args, "dist.strategy=fsdp2", "train.max_steps=2"]))
-        saved = _final_weights(run_dir)
-        if method == "full":
-            model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
-            state = model.state_dict()
-            assert all(torch.equal(state[k], saved[k]) for k in saved)
-        else:
-            base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
-            model = PeftModel.from_pretrained(base, run_dir / "final")
-            lora = {k: v for k, v in model.state_dict().items() if "lora_" in k}
-            assert len(lora) == len(saved)
-            moved = [k for k in lora if "lora_B" in k]
-            assert moved and all(lora[k].abs().sum() > 0 for k in moved)  # B starts at zero
+    saved = _final_weights(final.parent)
+    if method == "full":
+        state = AutoModelForCausalLM.from_pretrained(final).state_dict()
+        assert all(torch.equal(state[k], saved[k]) for k in saved)
+        return
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), final)
+    lora = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    assert len(lora) == len(saved)
+    moved = [k for k in lora if "lora_B" in k]
+    assert moved and all(lora[k].abs().sum() > 0 for k in moved)  # B starts at zero
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp2", marks=pytest.mark.slow)])
 def test_evaluation_on_two_processes_equals_one_process(
     tiny_llama_dir: Path, train_file: Path, tmp_path: Path, strategy: str
 ) -> None:
@@ -250,7 +245,7 @@ def test_an_out_of_memory_error_on_one_rank_halves_the_micro_batch_on_every_rank
     _assert_same_run(reference["lora"], run_dir)  # the replay equals the planned window
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp2"])
 def test_a_run_continues_at_another_world_size(
     tiny_llama_dir: Path,
     train_file: Path,

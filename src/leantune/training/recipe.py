@@ -161,13 +161,14 @@ def train(cfg: Config, log: Log = print, config_file: Path | None = None) -> dic
             step. Exit code 143 or 130.
     """
     started = time.perf_counter()
-    for warning in validate(cfg):
-        log(f"warning: {warning}")
+    warnings = validate(cfg)
     cfg = copy.deepcopy(cfg)  # what the run resolves (its name, lengths, steps) stays its own
     source = resolve_model(cfg.model.path, cfg.model.gguf_file)
     cfg = named_run(cfg, source.location, source.gguf_file)
     strategy = parallel_strategy(cfg)  # run.dir known: a resumed run keeps its precision
     log = log if strategy.is_main_process else _quiet  # rank 0 speaks for the run
+    for warning in warnings:
+        log(f"warning: {warning}")
     log(f"run directory: {cfg.run_dir}")  # a derived name changes with the settings
     inputs = [config_file] if config_file else []
     with StopSignals() as stop, _claimed(cfg, strategy, log) as run:
