@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from safetensors.torch import load_file
 
 from leantune.config import load_config
 from leantune.config_parse import ConfigError
+from leantune.errors import UserError
 from leantune.methods.registry import METHODS
 from leantune.training import recipe
 from leantune.training.checkpoint import CheckpointError, list_complete_checkpoints, load_checkpoint
@@ -486,3 +488,29 @@ def test_fsdp_units_are_the_blocks_and_the_trainable_leaves_of_another_dtype(
         load_config(None, ["method.name=lora"]).method,
     )
     assert odd_dtype_leaves(transformer_blocks(fp32)[0]) == []
+
+
+def test_nproc_execs_torchrun_with_the_world_size_it_asks_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from leantune.training.distributed import launch
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(launch.os, "execve", lambda *a: seen.update(argv=a[1], env=a[2]))
+    launch.exec_torchrun(3, 2, ["train", "cfg.yaml", "train.lr=1e-4"])
+    assert seen["argv"] == [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
+        "--max-restarts=2", "-m", "leantune", "train", "cfg.yaml", "train.lr=1e-4",
+    ]  # fmt: skip
+    assert seen["env"][launch.EXPECTED_WORLD_ENV] == "3"
+    assert seen["env"][launch.NO_SHARED_STORE_ENV] == "1"
+    for key, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "x",
+        "MASTER_PORT": "1",
+    }.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(UserError, match="--nproc inside a torchrun process"):
+        launch.exec_torchrun(2, 0, ["train"])
+    assert launch.rank_tag() == "rank 0 of 2: "

@@ -33,7 +33,15 @@ def torchrun_command(nproc: int, max_restarts: int, train_args: list[str]) -> li
 
 
 def exec_torchrun(nproc: int, max_restarts: int, train_args: list[str]) -> None:
-    """Replace this process with torchrun (never returns)."""
+    """Replace this process with torchrun (never returns).
+
+    Raises:
+        UserError: this process is already one of torchrun's.
+    """
+    if launched_by_torchrun():
+        from leantune.errors import UserError
+
+        raise UserError("--nproc inside a torchrun process: leave it out, torchrun started it")
     command = torchrun_command(nproc, max_restarts, train_args)
     env = dict(os.environ, **{EXPECTED_WORLD_ENV: str(nproc)})
     # A restart reusing the rendezvous store can read the killed attempt's addresses and fail
