@@ -115,7 +115,10 @@ def main() -> None:
     args, rest = p.parse_known_args()
     if args.child:
         raise SystemExit(child(Path(args.child), [a for a in rest if a != "--"]))
-    results = []
+    results: list[dict[str, Any]] = []
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((x.split(":", 1)[1].strip() for x in cpuinfo if x.startswith("model name")), "?")
+    report = {"benchmark": "distributed", "cpu": cpu, "cores": os.cpu_count(), "steps": args.steps}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (nproc, extra) in RUNS.items():
             model = [f"model.path={args.model}"] if args.model else []
@@ -126,16 +129,9 @@ def main() -> None:
                 f"step {r['median_step_time_s']} s, loss {r['final_loss']:.4f}",
                 flush=True,
             )
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next((x.split(":", 1)[1].strip() for x in cpuinfo if x.startswith("model name")), "?")
-    report = {
-        "benchmark": "distributed",
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "steps": args.steps,
-        "results": results,
-    }
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+            # Written after every run: a run that fails or is stopped keeps the ones before.
+            Path(args.out).write_text(json.dumps({**report, "results": results}, indent=2) + "\n")
+    report["results"] = results
     print(json.dumps(report))
 
 
