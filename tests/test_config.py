@@ -187,6 +187,7 @@ FLOAT_FIELDS = [
     "guard.grad_sigmas",
     "guard.grad_min_ratio",
     "guard.lr_factor",
+    "dist.timeout_s",
 ]
 
 

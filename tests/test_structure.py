@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +18,12 @@ from safetensors.torch import load_file
 from torch import nn
 
 from leantune.training import recipe
+from leantune.training.checkpoint import Checkpoint
 from leantune.training.events import read_events
 from leantune.training.faults import LOSS_SCALE_ENV
 from leantune.training.metrics import read_metrics
 from leantune.training.sinks import Sinks
-from leantune.training.strategy import SingleProcess
+from leantune.training.strategy import CheckpointParts, SingleProcess, SyncScope
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "leantune"
 
@@ -130,6 +131,8 @@ class RecordingStrategy(SingleProcess):
         self.syncs: list[bool] = []
         self.saved = 0
         self.loaded = 0
+        self.agreements = 0
+        self.finals = 0
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         self.wrapped.append(model)
@@ -144,19 +147,27 @@ class RecordingStrategy(SingleProcess):
         return count
 
     @contextlib.contextmanager
-    def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[None]:
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[SyncScope]:
         self.syncs.append(enabled)
-        yield
+        yield SyncScope()
 
-    def weights_for_checkpoint(self, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+    def agree(self, code: int) -> int:
+        self.agreements += 1
+        return code
+
+    def save_checkpoint(self, root: Path, parts: CheckpointParts) -> Path:
         self.saved += 1
-        return super().weights_for_checkpoint(params)
+        return super().save_checkpoint(root, parts)
 
-    def load_weights(
-        self, params: dict[str, nn.Parameter], weights: dict[str, torch.Tensor]
+    def load_checkpoint(
+        self, ckpt: Checkpoint, params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer
     ) -> None:
         self.loaded += 1
-        super().load_weights(params, weights)
+        super().load_checkpoint(ckpt, params, optimizer)
+
+    def final_model(self, model: nn.Module, rebuild: Callable[[], nn.Module]) -> nn.Module | None:
+        self.finals += 1
+        return model
 
 
 def test_the_loop_reaches_the_strategy_for_each_of_its_duties(
@@ -179,6 +190,10 @@ def test_the_loop_reaches_the_strategy_for_each_of_its_duties(
     assert len(strategy.counts) == 4  # one reduction of the supervised tokens per window
     assert strategy.syncs == [False, False, True] * 4  # sync on each window's last micro-batch
     assert strategy.saved == 2 and strategy.loaded == 0  # steps 2 and 4
+    # Two decisions per micro-batch (after its forward, after its backward), one per step (a
+    # loss or gradient not finite), and four of the set-up (run directory claimed, data
+    # prepared, read before written, step-0 save or not).
+    assert strategy.agreements == 2 * 12 + 4 + 4 and strategy.finals == 1
     wa = load_file(tmp_path / "a" / "final" / "adapter_model.safetensors")
     wb = load_file(tmp_path / "b" / "final" / "adapter_model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -125,6 +125,7 @@ def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from leantune.config import describe_base, load_config
+    from leantune.training.distributed.launch import exec_torchrun, rank_tag
     from leantune.training.events import TrainingHalted
     from leantune.training.recipe import train
     from leantune.training.signals import Interrupted
@@ -132,17 +133,26 @@ def cmd_train(args: argparse.Namespace) -> int:
     config, overrides = _split_config_args(args.args)
     if args.metrics_port is not None:  # after the config's own overrides: the flag wins
         overrides.append(f"monitor.metrics_port={args.metrics_port}")
-    cfg = load_config(config, overrides)
-    print(describe_base(config, overrides), flush=True)
+    cfg = load_config(config, overrides)  # validated before torchrun starts anything
+    if args.nproc is not None:
+        port = [] if args.metrics_port is None else [f"--metrics-port={args.metrics_port}"]
+        exec_torchrun(args.nproc, args.max_restarts, ["train", *args.args, *port])
+    tag = rank_tag()
+    if not tag or tag.startswith("rank 0 "):
+        print(describe_base(config, overrides), flush=True)
     _quiet_libraries()
     try:
         train(cfg, log=lambda m: print(m, flush=True), config_file=Path(config) if config else None)
     except TrainingHalted as e:
-        print(f"error: {e}" if e.exit_code != 3 else str(e), file=sys.stderr)
+        print(f"error: {tag}{e}" if e.exit_code != 3 else f"{tag}{e}", file=sys.stderr)
         return e.exit_code
     except Interrupted as e:
-        print(str(e), file=sys.stderr)
+        print(f"{tag}{e}", file=sys.stderr)
         return e.exit_code
+    except Exception as e:  # a traceback follows; it says which rank raised it
+        if tag:
+            e.add_note(f"leantune: raised on {tag.rstrip(': ')}")
+        raise
     return 0
 
 
@@ -620,16 +630,7 @@ def _add_export_parser(sub: Any) -> None:
     x.set_defaults(func=cmd_export)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from leantune import __version__
-
-    p = _Parser(
-        prog="leantune",
-        description="Fine-tune text-generation LLMs on the hardware you have. "
-        "`leantune COMMAND --help` shows a command's flags and their defaults.",
-    )
-    p.add_argument("--version", action="version", version=f"leantune {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)  # parsers of the same class, _Parser
+def _add_train_parser(sub: Any) -> None:
     t = sub.add_parser(
         "train",
         help="fine-tune (no CONFIG and no data.train=...: the built-in demo)",
@@ -645,7 +646,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics on 127.0.0.1:N/metrics and /health while training "
         "(monitor.metrics_port; 0: any free port; default: off)",
     )
+    t.add_argument(
+        "--nproc",
+        type=_count(1),
+        default=None,
+        metavar="N",
+        help="run on N processes of this machine: execs `torchrun --standalone "
+        "--nproc-per-node N -m leantune train ...` (dist.strategy: auto = ddp; default: this "
+        "process alone)",
+    )
+    t.add_argument(
+        "--max-restarts",
+        type=_count(0),
+        default=0,
+        metavar="R",
+        help="with --nproc: torchrun restarts all processes up to R times after one fails; "
+        "each restart resumes from the newest checkpoint (default: 0)",
+    )
     t.set_defaults(func=cmd_train)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from leantune import __version__
+
+    p = _Parser(
+        prog="leantune",
+        description="Fine-tune text-generation LLMs on the hardware you have. "
+        "`leantune COMMAND --help` shows a command's flags and their defaults.",
+    )
+    p.add_argument("--version", action="version", version=f"leantune {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)  # parsers of the same class, _Parser
+    _add_train_parser(sub)
     v = sub.add_parser("validate", help="check a config without loading a model")
     v.add_argument("args", nargs="*", help="CONFIG.yaml [section.key=value ...]")
     v.add_argument(
@@ -716,7 +747,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        from leantune.training.distributed.launch import rank_tag
+
+        print(f"error: {rank_tag()}{e}", file=sys.stderr)
         return e.exit_code
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -22,6 +22,7 @@ from leantune.config_checks import (
     check_libraries,
     check_sizes,
 )
+from leantune.config_dist import DistConfig, check_dist
 from leantune.config_monitor import MonitorConfig, check_monitor
 from leantune.config_parse import (
     ConfigError,
@@ -315,6 +316,7 @@ class Config:
     guard: GuardConfig = field(default_factory=GuardConfig)
     run: RunConfig = field(default_factory=RunConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -535,7 +537,7 @@ def validate(cfg: Config) -> list[str]:
     _validate_run(cfg.run)
     check_monitor(cfg.monitor)
     _validate_method(cfg)
-    check_monitor(cfg.monitor)
+    check_dist(cfg.dist, m.name, t.device, t.eval_every)
     warnings: list[str] = check_libraries(cfg)
     lr, advice = t.lr, METHODS[m.name].lr_advice
     if advice is not None and lr is not None and lr >= advice.high:

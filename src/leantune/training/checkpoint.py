@@ -10,6 +10,11 @@ Layout of one checkpoint, ``root/step-000012/``:
   (format 2; format 1 recorded sizes only and still loads, with a warning that it cannot be
   verified).
 
+A sharded checkpoint (``dist.strategy=fsdp2``, :mod:`leantune.training.distributed.sharded`)
+holds ``dcp/`` (a ``torch.distributed.checkpoint`` folder: every rank's shard of the trainable
+weights and optimizer state) instead of ``model.safetensors`` and ``optimizer.pt``; its marker
+says ``"layout": "sharded"`` and lists every file, shards included, with size and SHA-256.
+
 Why a SIGKILL at any moment is harmless: everything is written and fsynced inside a temporary
 sibling ``root/.tmp-step-000012-<pid>``, which becomes ``step-000012`` with one rename, so a
 ``step-*`` directory is either absent or whole. Re-saving an existing complete step moves the old
@@ -63,6 +68,10 @@ OPTIMIZER_FILE = "optimizer.pt"
 TRAINER_STATE_FILE = "trainer_state.pt"
 STATE_JSON_FILE = "trainer_state.json"
 _DATA_FILES = (WEIGHTS_FILE, OPTIMIZER_FILE, TRAINER_STATE_FILE, STATE_JSON_FILE)
+SHARDED_LAYOUT = "sharded"
+SHARDED_DIR = "dcp"
+"""The torch.distributed.checkpoint folder of a sharded checkpoint."""
+_SHARDED_FILES = (TRAINER_STATE_FILE, STATE_JSON_FILE, f"{SHARDED_DIR}/.metadata")
 
 _TMP_PREFIX = ".tmp-"
 _OLD_PREFIX = ".old-"
@@ -126,6 +135,8 @@ class Checkpoint:
     rng: dict[str, Any]
     metadata: dict[str, str] = field(default_factory=dict)
     """The safetensors header metadata (includes ``format: pt``)."""
+    sharded: bool = False
+    """A sharded checkpoint: `weights` and `optimizer` are empty, ``path/dcp`` holds them."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -526,13 +537,19 @@ def load_checkpoint(path: Path, map_location: str = "cpu", warn: Warn | None = N
             "files cannot be verified against checksums"
         )
     else:
-        problem = verify.checksum_problem(path, manifest["files"], _DATA_FILES)
+        names = _manifest_names(manifest)
+        problem = verify.checksum_problem(path, manifest["files"], names)
         if problem is not None:
             raise CheckpointError(f"{path} is damaged: it {problem}")
     step = _step_of(path)
     state = _read_state_json(path / STATE_JSON_FILE, step if step >= 0 else None)
-    weights, metadata = _load_weights(path / WEIGHTS_FILE, map_location)
-    optimizer = _torch_load(path / OPTIMIZER_FILE, map_location)
+    sharded = manifest.get("layout") == SHARDED_LAYOUT
+    weights: dict[str, torch.Tensor] = {}
+    metadata: dict[str, str] = {}
+    optimizer: dict[str, Any] = {}
+    if not sharded:
+        weights, metadata = _load_weights(path / WEIGHTS_FILE, map_location)
+        optimizer = _torch_load(path / OPTIMIZER_FILE, map_location)
     trainer_state = _torch_load(path / TRAINER_STATE_FILE, "cpu")
     missing = {"scheduler", "scaler", "rng"} - set(trainer_state)
     if missing:
@@ -546,7 +563,16 @@ def load_checkpoint(path: Path, map_location: str = "cpu", warn: Warn | None = N
         scaler=trainer_state["scaler"],
         rng=trainer_state["rng"],
         metadata=metadata,
+        sharded=sharded,
     )
+
+
+def _manifest_names(manifest: dict[str, Any]) -> tuple[str, ...]:
+    """The files a marker vouches for: the fixed four, or every file of a sharded one."""
+    if manifest.get("layout") == SHARDED_LAYOUT and isinstance(manifest.get("files"), dict):
+        listed = {n for n in manifest["files"] if ".." not in Path(n).parts}  # stays inside
+        return tuple(sorted(listed | set(_SHARDED_FILES)))
+    return _DATA_FILES
 
 
 def _warn(message: str) -> None:
@@ -619,7 +645,7 @@ def _problem(path: Path) -> str | None:
             f"has checkpoint format {version!r}, newer than this leantune reads "
             f"({FORMAT_VERSION}): upgrade leantune to resume from it"
         )
-    for name in _DATA_FILES:
+    for name in _manifest_names(manifest):
         file = path / name
         if not file.is_file():
             return f"is missing {name}"

@@ -8,6 +8,9 @@
 - ``LEANTUNE_SIGNAL_AT_MICRO_BATCH=k:SIG``: send SIGSIG (TERM or INT) to this process right after
   the backward of global micro-batch k: a real signal at a known point of the loop.
 - ``LEANTUNE_SIGNAL_AT_START=SIG``: send SIGSIG to this process as `train` starts setting up.
+- ``LEANTUNE_FAULT_RANK=r``: under torchrun, the kill, the OOM and the loss scale hit rank r
+  only, and the kill only torchrun's first attempt (TORCHELASTIC_RESTART_COUNT=0), so a restart
+  gets on.
 """
 
 from __future__ import annotations
@@ -25,12 +28,23 @@ OOM_EVAL_ENV = "LEANTUNE_OOM_IN_EVAL"
 LOSS_SCALE_ENV = "LEANTUNE_LOSS_SCALE_AT_STEP"
 SIGNAL_ENV = "LEANTUNE_SIGNAL_AT_MICRO_BATCH"
 START_SIGNAL_ENV = "LEANTUNE_SIGNAL_AT_START"
+FAULT_RANK_ENV = "LEANTUNE_FAULT_RANK"
+
+
+def _this_rank_is_hit(first_attempt_only: bool) -> bool:
+    """Whether a fault meant for LEANTUNE_FAULT_RANK (all ranks when unset) hits this one."""
+    rank = os.environ.get(FAULT_RANK_ENV)
+    if rank is None:
+        return True
+    if first_attempt_only and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return False
+    return os.environ.get("RANK", "0") == rank
 
 
 def kill_after(micro_batch: int) -> None:
     """SIGKILL this process if ``LEANTUNE_KILL_AFTER_MICRO_BATCH`` names this micro-batch."""
     target = os.environ.get(KILL_ENV)
-    if target is not None and int(target) == micro_batch:
+    if target is not None and int(target) == micro_batch and _this_rank_is_hit(True):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -55,12 +69,12 @@ class FaultHooks:
 
     def __init__(self) -> None:
         oom_step = os.environ.get(OOM_STEP_ENV)
-        self.oom_step = int(oom_step) if oom_step else None
+        self.oom_step = int(oom_step) if oom_step and _this_rank_is_hit(False) else None
         self.eval_ooms = int(os.environ.get(OOM_EVAL_ENV) or 0)
         scale = os.environ.get(LOSS_SCALE_ENV)
         self.scale_step: int | None = None
         self.scale = 1.0
-        if scale:
+        if scale and _this_rank_is_hit(False):
             step, factor = scale.split(":")
             self.scale_step, self.scale = int(step), float(factor)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 from leantune.data.dataset import PreparedData
-from leantune.training.checkpoint import resume_checkpoint
 from leantune.training.divergence import WeightsDiverged
 from leantune.training.events import PAUSED_MARKER, TrainingPaused, TrainingStopped
 from leantune.training.trainer import StepResult, Trainer
@@ -58,7 +57,8 @@ def _halt(tr: Trainer, step: int, action: str, kind: str, reason: str) -> None:
         raise WeightsDiverged(f"training stopped at step {step}: {reason}. Also, {exc}") from None
     if action == "pause":
         marker = {"reason": reason, "detector": kind, "step": step, "checkpoint": str(path)}
-        (files.run_dir / PAUSED_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        if tr.strategy.is_main_process:
+            (files.run_dir / PAUSED_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         tr.events.emit("pause", step, f"paused; checkpoint {path}", checkpoint=str(path))
         raise TrainingPaused(
             f"training paused at step {step}: {reason}. Checkpoint {path}; the offending window "
@@ -80,7 +80,8 @@ def rollback(tr: Trainer, bad_end: int, lr_factor: float) -> None:
     before = tr.progress
     micro_batch_size = tr.micro_batch_size  # an OOM since the checkpoint still applies
     # Verified like a resume: a damaged newest checkpoint gives way to an older one.
-    ckpt = resume_checkpoint(tr.files.ckpt_dir, warn=lambda m: tr.events.log(f"warning: {m}"))
+    warn = lambda m: tr.events.log(f"warning: {m}")  # noqa: E731
+    ckpt = tr.strategy.resume_checkpoint(tr.files.ckpt_dir, warn=warn)
     assert ckpt is not None, "the set-up writes a step-0 checkpoint when rollback is configured"
     path = ckpt.path
     tr.load(ckpt)

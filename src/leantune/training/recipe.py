@@ -25,10 +25,12 @@ step (`training.signals`, checked in `trainer.accumulate` only).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -117,6 +119,7 @@ from leantune.training.run_setup import (
 )
 from leantune.training.rundir import (
     RunDir,
+    RunDirError,
     check_config_writable,
     claim_run_dir,
     write_file,
@@ -159,16 +162,19 @@ def train(cfg: Config, log: Log = print, config_file: Path | None = None) -> dic
             step. Exit code 143 or 130.
     """
     started = time.perf_counter()
-    for warning in validate(cfg):
-        log(f"warning: {warning}")
+    warnings = validate(cfg)
     cfg = copy.deepcopy(cfg)  # what the run resolves (its name, lengths, steps) stays its own
     source = resolve_model(cfg.model.path, cfg.model.gguf_file)
     cfg = named_run(cfg, source.location, source.gguf_file)
+    strategy = parallel_strategy(cfg)  # run.dir known: a resumed run keeps its precision
+    log = log if strategy.is_main_process else _quiet  # rank 0 speaks for the run
+    for warning in warnings:
+        log(f"warning: {warning}")
     log(f"run directory: {cfg.run_dir}")  # a derived name changes with the settings
     inputs = [config_file] if config_file else []
-    with StopSignals() as stop, claim_run_dir(cfg.run_dir, cfg.run.resume == "never", log) as run:
+    with StopSignals() as stop, _claimed(cfg, strategy, log) as run:
         try:
-            return _lifecycle(cfg, source, run, stop, inputs, log, started)
+            return _lifecycle(cfg, source, run, stop, inputs, log, started, strategy)
         except Interrupted as exc:
             raise _explained(exc, cfg.run_dir / "checkpoints") from None
 
@@ -181,18 +187,42 @@ def _lifecycle(
     inputs: list[Path],
     log: Log,
     started: float,
+    strategy: ParallelStrategy,
 ) -> dict[str, Any]:
     """Set up, loop, finish: `train` inside its claimed run directory."""
     signal_at_start()
-    session = set_up(cfg, source, stop=stop, inputs=inputs, log=log)
+    session = set_up(cfg, source, stop=stop, inputs=inputs, log=log, strategy=strategy)
     run.started = True  # from here on, a failure leaves the run directory as it is
     try:
         run_loop(session.trainer, session.loop, session.evaluator)
     except TrainingHalted:  # paused or stopped: the report shows why
-        if session.cfg.monitor.report:
+        if session.cfg.monitor.report and strategy.is_main_process:
             report_at_end(cfg.run_dir, log)
         raise
     return finish(session, log=log, started=started)
+
+
+def _quiet(_: str) -> None:
+    """The log of every rank but 0."""
+
+
+@contextlib.contextmanager
+def _claimed(cfg: Config, strategy: ParallelStrategy, log: Log) -> Iterator[RunDir]:
+    """The main process claims the run directory (`claim_run_dir`); the others wait until it
+    has, and learn whether it could."""
+    if not strategy.is_main_process:
+        if strategy.agree(0):
+            raise RunDirError(f"rank 0 could not claim {cfg.run_dir}: see its error")
+        yield RunDir(cfg.run_dir)
+        return
+    with contextlib.ExitStack() as stack:
+        try:
+            run = stack.enter_context(claim_run_dir(cfg.run_dir, cfg.run.resume == "never", log))
+        except BaseException:
+            strategy.agree(1)
+            raise
+        strategy.agree(0)
+        yield run
 
 
 @dataclass(frozen=True)
@@ -227,24 +257,33 @@ class Session:
 
 
 def set_up(
-    cfg: Config, source: ModelSource, *, stop: StopSignals, inputs: list[Path], log: Log
+    cfg: Config,
+    source: ModelSource,
+    *,
+    stop: StopSignals,
+    inputs: list[Path],
+    log: Log,
+    strategy: ParallelStrategy | None = None,
 ) -> Session:
     """Build the run's components in dependency order and put the trainer at its start state
     (fresh, resumed or forced, as the run directory's record allows)."""
+    strategy = strategy if strategy is not None else parallel_strategy(cfg)
+    main = strategy.is_main_process
     # Device and precision first: the fingerprint records the resolved precision.
     device, cfg, notes = _resolve_device(cfg)
     check_resumable(cfg, source.location, source.gguf_file)  # before anything is written
     for note in notes:
         log(note)  # once the run directory's run is known to be this one
-    files = _run_files(cfg, inputs)
-    events = EventLog(files.run_dir / EVENTS_FILE, log)
+    files = _run_files(cfg, inputs, main)
+    events = EventLog(files.run_dir / EVENTS_FILE if main else Path(os.devnull), log)
     faults = FaultHooks()
     seed_everything(cfg.train.seed)
     # Tokenizer -> data: the data resolves the lengths, the steps and the micro-batch.
     tokenizer = load_tokenizer(source, cfg.model.trust_remote_code)
     for warning in apply_chat_template(tokenizer, cfg.data.chat_template):  # saved with final/
         log(f"warning: {warning}")
-    run = set_up_run(cfg, source, tokenizer, device.type, log)
+    # Rank 0 first: it may prepare the data cache and tidy the checkpoints the others read.
+    run = _in_turn(strategy, lambda: set_up_run(cfg, source, tokenizer, device.type, log))
     cfg, t = run.cfg, run.cfg.train
     pad_id = int(tokenizer.pad_token_id)
     settings = EvalSettings(t.precision, t.eval_batch_size, t.max_new_tokens)
@@ -255,26 +294,18 @@ def set_up(
     quantization = base_quantization(cfg.method, t.precision)
     model = _base_model(cfg, source, quantization, device)
     base_exact_match = None
-    if (
-        t.eval_exact_match
-        and t.eval_base
-        and eval_inputs is not None
-        and run.plan.action == "fresh"
-    ):
+    if t.eval_exact_match and t.eval_base and eval_inputs and run.plan.action == "fresh":
         # On the bare base model, before any adapter exists (an untrained adapter is a no-op
-        # that would only cost time).
+        # that would only cost time). Every rank evaluates (the same), so none waits for rank 0
+        # in a collective longer than dist.timeout_s; rank 0's result is the run's.
         base_exact_match = exact_match_before(model, eval_inputs, settings, log)
-    strategy = parallel_strategy(cfg)
-    model, params, (trainable, total) = _wrap(cfg, model, strategy, log)
-    evaluator = None
-    if t.eval_every and eval_inputs is not None:
-        sample = t.eval_every_sample if cfg.data.format != "text" else 0
-        evaluator = PeriodicEval(model, eval_inputs, settings, sample)
+    model, trained, params, (trainable, total) = _wrap(cfg, model, strategy, log)
+    evaluator = _periodic_eval(cfg, model, eval_inputs, settings)  # on every rank, as above
     # The trainer, its sinks (events reach them too), then its start state.
     stats, sinks = _monitoring(cfg, run, files, events, model, device, strategy, evaluator, log)
     trainer = build_trainer(
         cfg,
-        model=model,
+        model=trained,
         params=params,
         data=run.train_data,
         pad_id=pad_id,
@@ -288,6 +319,7 @@ def set_up(
         strategy=strategy,
         stats=stats,
     )
+    strategy.agree(0)  # every rank has read the run directory before rank 0 writes to it
     start_state(trainer, cfg, run.plan, log)
     if base_exact_match is not None and trainer.progress.base_exact_match is None:
         trainer.progress.base_exact_match = base_exact_match
@@ -307,9 +339,44 @@ def set_up(
     )
 
 
+def _periodic_eval(
+    cfg: Config, model: nn.Module, inputs: EvalInputs | None, settings: EvalSettings
+) -> PeriodicEval | None:
+    """train.eval_every's evaluator, on the unwrapped model (None when it is off)."""
+    if not cfg.train.eval_every or inputs is None:
+        return None
+    sample = cfg.train.eval_every_sample if cfg.data.format != "text" else 0
+    return PeriodicEval(model, inputs, settings, sample)
+
+
 def parallel_strategy(cfg: Config) -> ParallelStrategy:
-    """How this run is spread over processes: one process, the whole model and window."""
-    return SingleProcess()
+    """How this run is spread over processes (`dist:`): one process, the whole model and
+    window, unless dist.strategy names one or torchrun started this process."""
+    from leantune.training.distributed import build_strategy, launched_by_torchrun
+
+    d = cfg.dist
+    if d.strategy == "auto" and not launched_by_torchrun():
+        return SingleProcess()
+    device, resolved, _ = _resolve_device(cfg)
+    return build_strategy(
+        "ddp" if d.strategy == "auto" else d.strategy,
+        backend=d.backend,
+        device_type=device.type,
+        timeout_s=d.timeout_s,
+        bf16=resolved.train.precision == "bf16",
+        cpu_offload=d.cpu_offload,
+        reshard_after_forward=d.reshard_after_forward,
+    )
+
+
+def _in_turn(strategy: ParallelStrategy, work: Callable[[], RunSetup]) -> RunSetup:
+    """`work()` on the main process, then on the others."""
+    if strategy.is_main_process:
+        done = work()
+        strategy.agree(0)
+        return done
+    strategy.agree(0)
+    return work()
 
 
 def _resolve_device(cfg: Config) -> tuple[torch.device, Config, list[str]]:
@@ -337,11 +404,12 @@ def _resolve_attention(cfg: Config) -> Config:
     return replace(cfg, model=replace(m, attn_implementation=attn))
 
 
-def _run_files(cfg: Config, inputs: list[Path]) -> RunFiles:
-    """The run's paths and resolved config (written by `start_state`, never over an input)."""
+def _run_files(cfg: Config, inputs: list[Path], main: bool = True) -> RunFiles:
+    """The run's paths and resolved config (written by `start_state`, never over an input,
+    and only by the main process)."""
     run_dir = cfg.run_dir
     text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
-    write = check_config_writable(run_dir, text, inputs)
+    write = check_config_writable(run_dir, text, inputs) and main
     ckpt_dir = run_dir / "checkpoints"
     ckpt_dir.mkdir(exist_ok=True)
     return RunFiles(run_dir, ckpt_dir, cfg.train.keep_last, text, write)
@@ -366,20 +434,23 @@ def _base_model(
 
 def _wrap(
     cfg: Config, model: nn.Module, strategy: ParallelStrategy, log: Log
-) -> tuple[nn.Module, dict[str, nn.Parameter], tuple[int, int]]:
-    """The method's wrapping (seeded, so its initialisation is the seed's), checkpointing,
-    then the strategy's; the trainable parameters and the (trainable, total) counts."""
+) -> tuple[nn.Module, nn.Module, dict[str, nn.Parameter], tuple[int, int]]:
+    """The method's wrapping (seeded, so its initialisation is the seed's, on every rank),
+    checkpointing, then the strategy's: the model with the method, as the loop trains it
+    (the strategy's wrapping around it, or the same model), its trainable
+    parameters (as the strategy left them: FSDP2 replaces them with shards) and the
+    (trainable, total) counts."""
     seed_everything(cfg.train.seed)
     model = apply_method(model, cfg.method)
     if cfg.train.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    params = trainable_named_parameters(model)
     trainable, total = count_parameters(model)
     log(
         f"method {cfg.method.name}: {trainable:,} of {total:,} parameters train "
         f"({100 * trainable / total:.3f}%)"
     )
-    return strategy.wrap_model(model), params, (trainable, total)
+    trained = strategy.wrap_model(model)  # in place, or around it: `model` stays unwrapped
+    return model, trained, trainable_named_parameters(model), (trainable, total)
 
 
 def _monitoring(
@@ -437,10 +508,12 @@ def _sinks(
         MetricsPortInUse: monitor.metrics_port cannot be bound (exit 2, before training).
     """
     assert cfg.train.max_steps is not None, "resolved by set_up_run"
-    sinks: list[Sink] = [
-        JsonlSink(files.run_dir, with_eval),
-        ConsoleSink(cfg.train.max_steps, cfg.run.progress, log),
-    ]
+    sinks: list[Sink] = []
+    if main:
+        sinks += [
+            JsonlSink(files.run_dir, with_eval),
+            ConsoleSink(cfg.train.max_steps, cfg.run.progress, log),
+        ]
     m = cfg.monitor
     if m.metrics_port is not None and facts is not None and main:
         sinks.append(PrometheusSink(m.metrics_host, m.metrics_port, facts, files.ckpt_dir, log))
@@ -532,11 +605,14 @@ def start_state(tr: Trainer, cfg: Config, plan: ResumePlan, log: Log) -> None:
     if plan.action == "force":
         # The checkpoint holds the forced settings before the record says the run has them.
         tr.save()
-    write_record(files.run_dir, plan.fingerprint, plan.split)
-    lift_pause(files.run_dir / PAUSED_MARKER, tr.events, tr.state.step, log)
+    main = tr.strategy.is_main_process
+    if main:
+        write_record(files.run_dir, plan.fingerprint, plan.split)
+        lift_pause(files.run_dir / PAUSED_MARKER, tr.events, tr.state.step, log)
     g = cfg.guard
     rollback_on = "rollback" in (g.nonfinite, g.loss_spike, g.grad_norm)
-    if rollback_on and latest_checkpoint(files.ckpt_dir) is None:
+    none_yet = rollback_on and main and latest_checkpoint(files.ckpt_dir) is None
+    if tr.strategy.agree(int(none_yet)):  # every rank saves, or none
         tr.save()
 
 
@@ -634,8 +710,11 @@ def finish(session: Session, *, log: Log, started: float) -> dict[str, Any]:
     """Write final/, run the closing evaluation and write summary.json."""
     s, tr = session, session.trainer
     cfg, files = s.cfg, tr.files
+    model = tr.strategy.final_model(s.model, lambda: _rebuilt(s))
+    if model is None:  # not the main process: it helped gather the weights, and is done
+        return {}
     save_final(
-        s.model,
+        model,
         s.tokenizer,
         files.run_dir / "final",
         _base_path(cfg.model.path),
@@ -645,10 +724,10 @@ def finish(session: Session, *, log: Log, started: float) -> dict[str, Any]:
     )
     results: dict[str, Any] = {"final_train_loss": tr.progress.last_loss}
     if s.eval_inputs is not None:
-        merge_for_inference(s.model)
+        merge_for_inference(model)
         preds = files.run_dir / "eval_predictions.jsonl" if cfg.train.eval_exact_match else None
         results |= evaluate_after(
-            s.model, s.eval_inputs, s.eval_settings, predictions_file=preds, step=tr.state.step
+            model, s.eval_inputs, s.eval_settings, predictions_file=preds, step=tr.state.step
         )
     results["wall_time_s"] = round(time.perf_counter() - started, 2)  # this invocation
     summary = write_summary(
@@ -657,6 +736,14 @@ def finish(session: Session, *, log: Log, started: float) -> dict[str, Any]:
     if cfg.monitor.report:
         report_at_end(files.run_dir, log)
     return summary
+
+
+def _rebuilt(s: Session) -> nn.Module:
+    """The base model with the method applied again, unsharded (FSDP2's final/ on rank 0)."""
+    device = pick_device(s.cfg.train.device)
+    source = resolve_model(s.cfg.model.path, s.cfg.model.gguf_file)
+    seed_everything(s.cfg.train.seed)
+    return apply_method(_base_model(s.cfg, source, s.quantization, device), s.cfg.method)
 
 
 def _base_path(path: str) -> str:

@@ -1,20 +1,55 @@
 """How the loop runs across processes: one protocol, and the single-process strategy.
 
 The loop asks its strategy to wrap the model, to pick this process's share of a window, to sum
-counts and losses over processes, to turn gradient sync on only for a window's last
-micro-batch, and to gather and load the weights a checkpoint holds. It never branches on which
-strategy it has. A single-process run is the trivial strategy; DDP and FSDP2 implement the same
-protocol.
+counts and losses over processes, to agree on a decision every process must take alike (an
+out-of-memory error or a stop signal on one of them), to turn gradient sync on only for a
+window's last micro-batch, to write and read checkpoints, and for the model `final/` is saved
+from. It never branches on which strategy it has. A single-process run is the trivial
+strategy; DDP and FSDP2 implement the same protocol (`training.distributed`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Protocol
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+from leantune.training.checkpoint import (
+    Checkpoint,
+    TrainingState,
+    resume_checkpoint,
+    save_checkpoint,
+)
+
+Warn = Callable[[str], None]
+
+
+@dataclass
+class SyncScope:
+    """One micro-batch inside `gradient_sync`: its loss, from the forward until its backward
+    has run (a strategy that prepared a gradient sync for it completes that sync when the
+    micro-batch is abandoned: an out-of-memory replay or a stop)."""
+
+    loss: torch.Tensor | None = None
+
+
+@dataclass
+class CheckpointParts:
+    """What one checkpoint holds, as the trainer has it (the strategy gathers or shards it)."""
+
+    state: TrainingState
+    params: dict[str, nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: dict[str, Any]
+    scaler: dict[str, Any] | None
+    rng: dict[str, Any]
+    keep_last: int
+    metadata: dict[str, str]
 
 
 class ParallelStrategy(Protocol):
@@ -41,18 +76,36 @@ class ParallelStrategy(Protocol):
         """`value` summed over processes (the window's loss)."""
         ...
 
-    def gradient_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
-        """A context for one micro-batch's backward; sync only when `enabled` (the last)."""
+    def agree(self, code: int) -> int:
+        """The largest `code` over processes: a decision (0 = none) every process takes."""
         ...
 
-    def weights_for_checkpoint(self, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
-        """The trainable weights as a checkpoint stores them."""
+    def gradient_sync(
+        self, model: nn.Module, enabled: bool
+    ) -> contextlib.AbstractContextManager[SyncScope]:
+        """A context for one micro-batch's forward and backward; sync only when `enabled`.
+        Left by an exception, it discards what the window accumulated (the replay or the
+        stop starts clean on every process)."""
         ...
 
-    def load_weights(
-        self, params: dict[str, nn.Parameter], weights: dict[str, torch.Tensor]
+    def save_checkpoint(self, root: Path, parts: CheckpointParts) -> Path:
+        """Write a checkpoint under `root` (atomic); returns its directory."""
+        ...
+
+    def resume_checkpoint(self, root: Path, warn: Warn) -> Checkpoint | None:
+        """The newest checkpoint under `root` that checks out, or None when there is none."""
+        ...
+
+    def load_checkpoint(
+        self, ckpt: Checkpoint, params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer
     ) -> None:
-        """Put checkpointed weights back into the trainable parameters."""
+        """Put a checkpoint's weights and optimizer state into the trainable parameters."""
+        ...
+
+    def final_model(self, model: nn.Module, rebuild: Callable[[], nn.Module]) -> nn.Module | None:
+        """The whole model for final/ and the closing evaluation on the main process; None
+        on the others (after taking part in gathering it). `rebuild` makes the unwrapped
+        model again (base + method), for a strategy that holds only shards of it."""
         ...
 
 
@@ -75,16 +128,58 @@ class SingleProcess:
     def reduce_sum(self, value: float) -> float:
         return value
 
+    def agree(self, code: int) -> int:
+        return code
+
     @contextlib.contextmanager
-    def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[None]:
-        yield
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[SyncScope]:
+        yield SyncScope()
 
-    def weights_for_checkpoint(self, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in params.items()}
+    def save_checkpoint(self, root: Path, parts: CheckpointParts) -> Path:
+        return save_checkpoint(
+            root,
+            parts.state,
+            weights={n: p.detach() for n, p in parts.params.items()},
+            optimizer=parts.optimizer.state_dict(),
+            scheduler=parts.scheduler,
+            scaler=parts.scaler,
+            rng=parts.rng,
+            keep_last=parts.keep_last,
+            metadata=parts.metadata,
+        )
 
-    def load_weights(
-        self, params: dict[str, nn.Parameter], weights: dict[str, torch.Tensor]
+    def resume_checkpoint(self, root: Path, warn: Warn) -> Checkpoint | None:
+        return resume_checkpoint(root, warn=warn)
+
+    def load_checkpoint(
+        self, ckpt: Checkpoint, params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer
     ) -> None:
-        with torch.no_grad():
-            for name, tensor in weights.items():
-                params[name].copy_(tensor)
+        load_full_checkpoint(ckpt, params, optimizer)
+
+    def final_model(self, model: nn.Module, rebuild: Callable[[], nn.Module]) -> nn.Module | None:
+        return model
+
+
+def load_full_checkpoint(
+    ckpt: Checkpoint, params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer
+) -> None:
+    """Copy a checkpoint's weights and optimizer state into whole parameters (every replica
+    does); a sharded (fsdp2) checkpoint is read whole first.
+
+    Raises:
+        RuntimeError: the checkpoint's weights are not these trainable parameters.
+    """
+    weights, optim = ckpt.weights, ckpt.optimizer
+    if ckpt.sharded:
+        from leantune.training.distributed.sharded import read_whole
+
+        weights, optim = read_whole(ckpt, params, optimizer)
+    if set(weights) != set(params):
+        raise RuntimeError(
+            f"{ckpt.path}: checkpoint weights do not match the model's trainable parameters "
+            f"(was it written with another method or model?)"
+        )
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            params[name].copy_(tensor)
+    optimizer.load_state_dict(optim)

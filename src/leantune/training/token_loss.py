@@ -83,6 +83,33 @@ def supervised_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch
     return head(hidden)
 
 
+class LossModule(nn.Module):
+    """`token_loss_sum` of `model` as a module's forward, for a data-parallel wrapper to wrap
+    (DDP's forward prepares the gradient all-reduce, FSDP's root forward gathers the
+    embeddings and the head): the chunked loss, which reaches into the decoder and the head
+    past the model's own forward, then runs inside the wrapper's forward."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: dict[str, torch.Tensor], kl_coef: float) -> torch.Tensor:
+        return token_loss_sum(self.model, batch, kl_coef)
+
+
+class WrappedLoss(nn.Module):
+    """The model as a data-parallel loop trains it: `wrapped` (DDP or FSDP around a
+    `LossModule`) computes the loss; `plain` is the model with its method, unwrapped."""
+
+    def __init__(self, wrapped: nn.Module, plain: nn.Module) -> None:
+        super().__init__()
+        self.wrapped = wrapped
+        object.__setattr__(self, "plain", plain)  # not a second registration of its weights
+
+    def forward(self, batch: dict[str, torch.Tensor], kl_coef: float) -> torch.Tensor:
+        return self.wrapped(batch, kl_coef)
+
+
 def token_loss_sum(
     model: nn.Module, batch: dict[str, torch.Tensor], kl_coef: float = 0.0
 ) -> torch.Tensor:
@@ -95,6 +122,8 @@ def token_loss_sum(
     its adapters disabled, so this needs an adapter method (no second copy of the weights);
     the KL needs both models' logits, so that path keeps them.
     """
+    if isinstance(model, WrappedLoss):
+        return model(batch, kl_coef)
     targets = batch["labels"][batch["labels"] != IGNORE_INDEX]
     if kl_coef == 0:
         found = supervised_hidden(model, batch)

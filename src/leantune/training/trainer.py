@@ -15,6 +15,7 @@ branches on it.
 from __future__ import annotations
 
 import math
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -32,8 +33,6 @@ from leantune.training.checkpoint import (
     TrainingState,
     capture_rng_state,
     restore_rng_state,
-    resume_checkpoint,
-    save_checkpoint,
 )
 from leantune.training.events import EventLog, OutOfMemoryAtMinimum
 from leantune.training.faults import FaultHooks, kill_after, signal_after
@@ -44,8 +43,8 @@ from leantune.training.precision import autocast
 from leantune.training.progress import Batching, RunProgress
 from leantune.training.signals import Interrupted, StopSignals
 from leantune.training.sinks import Sinks
-from leantune.training.strategy import ParallelStrategy, SingleProcess
-from leantune.training.token_loss import count_supervised, token_loss_sum
+from leantune.training.strategy import CheckpointParts, ParallelStrategy, SingleProcess
+from leantune.training.token_loss import IGNORE_INDEX, count_supervised, token_loss_sum
 
 Log = Callable[[str], None]
 
@@ -126,27 +125,21 @@ class Trainer:
         """
         batching = Batching(self.global_batch, self.micro_batch_size, self.samples_seen)
         self.progress.batching, self.progress.guard = batching, self.history
-        return save_checkpoint(
-            self.files.ckpt_dir,
+        parts = CheckpointParts(
             replace(self.state, extra=self.progress.to_json()),
-            weights=self.strategy.weights_for_checkpoint(self.params),
-            optimizer=self.optimizer.state_dict(),
+            params=self.params,
+            optimizer=self.optimizer,
             scheduler=self.scheduler.state_dict(),
             scaler=self.scaler.state_dict() if self.scaler is not None else None,
             rng=capture_rng_state(),
             keep_last=self.files.keep_last,
             metadata={"config": self.files.config_yaml},
         )
+        return self.strategy.save_checkpoint(self.files.ckpt_dir, parts)
 
     def load(self, ckpt: Checkpoint) -> None:
         """Put a checkpoint's exact state into the trainer (a resume and a rollback)."""
-        if set(ckpt.weights) != set(self.params):
-            raise RuntimeError(
-                f"{ckpt.path}: checkpoint weights do not match the model's trainable parameters "
-                f"(was it written with another method or model?)"
-            )
-        self.strategy.load_weights(self.params, ckpt.weights)
-        self.optimizer.load_state_dict(ckpt.optimizer)
+        self.strategy.load_checkpoint(ckpt, self.params, self.optimizer)
         self.scheduler.load_state_dict(ckpt.scheduler)
         if self.scaler is not None and ckpt.scaler is not None:
             self.scaler.load_state_dict(ckpt.scaler)
@@ -170,7 +163,9 @@ class Trainer:
             DamagedCheckpoints: checkpoints exist but none checks out (exit code 2); training
                 never starts over on top of them.
         """
-        ckpt = resume_checkpoint(self.files.ckpt_dir, warn=lambda m: log(f"warning: {m}"))
+        ckpt = self.strategy.resume_checkpoint(
+            self.files.ckpt_dir, warn=lambda m: log(f"warning: {m}")
+        )
         if ckpt is None:
             return
         self.load(ckpt)
@@ -204,6 +199,9 @@ def train_step(tr: Trainer) -> StepResult:
     clip_to = max_norm if max_norm > 0 else float("inf")
     grad_norm = float(torch.nn.utils.clip_grad_norm_(list(tr.params.values()), clip_to))
     lr = float(tr.optimizer.param_groups[0]["lr"])  # a tensor for torchao optimizers
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    if tr.strategy.agree(int(not finite)) and finite:
+        loss = math.nan  # not finite on another process: every process skips alike
     # An fp16 overflow (finite loss, inf gradients) is the scaler's business: it skips the
     # update and lowers the scale. Everything else goes through the guard, here and only here.
     overflow = tr.scaler is not None and math.isfinite(loss) and not math.isfinite(grad_norm)
@@ -224,7 +222,10 @@ def train_step(tr: Trainer) -> StepResult:
         "lr": lr,
         "grad_norm": grad_norm,
         "tokens": tokens,
-        "supervised_tokens": sum(count_supervised(b["labels"]) for b in batches),
+        # The window's, over every process (its rows' labels are already shifted).
+        "supervised_tokens": sum(
+            sum(label != IGNORE_INDEX for label in tr.data.rows[i].labels) for i in window
+        ),
         "tokens_per_s": tokens / elapsed,
         "step_time_s": elapsed,
         **memory_stats(tr.device),
@@ -361,15 +362,55 @@ def backward_window(
     loss_sum = torch.zeros((), dtype=torch.float64)
     for k, batch in enumerate(batches):
         batch = {key: v.to(device) for key, v in batch.items()}
-        with strategy.gradient_sync(model, enabled=k == len(batches) - 1):
-            with autocast(device.type, precision):
-                loss = token_loss_sum(model, batch, kl_coef) / n_supervised
-            if memory_check is not None:
-                memory_check(k)
+
+        with strategy.gradient_sync(model, enabled=k == len(batches) - 1) as scope:
+
+            def forward(batch: dict[str, torch.Tensor] = batch) -> torch.Tensor:
+                with autocast(device.type, precision):
+                    scope.loss = token_loss_sum(model, batch, kl_coef) / n_supervised
+                return scope.loss
+
+            loss = agreed(strategy, forward, memory_check, k)
             (scaler.scale(loss) if scaler is not None else loss).backward()
-        if memory_check is not None:
-            memory_check(k)
+            scope.loss = None
+            agreed(strategy, loss.detach, memory_check, k)
         loss_sum += loss.detach().double().cpu()
         kill_after(first_micro_batch + k)
         signal_after(first_micro_batch + k)
     return strategy.reduce_sum(float(loss_sum))
+
+
+_OOM, _STOP = 1, 2
+"""What `agreed` decides: an out-of-memory error, or a stop signal (the larger wins)."""
+
+
+def agreed(
+    strategy: ParallelStrategy,
+    work: Callable[[], torch.Tensor],
+    memory_check: Callable[[int], None] | None,
+    k: int,
+) -> torch.Tensor:
+    """`work()` then `memory_check(k)`, with every process taking the same way out: an
+    out-of-memory error or a stop signal on one process raises on all of them, so that all
+    replay the window with the smaller micro-batch (or all stop) and their collectives stay
+    in step."""
+    failure: BaseException | None = None
+    code = 0
+    try:
+        result = work()
+        if memory_check is not None:
+            memory_check(k)
+    except Interrupted as exc:
+        failure, code = exc, _STOP
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if not is_out_of_memory(exc):
+            raise
+        failure, code = exc, _OOM
+    decided = strategy.agree(code)
+    if decided == code and failure is not None:
+        raise failure
+    if decided == _STOP:
+        raise Interrupted(signal.SIGTERM, True, "")  # another process was signalled
+    if decided == _OOM:
+        raise torch.OutOfMemoryError("out of memory on another process")
+    return result

@@ -1,0 +1,67 @@
+"""The `dist:` section of a config: how a run spreads over processes (torchrun).
+
+Nothing here changes a run's trajectory (two processes with micro-batch B make the same updates
+as one with 2B), so the section is free to change on resume, the world size included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from leantune.config_parse import ConfigError
+
+
+@dataclass
+class DistConfig:
+    """Data parallelism under torchrun: `torchrun --nproc-per-node N -m leantune train ...` or
+    `leantune train --nproc N`."""
+
+    strategy: Literal["auto", "ddp", "fsdp2"] = "auto"
+    """auto: ddp when torchrun started this process (WORLD_SIZE set), else one process;
+    ddp: every rank holds the whole model, gradients are all-reduced; fsdp2: parameters,
+    gradients and optimizer state are sharded over the ranks (`fully_shard` per transformer
+    block, then the root)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend; auto: nccl on CUDA, gloo on CPU."""
+    timeout_s: float = 600.0
+    """A collective that does not complete in this many seconds fails, naming the rank and
+    the operation (a dead or hung peer)."""
+    cpu_offload: bool = False
+    """fsdp2 only: keep the sharded parameters, gradients and optimizer state in CPU memory
+    (`CPUOffloadPolicy`), the optimizer step runs on the CPU."""
+    reshard_after_forward: bool = True
+    """fsdp2 only: free each block's gathered parameters after its forward and gather them
+    again for the backward (less memory, one more all-gather per block)."""
+
+
+CPU_OFFLOAD_ON_CPU = (
+    "dist.cpu_offload=true needs CUDA: training on the CPU, the shards are in CPU memory "
+    "already; leave it false"
+)
+
+
+def check_dist(d: DistConfig, method: str, device: str, eval_every: int) -> None:
+    """Cross-field checks of `dist:`; raises ConfigError naming the field and the fix."""
+    if not d.timeout_s > 0:
+        raise ConfigError(f"dist.timeout_s: must be > 0 seconds, got {d.timeout_s}")
+    if d.backend == "nccl" and device == "cpu":
+        raise ConfigError("dist.backend=nccl needs CUDA; use gloo (or auto) with train.device=cpu")
+    if d.strategy != "fsdp2" and (d.cpu_offload or not d.reshard_after_forward):
+        raise ConfigError(
+            f"dist.cpu_offload and dist.reshard_after_forward are fsdp2 settings; "
+            f"set dist.strategy=fsdp2 or leave them at their defaults (strategy {d.strategy})"
+        )
+    if d.cpu_offload and device == "cpu":
+        raise ConfigError(CPU_OFFLOAD_ON_CPU)
+    if d.strategy == "fsdp2" and eval_every:
+        raise ConfigError(
+            "train.eval_every with dist.strategy=fsdp2: the periodic evaluation runs on rank 0, "
+            "which holds only a shard of the model; use dist.strategy=ddp, or train.eval_every=0 "
+            "(the closing evaluation still runs, on the gathered model)"
+        )
+    if d.strategy == "fsdp2" and method == "qlora":
+        raise ConfigError(
+            "dist.strategy=fsdp2 with method.name=qlora: 4-bit base weights are not sharded by "
+            "this leantune; use dist.strategy=ddp (the 4-bit base is small on every rank)"
+        )

@@ -1,0 +1,46 @@
+"""Data parallelism on PyTorch's own engine: the process group from torchrun's environment
+(`world`), named collectives (`collectives`), DDP (`ddp`), FSDP2 (`fsdp`) and its sharded
+checkpoints (`sharded`), and `leantune train --nproc N` (`launch`).
+
+Both strategies implement `training.strategy.ParallelStrategy`; the loop never sees which.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from leantune.training.distributed.launch import launched_by_torchrun
+
+if TYPE_CHECKING:
+    from leantune.training.strategy import ParallelStrategy
+
+__all__ = ["build_strategy", "launched_by_torchrun"]
+
+
+def build_strategy(
+    name: str,
+    *,
+    backend: str,
+    device_type: str,
+    timeout_s: float,
+    bf16: bool,
+    cpu_offload: bool,
+    reshard_after_forward: bool,
+) -> ParallelStrategy:
+    """Join the process group and build the `name` strategy (``ddp`` or ``fsdp2``)."""
+    from leantune.config_dist import CPU_OFFLOAD_ON_CPU
+    from leantune.config_parse import ConfigError
+    from leantune.training.distributed.world import init_world
+
+    if cpu_offload and device_type == "cpu":  # train.device=auto found no GPU
+        raise ConfigError(CPU_OFFLOAD_ON_CPU)
+    world = init_world(backend, device_type, timeout_s)
+    if name == "ddp":
+        from leantune.training.distributed.ddp import DDPStrategy
+
+        return DDPStrategy(world)
+    from leantune.training.distributed.fsdp import FSDP2Strategy
+
+    return FSDP2Strategy(
+        world, bf16=bf16, cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward
+    )
