@@ -133,13 +133,22 @@ def test_validation_follows_the_spec(name: str) -> None:
     cfg = load_config(None, [f"method.name={name}", "data.pack=false", "train.lr=1e-4"])
     high = [w for w in validate(cfg) if "is high for" in w]
     assert bool(high) is (spec.lr_advice is not None)
-    # The method's own check: freeze with nothing to train is the one refused setting.
-    nothing = ["method.last_blocks=0", "method.norms=false"]
-    if spec.check is not None:
-        with pytest.raises(ConfigError, match="trains nothing"):
-            _cfg(name, *nothing)
-    else:
-        _cfg(name, *nothing)
+    # The methods' own checks: freeze with nothing to train, a prompt-learning init text that a
+    # random init would ignore; each is refused by its methods only.
+    cases = {
+        "trains nothing": (["method.last_blocks=0", "method.norms=false"], {"freeze"}),
+        "prompt_init_text is ignored": (
+            ["method.prompt_init=random", "method.prompt_init_text=hi"],
+            {"prefix", "ptuning_v2", "prompt"},
+        ),
+    }
+    for message, (extra, refusing) in cases.items():
+        if name in refusing:
+            assert spec.check is not None
+            with pytest.raises(ConfigError, match=message):
+                _cfg(name, *extra)
+        else:
+            _cfg(name, *extra)
 
 
 @pytest.mark.parametrize("name", NAMES)

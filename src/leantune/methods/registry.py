@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from leantune.config import MethodConfig
     from leantune.methods.lora import LoraSettings
+    from leantune.methods.virtual_init import VirtualInit
     from leantune.models.quantize import Quantization
 
 
@@ -87,11 +88,21 @@ def _adapter(model: nn.Module, cfg: MethodConfig) -> nn.Module:
     return apply_adapter(model, settings)
 
 
+def _virtual_init(model: nn.Module, cfg: MethodConfig) -> VirtualInit | None:
+    from leantune.methods.virtual_init import VirtualInit
+
+    if cfg.prompt_init == "random":
+        return None
+    # The text is tokenised with the tokenizer saved next to the model weights.
+    return VirtualInit(cfg.prompt_init_text, getattr(model, "name_or_path", None))
+
+
 def _prefix_with(model: nn.Module, cfg: MethodConfig, projection_default: bool) -> nn.Module:
     from leantune.methods.prompt import apply_prefix
 
     projection = projection_default if cfg.prefix_projection is None else cfg.prefix_projection
-    return apply_prefix(model, cfg.num_virtual_tokens, projection, cfg.prefix_hidden_size)
+    init = _virtual_init(model, cfg)
+    return apply_prefix(model, cfg.num_virtual_tokens, projection, cfg.prefix_hidden_size, init)
 
 
 # Li & Liang 2021 train prefixes through an MLP; P-Tuning v2's reference code defaults to
@@ -107,9 +118,16 @@ def _ptuning_v2(model: nn.Module, cfg: MethodConfig) -> nn.Module:
 def _prompt(model: nn.Module, cfg: MethodConfig) -> nn.Module:
     from leantune.methods.prompt import apply_prompt_tuning
 
-    # The text is tokenised with the tokenizer saved next to the model weights.
-    tokenizer_path = getattr(model, "name_or_path", None) if cfg.prompt_init_text else None
-    return apply_prompt_tuning(model, cfg.num_virtual_tokens, cfg.prompt_init_text, tokenizer_path)
+    return apply_prompt_tuning(model, cfg.num_virtual_tokens, _virtual_init(model, cfg))
+
+
+def _prompt_check(cfg: MethodConfig) -> str | None:
+    if cfg.prompt_init == "random" and cfg.prompt_init_text is not None:
+        return (
+            "method.prompt_init_text is ignored with method.prompt_init=random: "
+            "set prompt_init=tokens or drop the text"
+        )
+    return None
 
 
 def _qlora_quantization(cfg: MethodConfig, precision: str) -> Quantization:
@@ -208,6 +226,7 @@ METHODS: dict[str, MethodSpec] = {
             _prefix,
             default_lr=5e-3,
             needs_unpacked_data=True,
+            check=_prompt_check,
             supports_gradient_checkpointing=False,
         ),
         MethodSpec(
@@ -216,6 +235,7 @@ METHODS: dict[str, MethodSpec] = {
             _ptuning_v2,
             default_lr=5e-3,
             needs_unpacked_data=True,
+            check=_prompt_check,
             supports_gradient_checkpointing=False,
         ),
         MethodSpec(
@@ -224,6 +244,7 @@ METHODS: dict[str, MethodSpec] = {
             _prompt,
             default_lr=3e-2,
             needs_unpacked_data=True,
+            check=_prompt_check,
         ),
     )
 }
