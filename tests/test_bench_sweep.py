@@ -167,3 +167,35 @@ def test_small_families_hold_out_their_own_entries() -> None:
     held = generate(100, 0, "eval")
     asked = lambda rs: {r["instruction"] for r in rs if "capital" in r["instruction"]}  # noqa: E731
     assert asked(train) and asked(held) and not asked(train) & asked(held)
+
+
+def test_bench_on_the_generated_instruction_task(
+    tmp_path: Path, tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench"
+    args = [f"model.path={tiny_llama_dir}", "data.max_seq_len=256", "train.micro_batch_size=2"]
+    args += ["train.eval_limit=4", "train.max_new_tokens=4", "--steps", "1"]
+    assert (
+        main(
+            [
+                "bench",
+                "methods",
+                *args,
+                "--task",
+                "instructions",
+                "--methods",
+                "lora",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    payload = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert payload["task"] == "instructions"
+    (row,) = payload["results"]
+    assert row["status"] == "ok" and row["examples_seen"] == 2
+    resolved = (out / "lora" / "config.yaml").read_text()
+    assert "format: alpaca" in resolved and "instructions_train.jsonl" in resolved
+    first = json.loads((out / "task-data" / "instructions_train.jsonl").read_text().splitlines()[0])
+    assert set(first) == {"instruction", "input", "output"}

@@ -161,3 +161,24 @@ def test_ia3_scales_are_not_decayed_towards_zero(tiny_llama_dir: Path) -> None:
     assert params and all(p.ndim == 2 and float(p.mean()) == 1.0 for p in params.values())
     (group,) = param_groups(params, weight_decay=0.1)
     assert group["weight_decay"] == 0.0 and len(group["params"]) == len(params)
+
+
+@pytest.mark.slow
+def test_on_the_demo_model_the_start_is_near_the_base_and_far_below_the_random_start() -> None:
+    from leantune.models.loading import load_tokenizer, resolve_model
+
+    source = resolve_model("smollm2-135m-instruct")
+    tok = load_tokenizer(source)
+    held_out = Path(__file__).parents[1] / "src/leantune/demo/data/support_eval.jsonl"
+    rows = prepare_rows(held_out, "chat", tok, 512, pack=False, limit=16).rows
+    pad = int(tok.pad_token_id)
+    base = evaluate_loss(load_model(source), rows, pad)["loss"]
+    for name in PROMPT_METHODS:
+        losses = {}
+        for init in ("tokens", "random"):
+            cfg = load_config(None, [f"method.name={name}", f"method.prompt_init={init}"])
+            seed_everything(0)
+            model = apply_method(load_model(source), cfg.method)
+            losses[init] = evaluate_loss(model, rows, pad)["loss"]
+        print(name, base, losses)
+        assert abs(losses["tokens"] - base) < 0.25 * (losses["random"] - base), (name, losses)
