@@ -13,7 +13,7 @@ from conftest import chat_rows, write_jsonl
 
 from leantune.bench.instructions import FAMILIES, generate, number_words, write_task
 from leantune.bench.methods import MethodResult, add_retention
-from leantune.bench.sweep import MethodSweep, SweepPoint, lr_grid, parse_grids
+from leantune.bench.sweep import MethodSweep, SweepPoint, lr_grid, parse_grids, run_sweep
 from leantune.cli import main
 from leantune.config import load_config
 
@@ -68,12 +68,12 @@ def test_sweep_end_to_end_chooses_the_lowest_held_out_loss_and_reuses(
     assert lora["chosen_lr"] == 3e-2
     assert "| lora | 0.0002 | 0.03 |" in (out / "sweep.md").read_text()
 
-    import leantune.bench.methods as bench
+    import leantune.bench.sweep as sweep
 
     def no_training(*args: object, **kwargs: object) -> None:
         raise AssertionError("--reuse trained a finished run again")
 
-    monkeypatch.setattr(bench.subprocess, "run", no_training)
+    monkeypatch.setattr(sweep, "train_in_process", no_training)
     assert main(["bench", "methods", *common, "--reuse"]) == 0
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert again["sweeps"] == payload["sweeps"]
@@ -199,3 +199,28 @@ def test_bench_on_the_generated_instruction_task(
     assert "format: alpaca" in resolved and "instructions_train.jsonl" in resolved
     first = json.loads((out / "task-data" / "instructions_train.jsonl").read_text().splitlines()[0])
     assert set(first) == {"instruction", "input", "output"}
+
+
+def test_a_failed_run_is_a_row_and_the_runs_get_the_sweep_settings(tmp_path: Path) -> None:
+    calls: list[list[str]] = []
+
+    def runner(config: str | None, overrides: list[str], log_file: Path) -> str | None:
+        calls.append(overrides)
+        lr = float(next(o for o in overrides if o.startswith("train.lr=")).split("=")[1])
+        if lr > 0.05:
+            return "TrainingHalted: the guard stopped the run"
+        run_dir = Path(next(o for o in overrides if o.startswith("run.dir=")).split("=", 1)[1])
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_text(json.dumps({"eval_loss": lr, "train_time_s": 1.0}))
+        (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+        return None
+
+    grids = {"ia3": [1e-2, 3e-2, 1e-1]}
+    (sweep,) = run_sweep(
+        None, grids, {"ia3": 3e-3}, tmp_path, ["x.y=1"], lambda _: None, runner=runner
+    )
+    assert [p.status for p in sweep.points] == ["ok", "ok", "failed"]
+    assert sweep.points[2].error == "TrainingHalted: the guard stopped the run"
+    assert sweep.chosen_lr == 1e-2
+    assert all(c[0] == "x.y=1" and "train.eval_exact_match=false" in c for c in calls)
+    assert all("method.name=ia3" in c and "run.resume=never" in c for c in calls)

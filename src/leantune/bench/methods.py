@@ -73,15 +73,11 @@ def base_eval_loss(cmd: list[str], log_file: Path) -> float | None:
     return float(loss) if isinstance(loss, (int, float)) else None
 
 
-def train_command(
-    config: str | None, method: str, lr: float, run_dir: Path, overrides: list[str], base: bool
+def run_overrides(
+    method: str, lr: float, run_dir: Path, overrides: list[str], base: bool
 ) -> list[str]:
-    """The `leantune train` command line for one method's run."""
-    cmd = [sys.executable, "-m", "leantune", "train"]
-    if config is not None:
-        cmd.append(config)
+    """The overrides of one method's run: the benchmark's, then the method, rate and folder."""
     return [
-        *cmd,
         *overrides,
         f"method.name={method}",
         f"train.lr={lr!r}",
@@ -90,6 +86,16 @@ def train_command(
         "run.progress=false",
         f"train.eval_base={str(base).lower()}",
     ]
+
+
+def train_command(
+    config: str | None, method: str, lr: float, run_dir: Path, overrides: list[str], base: bool
+) -> list[str]:
+    """The `leantune train` command line for one method's run."""
+    cmd = [sys.executable, "-m", "leantune", "train"]
+    if config is not None:
+        cmd.append(config)
+    return [*cmd, *run_overrides(method, lr, run_dir, overrides, base)]
 
 
 def run_logged(cmd: list[str], log_file: Path) -> str | None:

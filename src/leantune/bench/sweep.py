@@ -1,8 +1,10 @@
 """`leantune bench methods --sweep`: a short learning-rate sweep per method, by held-out loss.
 
 Each method trains once per rate of a small log-spaced grid (by default 3 rates, a factor of
-~3.2 apart, centred on its default), each run a `leantune train` subprocess on the same data for
-the same steps with the stability guard as configured (on by default). The rate with the lowest
+~3.2 apart, centred on its default), each run the library's `train` on the same data for the
+same steps with the stability guard as configured (on by default). The runs share one process:
+a short run would otherwise spend a third of its time importing torch, transformers and peft,
+and the sweep reports no memory. The rate with the lowest
 held-out loss wins; a failed run (the guard stopped it, a NaN) never does. Exact match is not
 measured during the sweep: it costs generation, and choosing by it would tune on the eval's
 metric.
@@ -12,11 +14,13 @@ from __future__ import annotations
 
 import json
 import math
+import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from leantune.bench.methods import Log, run_logged, train_command
+from leantune.bench.methods import Log, run_overrides
 from leantune.training.metrics import read_metrics
 
 DEFAULT_POINTS = 3
@@ -87,6 +91,31 @@ def parse_grids(text: str | None, methods: list[str]) -> dict[str, list[float]]:
     return grids
 
 
+Runner = Callable[[str | None, list[str], Path], str | None]
+"""(config file, overrides, log file) -> None when the run finished, else why it failed."""
+
+
+def train_in_process(config: str | None, overrides: list[str], log_file: Path) -> str | None:
+    """One `leantune train` run in this process, its log into `log_file`; None when it finished,
+    else the error (a run stopped by the guard, a bad setting: a row of the sweep, not its end)."""
+    from leantune.config import load_config
+    from leantune.training.recipe import train
+
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with log_file.open("w", encoding="utf-8") as f:
+
+        def log(message: str) -> None:
+            f.write(message + "\n")
+            f.flush()
+
+        try:  # Ctrl-C (`Interrupted`, a BaseException) still ends the sweep
+            train(load_config(config, overrides), log=log)
+        except Exception as e:
+            f.write(traceback.format_exc())
+            return f"{type(e).__name__}: {e}".splitlines()[0]
+    return None
+
+
 def _read_point(lr: float, run_dir: Path) -> SweepPoint:
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = read_metrics(run_dir / "metrics.jsonl")
@@ -112,12 +141,15 @@ def run_sweep(
     overrides: list[str],
     log: Log = print,
     reuse: bool = False,
+    runner: Runner | None = None,
 ) -> list[MethodSweep]:
     """Train every (method, rate) of `grids` in turn and choose each method's rate.
 
     With `reuse`, a run whose folder already holds summary.json is read back, not trained again
-    (the caller answers for its settings being the same).
+    (the caller answers for its settings being the same). `runner` trains one run
+    (default: `train_in_process`).
     """
+    run = runner or train_in_process
     sweeps = []
     total = sum(len(g) for g in grids.values())
     done = 0
@@ -131,10 +163,8 @@ def run_sweep(
                 sweep.points.append(_read_point(lr, run_dir))
                 continue
             log(f"[{done}/{total}] {method} lr {lr:g} -> {run_dir}")
-            cmd = train_command(
-                config, method, lr, run_dir, [*overrides, *SWEEP_OVERRIDES], base=False
-            )
-            reason = run_logged(cmd, out_dir / method / f"lr-{lr:g}.log")
+            extra = run_overrides(method, lr, run_dir, [*overrides, *SWEEP_OVERRIDES], False)
+            reason = run(config, extra, out_dir / method / f"lr-{lr:g}.log")
             if reason is not None:
                 log(f"    failed: {reason}")
                 sweep.points.append(SweepPoint(lr, "failed", error=reason))
