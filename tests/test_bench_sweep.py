@@ -142,14 +142,16 @@ def test_loss_retention_is_the_share_of_full_fine_tunings_loss_reduction() -> No
 
 
 def test_instruction_task_is_deterministic_balanced_and_held_out(tmp_path: Path) -> None:
-    train, held_out = write_task(tmp_path, n_train=270, n_eval=45)
+    train, held_out, valid = write_task(tmp_path, n_train=270, n_eval=45)
     again = write_task(tmp_path / "again", n_train=270, n_eval=45)
     assert train.read_text() == again[0].read_text()
     records = [json.loads(x) for x in train.read_text().splitlines()]
     evals = [json.loads(x) for x in held_out.read_text().splitlines()]
-    assert len(records) == 270 and len(evals) == 45
-    keys = {(r["instruction"], r["input"]) for r in records}
-    assert len(keys) == 270 and not keys & {(r["instruction"], r["input"]) for r in evals}
+    valids = [json.loads(x) for x in valid.read_text().splitlines()]
+    assert len(records) == 270 and len(evals) == len(valids) == 45
+    keys = [{(r["instruction"], r["input"]) for r in rs} for rs in (records, evals, valids)]
+    assert len(keys[0]) == 270 and len(keys[1]) == len(keys[2]) == 45
+    assert not keys[0] & keys[1] and not keys[0] & keys[2] and not keys[1] & keys[2]
     # Every family appears in the first block of the held-out set, and its answers are right.
     first = evals[: len(FAMILIES)]
     assert len({r["instruction"].split()[0] + r["instruction"][-6:] for r in first}) >= 8
@@ -163,10 +165,12 @@ def test_instruction_task_is_deterministic_balanced_and_held_out(tmp_path: Path)
 
 
 def test_small_families_hold_out_their_own_entries() -> None:
-    train = generate(600, 0, "train")
-    held = generate(100, 0, "eval")
-    asked = lambda rs: {r["instruction"] for r in rs if "capital" in r["instruction"]}  # noqa: E731
-    assert asked(train) and asked(held) and not asked(train) & asked(held)
+    asked = [
+        {r["instruction"] for r in generate(n, 0, split) if "capital" in r["instruction"]}
+        for n, split in ((600, "train"), (100, "eval"), (100, "valid"))
+    ]
+    assert all(asked) and not asked[0] & asked[1] and not asked[0] & asked[2]
+    assert not asked[1] & asked[2]
 
 
 def test_bench_on_the_generated_instruction_task(

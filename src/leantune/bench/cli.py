@@ -48,17 +48,19 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
 
 
 def _task_overrides(
-    task: str | None, out: Path, config: str | None
+    task: str | None, out: Path, config: str | None, sweep: bool
 ) -> tuple[str | None, list[str]]:
     """`--task instructions`: write the generated instruction task under `out` and point the
-    data at it (the demo config otherwise, when no CONFIG is given)."""
+    data at it (the demo config otherwise, when no CONFIG is given). A sweep is scored on its
+    validation split, the benchmark on its held-out one."""
     if task is None:
         return config, []
     from leantune.bench.instructions import write_task
     from leantune.config import DEMO_CONFIG
 
-    train, held_out = write_task(out / "task-data")
-    data = [f"data.train={train}", f"data.eval={held_out}", "data.format=alpaca"]
+    train, held_out, valid = write_task(out / "task-data")
+    scored = valid if sweep else held_out
+    data = [f"data.train={train}", f"data.eval={scored}", "data.format=alpaca"]
     return config or str(DEMO_CONFIG), data
 
 
@@ -102,7 +104,7 @@ def cmd_bench(args: argparse.Namespace, split_args: SplitArgs) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: is a file; give a directory for the benchmark's runs")
-    config, data = _task_overrides(args.task, out, config)
+    config, data = _task_overrides(args.task, out, config, args.sweep)
     overrides = [*overrides, *data]
     overrides = [*overrides, f"train.max_steps={args.steps}"] if args.steps else overrides
     cfg = load_config(config, overrides)  # validate once, before any run starts

@@ -9,8 +9,9 @@ items, e-mail extraction, opposites, capitals.
 
 Generated locally, deterministic for a seed, standard library only (no downloads). Records are in
 the alpaca format (`instruction`, `input`, `output`; `data.format=alpaca`).
-`python -m leantune.bench.instructions --out-dir DIR` writes `instructions_train.jsonl` and
-`instructions_eval.jsonl`.
+`python -m leantune.bench.instructions --out-dir DIR` writes `instructions_train.jsonl`,
+`instructions_eval.jsonl` (held out, for the score) and `instructions_valid.jsonl` (for choosing
+settings).
 """
 
 from __future__ import annotations
@@ -86,12 +87,8 @@ def _sort(rng: random.Random, split: str) -> Record:
 
 
 def _words(rng: random.Random, split: str) -> Record:
-    # Held out: the multiples of 4, so held-out numbers are ones training never spelled.
-    n = (
-        4 * rng.randint(1, 24)
-        if split == "eval"
-        else rng.choice([i for i in range(1, 100) if i % 4])
-    )
+    # Numbers split like the small tables: held-out numbers are ones training never spelled.
+    n = rng.choice([i for i in range(1, 100) if _in_split(i, split)])
     return {
         "instruction": "Write the number in words.",
         "input": str(n),
@@ -143,11 +140,18 @@ def _email(rng: random.Random, split: str) -> Record:
     }
 
 
+_SHARE = {"eval": (0,), "valid": (1,)}
+"""Which residues mod 4 of a small family's entries each split asks about (train: the rest)."""
+
+
+def _in_split(i: int, split: str) -> bool:
+    return i % 4 in _SHARE.get(split, (2, 3))
+
+
 def _part(table: dict[str, str], split: str) -> list[str]:
-    """A small table's keys for `split`: every fourth one is held out, so held-out records ask
-    about words and countries that training never showed."""
-    keys = sorted(table)
-    return keys[::4] if split == "eval" else [k for i, k in enumerate(keys) if i % 4]
+    """A small table's keys for `split`: a quarter each is held out for the held-out and the
+    validation split, so those ask about words and countries training never showed."""
+    return [k for i, k in enumerate(sorted(table)) if _in_split(i, split)]
 
 
 def _opposite(rng: random.Random, split: str) -> Record:
@@ -219,17 +223,24 @@ def generate(n: int, seed: int, split: str, exclude: set[str] | None = None) -> 
 
 def write_task(
     out_dir: Path, n_train: int = 1200, n_eval: int = 200, seed: int = 0
-) -> tuple[Path, Path]:
-    """Write the train and held-out files under `out_dir`; returns their paths. The held-out
-    records are new (instruction, input) pairs where the family has any left."""
+) -> tuple[Path, Path, Path]:
+    """Write the train, held-out and validation files under `out_dir`; returns their paths.
+
+    The held-out and validation records (`n_eval` each) are new (instruction, input) pairs,
+    disjoint from training and from each other where the family has any left: the validation
+    split is for choosing settings (`bench methods --sweep`), the held-out one for the score.
+    """
     train = generate(n_train, seed, "train")
-    held_out = generate(n_eval, seed, "eval", exclude={_key(r) for r in train})
+    seen = {_key(r) for r in train}
+    held_out = generate(n_eval, seed, "eval", exclude=seen)
+    valid = generate(n_eval, seed, "valid", exclude=seen | {_key(r) for r in held_out})
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = (out_dir / "instructions_train.jsonl", out_dir / "instructions_eval.jsonl")
-    for path, records in zip(paths, (train, held_out), strict=True):
+    names = ("instructions_train", "instructions_eval", "instructions_valid")
+    paths = tuple(out_dir / f"{name}.jsonl" for name in names)
+    for path, records in zip(paths, (train, held_out, valid), strict=True):
         with path.open("w", encoding="utf-8", newline="\n") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-    return paths
+    return paths[0], paths[1], paths[2]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
