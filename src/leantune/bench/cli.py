@@ -120,6 +120,8 @@ def cmd_bench(args: argparse.Namespace, split_args: SplitArgs) -> int:
         "config": config or "demo",
         "task": args.task or "config",
         "model": cfg.model.path,
+        "train_data": str(cfg.data.train),
+        "scored_on": str(cfg.data.eval),
         "max_steps": cfg.train.max_steps,
         "micro_batch_size": cfg.train.micro_batch_size,
         "grad_accum": cfg.train.grad_accum,
