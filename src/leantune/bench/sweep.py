@@ -4,10 +4,10 @@ Each method trains once per rate of a small log-spaced grid (by default 3 rates,
 ~3.2 apart, centred on its default), each run the library's `train` on the same data for the
 same steps with the stability guard as configured (on by default). The runs share one process:
 a short run would otherwise spend a third of its time importing torch, transformers and peft,
-and the sweep reports no memory. The rate with the lowest
-held-out loss wins; a failed run (the guard stopped it, a NaN) never does. Exact match is not
-measured during the sweep: it costs generation, and choosing by it would tune on the eval's
-metric.
+and the sweep reports no memory. The rate with the lowest held-out loss (`data.eval`: give it a
+validation file, not the one the benchmark scores on) wins; a failed run (the guard stopped it,
+a NaN) never does. Exact match is not measured: it costs generation, and the loss is the
+quantity training optimises.
 """
 
 from __future__ import annotations
@@ -22,10 +22,6 @@ from typing import Any
 
 from leantune.bench.methods import Log, run_overrides
 from leantune.training.metrics import read_metrics
-
-DEFAULT_POINTS = 3
-DEFAULT_FACTOR = math.sqrt(10)
-"""Neighbouring rates of the default grid: half a decade apart."""
 
 SWEEP_OVERRIDES = ("train.eval_exact_match=false", "train.save_every=0")
 """Appended to every sweep run: loss only (no generation), no checkpoints in between."""
