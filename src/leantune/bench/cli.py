@@ -219,7 +219,7 @@ def add_bench_parser(
     bm.add_argument(
         "--factor",
         type=float,
-        default=10**0.5,
+        default=3.16,
         help="--sweep: ratio of neighbouring rates (default: 3.16, half a decade)",
     )
     bm.set_defaults(func=lambda args: cmd_bench(args, split_args))
