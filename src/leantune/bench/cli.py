@@ -96,7 +96,13 @@ def _selected(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_bench(args: argparse.Namespace, split_args: SplitArgs) -> int:
-    from leantune.bench.methods import add_retention, machine_info, run_methods, write_outputs
+    from leantune.bench.methods import (
+        BASELINE,
+        add_retention,
+        machine_info,
+        run_methods,
+        write_outputs,
+    )
     from leantune.config import ConfigError, load_config
     from leantune.methods.registry import DEFAULT_LR, METHODS
 
@@ -132,7 +138,7 @@ def cmd_bench(args: argparse.Namespace, split_args: SplitArgs) -> int:
     if args.sweep:
         return _sweep(args, config, overrides, methods, lrs, out, meta)
     log = lambda m: print(m, flush=True)  # noqa: E731
-    base_loss = _base_loss(cfg, out, args.reuse) if "full" in methods else None
+    base_loss = _base_loss(cfg, out, args.reuse) if BASELINE in methods else None
     results, base = run_methods(config, methods, lrs, out, overrides, log, args.reuse)
     add_retention(results, base_loss)
     payload = write_outputs(results, base, meta, out, base_loss)

@@ -21,6 +21,9 @@ from leantune.training.metrics import read_metrics
 
 Log = Callable[[str], None]
 
+BASELINE = "full"
+"""The method every other one is compared with (retention)."""
+
 
 @dataclass
 class MethodResult:
@@ -183,7 +186,7 @@ def run_methods(
 def add_retention(results: list[MethodResult], base_loss: float | None = None) -> None:
     """Quality retention against full fine-tuning: the exact match as a share of full's, and
     (given the base model's held-out loss) the loss reduction as a share of full's."""
-    full = next((r for r in results if r.method == "full" and r.status == "ok"), None)
+    full = next((r for r in results if r.method == BASELINE and r.status == "ok"), None)
     if full is None:
         return
     for r in results:
