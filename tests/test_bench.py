@@ -101,7 +101,7 @@ def test_retention_is_relative_to_full() -> None:
     assert rows[2].retention is None
     table = markdown_table(rows, 0.1)
     assert "failed: boom / bad" in table
-    assert all(line.count("|") == 11 for line in table.splitlines() if line.startswith("|"))
+    assert all(line.count("|") == 13 for line in table.splitlines() if line.startswith("|"))
 
 
 def test_no_retention_without_full() -> None:

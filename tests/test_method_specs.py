@@ -35,13 +35,13 @@ from leantune.training.token_loss import VIRTUAL_TOKENS_HOOK, supervised_logits
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = sorted(METHODS)
-# The learning rates before the registry held specs (methods/registry.py DEFAULT_LR).
-OLD_DEFAULT_LR = {
+# Each method's default rate; ia3's from the sweep in benchmarks/results/sweep-demo-cpu.md.
+DEFAULTS_LR = {
     "full": 2e-5,
     "lora": 2e-4,
     "dora": 2e-4,
     "qlora": 2e-4,
-    "ia3": 3e-3,
+    "ia3": 3e-2,
     "freeze": 2e-5,
     "adapter": 5e-4,
     "prefix": 5e-3,
@@ -95,9 +95,9 @@ def test_config_registry_and_readme_name_the_same_methods() -> None:
     assert MethodConfig().name in METHODS
 
 
-def test_default_learning_rates_are_unchanged() -> None:
-    assert {name: spec.default_lr for name, spec in METHODS.items()} == OLD_DEFAULT_LR
-    assert DEFAULT_LR == OLD_DEFAULT_LR
+def test_default_learning_rates_are_the_measured_ones() -> None:
+    assert {name: spec.default_lr for name, spec in METHODS.items()} == DEFAULTS_LR
+    assert DEFAULT_LR == DEFAULTS_LR
     # train.lr's help ("default by method: full/freeze 2e-5, ...") says the same.
     listed = re.findall(r"([a-z0-9_/]+) (\d+e-\d+)", field_docs()["train.lr"])
     documented = {name: float(lr) for names, lr in listed for name in names.split("/")}
@@ -133,13 +133,22 @@ def test_validation_follows_the_spec(name: str) -> None:
     cfg = load_config(None, [f"method.name={name}", "data.pack=false", "train.lr=1e-4"])
     high = [w for w in validate(cfg) if "is high for" in w]
     assert bool(high) is (spec.lr_advice is not None)
-    # The method's own check: freeze with nothing to train is the one refused setting.
-    nothing = ["method.last_blocks=0", "method.norms=false"]
-    if spec.check is not None:
-        with pytest.raises(ConfigError, match="trains nothing"):
-            _cfg(name, *nothing)
-    else:
-        _cfg(name, *nothing)
+    # The methods' own checks: freeze with nothing to train, a prompt-learning init text that a
+    # random init would ignore; each is refused by its methods only.
+    cases = {
+        "trains nothing": (["method.last_blocks=0", "method.norms=false"], {"freeze"}),
+        "prompt_init_text is ignored": (
+            ["method.prompt_init=random", "method.prompt_init_text=hi"],
+            {"prefix", "ptuning_v2", "prompt"},
+        ),
+    }
+    for message, (extra, refusing) in cases.items():
+        if name in refusing:
+            assert spec.check is not None
+            with pytest.raises(ConfigError, match=message):
+                _cfg(name, *extra)
+        else:
+            _cfg(name, *extra)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -164,8 +164,14 @@ class MethodConfig:
     unset = method default (prefix: on, ptuning_v2: off)."""
     prefix_hidden_size: int | None = None
     """prefix/ptuning_v2: hidden width of that MLP (unset = the model's key/value width)."""
+    prompt_init: Literal["tokens", "random"] | None = None
+    """prefix/ptuning_v2/prompt: tokens (also when unset) = start the virtual tokens from real
+    tokens (those of prompt_init_text, else sampled from the vocabulary): their input embeddings
+    (prompt) or the model's own keys/values for them (prefix, ptuning_v2); random = peft's
+    N(0, 1)."""
     prompt_init_text: str | None = None
-    """prompt: initialise the virtual tokens from this text's embeddings (random when unset)."""
+    """prefix/ptuning_v2/prompt: the text whose tokens the virtual tokens start from (unset:
+    tokens sampled from the vocabulary)."""
     double_quant: bool = True
     """qlora: also quantise the 4-bit blocks' scales (saves ~0.37 bit per parameter)."""
     compute_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
@@ -197,7 +203,7 @@ class TrainConfig:
     """Micro-batches accumulated per optimizer step."""
     lr: float | None = None
     """Peak learning rate (default by method: full/freeze 2e-5, lora/dora/qlora 2e-4, adapter
-    5e-4, ia3 3e-3, prefix/ptuning_v2 5e-3, prompt 3e-2)."""
+    5e-4, ia3 3e-2, prefix/ptuning_v2 5e-3, prompt 3e-2)."""
     optimizer: Literal["adamw", "adamw_8bit", "adamw_4bit", "paged_adamw_8bit"] = "adamw"
     """adamw, or AdamW with 8-bit (bitsandbytes, else torchao) or 4-bit (torchao) state;
     paged_adamw_8bit pages the state to CPU memory under GPU memory pressure (CUDA)."""

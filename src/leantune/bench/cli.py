@@ -8,9 +8,12 @@ import json
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from leantune.bench.throughput import add_arguments as throughput_arguments
+
+if TYPE_CHECKING:
+    from leantune.config import Config
 
 SplitArgs = Callable[[list[str]], tuple[str | None, list[str]]]
 """`leantune.cli`'s split of positional arguments into a config file and overrides."""
@@ -44,43 +47,134 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return report(args)
 
 
-def cmd_bench(args: argparse.Namespace, split_args: SplitArgs) -> int:
-    from leantune.bench.methods import machine_info, run_methods, write_outputs
-    from leantune.config import ConfigError, load_config
-    from leantune.methods.registry import DEFAULT_LR, METHODS
+def _task_overrides(
+    task: str | None, out: Path, config: str | None, sweep: bool
+) -> tuple[str | None, list[str]]:
+    """`--task instructions`: write the generated instruction task under `out` and point the
+    data at it (the demo config otherwise, when no CONFIG is given). A sweep is scored on its
+    validation split, the benchmark on its held-out one."""
+    if task is None:
+        return config, []
+    from leantune.bench.instructions import write_task
+    from leantune.config import DEMO_CONFIG
 
-    config, overrides = split_args(args.args)
-    overrides = [*overrides, f"train.max_steps={args.steps}"] if args.steps else overrides
-    cfg = load_config(config, overrides)  # validate once, before any run starts
+    train, held_out, valid = write_task(out / "task-data")
+    scored = valid if sweep else held_out
+    data = [f"data.train={train}", f"data.eval={scored}", "data.format=alpaca"]
+    return config or str(DEMO_CONFIG), data
+
+
+def _base_loss(cfg: Config, out: Path, reuse: bool) -> float | None:
+    """The base model's held-out loss (for the loss retention), kept in `out`/base_loss.json
+    for --reuse; None without held-out data or when the evaluation failed."""
+    from leantune.bench.methods import base_eval_loss, base_loss_command
+
+    saved = out / "base_loss.json"
+    if reuse and saved.is_file():
+        loss = json.loads(saved.read_text()).get("loss")
+        return float(loss) if isinstance(loss, (int, float)) else None
+    if cfg.data.eval is None:
+        return None
+    print("base model: held-out loss before training", flush=True)
+    fmt, limit, width = cfg.data.format, cfg.train.eval_limit, cfg.data.max_seq_len
+    cmd = base_loss_command(cfg.model.path, str(cfg.data.eval), fmt, limit, width)
+    loss = base_eval_loss(cmd, out / "base_loss.log")
+    out.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps({"loss": loss}) + "\n")
+    return loss
+
+
+def _selected(args: argparse.Namespace) -> list[str]:
+    from leantune.config import ConfigError
+    from leantune.methods.registry import METHODS
+
     methods = [m.strip() for m in args.methods.split(",")] if args.methods else list(METHODS)
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ConfigError(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
+    return methods
+
+
+def cmd_bench(args: argparse.Namespace, split_args: SplitArgs) -> int:
+    from leantune.bench.methods import (
+        BASELINE,
+        add_retention,
+        machine_info,
+        run_methods,
+        write_outputs,
+    )
+    from leantune.config import ConfigError, load_config
+    from leantune.methods.registry import DEFAULT_LR, METHODS
+
+    config, overrides = split_args(args.args)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: is a file; give a directory for the benchmark's runs")
+    config, data = _task_overrides(args.task, out, config, args.sweep)
+    overrides = [*overrides, *data]
+    overrides = [*overrides, f"train.max_steps={args.steps}"] if args.steps else overrides
+    cfg = load_config(config, overrides)  # validate once, before any run starts
+    methods = _selected(args)
     lrs = {m: DEFAULT_LR[m] for m in methods}
     try:
         given = _parse_lrs(args.lr, list(METHODS))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     lrs.update({m: v for m, v in given.items() if m in lrs})  # rates of unselected methods
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out}: is a file; give a directory for the benchmark's runs")
-    log = lambda m: print(m, flush=True)  # noqa: E731
-    results, base = run_methods(config, methods, lrs, out, overrides, log, args.reuse)
     meta = {
-        "benchmark": "methods",
+        "benchmark": "methods-sweep" if args.sweep else "methods",
         "config": config or "demo",
+        "task": args.task or "config",
         "model": cfg.model.path,
+        "train_data": str(cfg.data.train),
+        "scored_on": str(cfg.data.eval),
         "max_steps": cfg.train.max_steps,
         "micro_batch_size": cfg.train.micro_batch_size,
+        "grad_accum": cfg.train.grad_accum,
         "max_seq_len": cfg.data.max_seq_len,
+        "eval_limit": cfg.train.eval_limit,
         "machine": machine_info(),
     }
-    payload = write_outputs(results, base, meta, out)
+    if args.sweep:
+        return _sweep(args, config, overrides, methods, lrs, out, meta)
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    base_loss = _base_loss(cfg, out, args.reuse) if BASELINE in methods else None
+    results, base = run_methods(config, methods, lrs, out, overrides, log, args.reuse)
+    add_retention(results, base_loss)
+    payload = write_outputs(results, base, meta, out, base_loss)
     print((out / "methods.md").read_text())
     print(f"wrote {out / 'methods.md'}, {out / 'methods.json'}, {out / 'methods.png'}")
     print(json.dumps(payload))
     return 0 if all(r.status == "ok" for r in results) else 1
+
+
+def _sweep(
+    args: argparse.Namespace,
+    config: str | None,
+    overrides: list[str],
+    methods: list[str],
+    centers: dict[str, float],
+    out: Path,
+    meta: dict[str, Any],
+) -> int:
+    from leantune.bench.sweep import lr_grid, parse_grids, run_sweep, write_sweep
+    from leantune.config import ConfigError
+    from leantune.methods.registry import DEFAULT_LR, METHODS
+
+    if not (math.isfinite(args.factor) and args.factor > 1):
+        raise ConfigError(f"--factor {args.factor}: must be a finite number above 1")
+    try:
+        given = parse_grids(args.grid, list(METHODS))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    grids = {m: given.get(m) or lr_grid(centers[m], args.points, args.factor) for m in methods}
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    sweeps = run_sweep(config, grids, DEFAULT_LR, out, overrides, log, args.reuse)
+    payload = write_sweep(sweeps, meta, out)
+    print((out / "sweep.md").read_text())
+    print(f"wrote {out / 'sweep.md'}, {out / 'sweep.json'}")
+    print(json.dumps(payload))
+    return 0 if all(s.chosen_lr is not None for s in sweeps) else 1
 
 
 def add_bench_parser(
@@ -108,6 +202,31 @@ def add_bench_parser(
         "--reuse",
         action="store_true",
         help="read back methods whose run in --out already finished instead of training again",
+    )
+    bm.add_argument(
+        "--task",
+        choices=["instructions"],
+        default=None,
+        help="train on a generated task: instructions = alpaca-style instructions with free-text "
+        "answers (bench/instructions.py; default: the config's data)",
+    )
+    bm.add_argument(
+        "--sweep",
+        action="store_true",
+        help="sweep each method's learning rate instead (short runs, picked by held-out loss)",
+    )
+    bm.add_argument(
+        "--grid",
+        default=None,
+        help="--sweep: rates per method, e.g. ia3=1e-2:3e-2:1e-1 (default: --points rates "
+        "--factor apart around --lr or the method's default)",
+    )
+    bm.add_argument("--points", type=count(1), default=3, help="--sweep: rates per method")
+    bm.add_argument(
+        "--factor",
+        type=float,
+        default=3.16,
+        help="--sweep: ratio of neighbouring rates (default: 3.16, half a decade)",
     )
     bm.set_defaults(func=lambda args: cmd_bench(args, split_args))
     bt = bsub.add_parser("throughput", help="leantune against HF Trainer + PEFT on the same work")

@@ -21,6 +21,9 @@ from leantune.training.metrics import read_metrics
 
 Log = Callable[[str], None]
 
+BASELINE = "full"
+"""The method every other one is compared with (retention)."""
+
 
 @dataclass
 class MethodResult:
@@ -35,10 +38,57 @@ class MethodResult:
     peak_rss_gib: float | None = None
     tokens_per_s: float | None = None
     train_time_s: float | None = None
+    examples_seen: int | None = None
     eval_loss: float | None = None
     exact_match: float | None = None
     retention: float | None = None
+    """Exact match as a share of full fine-tuning's."""
+    loss_retention: float | None = None
+    """The held-out loss reduction from the base model as a share of full fine-tuning's:
+    (base - method) / (base - full)."""
     error: str | None = None
+
+
+def base_loss_command(
+    config_model: str, eval_file: str, fmt: str, limit: int | None, max_seq_len: int | str
+) -> list[str]:
+    """`leantune eval` of the untrained base model on the held-out file: its loss (exact match
+    is cut to one new token: the runs measure the base model's own)."""
+    cmd = [sys.executable, "-m", "leantune", "eval", "--model", config_model, "--data", eval_file]
+    cmd += ["--format", fmt, "--max-new-tokens", "1"]
+    cmd += ["--limit", str(limit)] if limit is not None else []
+    return cmd + (["--max-seq-len", str(max_seq_len)] if isinstance(max_seq_len, int) else [])
+
+
+def base_eval_loss(cmd: list[str], log_file: Path) -> float | None:
+    """Run `base_loss_command`; the loss it prints, or None when it failed."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    log_file.write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        return None
+    start = proc.stdout.find("{")
+    try:
+        loss = json.loads(proc.stdout[start:]).get("loss") if start >= 0 else None
+    except json.JSONDecodeError:
+        return None
+    return float(loss) if isinstance(loss, (int, float)) else None
+
+
+def run_overrides(
+    method: str, lr: float, run_dir: Path, overrides: list[str], base: bool
+) -> list[str]:
+    """The overrides of one method's run: the benchmark's, then the method, rate and folder."""
+    return [
+        *overrides,
+        f"method.name={method}",
+        f"train.lr={lr!r}",
+        f"run.dir={run_dir}",
+        "run.resume=never",
+        "run.progress=false",
+        f"train.eval_base={str(base).lower()}",
+    ]
 
 
 def train_command(
@@ -48,16 +98,20 @@ def train_command(
     cmd = [sys.executable, "-m", "leantune", "train"]
     if config is not None:
         cmd.append(config)
-    return [
-        *cmd,
-        *overrides,
-        f"method.name={method}",
-        f"train.lr={lr!r}",
-        f"run.dir={run_dir}",
-        "run.resume=never",
-        "run.progress=false",
-        f"train.eval_base={str(base).lower()}",
-    ]
+    return [*cmd, *run_overrides(method, lr, run_dir, overrides, base)]
+
+
+def run_logged(cmd: list[str], log_file: Path) -> str | None:
+    """Run one `leantune train` subprocess, its output into `log_file`; None when it succeeded,
+    else the reason (its last stderr line)."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    log_file.write_text(proc.stdout + proc.stderr)
+    if proc.returncode == 0:
+        return None
+    lines = [x for x in proc.stderr.strip().splitlines() if x.strip()]
+    return lines[-1] if lines else f"exit code {proc.returncode}"
 
 
 def read_run(method: str, lr: float, run_dir: Path) -> MethodResult:
@@ -78,6 +132,8 @@ def read_run(method: str, lr: float, run_dir: Path) -> MethodResult:
         peak_rss_gib=peak / 2**30,
         tokens_per_s=tokens / step_time if step_time > 0 else None,
         train_time_s=summary["train_time_s"],
+        # Rows per step; one example each when unpacked (the prompt methods need that anyway).
+        examples_seen=sum(r["micro_batch_size"] * r["grad_accum"] for r in rows),
         eval_loss=summary.get("eval_loss"),
         exact_match=summary.get("eval_exact_match"),
     )
@@ -112,12 +168,8 @@ def run_methods(
         cmd = train_command(config, method, lrs[method], run_dir, overrides, base=i == 0)
         log(f"[{i + 1}/{len(methods)}] {method} (lr {lrs[method]:g}) -> {run_dir}")
         t0 = time.perf_counter()
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-        (out_dir / f"{method}.log").write_text(proc.stdout + proc.stderr)
-        if proc.returncode != 0:
-            lines = [x for x in proc.stderr.strip().splitlines() if x.strip()]
-            reason = lines[-1] if lines else f"exit code {proc.returncode}"
+        reason = run_logged(cmd, out_dir / f"{method}.log")
+        if reason is not None:
             log(f"    failed: {reason}")
             results.append(MethodResult(method, lrs[method], "failed", error=reason))
             continue
@@ -131,43 +183,53 @@ def run_methods(
     return results, base_exact_match
 
 
-def add_retention(results: list[MethodResult]) -> None:
-    """Quality retention: each method's task metric as a share of full fine-tuning's."""
-    full = next((r for r in results if r.method == "full" and r.status == "ok"), None)
-    if full is None or not full.exact_match:
+def add_retention(results: list[MethodResult], base_loss: float | None = None) -> None:
+    """Quality retention against full fine-tuning: the exact match as a share of full's, and
+    (given the base model's held-out loss) the loss reduction as a share of full's."""
+    full = next((r for r in results if r.method == BASELINE and r.status == "ok"), None)
+    if full is None:
         return
     for r in results:
-        if r.exact_match is not None:
+        if full.exact_match and r.exact_match is not None:
             r.retention = r.exact_match / full.exact_match
+        gain = None if base_loss is None or full.eval_loss is None else base_loss - full.eval_loss
+        if gain and gain > 0 and r.eval_loss is not None:
+            r.loss_retention = (base_loss - r.eval_loss) / gain  # type: ignore[operator]
 
 
 def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def markdown_table(results: list[MethodResult], base_exact_match: float | None) -> str:
+def markdown_table(
+    results: list[MethodResult], base_exact_match: float | None, base_loss: float | None = None
+) -> str:
     """The benchmark as a Markdown table (retention relative to `full`)."""
     head = (
         "| method | lr | trainable params | trainable % | peak RSS (GiB) | tokens/s "
-        "| train time (s) | eval loss | exact match | retention vs full |\n"
-        "|---|---|---|---|---|---|---|---|---|---|\n"
+        "| train time (s) | examples seen | held-out loss | loss retention vs full "
+        "| exact match | exact-match retention vs full |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in results:
         if r.status != "ok":
             error = (r.error or "").replace("|", "/")
-            lines.append(f"| {r.method} | {r.lr:g} | failed: {error} |" + " |" * 7)
+            lines.append(f"| {r.method} | {r.lr:g} | failed: {error} |" + " |" * 9)
             continue
         lines.append(
             f"| {r.method} | {r.lr:g} | {_fmt(r.trainable_params, ',')} "
             f"| {_fmt(r.trainable_pct, '.3f')} "
             f"| {_fmt(r.peak_rss_gib, '.2f')} | {_fmt(r.tokens_per_s, '.0f')} "
-            f"| {_fmt(r.train_time_s, '.1f')} | {_fmt(r.eval_loss, '.4f')} "
+            f"| {_fmt(r.train_time_s, '.1f')} | {_fmt(r.examples_seen, ',')} "
+            f"| {_fmt(r.eval_loss, '.4f')} | {_fmt(r.loss_retention, '.0%')} "
             f"| {_fmt(r.exact_match, '.1%')} | {_fmt(r.retention, '.0%')} |"
         )
     foot = ""
     if base_exact_match is not None:
         foot = f"\nExact match of the base model before training: {base_exact_match:.1%}.\n"
+    if base_loss is not None:
+        foot += f"\nHeld-out loss of the base model before training: {base_loss:.4f}.\n"
     return head + "\n".join(lines) + "\n" + foot
 
 
@@ -197,16 +259,21 @@ def plot(results: list[MethodResult], path: Path) -> None:
 
 
 def write_outputs(
-    results: list[MethodResult], base_exact_match: float | None, meta: dict[str, Any], out: Path
+    results: list[MethodResult],
+    base_exact_match: float | None,
+    meta: dict[str, Any],
+    out: Path,
+    base_loss: float | None = None,
 ) -> dict[str, Any]:
     """Write methods.md, methods.json and methods.png under `out`; returns the JSON payload."""
     out.mkdir(parents=True, exist_ok=True)
     payload = {
         **meta,
         "base_exact_match": base_exact_match,
+        "base_eval_loss": base_loss,
         "results": [asdict(r) for r in results],
     }
-    (out / "methods.md").write_text(markdown_table(results, base_exact_match))
+    (out / "methods.md").write_text(markdown_table(results, base_exact_match, base_loss))
     (out / "methods.json").write_text(json.dumps(payload, indent=2) + "\n")
     if any(r.status == "ok" for r in results):
         plot(results, out / "methods.png")

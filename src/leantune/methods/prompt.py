@@ -8,6 +8,8 @@
   prefix tuning - peft has no separate type - with the reparameterisation off by default, as in
   the paper's reference code (`prefix_projection=False`); `method.prefix_projection` switches it.
 
+All three start from real tokens by default (`methods.virtual_init`), not peft's N(0, 1).
+
 Both prefix variants save in peft's format; with the MLP on, peft saves the computed key/value
 prefixes (not the MLP), which is all inference needs.
 
@@ -25,19 +27,19 @@ import functools
 from typing import Any, TypeVar, cast
 
 import torch
-from peft import (
-    PeftModel,
-    PrefixTuningConfig,
-    PromptTuningConfig,
-    PromptTuningInit,
-    get_peft_model,
-)
+from peft import PeftModel, PrefixTuningConfig, PromptTuningConfig, get_peft_model
 from peft.utils import PeftType
 from torch import nn
 from transformers import DynamicCache
 
 from leantune.methods.lora import quiet_peft
 from leantune.methods.registry import METHODS
+from leantune.methods.virtual_init import (
+    VirtualInit,
+    init_prefix_from_activations,
+    init_prompt_embeddings,
+    init_token_ids,
+)
 from leantune.training.token_loss import VIRTUAL_TOKENS_HOOK
 
 M = TypeVar("M", bound=nn.Module)
@@ -51,6 +53,7 @@ def apply_prefix(
     num_virtual_tokens: int,
     prefix_projection: bool,
     encoder_hidden_size: int | None = None,
+    init: VirtualInit | None = None,
 ) -> nn.Module:
     """Wrap `model` in peft prefix tuning: `num_virtual_tokens` learned keys/values per layer.
 
@@ -59,6 +62,7 @@ def apply_prefix(
         num_virtual_tokens: Prefix length.
         prefix_projection: Train the prefixes through a two-layer tanh MLP (reparameterisation).
         encoder_hidden_size: Hidden width of that MLP (peft default: the model's key/value width).
+        init: Start from the model's keys/values for real tokens; None = peft's N(0, 1).
     """
     config = PrefixTuningConfig(
         task_type="CAUSAL_LM",
@@ -67,36 +71,30 @@ def apply_prefix(
         encoder_hidden_size=encoder_hidden_size,  # type: ignore[arg-type]
     )
     with quiet_peft():
-        return with_virtual_tokens(get_peft_model(model, config))
+        peft_model = get_peft_model(model, config)
+    if init is not None:
+        ids = init_token_ids(model, num_virtual_tokens, init.text, init.tokenizer_path)
+        init_prefix_from_activations(peft_model, ids)
+    return with_virtual_tokens(peft_model)
 
 
 def apply_prompt_tuning(
-    model: nn.Module,
-    num_virtual_tokens: int,
-    init_text: str | None = None,
-    tokenizer_path: str | None = None,
+    model: nn.Module, num_virtual_tokens: int, init: VirtualInit | None = None
 ) -> nn.Module:
     """Wrap `model` in peft prompt tuning: `num_virtual_tokens` learned input embeddings.
 
     Args:
         model: A causal LM.
         num_virtual_tokens: Number of virtual tokens.
-        init_text: Initialise the virtual tokens from the embeddings of this text (repeated or cut
-            to `num_virtual_tokens`); random when None.
-        tokenizer_path: Where the tokenizer for `init_text` lives (a local directory).
+        init: Start from the input embeddings of real tokens; None = peft's N(0, 1).
     """
-    if init_text is not None:
-        config = PromptTuningConfig(
-            task_type="CAUSAL_LM",
-            num_virtual_tokens=num_virtual_tokens,
-            prompt_tuning_init=PromptTuningInit.TEXT,
-            prompt_tuning_init_text=init_text,
-            tokenizer_name_or_path=tokenizer_path,
-        )
-    else:
-        config = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=num_virtual_tokens)
+    config = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=num_virtual_tokens)
     with quiet_peft():
-        return with_virtual_tokens(get_peft_model(model, config))
+        peft_model = get_peft_model(model, config)
+    if init is not None:
+        ids = init_token_ids(model, num_virtual_tokens, init.text, init.tokenizer_path)
+        init_prompt_embeddings(peft_model, ids)
+    return with_virtual_tokens(peft_model)
 
 
 def with_virtual_tokens(model: M) -> M:

@@ -137,10 +137,19 @@ def resolve_optimizer(name: str, device_type: str) -> Backend:
     )
 
 
+# IA3's scale vectors are stored as (n, 1) or (1, n) matrices but start at 1: decay would pull
+# every scaled layer towards 0, not towards the base model.
+_NO_DECAY_MARKERS = ("norm", "ia3_l")
+
+
+def _decays(name: str, param: nn.Parameter) -> bool:
+    return param.ndim >= 2 and not any(m in name.lower() for m in _NO_DECAY_MARKERS)
+
+
 def param_groups(named_params: dict[str, nn.Parameter], weight_decay: float) -> ParamGroups:
-    """Weight decay on matrices only (never on biases, norms or other 1-D tensors)."""
-    decay = [p for n, p in named_params.items() if p.ndim >= 2 and "norm" not in n.lower()]
-    no_decay = [p for n, p in named_params.items() if not (p.ndim >= 2 and "norm" not in n.lower())]
+    """Weight decay on matrices only (never on biases, norms, IA3 scales or 1-D tensors)."""
+    decay = [p for n, p in named_params.items() if _decays(n, p)]
+    no_decay = [p for n, p in named_params.items() if not _decays(n, p)]
     groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
