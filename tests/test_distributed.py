@@ -497,7 +497,10 @@ def test_nproc_execs_torchrun_with_the_world_size_it_asks_for(
 
     seen: dict[str, Any] = {}
     monkeypatch.setattr(launch.os, "execve", lambda *a: seen.update(argv=a[1], env=a[2]))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("leantune.training.threads.usable_physical_cores", lambda: 8)
     launch.exec_torchrun(3, 2, ["train", "cfg.yaml", "train.lr=1e-4"])
+    assert seen["env"]["OMP_NUM_THREADS"] == "2"  # 8 cores shared by 3 ranks
     assert seen["argv"] == [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
         "--max-restarts=2", "-m", "leantune", "train", "cfg.yaml", "train.lr=1e-4",

@@ -47,9 +47,18 @@ def exec_torchrun(nproc: int, max_restarts: int, train_args: list[str]) -> None:
     # A restart reusing the rendezvous store can read the killed attempt's addresses and fail
     # to connect (pytorch#135712): give each attempt a store of its own.
     env.setdefault(NO_SHARED_STORE_ENV, "1")
+    # torchrun gives each of several processes 1 thread; the cores are the ranks' to share.
+    env.setdefault("OMP_NUM_THREADS", str(rank_threads(nproc)))
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(command[0], command, env)
+
+
+def rank_threads(nproc: int) -> int:
+    """Intra-op threads per rank: this machine's usable physical cores shared out evenly."""
+    from leantune.training.threads import usable_physical_cores
+
+    return max(1, usable_physical_cores() // nproc)
 
 
 def rank_tag() -> str:
