@@ -543,7 +543,9 @@ def validate(cfg: Config) -> list[str]:
     _validate_run(cfg.run)
     check_monitor(cfg.monitor)
     _validate_method(cfg)
-    check_dist(cfg.dist, m.name, t.device, t.eval_every)
+    check_dist(
+        cfg.dist, m.name, METHODS[m.name].base_quantization is not None, t.device, t.eval_every
+    )
     warnings: list[str] = check_libraries(cfg)
     lr, advice = t.lr, METHODS[m.name].lr_advice
     if advice is not None and lr is not None and lr >= advice.high:

@@ -41,7 +41,9 @@ CPU_OFFLOAD_ON_CPU = (
 )
 
 
-def check_dist(d: DistConfig, method: str, device: str, eval_every: int) -> None:
+def check_dist(
+    d: DistConfig, method: str, quantized_base: bool, device: str, eval_every: int
+) -> None:
     """Cross-field checks of `dist:`; raises ConfigError naming the field and the fix."""
     if not d.timeout_s > 0:
         raise ConfigError(f"dist.timeout_s: must be > 0 seconds, got {d.timeout_s}")
@@ -60,8 +62,8 @@ def check_dist(d: DistConfig, method: str, device: str, eval_every: int) -> None
             "which holds only a shard of the model; use dist.strategy=ddp, or train.eval_every=0 "
             "(the closing evaluation still runs, on the gathered model)"
         )
-    if d.strategy == "fsdp2" and method == "qlora":
+    if d.strategy == "fsdp2" and quantized_base:
         raise ConfigError(
-            "dist.strategy=fsdp2 with method.name=qlora: 4-bit base weights are not sharded by "
-            "this leantune; use dist.strategy=ddp (the 4-bit base is small on every rank)"
+            f"dist.strategy=fsdp2 with method.name={method}: 4-bit base weights are not sharded "
+            "by this leantune; use dist.strategy=ddp (the 4-bit base is small on every rank)"
         )

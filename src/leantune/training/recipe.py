@@ -296,8 +296,7 @@ def set_up(
     base_exact_match = None
     if t.eval_exact_match and t.eval_base and eval_inputs and run.plan.action == "fresh":
         # On the bare base model, before any adapter exists (an untrained adapter is a no-op
-        # that would only cost time). Every rank evaluates (the same), so none waits for rank 0
-        # in a collective longer than dist.timeout_s; rank 0's result is the run's.
+        # that would only cost time). All ranks evaluate: none idles in a collective meanwhile.
         base_exact_match = exact_match_before(model, eval_inputs, settings, log)
     model, trained, params, (trainable, total) = _wrap(cfg, model, strategy, log)
     evaluator = _periodic_eval(cfg, model, eval_inputs, settings)  # on every rank, as above
