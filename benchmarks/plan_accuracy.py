@@ -62,6 +62,11 @@ GRID: dict[str, tuple[str, str, int, int, bool, str]] = {
     "mid-lora-b4-t256-ckpt": ("mid", "lora", 4, 256, True, "sdpa"),
     "demo-lora-b1-t256": ("demo", "lora", 1, 256, False, "sdpa"),
     "demo-full-b1-t128-ckpt": ("demo", "full", 1, 128, True, "sdpa"),
+    # segment attention (model.attn_implementation=segments, what auto picks for packed rows)
+    "small-lora-b4-t256-segments": ("small", "lora", 4, 256, False, "segments"),
+    "mid-full-b2-t512-segments": ("mid", "full", 2, 512, False, "segments"),
+    "mid-lora-b2-t1024-segments": ("mid", "lora", 2, 1024, False, "segments"),
+    "demo-lora-b1-t1024-segments": ("demo", "lora", 1, 1024, False, "segments"),
 }
 
 
@@ -110,6 +115,7 @@ def _warm_up(method: str, ckpt: bool, attn: str) -> None:
 
     from leantune.config import MethodConfig
     from leantune.methods.registry import apply_method, trainable_named_parameters
+    from leantune.models.attention import transformers_name
     from leantune.models.loading import enable_gradient_checkpointing
     from leantune.training.optim import build_optimizer
     from leantune.training.trainer import backward_window
@@ -117,7 +123,7 @@ def _warm_up(method: str, ckpt: bool, attn: str) -> None:
     dims = {**SMALL, "vocab_size": 512, "num_hidden_layers": 2, "hidden_size": 64}
     dims["intermediate_size"] = 128
     config = LlamaConfig(**dims, tie_word_embeddings=True)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=transformers_name(attn))
     model = apply_method(model, MethodConfig(name=method))  # type: ignore[arg-type]
     if ckpt:
         enable_gradient_checkpointing(model)
@@ -139,6 +145,7 @@ def worker(name: str) -> dict[str, Any]:
 
     from leantune.config import MethodConfig
     from leantune.methods.registry import apply_method, trainable_named_parameters
+    from leantune.models.attention import transformers_name
     from leantune.models.loading import enable_gradient_checkpointing, load_model, resolve_model
     from leantune.training.optim import build_optimizer
     from leantune.training.trainer import backward_window
@@ -153,7 +160,9 @@ def worker(name: str) -> dict[str, Any]:
         model = load_model(resolve_model(DEMO), dtype="fp32", attn_implementation=attn)
     else:
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=transformers_name(attn)
+        )
     model = apply_method(model, MethodConfig(name=method))  # type: ignore[arg-type]
     if ckpt:
         enable_gradient_checkpointing(model)
