@@ -79,11 +79,13 @@ def _saved_activation_bytes(model: torch.nn.Module, batch: dict[str, torch.Tenso
     own = {p.untyped_storage().data_ptr() for p in model.parameters()}
     own |= {b.untyped_storage().data_ptr() for b in model.buffers()}
     seen: dict[int, int] = {}
+    held: list[torch.Tensor] = []  # a freed storage's address, reused, must not merge two
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
         if st.data_ptr() not in own:
             seen[st.data_ptr()] = st.nbytes()
+            held.append(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
