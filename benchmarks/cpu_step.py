@@ -23,12 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
 import sys
 import time
+
+from attention import cpu_name  # benchmarks/attention.py, beside this script
 
 ROW = 2048
 EXAMPLES = [412, 361, 330, 297, 260, 222, 166]
@@ -143,17 +144,6 @@ def run_child(text: str, args: argparse.Namespace) -> dict:
     rate, per_cpu, rss = result["tokens_per_s"], result["tokens_per_cpu_s"], result["peak_rss_mb"]
     print(f"  {text:28} {rate:7.1f} tok/s {per_cpu:7.1f} tok/cpu-s  {rss} MB", flush=True)
     return result
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def summarise(results: list[dict], variants: list[str]) -> dict[str, dict]:
