@@ -366,7 +366,13 @@ def test_no_row_by_row_tensor_is_kept() -> None:
     step = StepSettings(1, width)
     masked = estimate(facts, step)
     cut = estimate(facts, dataclasses.replace(step, attn_implementation="segments"))
-    assert masked.activations - cut.activations == width * width * (1 + 4 * blocks)
+    # The masks, and K and V at their grouped heads (segments pass GQA heads to the kernel as
+    # they are; a masked sdpa call gets them repeated to every query head).
+    c = tiny_llama_config()
+    head_dim = c.hidden_size // c.num_attention_heads
+    repeated = (c.num_attention_heads - c.num_key_value_heads) * head_dim
+    kv = width * blocks * 2 * repeated * 4
+    assert masked.activations - cut.activations == width * width * (1 + 4 * blocks) + kv
 
 
 def test_rows_reach_the_kernel_unmixed(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -117,7 +117,9 @@ def activation_bytes_per_token(layer: LayerTraining, s: ModelShape, st: StepSett
     act = 4 if st.precision == "fp32" else 2
     h, i, d = s.hidden, s.intermediate, s.head_dim
     q = s.heads * d
-    kv = q  # packed rows carry a mask, so SDPA gets GQA heads expanded (repeat_kv)
+    # Rows with a mask give SDPA GQA heads expanded (repeat_kv); segment attention passes the
+    # grouped heads as they are (enable_gqa), so only those are saved.
+    kv = s.kv_heads * d if st.attn_implementation == "segments" else q
     elems = 2 * h  # each RMSNorm keeps its input (the residual stream)
     elems += 2 * h if layer.norms_train else 0
     attn_savers = len(layer.saves_input & set(ATTN_INPUT))
