@@ -29,11 +29,8 @@ import subprocess
 import sys
 import time
 
-from attention import cpu_name  # benchmarks/attention.py, beside this script
+from attention import EXAMPLES, ROW, cpu_name  # benchmarks/attention.py, beside this script
 
-ROW = 2048
-EXAMPLES = [412, 361, 330, 297, 260, 222, 166]
-"""Seven example lengths that fill one 2,048-token row (a realistic spread)."""
 DEFAULTS = {"rows": "1", "weights": "fp32", "precision": "bf16", "threads": "2", "compile": "0"}
 DEFAULTS["malloc"] = "0"
 VARIANTS = [
