@@ -1,6 +1,6 @@
 """Peak memory per rank and step time of the demo model on 1 process and on 2 (ddp, fsdp2).
 
-    PYTHONPATH=src python benchmarks/distributed.py [--steps 8] [--out FILE]
+    PYTHONPATH=src python benchmarks/distributed.py [--steps 8] [--runs fsdp2] [--out FILE]
 
 SmolLM2-135M-Instruct, LoRA, the demo's data packed to 512-token rows, train.precision as the
 demo resolves it, 2 rows per step: one process with micro-batch 2 (and with micro-batch 1 x 2,
@@ -111,6 +111,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out", default="benchmarks/results/distributed-cpu.json")
     p.add_argument("--model", default=None, help="another model.path (a smoke run)")
+    p.add_argument("--runs", default="", help="only the runs whose name contains this text")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args, rest = p.parse_known_args()
     if args.child:
@@ -121,6 +122,8 @@ def main() -> None:
     report = {"benchmark": "distributed", "cpu": cpu, "cores": os.cpu_count(), "steps": args.steps}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (nproc, extra) in RUNS.items():
+            if args.runs not in name:
+                continue
             model = [f"model.path={args.model}"] if args.model else []
             results.append(run(name, nproc, [*model, *extra], args.steps, Path(tmp)))
             r = results[-1]

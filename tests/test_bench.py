@@ -73,7 +73,9 @@ def test_bench_methods_end_to_end(
     assert payload["max_steps"] == 2
     assert (out / "methods.png").stat().st_size > 1000
     table = (out / "methods.md").read_text()
-    assert "| lora | 0.001 |" in table and "| full | 2e-05 | failed:" in table
+    from leantune.methods.registry import DEFAULT_LR
+
+    assert "| lora | 0.001 |" in table and f"| full | {DEFAULT_LR['full']:g} | failed:" in table
 
     # --reuse reads the finished lora run back instead of training it again.
     import leantune.bench.methods as bench

@@ -66,7 +66,7 @@ def test_sweep_end_to_end_chooses_the_lowest_held_out_loss_and_reuses(
         assert payload["chosen_lr"][sweep["method"]] == sweep["chosen_lr"]
     # On 3 steps the larger LoRA rate lowers the loss more: the choice follows the loss.
     assert lora["chosen_lr"] == 3e-2
-    assert "| lora | 0.0002 | 0.03 |" in (out / "sweep.md").read_text()
+    assert f"| lora | {lora['default_lr']:g} | 0.03 |" in (out / "sweep.md").read_text()
 
     import leantune.bench.sweep as sweep
 

@@ -124,7 +124,7 @@ def test_missing_train_file_and_exact_match_needs_eval(tmp_path: Path) -> None:
 
 
 def test_risky_settings_warn() -> None:
-    cfg = load_config(None, ["method.name=full", "train.lr=1e-4", "train.warmup_ratio=0.01"])
+    cfg = load_config(None, ["method.name=full", "train.lr=3e-4", "train.warmup_ratio=0.01"])
     warnings = validate(cfg)
     assert any("high for full fine-tuning" in w for w in warnings)
     assert any("warmup_ratio" in w for w in warnings)

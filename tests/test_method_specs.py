@@ -35,17 +35,17 @@ from leantune.training.token_loss import VIRTUAL_TOKENS_HOOK, supervised_logits
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = sorted(METHODS)
-# Each method's default rate; ia3's from the sweep in benchmarks/results/sweep-demo-cpu.md.
+# Each method's default rate, from the sweeps in benchmarks/results/sweep-*-cpu.md.
 DEFAULTS_LR = {
-    "full": 2e-5,
-    "lora": 2e-4,
-    "dora": 2e-4,
-    "qlora": 2e-4,
-    "ia3": 3e-2,
-    "freeze": 2e-5,
-    "adapter": 5e-4,
-    "prefix": 5e-3,
-    "ptuning_v2": 5e-3,
+    "full": 1e-4,
+    "lora": 2e-3,
+    "dora": 2e-3,
+    "qlora": 2e-3,
+    "ia3": 1e-2,
+    "freeze": 1e-3,
+    "adapter": 2e-3,
+    "prefix": 3e-4,
+    "ptuning_v2": 3e-2,
     "prompt": 3e-2,
 }
 IDS = torch.tensor([[5, 17, 42, 7, 99, 3, 11, 23]])
@@ -130,9 +130,14 @@ def test_validation_follows_the_spec(name: str) -> None:
             _cfg(name, "train.kl_coef=0.1")
     cfg = load_config(None, [f"method.name={name}", "data.pack=false", "method.r=128"])
     assert any("LoRA ranks above 64" in w for w in validate(cfg)) is spec.lora_settings
-    cfg = load_config(None, [f"method.name={name}", "data.pack=false", "train.lr=1e-4"])
+    cfg = load_config(None, [f"method.name={name}", "data.pack=false", "train.lr=3e-4"])
     high = [w for w in validate(cfg) if "is high for" in w]
     assert bool(high) is (spec.lr_advice is not None)
+    # The method's own default never draws the warning, set explicitly or not.
+    cfg = load_config(
+        None, [f"method.name={name}", "data.pack=false", f"train.lr={spec.default_lr}"]
+    )
+    assert not [w for w in validate(cfg) if "is high for" in w]
     # The methods' own checks: freeze with nothing to train, a prompt-learning init text that a
     # random init would ignore; each is refused by its methods only.
     cases = {

@@ -202,8 +202,8 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
     lr: float | None = None
-    """Peak learning rate (default by method: full/freeze 2e-5, lora/dora/qlora 2e-4, adapter
-    5e-4, ia3 3e-2, prefix/ptuning_v2 5e-3, prompt 3e-2)."""
+    """Peak learning rate (default by method, measured by sweeps: full 1e-4, freeze 1e-3,
+    lora/dora/qlora/adapter 2e-3, ia3 1e-2, prefix 3e-4, ptuning_v2/prompt 3e-2)."""
     optimizer: Literal["adamw", "adamw_8bit", "adamw_4bit", "paged_adamw_8bit"] = "adamw"
     """adamw, or AdamW with 8-bit (bitsandbytes, else torchao) or 4-bit (torchao) state;
     paged_adamw_8bit pages the state to CPU memory under GPU memory pressure (CUDA)."""
