@@ -26,10 +26,13 @@ from test_distributed import (
     _torchrun,
 )
 
+from leantune.config import load_config
 from leantune.config_dist import DEEPSPEED_INSTALL
 from leantune.config_parse import ConfigError
 from leantune.training import recipe
-from leantune.training.checkpoint import list_complete_checkpoints
+from leantune.training.checkpoint import list_complete_checkpoints, load_checkpoint
+from leantune.training.events import read_events
+from leantune.training.faults import FAULT_RANK_ENV, LOSS_SCALE_ENV, OOM_STEP_ENV, SIGNAL_ENV
 from leantune.training.metrics import read_metrics
 
 
@@ -38,22 +41,32 @@ def train_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_jsonl(tmp_path_factory.mktemp("zero_data") / "train.jsonl", chat_rows(32))
 
 
-def _reference(model: Path, data: Path, run_dir: Path, method: str) -> Path:
-    """One process, micro-batch 4, no DeepSpeed: the run ZeRO must reproduce."""
-    args = (*COMMON, *ONE, f"method.name={method}")
-    recipe.train(make_config(model, data, run_dir, *args), log=lambda _: None)
-    return run_dir
+@pytest.fixture(scope="module")
+def reference(
+    tiny_llama_dir: Path, train_file: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """One process without DeepSpeed, micro-batch 4, per method: the run ZeRO must reproduce."""
+    runs = {}
+    for method in ("lora", "full"):
+        run_dir = tmp_path_factory.mktemp(f"one_{method}") / "run"
+        args = (*COMMON, *ONE, f"method.name={method}")
+        recipe.train(make_config(tiny_llama_dir, train_file, run_dir, *args), log=lambda _: None)
+        runs[method] = run_dir
+    return runs
 
 
-@pytest.mark.parametrize("method", ["lora", pytest.param("full", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", ["lora", "full"])
 def test_zero3_on_two_processes_updates_as_one_with_twice_the_micro_batch(
-    tiny_llama_dir: Path, train_file: Path, tmp_path: Path, method: str
+    tiny_llama_dir: Path,
+    train_file: Path,
+    reference: dict[str, Path],
+    tmp_path: Path,
+    method: str,
 ) -> None:
-    one = _reference(tiny_llama_dir, train_file, tmp_path / "one", method)
     run_dir = tmp_path / "run"
     args = _args(tiny_llama_dir, train_file, run_dir, *TWO, f"method.name={method}")
     _ok(_torchrun(2, [*args, "dist.strategy=deepspeed"], log_dir=tmp_path / "logs"))
-    _assert_same_run(one, run_dir)
+    _assert_same_run(reference[method], run_dir)
     out = {p.parent.name: p.read_text() for p in (tmp_path / "logs").glob("*/*/*/stdout.log")}
     assert set(out) == {"0", "1"} and "summary: steps=4" in out["0"]
     ckpts = list_complete_checkpoints(run_dir / "checkpoints")
@@ -61,3 +74,108 @@ def test_zero3_on_two_processes_updates_as_one_with_twice_the_micro_batch(
     marker = json.loads((ckpts[-1] / "COMPLETE").read_text())
     assert "layout" not in marker and "model.safetensors" in marker["files"]
     _assert_loads_in_plain_transformers(run_dir / "final", tiny_llama_dir, method)
+
+
+def test_zero1_and_zero2_continue_each_other_and_one_process_at_other_world_sizes(
+    tiny_llama_dir: Path, train_file: Path, reference: dict[str, Path], tmp_path: Path
+) -> None:
+    """ZeRO-1 on 2 processes, stopped by SIGTERM after step 2, continued by ZeRO-3 on a world
+    of one; one process without DeepSpeed, stopped after step 2, continued by ZeRO-2 on 2
+    processes: each equals the uninterrupted one-process run (the checkpoints hold the
+    gathered weights and Adam state, in the single-process layout)."""
+    run_dir = tmp_path / "zero1_then_zero3_alone"
+    args = _args(tiny_llama_dir, train_file, run_dir, "dist.strategy=deepspeed")
+    done = _torchrun(2, [*args, *TWO, "dist.zero_stage=1"], **{SIGNAL_ENV: "4:TERM"})
+    assert done.returncode != 0 and "stopped before step 3" in done.stderr, done.stderr[-3000:]
+    ckpt = list_complete_checkpoints(run_dir / "checkpoints")[-1]
+    assert ckpt.name == "step-000002" and not load_checkpoint(ckpt).sharded
+    done = _one_process([*args, *ONE, "dist.zero_stage=3"])
+    _ok(done)
+    assert "resumed from" in done.stdout
+    _assert_same_run(reference["lora"], run_dir)
+
+    run_dir = tmp_path / "one_then_zero2"
+    args = _args(tiny_llama_dir, train_file, run_dir)
+    done = _one_process([*args, *ONE], **{SIGNAL_ENV: "2:TERM"})
+    assert done.returncode == 143, done.stderr[-3000:]
+    done = _torchrun(2, [*args, *TWO, "dist.strategy=deepspeed", "dist.zero_stage=2"])
+    _ok(done)
+    assert "resumed from" in done.stdout
+    _assert_same_run(reference["lora"], run_dir)
+
+
+@pytest.mark.slow
+def test_a_nan_on_one_rank_skips_the_step_on_every_rank_under_zero3(
+    tiny_llama_dir: Path, train_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guard's skip discards ZeRO's partitioned gradients: the next step starts clean."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    monkeypatch.setenv(LOSS_SCALE_ENV, "2:nan")
+    recipe.train(make_config(tiny_llama_dir, train_file, one, *COMMON, *ONE), log=lambda _: None)
+    monkeypatch.delenv(LOSS_SCALE_ENV)
+    args = _args(tiny_llama_dir, train_file, two, *TWO, "dist.strategy=deepspeed")
+    _ok(_torchrun(2, args, **{LOSS_SCALE_ENV: "2:nan", FAULT_RANK_ENV: "1"}))
+    kinds = [(e["kind"], e["step"]) for e in read_events(two / "events.jsonl")]
+    assert ("nonfinite", 2) in kinds
+    _assert_same_run(one, two)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_out_of_memory_error_on_one_rank_replays_the_window_under_zero(
+    tiny_llama_dir: Path, train_file: Path, reference: dict[str, Path], tmp_path: Path, stage: int
+) -> None:
+    """The abandoned micro-batch's gradients are discarded before the replay."""
+    run_dir = tmp_path / "run"
+    args = _args(tiny_llama_dir, train_file, run_dir, *TWO, "dist.strategy=deepspeed")
+    _ok(
+        _torchrun(
+            2, [*args, f"dist.zero_stage={stage}"], **{OOM_STEP_ENV: "2", FAULT_RANK_ENV: "1"}
+        )
+    )
+    assert [r["micro_batch_size"] for r in read_metrics(run_dir / "metrics.jsonl")] == [2, 1, 1, 1]
+    _assert_same_run(reference["lora"], run_dir)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["dist.zero_stage=2"], "dist.zero_stage is a deepspeed setting"),
+        (["dist.strategy=deepspeed", "dist.zero_stage=4"], "dist.zero_stage: 1, 2 or 3, got 4"),
+        (["dist.strategy=deepspeed", "train.optimizer=adamw_8bit"], "train.optimizer=adamw_8bit"),
+        (["dist.strategy=deepspeed", "method.name=qlora"], "deepspeed with method.name=qlora"),
+        (
+            ["dist.strategy=deepspeed", "train.eval_every=2", "data.eval={eval}"],
+            "train.eval_every with dist.strategy=deepspeed and dist.zero_stage=3",
+        ),
+    ],
+)
+def test_deepspeed_settings_are_checked_before_anything_runs(
+    overrides: list[str], message: str, tmp_path: Path
+) -> None:
+    eval_file = write_jsonl(tmp_path / "eval.jsonl", chat_rows(2))
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [o.format(eval=eval_file) for o in overrides])
+
+
+def test_fp16_is_refused_with_deepspeed() -> None:
+    from leantune.config_dist import DistConfig, check_deepspeed
+
+    with pytest.raises(ConfigError, match=r"train\.precision=fp16 with dist\.strategy=deepspeed"):
+        check_deepspeed(DistConfig(strategy="deepspeed"), "fp16", "adamw", "lora", False)
+
+
+def test_without_deepspeed_installed_the_error_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name)
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["dist.strategy=deepspeed"])
+    assert "dist.strategy=deepspeed needs DeepSpeed" in str(err.value)
+    assert DEEPSPEED_INSTALL in str(err.value)
+    assert DEEPSPEED_INSTALL == "pip install --no-build-isolation 'deepspeed==0.19.8'"

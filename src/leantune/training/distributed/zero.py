@@ -27,6 +27,7 @@ stays leantune's, as for DDP and FSDP2:
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -192,6 +193,8 @@ class ZeroStrategy:
         index = {id(p): i for i, p in enumerate(self.order)}
         self.groups = [[index[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         config = engine_config(self.zero_stage, self.max_grad_norm)
+        # DeepSpeed insists on a launcher's LOCAL_RANK; a world of one has none.
+        os.environ.setdefault("LOCAL_RANK", str(self.world.local_rank))
         with c.named(self.world, "deepspeed.initialize"):
             engine, _, _, _ = deepspeed.initialize(
                 model=self.slot.loss_module,
@@ -294,16 +297,23 @@ class ZeroStrategy:
         for name, p in params.items():
             safe_set_full_fp32_param(p, ckpt.weights[name].float())
         _copy_masters_to_model(zero, params, ckpt.weights, self.zero_stage)
+        groups = ckpt.optimizer["param_groups"]
+        for group, was in zip(zero.optimizer.param_groups, groups, strict=True):
+            group.update({k: v for k, v in was.items() if k != "params"})  # lr, as it was
         saved = ckpt.optimizer.get("state", {})
         if not saved:
             return
         step = next(iter(saved.values()))["step"]
-        base = zero.optimizer
-        for group in base.param_groups:
-            for flat in group["params"]:
-                base.state[flat] = {"step": step.clone()} | {
-                    k: torch.zeros_like(flat) for k in _ADAM_STATE
-                }
+        # Adam's state is created by its first step: make it here, on ZeRO's fp32 partitions.
+        flats = (
+            zero.fp32_partitioned_groups_flat
+            if self.zero_stage == 3
+            else zero.single_partition_of_fp32_groups
+        )
+        for flat in flats:
+            zero.optimizer.state[flat] = {"step": step.clone()} | {
+                k: torch.zeros_like(flat) for k in _ADAM_STATE
+            }
         if self.zero_stage != 3:
             zero._lazy_init_hp_params_optimizer_state()
         index = {id(p): i for i, p in enumerate(self.order)}
