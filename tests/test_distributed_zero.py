@@ -179,3 +179,29 @@ def test_without_deepspeed_installed_the_error_says_how_to_install_it(
     assert "dist.strategy=deepspeed needs DeepSpeed" in str(err.value)
     assert DEEPSPEED_INSTALL in str(err.value)
     assert DEEPSPEED_INSTALL == "pip install --no-build-isolation 'deepspeed==0.19.8'"
+
+
+def test_a_rank_whose_deepspeed_sees_another_world_than_torchrun_started_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The launcher trap (one process started where two were asked for), seen from DeepSpeed's
+    side: its data-parallel world must be the process group's."""
+    import types
+
+    import deepspeed
+    import torch
+
+    from leantune.training.distributed.world import World, WorldSizeMismatch
+    from leantune.training.distributed.zero import ZeroStrategy, engine_config
+
+    assert engine_config(2, 1.0)["zero_optimization"] == {"stage": 2}
+    assert engine_config(3, 0.0)["gradient_clipping"] == 0.0
+    assert engine_config(3, 0.5)["gradient_accumulation_steps"] == 1  # the loop accumulates
+    engine = types.SimpleNamespace(dp_world_size=1)
+    monkeypatch.setattr(deepspeed, "initialize", lambda **_: (engine, None, None, None))
+    world = World(0, 2, 0, torch.device("cpu"), None, 1.0)  # type: ignore[arg-type]
+    strategy = ZeroStrategy(world, zero_stage=3, max_grad_norm=1.0)
+    strategy.wrap_model(torch.nn.Linear(2, 2))
+    optimizer = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
+    with pytest.raises(WorldSizeMismatch, match="DeepSpeed sees 1 data-parallel processes"):
+        strategy.prepare_optimizer(optimizer)
