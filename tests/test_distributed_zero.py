@@ -13,8 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import chat_rows, make_config, write_jsonl
-from test_distributed import (
+from conftest import (
     COMMON,
     ONE,
     TWO,
@@ -24,6 +23,9 @@ from test_distributed import (
     _ok,
     _one_process,
     _torchrun,
+    chat_rows,
+    make_config,
+    write_jsonl,
 )
 
 from leantune.config import load_config
