@@ -78,29 +78,29 @@ def test_zero3_on_two_processes_updates_as_one_with_twice_the_micro_batch(
     _assert_loads_in_plain_transformers(run_dir / "final", tiny_llama_dir, method)
 
 
-def test_zero1_and_zero2_continue_each_other_and_one_process_at_other_world_sizes(
+def test_zero_runs_continue_each_other_and_one_process_at_other_world_sizes(
     tiny_llama_dir: Path, train_file: Path, reference: dict[str, Path], tmp_path: Path
 ) -> None:
-    """ZeRO-1 on 2 processes, stopped by SIGTERM after step 2, continued by ZeRO-3 on a world
-    of one; one process without DeepSpeed, stopped after step 2, continued by ZeRO-2 on 2
+    """ZeRO-1 on 2 processes, stopped by SIGTERM after step 2, continued by ZeRO-2 on a world
+    of one; one process without DeepSpeed, stopped after step 2, continued by ZeRO-3 on 2
     processes: each equals the uninterrupted one-process run (the checkpoints hold the
     gathered weights and Adam state, in the single-process layout)."""
-    run_dir = tmp_path / "zero1_then_zero3_alone"
+    run_dir = tmp_path / "zero1_then_zero2_alone"
     args = _args(tiny_llama_dir, train_file, run_dir, "dist.strategy=deepspeed")
     done = _torchrun(2, [*args, *TWO, "dist.zero_stage=1"], **{SIGNAL_ENV: "4:TERM"})
     assert done.returncode != 0 and "stopped before step 3" in done.stderr, done.stderr[-3000:]
     ckpt = list_complete_checkpoints(run_dir / "checkpoints")[-1]
     assert ckpt.name == "step-000002" and not load_checkpoint(ckpt).sharded
-    done = _one_process([*args, *ONE, "dist.zero_stage=3"])
+    done = _one_process([*args, *ONE, "dist.zero_stage=2"])
     _ok(done)
     assert "resumed from" in done.stdout
     _assert_same_run(reference["lora"], run_dir)
 
-    run_dir = tmp_path / "one_then_zero2"
+    run_dir = tmp_path / "one_then_zero3"
     args = _args(tiny_llama_dir, train_file, run_dir)
     done = _one_process([*args, *ONE], **{SIGNAL_ENV: "2:TERM"})
     assert done.returncode == 143, done.stderr[-3000:]
-    done = _torchrun(2, [*args, *TWO, "dist.strategy=deepspeed", "dist.zero_stage=2"])
+    done = _torchrun(2, [*args, *TWO, "dist.strategy=deepspeed", "dist.zero_stage=3"])
     _ok(done)
     assert "resumed from" in done.stdout
     _assert_same_run(reference["lora"], run_dir)
@@ -207,3 +207,29 @@ def test_a_rank_whose_deepspeed_sees_another_world_than_torchrun_started_fails(
     optimizer = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
     with pytest.raises(WorldSizeMismatch, match="DeepSpeed sees 1 data-parallel processes"):
         strategy.prepare_optimizer(optimizer)
+
+
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 3])
+def test_a_rollback_reloads_the_checkpoint_into_the_partitions(
+    tiny_llama_dir: Path,
+    train_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    stage: int,
+) -> None:
+    """A NaN at step 4 with guard.nonfinite=rollback: the step-2 checkpoint is put back into
+    ZeRO's partitions mid-run (ZeRO-3's small, always-gathered parameters and ZeRO-1's links
+    to Adam's state included) and the run continues as one process's does."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    guard = ("guard.nonfinite=rollback",)
+    monkeypatch.setenv(LOSS_SCALE_ENV, "4:nan")
+    cfg = make_config(tiny_llama_dir, train_file, one, *COMMON, *ONE, *guard)
+    recipe.train(cfg, log=lambda _: None)
+    monkeypatch.delenv(LOSS_SCALE_ENV)
+    args = _args(tiny_llama_dir, train_file, two, *TWO, *guard, "dist.strategy=deepspeed")
+    args.append(f"dist.zero_stage={stage}")
+    _ok(_torchrun(2, args, **{LOSS_SCALE_ENV: "4:nan", FAULT_RANK_ENV: "1"}))
+    kinds = [(e["kind"], e["step"]) for e in read_events(two / "events.jsonl")]
+    assert kinds == [(e["kind"], e["step"]) for e in read_events(one / "events.jsonl")]
+    assert any(kind == "rollback" for kind, _ in kinds), kinds
+    _assert_same_run(one, two)

@@ -311,9 +311,10 @@ class ZeroStrategy:
             else zero.single_partition_of_fp32_groups
         )
         for flat in flats:
-            zero.optimizer.state[flat] = {"step": step.clone()} | {
-                k: torch.zeros_like(flat) for k in _ADAM_STATE
-            }
+            state = zero.optimizer.state[flat]  # after a step, ZeRO-1/2 link views of it
+            state["step"] = step.clone()
+            for key in _ADAM_STATE:
+                state.setdefault(key, torch.zeros_like(flat))
         if self.zero_stage != 3:
             zero._lazy_init_hp_params_optimizer_state()
         index = {id(p): i for i, p in enumerate(self.order)}
@@ -382,6 +383,8 @@ def _copy_masters_to_model(
 ) -> None:
     """The model's own (low-precision) copies after the masters were set: ZeRO-1/2 hold whole
     parameters, ZeRO-3 a flat partition per group that mirrors its fp32 one."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
     with torch.no_grad():
         if stage != 3:
             for name, p in params.items():
@@ -391,3 +394,8 @@ def _copy_masters_to_model(
             zero.fp16_partitioned_groups_flat, zero.fp32_partitioned_groups_flat, strict=True
         ):
             low.copy_(high)
+        # Parameters gathered now (small ones stay gathered between steps: ZeRO-3's persistence
+        # threshold) hold their whole value besides the partition: a rollback mid-run sets it.
+        for name, p in params.items():
+            if p.ds_status == ZeroParamStatus.AVAILABLE:
+                p.data.copy_(weights[name])
