@@ -397,5 +397,5 @@ def _copy_masters_to_model(
         # Parameters gathered now (small ones stay gathered between steps: ZeRO-3's persistence
         # threshold) hold their whole value besides the partition: a rollback mid-run sets it.
         for name, p in params.items():
-            if p.ds_status == ZeroParamStatus.AVAILABLE:
+            if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE:
                 p.data.copy_(weights[name])
