@@ -209,26 +209,35 @@ def test_a_rank_whose_deepspeed_sees_another_world_than_torchrun_started_fails(
         strategy.prepare_optimizer(optimizer)
 
 
-@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize(
+    ("stage", "nan_step"),
+    [
+        (3, 4),
+        pytest.param(1, 4, marks=pytest.mark.slow),
+        pytest.param(1, 2, marks=pytest.mark.slow),
+    ],
+)
 def test_a_rollback_reloads_the_checkpoint_into_the_partitions(
     tiny_llama_dir: Path,
     train_file: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     stage: int,
+    nan_step: int,
 ) -> None:
-    """A NaN at step 4 with guard.nonfinite=rollback: the step-2 checkpoint is put back into
-    ZeRO's partitions mid-run (ZeRO-3's small, always-gathered parameters and ZeRO-1's links
-    to Adam's state included) and the run continues as one process's does."""
+    """A NaN with guard.nonfinite=rollback: the checkpoint before it (step 2; step 0, before any
+    update, for a NaN at step 2) is put back into ZeRO's partitions mid-run (ZeRO-3's small,
+    always-gathered parameters and ZeRO-1's links to Adam's state included) and the run
+    continues as one process's does."""
     one, two = tmp_path / "one", tmp_path / "two"
     guard = ("guard.nonfinite=rollback",)
-    monkeypatch.setenv(LOSS_SCALE_ENV, "4:nan")
+    monkeypatch.setenv(LOSS_SCALE_ENV, f"{nan_step}:nan")
     cfg = make_config(tiny_llama_dir, train_file, one, *COMMON, *ONE, *guard)
     recipe.train(cfg, log=lambda _: None)
     monkeypatch.delenv(LOSS_SCALE_ENV)
     args = _args(tiny_llama_dir, train_file, two, *TWO, *guard, "dist.strategy=deepspeed")
     args.append(f"dist.zero_stage={stage}")
-    _ok(_torchrun(2, args, **{LOSS_SCALE_ENV: "4:nan", FAULT_RANK_ENV: "1"}))
+    _ok(_torchrun(2, args, **{LOSS_SCALE_ENV: f"{nan_step}:nan", FAULT_RANK_ENV: "1"}))
     kinds = [(e["kind"], e["step"]) for e in read_events(two / "events.jsonl")]
     assert kinds == [(e["kind"], e["step"]) for e in read_events(one / "events.jsonl")]
     assert any(kind == "rollback" for kind, _ in kinds), kinds

@@ -301,15 +301,18 @@ class ZeroStrategy:
         for group, was in zip(zero.optimizer.param_groups, groups, strict=True):
             group.update({k: v for k, v in was.items() if k != "params"})  # lr, as it was
         saved = ckpt.optimizer.get("state", {})
-        if not saved:
-            return
-        step = next(iter(saved.values()))["step"]
-        # Adam's state is created by its first step: make it here, on ZeRO's fp32 partitions.
         flats = (
             zero.fp32_partitioned_groups_flat
             if self.zero_stage == 3
             else zero.single_partition_of_fp32_groups
         )
+        if not saved:  # written before the first update: Adam as it starts (step 0, zeros)
+            for flat in flats:
+                for value in zero.optimizer.state.get(flat, {}).values():
+                    value.zero_()
+            return
+        step = next(iter(saved.values()))["step"]
+        # Adam's state is created by its first step: make it here, on ZeRO's fp32 partitions.
         for flat in flats:
             state = zero.optimizer.state[flat]  # after a step, ZeRO-1/2 link views of it
             state["step"] = step.clone()
