@@ -40,7 +40,7 @@ from leantune.training.checkpoint import Checkpoint, CheckpointError
 from leantune.training.distributed import collectives as c
 from leantune.training.distributed.world import World, WorldSizeMismatch
 from leantune.training.divergence import diverged
-from leantune.training.strategy import SyncScope, Warn
+from leantune.training.strategy import CheckpointParts, SyncScope, Warn
 from leantune.training.token_loss import LossModule, WrappedLoss
 
 _ADAM_STATE = ("exp_avg", "exp_avg_sq")
@@ -235,7 +235,7 @@ class ZeroStrategy:
             discard_gradients(self.engine.optimizer)
             raise
 
-    def save_checkpoint(self, root: Path, parts: Any) -> Path:
+    def save_checkpoint(self, root: Path, parts: CheckpointParts) -> Path:
         """Gather the whole trainable state (every rank takes part); rank 0 writes it in the
         single-process layout."""
         weights = self._gather(parts.params, None)
