@@ -21,6 +21,11 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install --quiet -e ".[test]"
+	# DeepSpeed (dist.strategy=deepspeed's tests): its build imports torch, so no isolation.
+	$(BIN)/pip install --quiet --no-build-isolation "deepspeed==0.19.8"
+	# Its CPU comm op is compiled with g++ on first use (about a minute, cached under
+	# ~/.cache/torch_extensions or TORCH_EXTENSIONS_DIR): once here, not inside a test.
+	$(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null
 	touch $@
 
 install: $(VENV)/.installed

@@ -1,15 +1,16 @@
-"""Peak memory per rank and step time of the demo model on 1 process and on 2 (ddp, fsdp2).
+"""Peak memory per rank and step time of the demo model on 1 process and on 2 (ddp, fsdp2,
+DeepSpeed ZeRO-3).
 
-    PYTHONPATH=src python benchmarks/distributed.py [--steps 8] [--runs fsdp2] [--out FILE]
+    PYTHONPATH=src python benchmarks/distributed.py [--steps 8] [--out FILE] [--only TEXT]
 
 SmolLM2-135M-Instruct, LoRA, the demo's data packed to 512-token rows, train.precision as the
 demo resolves it, 2 rows per step: one process with micro-batch 2 (and with micro-batch 1 x 2,
 the work each rank of the 2-process runs does), and two processes under torchrun with
 micro-batch 1 each, gloo. Peak memory is each process's peak resident set size when training
-ends (before final/ is written: fsdp2 builds the whole model again on rank 0 for it); the step
-time is the median of rank 0's `step_time_s` after the first two steps. Threads: the one
-process uses every core, each of the two processes half of them (they share the machine). One
-JSON line last.
+ends (before final/ is written: fsdp2 builds the whole model again on rank 0 for it), and what
+it holds then; the step time is the median of rank 0's `step_time_s` after the first two steps.
+Threads: the one process uses every core, each of the two processes half of them (they share
+the machine). One JSON line last.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ RUNS: dict[str, tuple[int, list[str]]] = {
         2,
         ["train.micro_batch_size=1", "train.grad_accum=2", "dist.strategy=fsdp2"],
     ),
+    "2 processes deepspeed zero3, micro-batch 1": (
+        2,
+        ["train.micro_batch_size=1", "train.grad_accum=2", "dist.strategy=deepspeed"],
+    ),
 }
 
 
@@ -55,8 +60,12 @@ def child(out_dir: Path, argv: list[str]) -> int:
 
     def measured_finish(*args: Any, **kwargs: Any) -> dict[str, Any]:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        # What the rank holds now (the peak also counts the whole model every rank loads
+        # before ZeRO-3 partitions it).
+        now = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         rank = os.environ.get("RANK", "0")
-        (out_dir / f"rank-{rank}.json").write_text(json.dumps({"peak_rss_bytes": peak}))
+        record = {"peak_rss_bytes": peak, "rss_at_end_bytes": now}
+        (out_dir / f"rank-{rank}.json").write_text(json.dumps(record))
         return finish(*args, **kwargs)
 
     recipe.finish = measured_finish  # type: ignore[assignment]
@@ -90,15 +99,15 @@ def run(name: str, nproc: int, extra: list[str], steps: int, work: Path) -> dict
     if done.returncode != 0:
         raise SystemExit(f"{name} failed:\n{done.stderr[-4000:]}")
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").open()]
-    peaks = [
-        json.loads((out / f"rank-{r}.json").read_text())["peak_rss_bytes"] for r in range(nproc)
-    ]
+    ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(nproc)]
+    peaks = [r["peak_rss_bytes"] for r in ranks]
     times = [r["step_time_s"] for r in rows[2:]]
     return {
         "run": name,
         "processes": nproc,
         "threads_per_process": threads,
         "peak_rss_gib_per_rank": [round(p / 2**30, 3) for p in peaks],
+        "rss_at_end_gib_per_rank": [round(r["rss_at_end_bytes"] / 2**30, 3) for r in ranks],
         "median_step_time_s": round(statistics.median(times), 3),
         "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in rows[2:]), 1),
         "final_loss": rows[-1]["loss"],
@@ -111,7 +120,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out", default="benchmarks/results/distributed-cpu.json")
     p.add_argument("--model", default=None, help="another model.path (a smoke run)")
-    p.add_argument("--runs", default="", help="only the runs whose name contains this text")
+    p.add_argument("--only", default=None, help="only the runs whose name contains this")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args, rest = p.parse_known_args()
     if args.child:
@@ -122,7 +131,7 @@ def main() -> None:
     report = {"benchmark": "distributed", "cpu": cpu, "cores": os.cpu_count(), "steps": args.steps}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (nproc, extra) in RUNS.items():
-            if args.runs not in name:
+            if args.only and args.only not in name:
                 continue
             model = [f"model.path={args.model}"] if args.model else []
             results.append(run(name, nproc, [*model, *extra], args.steps, Path(tmp)))

@@ -10,12 +10,16 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     LlamaConfig,
@@ -28,6 +32,7 @@ from transformers import (
 from leantune.config import Config, load_config
 from leantune.data.dataset import PreparedData, prepared_data
 from leantune.data.prepare.records import PrepareSettings
+from leantune.training.metrics import read_metrics
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -285,3 +290,104 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Distributed runs under torchrun (test_distributed.py, test_distributed_zero.py)
+
+ONE = ("train.micro_batch_size=4", "train.grad_accum=2")
+"""One process: micro-batch 4, two micro-batches per step (global batch 8)."""
+TWO = ("train.micro_batch_size=2", "train.grad_accum=4")
+"""Two processes: micro-batch 2; the window of 8 gives each rank 4 rows, 2 micro-batches."""
+COMMON = ("data.pack=false", "train.precision=fp32", "method.dropout=0", "train.save_every=2")
+
+
+def _args(model: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
+    """`leantune train` overrides equal to `make_config`'s, then `extra`."""
+    return [
+        f"model.path={model}",
+        f"data.train={data}",
+        "data.format=chat",
+        "data.max_seq_len=128",
+        f"run.dir={run_dir}",
+        "run.progress=false",
+        "train.max_steps=4",
+        "train.lr=1e-2",
+        "train.seed=3",
+        "data.eval=null",
+        "train.eval_exact_match=false",
+        *COMMON,
+        *extra,
+    ]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEANTUNE_")}
+    return env | {"OMP_NUM_THREADS": "1", **extra}
+
+
+def _torchrun(
+    nproc: int,
+    args: list[str],
+    *,
+    log_dir: Path | None = None,
+    cwd: Path | None = None,
+    **env: str,
+) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += [f"--nproc-per-node={nproc}"]
+    command += [f"--log-dir={log_dir}", "--redirects=3"] if log_dir else []
+    command += ["-m", "leantune", "train", *args]
+    return subprocess.run(
+        command, env=_env(**env), capture_output=True, text=True, timeout=300, cwd=cwd
+    )
+
+
+def _one_process(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "leantune", "train", *args]
+    return subprocess.run(command, env=_env(**env), capture_output=True, text=True, timeout=300)
+
+
+def _ok(done: subprocess.CompletedProcess[str]) -> None:
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    final = run_dir / "final"
+    adapter = final / "adapter_model.safetensors"
+    return load_file(adapter if adapter.exists() else final / "model.safetensors")
+
+
+def _assert_same_run(a: Path, b: Path) -> None:
+    """The same loss and gradient-norm curves and final weights, to float error (sums in
+    another order). The norms matter: Adam's update does not change when every gradient is
+    scaled alike, so only they would show a gradient averaged where it should be summed. Adam
+    also divides by the root of tiny second moments, which can magnify a rounding difference
+    in a weight whose gradient is near zero up to a fraction of one step (lr 1e-2)."""
+    ra, rb = read_metrics(a / "metrics.jsonl"), read_metrics(b / "metrics.jsonl")
+    assert [r["loss"] for r in ra] == pytest.approx([r["loss"] for r in rb], rel=1e-5)
+    assert [r["grad_norm"] for r in ra] == pytest.approx([r["grad_norm"] for r in rb], rel=1e-4)
+    wa, wb = _final_weights(a), _final_weights(b)
+    assert set(wa) == set(wb) and wa
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-3, msg=k)
+    # The weights moved: an update that did nothing would also be "equal".
+    assert any(not torch.equal(wa[k], torch.zeros_like(wa[k])) for k in wa)
+
+
+def _assert_loads_in_plain_transformers(final: Path, base_dir: Path, method: str) -> None:
+    """final/ is a consolidated HF directory (full) or PEFT adapter (lora) holding the weights
+    the run wrote."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    saved = _final_weights(final.parent)
+    if method == "full":
+        state = AutoModelForCausalLM.from_pretrained(final).state_dict()
+        assert all(torch.equal(state[k], saved[k]) for k in saved)
+        return
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), final)
+    lora = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    assert len(lora) == len(saved)
+    moved = [k for k in lora if "lora_B" in k]
+    assert moved and all(lora[k].abs().sum() > 0 for k in moved)  # B starts at zero

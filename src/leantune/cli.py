@@ -45,6 +45,13 @@ def _quiet_libraries() -> None:
     hf_logging.set_verbosity_error()
 
 
+class _CpuAcceleratorNotice(logging.Filter):
+    """Drops DeepSpeed's "Setting accelerator to CPU" warning (CPU is what leantune runs on)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Setting accelerator to CPU")
+
+
 def _quiet_import_noise() -> None:
     """peft imports torchao when it is installed; on a CPU build torchao logs a warning per
     CUDA-only extension it cannot load, and torch one per pytree registration: nothing a user
@@ -56,6 +63,12 @@ def _quiet_import_noise() -> None:
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
     hold_back_kernel_notice()
+    # With DeepSpeed installed (dist.strategy=deepspeed), transformers imports it inside every
+    # save_pretrained, and on a machine without CUDA its accelerator detection prints a warning
+    # (on stdout) that it picked the CPU. Its logger keeps this filter when DeepSpeed sets it up.
+    deepspeed = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _CpuAcceleratorNotice) for f in deepspeed.filters):
+        deepspeed.addFilter(_CpuAcceleratorNotice())
 
 
 def _count(low: int, high: int | None = None) -> Callable[[str], int]:

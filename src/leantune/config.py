@@ -22,7 +22,7 @@ from leantune.config_checks import (
     check_libraries,
     check_sizes,
 )
-from leantune.config_dist import DistConfig, check_dist
+from leantune.config_dist import DistConfig, check_deepspeed, check_dist
 from leantune.config_monitor import MonitorConfig, check_monitor
 from leantune.config_parse import (
     ConfigError,
@@ -546,6 +546,8 @@ def validate(cfg: Config) -> list[str]:
     check_dist(
         cfg.dist, m.name, METHODS[m.name].base_quantization is not None, t.device, t.eval_every
     )
+    quantized = METHODS[m.name].base_quantization is not None
+    check_deepspeed(cfg.dist, t.precision, t.optimizer, m.name, quantized)
     warnings: list[str] = check_libraries(cfg)
     lr, advice = t.lr, METHODS[m.name].lr_advice
     if advice is not None and lr is not None and lr >= advice.high:

@@ -365,6 +365,8 @@ def parallel_strategy(cfg: Config) -> ParallelStrategy:
         bf16=resolved.train.precision == "bf16",
         cpu_offload=d.cpu_offload,
         reshard_after_forward=d.reshard_after_forward,
+        zero_stage=d.zero_stage,
+        max_grad_norm=resolved.train.max_grad_norm,
     )
 
 
@@ -546,6 +548,7 @@ def build_trainer(
     assert t.max_steps is not None and t.micro_batch_size != "auto", "resolved by set_up_run"
     lr = t.lr if t.lr is not None else DEFAULT_LR[cfg.method.name]
     optimizer = build_optimizer(params, lr, t.weight_decay, t.optimizer, device.type)
+    optimizer = strategy.prepare_optimizer(optimizer)  # DeepSpeed's engine takes it over
     budget = parse_memory_size(t.memory_budget, "train.memory_budget") if t.memory_budget else None
     schedule = default_schedule(t.max_steps, t.warmup_ratio, t.min_lr_ratio)
     return Trainer(

@@ -224,7 +224,8 @@ def check_weights_fit(plan: ResumePlan, params: dict[str, torch.nn.Parameter]) -
             saved = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
     except Exception:  # unreadable: loading the checkpoint reports what is wrong with it
         return
-    now = {name: list(p.shape) for name, p in params.items()}
+    # A ZeRO-3 parameter is an empty placeholder; its ds_shape is the whole one.
+    now = {name: list(getattr(p, "ds_shape", p.shape)) for name, p in params.items()}
     if saved == now:
         return
     other = [n for n in now if n in saved and saved[n] != now[n]]

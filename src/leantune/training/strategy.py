@@ -5,7 +5,7 @@ counts and losses over processes, to agree on a decision every process must take
 out-of-memory error or a stop signal on one of them), to turn gradient sync on only for a
 window's last micro-batch, to write and read checkpoints, and for the model `final/` is saved
 from. It never branches on which strategy it has. A single-process run is the trivial
-strategy; DDP and FSDP2 implement the same protocol (`training.distributed`).
+strategy; DDP, FSDP2 and DeepSpeed ZeRO implement the same protocol (`training.distributed`).
 """
 
 from __future__ import annotations
@@ -80,6 +80,16 @@ class ParallelStrategy(Protocol):
         """The largest `code` over processes: a decision (0 = none) every process takes."""
         ...
 
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer the loop steps, given the one built over the trainable parameters
+        (DeepSpeed's engine takes it over; the others step it as it is)."""
+        ...
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
+        """The gradients' global norm over processes, clipped to `max_norm` (before the step,
+        or by it)."""
+        ...
+
     def gradient_sync(
         self, model: nn.Module, enabled: bool
     ) -> contextlib.AbstractContextManager[SyncScope]:
@@ -131,6 +141,12 @@ class SingleProcess:
     def agree(self, code: int) -> int:
         return code
 
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
+        return clip_whole(params, max_norm)
+
     @contextlib.contextmanager
     def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[SyncScope]:
         yield SyncScope()
@@ -158,6 +174,12 @@ class SingleProcess:
 
     def final_model(self, model: nn.Module, rebuild: Callable[[], nn.Module]) -> nn.Module | None:
         return model
+
+
+def clip_whole(params: list[nn.Parameter], max_norm: float) -> float:
+    """`clip_grad_norm_` over parameters whose gradients are whole (or DTensors, whose norm
+    torch reduces over the mesh)."""
+    return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
 
 def load_full_checkpoint(

@@ -197,7 +197,7 @@ def train_step(tr: Trainer) -> StepResult:
         tr.scaler.unscale_(tr.optimizer)
     max_norm = tr.settings.max_grad_norm
     clip_to = max_norm if max_norm > 0 else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(list(tr.params.values()), clip_to))
+    grad_norm = tr.strategy.clip_grad_norm(list(tr.params.values()), clip_to)
     lr = float(tr.optimizer.param_groups[0]["lr"])  # a tensor for torchao optimizers
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
     if tr.strategy.agree(int(not finite)) and finite:

@@ -1,8 +1,9 @@
 """Data parallelism on PyTorch's own engine: the process group from torchrun's environment
 (`world`), named collectives (`collectives`), DDP (`ddp`), FSDP2 (`fsdp`) and its sharded
-checkpoints (`sharded`), and `leantune train --nproc N` (`launch`).
+checkpoints (`sharded`), DeepSpeed ZeRO-1/2/3 (`zero`, an optional extra) and `leantune train
+--nproc N` (`launch`).
 
-Both strategies implement `training.strategy.ParallelStrategy`; the loop never sees which.
+Every strategy implements `training.strategy.ParallelStrategy`; the loop never sees which.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ def build_strategy(
     bf16: bool,
     cpu_offload: bool,
     reshard_after_forward: bool,
+    zero_stage: int = 3,
+    max_grad_norm: float = 0.0,
 ) -> ParallelStrategy:
-    """Join the process group and build the `name` strategy (``ddp`` or ``fsdp2``)."""
+    """Join the process group and build the `name` strategy (``ddp``, ``fsdp2`` or
+    ``deepspeed``, which clips at `max_grad_norm` inside its step)."""
     from leantune.config_dist import CPU_OFFLOAD_ON_CPU
     from leantune.config_parse import ConfigError
     from leantune.training.distributed.world import init_world
@@ -39,6 +43,10 @@ def build_strategy(
         from leantune.training.distributed.ddp import DDPStrategy
 
         return DDPStrategy(world)
+    if name == "deepspeed":
+        from leantune.training.distributed.zero import ZeroStrategy
+
+        return ZeroStrategy(world, zero_stage=zero_stage, max_grad_norm=max_grad_norm)
     from leantune.training.distributed.fsdp import FSDP2Strategy
 
     return FSDP2Strategy(

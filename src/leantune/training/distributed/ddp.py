@@ -29,6 +29,7 @@ from leantune.training.strategy import (
     SingleProcess,
     SyncScope,
     Warn,
+    clip_whole,
     load_full_checkpoint,
 )
 from leantune.training.token_loss import LossModule, WrappedLoss
@@ -74,6 +75,12 @@ class DDPStrategy:
 
     def agree(self, code: int) -> int:
         return c.max_int(self.world, code, c.DECISION)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
+        return clip_whole(params, max_norm)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         w = self.world

@@ -29,7 +29,7 @@ from leantune.training.checkpoint import Checkpoint
 from leantune.training.distributed import collectives as c
 from leantune.training.distributed import sharded
 from leantune.training.distributed.world import World
-from leantune.training.strategy import CheckpointParts, SyncScope, Warn
+from leantune.training.strategy import CheckpointParts, SyncScope, Warn, clip_whole
 from leantune.training.token_loss import LossModule, WrappedLoss
 
 
@@ -92,6 +92,12 @@ class FSDP2Strategy:
 
     def agree(self, code: int) -> int:
         return c.max_int(self.world, code, c.DECISION)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
+        return clip_whole(params, max_norm)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         mp = (
