@@ -40,7 +40,7 @@ DEFAULTS_LR = {
     "full": 1e-4,
     "lora": 2e-3,
     "dora": 2e-3,
-    "qlora": 2e-3,
+    "qlora": 6e-4,
     "ia3": 1e-2,
     "freeze": 1e-3,
     "adapter": 2e-3,

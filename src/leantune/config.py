@@ -203,7 +203,7 @@ class TrainConfig:
     """Micro-batches accumulated per optimizer step."""
     lr: float | None = None
     """Peak learning rate (default by method, measured by sweeps: full 1e-4, freeze 1e-3,
-    lora/dora/qlora/adapter 2e-3, ia3 1e-2, prefix 3e-4, ptuning_v2/prompt 3e-2)."""
+    lora/dora/adapter 2e-3, qlora 6e-4, ia3 1e-2, prefix 3e-4, ptuning_v2/prompt 3e-2)."""
     optimizer: Literal["adamw", "adamw_8bit", "adamw_4bit", "paged_adamw_8bit"] = "adamw"
     """adamw, or AdamW with 8-bit (bitsandbytes, else torchao) or 4-bit (torchao) state;
     paged_adamw_8bit pages the state to CPU memory under GPU memory pressure (CUDA)."""
