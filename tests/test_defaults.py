@@ -52,7 +52,7 @@ def test_no_config_and_no_data_train_is_the_demo() -> None:
         assert cfg.data.train is not None and cfg.data.train.endswith("support_train.jsonl")
         assert cfg.data.eval is not None and cfg.train.eval_exact_match
         assert cfg.run.name == "demo"
-    assert load_config(None, []).train.max_steps == 90
+    assert load_config(None, []).train.max_steps == 120
     assert load_config(None, []).train.lr == 2e-3
 
 

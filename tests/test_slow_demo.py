@@ -28,7 +28,7 @@ def test_demo_learns_the_support_desk_task(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["base_exact_match"] <= 0.1
-    assert summary["eval_exact_match"] >= 0.9
+    assert summary["eval_exact_match"] >= 0.95  # the demo's promise (99% measured, 2026-12-01)
     assert (run_dir / "final" / "adapter_model.safetensors").is_file()
     events = run_dir / "events.jsonl"  # no guard false positive, no OOM on a normal run
     assert not events.exists(), events.read_text()
