@@ -391,3 +391,27 @@ def _assert_loads_in_plain_transformers(final: Path, base_dir: Path, method: str
     assert len(lora) == len(saved)
     moved = [k for k in lora if "lora_B" in k]
     assert moved and all(lora[k].abs().sum() > 0 for k in moved)  # B starts at zero
+
+
+@pytest.fixture(scope="module")
+def dist_train_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The distributed tests' training data (32 chat rows), one file per test module."""
+    return write_jsonl(tmp_path_factory.mktemp("dist_data") / "train.jsonl", chat_rows(32))
+
+
+@pytest.fixture(scope="module")
+def dist_reference(
+    tiny_llama_dir: Path, dist_train_file: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """One process without any strategy, micro-batch 4, per method: the run that 2-process
+    DDP, FSDP2 and ZeRO runs must reproduce."""
+    from leantune.training import recipe
+
+    runs = {}
+    for method in ("lora", "full"):
+        run_dir = tmp_path_factory.mktemp(f"one_{method}") / "run"
+        args = (*COMMON, *ONE, f"method.name={method}")
+        cfg = make_config(tiny_llama_dir, dist_train_file, run_dir, *args)
+        recipe.train(cfg, log=lambda _: None)
+        runs[method] = run_dir
+    return runs

@@ -49,39 +49,20 @@ from leantune.training.faults import (
 from leantune.training.metrics import read_metrics
 
 
-@pytest.fixture(scope="module")
-def train_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_jsonl(tmp_path_factory.mktemp("dist_data") / "train.jsonl", chat_rows(32))
-
-
-@pytest.fixture(scope="module")
-def reference(
-    tiny_llama_dir: Path, train_file: Path, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Path]:
-    """One process, micro-batch 4, per method: the run the others must reproduce."""
-    runs = {}
-    for method in ("lora", "full"):
-        run_dir = tmp_path_factory.mktemp(f"one_{method}") / "run"
-        args = (*COMMON, *ONE, f"method.name={method}")
-        recipe.train(make_config(tiny_llama_dir, train_file, run_dir, *args), log=lambda _: None)
-        runs[method] = run_dir
-    return runs
-
-
 @pytest.mark.parametrize("method", ["lora", "full"])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_processes_update_as_one_with_twice_the_micro_batch(
     tiny_llama_dir: Path,
-    train_file: Path,
-    reference: dict[str, Path],
+    dist_train_file: Path,
+    dist_reference: dict[str, Path],
     tmp_path: Path,
     strategy: str,
     method: str,
 ) -> None:
     run_dir = tmp_path / "run"
-    args = _args(tiny_llama_dir, train_file, run_dir, *TWO, f"method.name={method}")
+    args = _args(tiny_llama_dir, dist_train_file, run_dir, *TWO, f"method.name={method}")
     _ok(_torchrun(2, [*args, f"dist.strategy={strategy}"], log_dir=tmp_path / "logs"))
-    _assert_same_run(reference[method], run_dir)
+    _assert_same_run(dist_reference[method], run_dir)
     # Rank 0 alone speaks (each rank's output in its own file) and writes the run's files.
     out = {p.parent.name: p.read_text() for p in (tmp_path / "logs").glob("*/*/*/stdout.log")}
     assert set(out) == {"0", "1"} and "summary: steps=4" in out["0"] and out["1"] == ""
@@ -100,7 +81,7 @@ def test_two_processes_update_as_one_with_twice_the_micro_batch(
 
 @pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp2", marks=pytest.mark.slow)])
 def test_evaluation_on_two_processes_equals_one_process(
-    tiny_llama_dir: Path, train_file: Path, tmp_path: Path, strategy: str
+    tiny_llama_dir: Path, dist_train_file: Path, tmp_path: Path, strategy: str
 ) -> None:
     """Base exact match, periodic evaluation (ddp) and the closing evaluation; a run named
     run.name=auto (the name is derived before the process group needs the run directory)."""
@@ -108,9 +89,11 @@ def test_evaluation_on_two_processes_equals_one_process(
     evals = [f"data.eval={eval_file}", "train.eval_exact_match=true", "train.max_new_tokens=8"]
     evals += ["train.eval_every=2"] if strategy == "ddp" else []
     one = tmp_path / "one"
-    cfg = make_config(tiny_llama_dir, train_file, one, *COMMON, *ONE, *evals)
+    cfg = make_config(tiny_llama_dir, dist_train_file, one, *COMMON, *ONE, *evals)
     recipe.train(cfg, log=lambda _: None)
-    args = _args(tiny_llama_dir, train_file, tmp_path, *TWO, *evals, f"dist.strategy={strategy}")
+    args = _args(
+        tiny_llama_dir, dist_train_file, tmp_path, *TWO, *evals, f"dist.strategy={strategy}"
+    )
     args = [a for a in args if not a.startswith("run.dir=")] + ["run.name=auto"]
     _ok(_torchrun(2, args, cwd=tmp_path))
     (two,) = (tmp_path / "runs").iterdir()
@@ -126,14 +109,14 @@ def test_evaluation_on_two_processes_equals_one_process(
 
 
 def test_a_nan_on_one_rank_skips_the_step_on_every_rank(
-    tiny_llama_dir: Path, train_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_llama_dir: Path, dist_train_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     one, two = tmp_path / "one", tmp_path / "two"
     monkeypatch.setenv(LOSS_SCALE_ENV, "2:nan")
-    cfg = make_config(tiny_llama_dir, train_file, one, *COMMON, *ONE)
+    cfg = make_config(tiny_llama_dir, dist_train_file, one, *COMMON, *ONE)
     recipe.train(cfg, log=lambda _: None)
     monkeypatch.delenv(LOSS_SCALE_ENV)
-    args = _args(tiny_llama_dir, train_file, two, *TWO, "dist.strategy=ddp")
+    args = _args(tiny_llama_dir, dist_train_file, two, *TWO, "dist.strategy=ddp")
     _ok(_torchrun(2, args, **{LOSS_SCALE_ENV: "2:nan", FAULT_RANK_ENV: "1"}))
     kinds = [(e["kind"], e["step"]) for e in read_events(two / "events.jsonl")]
     assert kinds == [(e["kind"], e["step"]) for e in read_events(one / "events.jsonl")]
@@ -146,27 +129,27 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank(
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_an_out_of_memory_error_on_one_rank_halves_the_micro_batch_on_every_rank(
     tiny_llama_dir: Path,
-    train_file: Path,
-    reference: dict[str, Path],
+    dist_train_file: Path,
+    dist_reference: dict[str, Path],
     tmp_path: Path,
     strategy: str,
 ) -> None:
     run_dir = tmp_path / "run"
-    args = _args(tiny_llama_dir, train_file, run_dir, *TWO, f"dist.strategy={strategy}")
+    args = _args(tiny_llama_dir, dist_train_file, run_dir, *TWO, f"dist.strategy={strategy}")
     _ok(_torchrun(2, args, **{OOM_STEP_ENV: "2", FAULT_RANK_ENV: "1"}))
     ooms = [e for e in read_events(run_dir / "events.jsonl") if e["kind"] == "oom"]
     # Rank 0 speaks for the run: its micro-batch was halved for rank 1's error.
     assert [(e["step"], e["micro_batch_size"]) for e in ooms] == [(2, 1)]
     assert "out of memory on another process" in ooms[0]["error"]
     assert [r["micro_batch_size"] for r in read_metrics(run_dir / "metrics.jsonl")] == [2, 1, 1, 1]
-    _assert_same_run(reference["lora"], run_dir)  # the replay equals the planned window
+    _assert_same_run(dist_reference["lora"], run_dir)  # the replay equals the planned window
 
 
 @pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp2"])
 def test_a_run_continues_at_another_world_size(
     tiny_llama_dir: Path,
-    train_file: Path,
-    reference: dict[str, Path],
+    dist_train_file: Path,
+    dist_reference: dict[str, Path],
     tmp_path: Path,
     strategy: str,
 ) -> None:
@@ -178,54 +161,54 @@ def test_a_run_continues_at_another_world_size(
     two = [f"dist.strategy={strategy}"]
     stop_after_step_2 = {SIGNAL_ENV: "4:TERM"}  # the 1st micro-batch of step 3, on each rank
     run_dir = tmp_path / "two_then_one"
-    args = _args(tiny_llama_dir, train_file, run_dir)
+    args = _args(tiny_llama_dir, dist_train_file, run_dir)
     done = _torchrun(2, [*args, *TWO, *two], **stop_after_step_2)
     assert done.returncode != 0 and "stopped before step 3" in done.stderr
     assert list_complete_checkpoints(run_dir / "checkpoints")[-1].name == "step-000002"
     _ok(_one_process([*args, *ONE, *one]))
-    _assert_same_run(reference["lora"], run_dir)
+    _assert_same_run(dist_reference["lora"], run_dir)
 
     run_dir = tmp_path / "one_then_two"
-    args = _args(tiny_llama_dir, train_file, run_dir)
+    args = _args(tiny_llama_dir, dist_train_file, run_dir)
     done = _one_process([*args, *ONE, *one], **{SIGNAL_ENV: "2:TERM"})
     assert done.returncode == 143, done.stderr[-3000:]
     _ok(_torchrun(2, [*args, *TWO, *two]))
-    _assert_same_run(reference["lora"], run_dir)
+    _assert_same_run(dist_reference["lora"], run_dir)
 
 
 def test_checkpoints_continue_across_single_process_and_fsdp2(
-    tiny_llama_dir: Path, train_file: Path, reference: dict[str, Path], tmp_path: Path
+    tiny_llama_dir: Path, dist_train_file: Path, dist_reference: dict[str, Path], tmp_path: Path
 ) -> None:
     """A single process's checkpoint under 2 fsdp2 processes (its whole weights and optimizer
     state, numbered by parameter order, cut into shards), and 2 fsdp2 processes' sharded
     checkpoint under a single process (read whole): both equal the uninterrupted run."""
     run_dir = tmp_path / "single_then_fsdp2"
-    args = _args(tiny_llama_dir, train_file, run_dir)
+    args = _args(tiny_llama_dir, dist_train_file, run_dir)
     done = _one_process([*args, *ONE], **{SIGNAL_ENV: "2:TERM"})
     assert done.returncode == 143, done.stderr[-3000:]
     assert not load_checkpoint(list_complete_checkpoints(run_dir / "checkpoints")[-1]).sharded
     done = _torchrun(2, [*args, *TWO, "dist.strategy=fsdp2"])
     _ok(done)
     assert "resumed from" in done.stdout
-    _assert_same_run(reference["lora"], run_dir)
+    _assert_same_run(dist_reference["lora"], run_dir)
     assert load_checkpoint(list_complete_checkpoints(run_dir / "checkpoints")[-1]).sharded
 
     run_dir = tmp_path / "fsdp2_then_single"
-    args = _args(tiny_llama_dir, train_file, run_dir)
+    args = _args(tiny_llama_dir, dist_train_file, run_dir)
     done = _torchrun(2, [*args, *TWO, "dist.strategy=fsdp2"], **{SIGNAL_ENV: "4:TERM"})
     assert done.returncode != 0 and "stopped before step 3" in done.stderr
     assert load_checkpoint(list_complete_checkpoints(run_dir / "checkpoints")[-1]).sharded
     done = _one_process([*args, *ONE])
     _ok(done)
     assert "resumed from" in done.stdout
-    _assert_same_run(reference["lora"], run_dir)
+    _assert_same_run(dist_reference["lora"], run_dir)
 
 
 def test_a_killed_rank_is_restarted_by_torchrun_and_the_run_resumes(
-    tiny_llama_dir: Path, train_file: Path, reference: dict[str, Path], tmp_path: Path
+    tiny_llama_dir: Path, dist_train_file: Path, dist_reference: dict[str, Path], tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    args = _args(tiny_llama_dir, train_file, run_dir, *TWO, "dist.strategy=fsdp2")
+    args = _args(tiny_llama_dir, dist_train_file, run_dir, *TWO, "dist.strategy=fsdp2")
     command = [sys.executable, "-m", "leantune", "train", "--nproc", "2", "--max-restarts", "1"]
     # SIGKILL rank 1 in step 3 (its 6th micro-batch), on torchrun's first attempt only.
     env = _env(**{KILL_ENV: "5", FAULT_RANK_ENV: "1"})
@@ -235,12 +218,14 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_the_run_resumes(
     # Rank 0, waiting for rank 1 in a collective, said where before torchrun restarted both.
     assert "CollectiveFailed: rank 0 of 2:" in done.stderr
     assert "resumed from" in done.stdout and "step 2" in done.stdout
-    _assert_same_run(reference["lora"], run_dir)
+    _assert_same_run(dist_reference["lora"], run_dir)
 
 
-def test_a_damaged_shard_is_refused(tiny_llama_dir: Path, train_file: Path, tmp_path: Path) -> None:
+def test_a_damaged_shard_is_refused(
+    tiny_llama_dir: Path, dist_train_file: Path, tmp_path: Path
+) -> None:
     run_dir = tmp_path / "run"
-    args = _args(tiny_llama_dir, train_file, run_dir, *TWO, "dist.strategy=fsdp2")
+    args = _args(tiny_llama_dir, dist_train_file, run_dir, *TWO, "dist.strategy=fsdp2")
     _ok(_torchrun(2, [*args, "train.max_steps=2"]))
     ckpt = list_complete_checkpoints(run_dir / "checkpoints")[-1]
     assert load_checkpoint(ckpt).sharded
@@ -259,9 +244,9 @@ def test_a_damaged_shard_is_refused(tiny_llama_dir: Path, train_file: Path, tmp_
 
 
 def test_torchrun_with_another_world_size_than_asked_fails_on_every_rank(
-    tiny_llama_dir: Path, train_file: Path, tmp_path: Path
+    tiny_llama_dir: Path, dist_train_file: Path, tmp_path: Path
 ) -> None:
-    args = _args(tiny_llama_dir, train_file, tmp_path / "run", *TWO, "dist.strategy=ddp")
+    args = _args(tiny_llama_dir, dist_train_file, tmp_path / "run", *TWO, "dist.strategy=ddp")
     done = _torchrun(2, args, LEANTUNE_EXPECTED_WORLD_SIZE="3")
     assert done.returncode != 0
     for rank in (0, 1):
@@ -338,14 +323,14 @@ METHOD_CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize(("strategy", "method"), METHOD_CASES)
 def test_every_method_trains_on_two_processes_as_on_one(
-    tiny_llama_dir: Path, train_file: Path, tmp_path: Path, strategy: str, method: str
+    tiny_llama_dir: Path, dist_train_file: Path, tmp_path: Path, strategy: str, method: str
 ) -> None:
     one, two = tmp_path / "one", tmp_path / "two"
     extra = (f"method.name={method}", "train.max_steps=2")
     recipe.train(
-        make_config(tiny_llama_dir, train_file, one, *COMMON, *ONE, *extra), log=lambda _: None
+        make_config(tiny_llama_dir, dist_train_file, one, *COMMON, *ONE, *extra), log=lambda _: None
     )
-    args = _args(tiny_llama_dir, train_file, two, *TWO, *extra)
+    args = _args(tiny_llama_dir, dist_train_file, two, *TWO, *extra)
     _ok(_torchrun(2, [*args, f"dist.strategy={strategy}"]))
     ra, rb = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
     assert [r["loss"] for r in ra] == pytest.approx([r["loss"] for r in rb], rel=1e-4)

@@ -39,37 +39,18 @@ from leantune.training.faults import FAULT_RANK_ENV, LOSS_SCALE_ENV, OOM_STEP_EN
 from leantune.training.metrics import read_metrics
 
 
-@pytest.fixture(scope="module")
-def train_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_jsonl(tmp_path_factory.mktemp("zero_data") / "train.jsonl", chat_rows(32))
-
-
-@pytest.fixture(scope="module")
-def reference(
-    tiny_llama_dir: Path, train_file: Path, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Path]:
-    """One process without DeepSpeed, micro-batch 4, per method: the run ZeRO must reproduce."""
-    runs = {}
-    for method in ("lora", "full"):
-        run_dir = tmp_path_factory.mktemp(f"one_{method}") / "run"
-        args = (*COMMON, *ONE, f"method.name={method}")
-        recipe.train(make_config(tiny_llama_dir, train_file, run_dir, *args), log=lambda _: None)
-        runs[method] = run_dir
-    return runs
-
-
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_zero3_on_two_processes_updates_as_one_with_twice_the_micro_batch(
     tiny_llama_dir: Path,
-    train_file: Path,
-    reference: dict[str, Path],
+    dist_train_file: Path,
+    dist_reference: dict[str, Path],
     tmp_path: Path,
     method: str,
 ) -> None:
     run_dir = tmp_path / "run"
-    args = _args(tiny_llama_dir, train_file, run_dir, *TWO, f"method.name={method}")
+    args = _args(tiny_llama_dir, dist_train_file, run_dir, *TWO, f"method.name={method}")
     _ok(_torchrun(2, [*args, "dist.strategy=deepspeed"], log_dir=tmp_path / "logs"))
-    _assert_same_run(reference[method], run_dir)
+    _assert_same_run(dist_reference[method], run_dir)
     out = {p.parent.name: p.read_text() for p in (tmp_path / "logs").glob("*/*/*/stdout.log")}
     assert set(out) == {"0", "1"} and "summary: steps=4" in out["0"]
     ckpts = list_complete_checkpoints(run_dir / "checkpoints")
@@ -80,14 +61,14 @@ def test_zero3_on_two_processes_updates_as_one_with_twice_the_micro_batch(
 
 
 def test_a_zero1_run_continues_as_zero2_on_one_process(
-    tiny_llama_dir: Path, train_file: Path, reference: dict[str, Path], tmp_path: Path
+    tiny_llama_dir: Path, dist_train_file: Path, dist_reference: dict[str, Path], tmp_path: Path
 ) -> None:
     """2 -> 1 processes and another stage: ZeRO-1 on 2 processes, stopped by SIGTERM after
     step 2, continued by ZeRO-2 on a world of one (`dist.strategy=deepspeed` without torchrun)
     equals the uninterrupted one-process run. The checkpoint holds the gathered weights and
     Adam state in the single-process layout."""
     run_dir = tmp_path / "run"
-    args = _args(tiny_llama_dir, train_file, run_dir, "dist.strategy=deepspeed")
+    args = _args(tiny_llama_dir, dist_train_file, run_dir, "dist.strategy=deepspeed")
     done = _torchrun(2, [*args, *TWO, "dist.zero_stage=1"], **{SIGNAL_ENV: "4:TERM"})
     assert done.returncode != 0 and "stopped before step 3" in done.stderr, done.stderr[-3000:]
     ckpt = list_complete_checkpoints(run_dir / "checkpoints")[-1]
@@ -95,35 +76,37 @@ def test_a_zero1_run_continues_as_zero2_on_one_process(
     done = _one_process([*args, *ONE, "dist.zero_stage=2"])
     _ok(done)
     assert "resumed from" in done.stdout
-    _assert_same_run(reference["lora"], run_dir)
+    _assert_same_run(dist_reference["lora"], run_dir)
 
 
 @pytest.mark.slow
 def test_a_single_process_run_continues_as_zero3_on_two_processes(
-    tiny_llama_dir: Path, train_file: Path, reference: dict[str, Path], tmp_path: Path
+    tiny_llama_dir: Path, dist_train_file: Path, dist_reference: dict[str, Path], tmp_path: Path
 ) -> None:
     """1 -> 2 processes: one process without DeepSpeed, stopped after step 2, continued by
     ZeRO-3 on 2 processes equals the uninterrupted run (Adam's state made on the partitions)."""
     run_dir = tmp_path / "run"
-    args = _args(tiny_llama_dir, train_file, run_dir)
+    args = _args(tiny_llama_dir, dist_train_file, run_dir)
     done = _one_process([*args, *ONE], **{SIGNAL_ENV: "2:TERM"})
     assert done.returncode == 143, done.stderr[-3000:]
     done = _torchrun(2, [*args, *TWO, "dist.strategy=deepspeed", "dist.zero_stage=3"])
     _ok(done)
     assert "resumed from" in done.stdout
-    _assert_same_run(reference["lora"], run_dir)
+    _assert_same_run(dist_reference["lora"], run_dir)
 
 
 @pytest.mark.slow
 def test_a_nan_on_one_rank_skips_the_step_on_every_rank_under_zero3(
-    tiny_llama_dir: Path, train_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_llama_dir: Path, dist_train_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The guard's skip discards ZeRO's partitioned gradients: the next step starts clean."""
     one, two = tmp_path / "one", tmp_path / "two"
     monkeypatch.setenv(LOSS_SCALE_ENV, "2:nan")
-    recipe.train(make_config(tiny_llama_dir, train_file, one, *COMMON, *ONE), log=lambda _: None)
+    recipe.train(
+        make_config(tiny_llama_dir, dist_train_file, one, *COMMON, *ONE), log=lambda _: None
+    )
     monkeypatch.delenv(LOSS_SCALE_ENV)
-    args = _args(tiny_llama_dir, train_file, two, *TWO, "dist.strategy=deepspeed")
+    args = _args(tiny_llama_dir, dist_train_file, two, *TWO, "dist.strategy=deepspeed")
     _ok(_torchrun(2, args, **{LOSS_SCALE_ENV: "2:nan", FAULT_RANK_ENV: "1"}))
     kinds = [(e["kind"], e["step"]) for e in read_events(two / "events.jsonl")]
     assert ("nonfinite", 2) in kinds
@@ -133,18 +116,22 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank_under_zero3(
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 3])
 def test_an_out_of_memory_error_on_one_rank_replays_the_window_under_zero(
-    tiny_llama_dir: Path, train_file: Path, reference: dict[str, Path], tmp_path: Path, stage: int
+    tiny_llama_dir: Path,
+    dist_train_file: Path,
+    dist_reference: dict[str, Path],
+    tmp_path: Path,
+    stage: int,
 ) -> None:
     """The abandoned micro-batch's gradients are discarded before the replay."""
     run_dir = tmp_path / "run"
-    args = _args(tiny_llama_dir, train_file, run_dir, *TWO, "dist.strategy=deepspeed")
+    args = _args(tiny_llama_dir, dist_train_file, run_dir, *TWO, "dist.strategy=deepspeed")
     _ok(
         _torchrun(
             2, [*args, f"dist.zero_stage={stage}"], **{OOM_STEP_ENV: "2", FAULT_RANK_ENV: "1"}
         )
     )
     assert [r["micro_batch_size"] for r in read_metrics(run_dir / "metrics.jsonl")] == [2, 1, 1, 1]
-    _assert_same_run(reference["lora"], run_dir)
+    _assert_same_run(dist_reference["lora"], run_dir)
 
 
 @pytest.mark.parametrize(
@@ -227,7 +214,7 @@ def test_a_rank_whose_deepspeed_sees_another_world_than_torchrun_started_fails(
 )
 def test_a_rollback_reloads_the_checkpoint_into_the_partitions(
     tiny_llama_dir: Path,
-    train_file: Path,
+    dist_train_file: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     stage: int,
@@ -240,10 +227,10 @@ def test_a_rollback_reloads_the_checkpoint_into_the_partitions(
     one, two = tmp_path / "one", tmp_path / "two"
     guard = ("guard.nonfinite=rollback",)
     monkeypatch.setenv(LOSS_SCALE_ENV, f"{nan_step}:nan")
-    cfg = make_config(tiny_llama_dir, train_file, one, *COMMON, *ONE, *guard)
+    cfg = make_config(tiny_llama_dir, dist_train_file, one, *COMMON, *ONE, *guard)
     recipe.train(cfg, log=lambda _: None)
     monkeypatch.delenv(LOSS_SCALE_ENV)
-    args = _args(tiny_llama_dir, train_file, two, *TWO, *guard, "dist.strategy=deepspeed")
+    args = _args(tiny_llama_dir, dist_train_file, two, *TWO, *guard, "dist.strategy=deepspeed")
     args.append(f"dist.zero_stage={stage}")
     _ok(_torchrun(2, args, **{LOSS_SCALE_ENV: f"{nan_step}:nan", FAULT_RANK_ENV: "1"}))
     kinds = [(e["kind"], e["step"]) for e in read_events(two / "events.jsonl")]
