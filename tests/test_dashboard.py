@@ -486,6 +486,41 @@ def test_the_command_serves_a_folder_and_refuses_what_it_cannot(tmp_path: Path) 
     assert "Traceback" not in err
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT-inherited-ignored", "SIGTERM"]
+)
+def test_the_command_stops_cleanly_on_sigint_or_sigterm_whatever_it_inherited(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    # A process started in the background by a shell without job control (a CI script's `&`,
+    # nohup) inherits SIGINT ignored; Python then never raises KeyboardInterrupt. The dashboard
+    # stops on SIGINT and SIGTERM (docker stop, systemd) however it was started, as `train` does.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "leantune", "dashboard", str(tmp_path), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_ignore_sigint,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith("dashboard: http://127.0.0.1:")
+    finally:
+        proc.send_signal(sig)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise AssertionError(f"the dashboard did not stop on {sig.name}") from None
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+
+
 # --------------------------------------------------------------------------------------------
 # The pages in headless Chromium
 
