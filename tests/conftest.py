@@ -323,7 +323,7 @@ def _args(model: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEANTUNE_")}
-    return env | {"OMP_NUM_THREADS": "1", **extra}
+    return env | {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **extra}
 
 
 def _torchrun(
@@ -349,7 +349,15 @@ def _one_process(args: list[str], **env: str) -> subprocess.CompletedProcess[str
 
 
 def _ok(done: subprocess.CompletedProcess[str]) -> None:
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:] + _rank_logs(done)
+
+
+def _rank_logs(done: subprocess.CompletedProcess[str]) -> str:
+    """The tail of each rank's own stderr when torchrun was given --log-dir (a rank that dies
+    natively says why only there; PYTHONFAULTHANDLER adds its Python stacks)."""
+    dirs = [a.split("=", 1)[1] for a in done.args if str(a).startswith("--log-dir=")]
+    logs = sorted(Path(dirs[0]).glob("*/*/*/stderr.log")) if dirs else []
+    return "".join(f"\n--- rank {p.parent.name} stderr ---\n{p.read_text()[-4000:]}" for p in logs)
 
 
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
