@@ -18,6 +18,30 @@ import torch.distributed as dist
 from leantune.training.distributed.world import World
 
 
+class OverWorld:
+    """The strategy protocol's rank and collective members over `self.world`, alike for every
+    strategy (ddp, fsdp2, deepspeed): who speaks, which samples are this rank's, and the sums
+    and decisions all ranks agree on."""
+
+    world: World
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.world.is_main
+
+    def shard_window(self, window: list[int]) -> list[int]:
+        return shard(window, self.world)
+
+    def reduce_count(self, count: int) -> int:
+        return sum_int(self.world, count, COUNT)
+
+    def reduce_sum(self, value: float) -> float:
+        return sum_float(self.world, value, LOSS)
+
+    def agree(self, code: int) -> int:
+        return max_int(self.world, code, DECISION)
+
+
 class CollectiveFailed(RuntimeError):
     """A collective did not complete on this rank: a peer died, hung or took another path."""
 

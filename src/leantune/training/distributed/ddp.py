@@ -54,27 +54,11 @@ _sum_hook.__annotations__ = {
 }
 
 
-class DDPStrategy:
+class DDPStrategy(c.OverWorld):
     """DistributedDataParallel over the world's mesh."""
 
     def __init__(self, world: World) -> None:
         self.world = world
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.world.is_main
-
-    def shard_window(self, window: list[int]) -> list[int]:
-        return c.shard(window, self.world)
-
-    def reduce_count(self, count: int) -> int:
-        return c.sum_int(self.world, count, c.COUNT)
-
-    def reduce_sum(self, value: float) -> float:
-        return c.sum_float(self.world, value, c.LOSS)
-
-    def agree(self, code: int) -> int:
-        return c.max_int(self.world, code, c.DECISION)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer

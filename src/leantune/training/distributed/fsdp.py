@@ -60,7 +60,7 @@ def odd_dtype_leaves(block: nn.Module) -> list[nn.Module]:
     return leaves
 
 
-class FSDP2Strategy:
+class FSDP2Strategy(c.OverWorld):
     """`fully_shard` over the world's mesh."""
 
     def __init__(
@@ -76,22 +76,6 @@ class FSDP2Strategy:
         self.cpu_offload = cpu_offload
         self.reshard_after_forward = reshard_after_forward
         self.root: nn.Module | None = None
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.world.is_main
-
-    def shard_window(self, window: list[int]) -> list[int]:
-        return c.shard(window, self.world)
-
-    def reduce_count(self, count: int) -> int:
-        return c.sum_int(self.world, count, c.COUNT)
-
-    def reduce_sum(self, value: float) -> float:
-        return c.sum_float(self.world, value, c.LOSS)
-
-    def agree(self, code: int) -> int:
-        return c.max_int(self.world, code, c.DECISION)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer

@@ -146,7 +146,7 @@ def discard_gradients(zero: Any) -> None:
         zero.micro_step_id = INITIAL_MICRO_STEP_ID
 
 
-class ZeroStrategy:
+class ZeroStrategy(c.OverWorld):
     """DeepSpeed ZeRO-1/2/3 over the world's process group."""
 
     def __init__(self, world: World, *, zero_stage: int, max_grad_norm: float) -> None:
@@ -158,22 +158,6 @@ class ZeroStrategy:
         self.order: list[nn.Parameter] = []
         """The trainable parameters as the torch optimizer numbered them (its state dict's)."""
         self.groups: list[list[int]] = []
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.world.is_main
-
-    def shard_window(self, window: list[int]) -> list[int]:
-        return c.shard(window, self.world)
-
-    def reduce_count(self, count: int) -> int:
-        return c.sum_int(self.world, count, c.COUNT)
-
-    def reduce_sum(self, value: float) -> float:
-        return c.sum_float(self.world, value, c.LOSS)
-
-    def agree(self, code: int) -> int:
-        return c.max_int(self.world, code, c.DECISION)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         self.slot = _EngineSlot(LossModule(model), self.world.world_size)
