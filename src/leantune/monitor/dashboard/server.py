@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import signal
 import socket
-import threading
 import time
 from collections.abc import Callable
 from http import HTTPStatus
@@ -36,6 +34,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from leantune.monitor.dashboard.runs import EVAL_FILE, METRICS_FILE, RunsFolder
 from leantune.monitor.dashboard.series import line_sig
+from leantune.training.signals import Interrupted, StopSignals
 
 CONTENT_TYPES = {
     ".html": "text/html; charset=utf-8",
@@ -251,33 +250,20 @@ def make_server(root: Path, host: str = "127.0.0.1", port: int = 0) -> Dashboard
     return DashboardServer(RunsFolder(root), host, port)
 
 
-class _Stop(Exception):
-    """SIGINT or SIGTERM arrived while serving."""
-
-
-def _stop(signum: int, frame: object) -> None:
-    raise _Stop
-
-
 def serve(server: DashboardServer, log: Callable[[str], None] = print) -> None:
     """Serve until Ctrl-C (SIGINT) or SIGTERM, then close the socket and return.
 
-    Both signals get this function's own handler while it serves, whatever the process
+    Both signals get `train`'s handler (`StopSignals`) while it serves, whatever the process
     inherited: a dashboard started by `nohup` or a script's `&` starts with SIGINT ignored, and
     `docker stop` or systemd send SIGTERM. Off the main thread (a test's server) signals are left
     as they are.
     """
-    previous: dict[signal.Signals, Any] = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            previous[signum] = signal.signal(signum, _stop)
     try:
-        # Said only once the handlers are in: whoever waits for this line may signal at once.
-        log(f"dashboard: {server.url} (runs in {server.folder.root}); Ctrl-C stops it")
-        server.serve_forever(poll_interval=0.5)
-    except (KeyboardInterrupt, _Stop):
+        with StopSignals():
+            # Said only once the handlers are in: whoever waits for this line may signal at once.
+            log(f"dashboard: {server.url} (runs in {server.folder.root}); Ctrl-C stops it")
+            server.serve_forever(poll_interval=0.5)
+    except (KeyboardInterrupt, Interrupted):
         pass
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
         server.server_close()
