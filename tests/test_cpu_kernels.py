@@ -11,10 +11,12 @@ CPU, where bitsandbytes never logs it, runs the same check.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import subprocess
 import sys
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +24,7 @@ import pytest
 import torch
 from conftest import tiny_train_args, write_jsonl
 
-from leantune.models import bnb_notice
+from leantune.models import bnb_import, bnb_notice
 from leantune.models.quantize import keep_training_layout
 
 NOTICE = (
@@ -130,10 +132,24 @@ def _expected_notes() -> int:
     return int(bool(has_avx512bf16()) and importlib.util.find_spec("kernels") is None)
 
 
-def test_train_prints_the_notice_only_for_4bit_and_then_explained(
+# `python -m leantune ARGS`, then one line on stderr saying whether bitsandbytes was imported.
+_REPORTING_BNB = """
+import runpy, sys
+sys.argv[0] = "leantune"
+try:
+    runpy.run_module("leantune", run_name="__main__", alter_sys=True)
+except SystemExit as e:
+    code = e.code
+print(f"bitsandbytes imported: {sys.modules.get('bitsandbytes') is not None}", file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def test_train_imports_bitsandbytes_and_its_notice_only_for_4bit_and_explains_it(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    """Real processes, so that bitsandbytes is imported after the CLI starts, as for a user."""
+    """Real processes, so that bitsandbytes is imported after the CLI starts, as for a user:
+    LoRA's never imports it (peft would, and with it TorchDynamo and Inductor), QLoRA's does."""
     pytest.importorskip("bitsandbytes")
     rows = [
         {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
@@ -152,7 +168,7 @@ def test_train_prints_the_notice_only_for_4bit_and_then_explained(
             "train.precision=fp32",
         )
         proc = subprocess.run(
-            [sys.executable, "-m", "leantune", *args],
+            [sys.executable, "-c", _REPORTING_BNB, *args],
             env=env,
             capture_output=True,
             text=True,
@@ -162,5 +178,64 @@ def test_train_prints_the_notice_only_for_4bit_and_then_explained(
         printed[method] = proc.stdout + proc.stderr
     for text in printed.values():
         assert "Failed to load CPU gemm_4bit_forward" not in text
+    assert "bitsandbytes imported: False" in printed["lora"]
+    assert "bitsandbytes imported: True" in printed["qlora"]
     assert "note: bitsandbytes" not in printed["lora"]
     assert printed["qlora"].count("note: bitsandbytes") == _expected_notes()
+
+
+def _config_dir(path: Path, **extra: object) -> str:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", **extra}))
+    return str(path)
+
+
+def test_a_run_needs_bitsandbytes_for_a_4bit_base_its_optimizers_or_an_unknown_model(
+    tmp_path: Path,
+) -> None:
+    plain = _config_dir(tmp_path / "plain")
+    quantised = _config_dir(tmp_path / "bnb", quantization_config={"quant_method": "bitsandbytes"})
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    assert not bnb_import.needed(False, "adamw", plain)
+    assert not bnb_import.needed(False, "adamw_4bit", plain)  # torchao's
+    assert not bnb_import.needed(False, "adamw", "smollm2-135m-instruct")  # the demo model
+    assert not bnb_import.needed(False, "adamw", str(tmp_path / "model.Q4_1.gguf"))
+    assert bnb_import.needed(True, "adamw", plain)  # qlora
+    assert bnb_import.needed(False, "adamw_8bit", plain)
+    assert bnb_import.needed(False, "paged_adamw_8bit", plain)
+    assert bnb_import.needed(False, "adamw", quantised)
+    assert bnb_import.needed(False, "adamw", str(adapter))  # its base is not known here
+    assert bnb_import.needed(False, "adamw", str(tmp_path / "missing"))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    assert bnb_import.needed(False, "adamw", str(tmp_path / "bad"))
+
+
+def test_a_held_back_bitsandbytes_reads_as_not_installed_to_peft_and_transformers() -> None:
+    """In a fresh process: what peft and transformers see is a base install's view."""
+    pytest.importorskip("bitsandbytes")
+    code = """
+import sys
+from leantune.models import bnb_import
+assert bnb_import.hold_back(True) is False and "bitsandbytes" not in sys.modules
+assert bnb_import.hold_back(False) is True
+import peft, transformers
+from peft.import_utils import is_bnb_available
+from transformers.utils import is_bitsandbytes_available
+assert not is_bnb_available() and not is_bitsandbytes_available()
+assert sys.modules["bitsandbytes"] is None and not hasattr(peft, "bnb")
+print("ok")
+"""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_an_imported_bitsandbytes_is_never_held_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded = types.ModuleType("bitsandbytes")
+    monkeypatch.setitem(sys.modules, "bitsandbytes", loaded)
+    assert bnb_import.hold_back(False) is False and sys.modules["bitsandbytes"] is loaded

@@ -138,9 +138,10 @@ def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from leantune.config import describe_base, load_config
+    from leantune.methods.registry import METHODS
+    from leantune.models import bnb_import
     from leantune.training.distributed.launch import exec_torchrun, rank_tag
     from leantune.training.events import TrainingHalted
-    from leantune.training.recipe import train
     from leantune.training.signals import Interrupted
 
     config, overrides = _split_config_args(args.args)
@@ -150,6 +151,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         port = [] if args.metrics_port is None else [f"--metrics-port={args.metrics_port}"]
         exec_torchrun(args.nproc, args.max_restarts, ["train", *args.args, *port])
+    if args.own_process:  # a caller of main() may import bitsandbytes after the run
+        quantized = METHODS[cfg.method.name].base_quantization is not None
+        bnb_import.hold_back(bnb_import.needed(quantized, cfg.train.optimizer, cfg.model.path))
+    from leantune.training.recipe import train  # peft, transformers: after the hold-back
+
     tag = rank_tag()
     if not tag or tag.startswith("rank 0 "):
         print(describe_base(config, overrides), flush=True)
@@ -757,6 +763,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     _quiet_import_noise()
+    args.own_process = argv is None  # the command line's own process, not a caller's
     try:
         return int(args.func(args))
     except UserError as e:
