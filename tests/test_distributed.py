@@ -79,6 +79,36 @@ def test_two_processes_update_as_one_with_twice_the_micro_batch(
     _assert_loads_in_plain_transformers(run_dir / "final", tiny_llama_dir, method)
 
 
+def test_qlora_on_two_fsdp2_processes_updates_as_one_keeping_the_4bit_base_whole(
+    tiny_llama_dir: Path, dist_train_file: Path, tmp_path: Path
+) -> None:
+    """The packed 4-bit base weights cannot be cut into shards: they are FSDP's ignored
+    parameters, whole on every rank, and the LoRA matrices (everything trainable) are sharded.
+    Stopped after step 2 and continued, the run is one process's; its sharded checkpoint holds
+    no 4-bit weight nor quantisation state."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    cfg = make_config(tiny_llama_dir, dist_train_file, one, *COMMON, *ONE, "method.name=qlora")
+    recipe.train(cfg, log=lambda _: None)
+    args = _args(tiny_llama_dir, dist_train_file, two, *TWO, "method.name=qlora")
+    args.append("dist.strategy=fsdp2")
+    done = _torchrun(2, args, **{SIGNAL_ENV: "4:TERM"})  # the 1st micro-batch of step 3
+    assert done.returncode != 0 and "stopped before step 3" in done.stderr
+    done = _torchrun(2, args)
+    _ok(done)
+    assert "resumed from" in done.stdout
+    _assert_same_run(one, two)
+    ckpt = list_complete_checkpoints(two / "checkpoints")[-1]
+    marker = json.loads((ckpt / "COMPLETE").read_text())
+    assert marker["layout"] == "sharded" and "dcp/__1_0.distcp" in marker["files"]
+    assert load_checkpoint(ckpt).sharded
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(ckpt / "dcp")).read_metadata().state_dict_metadata
+    weights = [k for k in keys if k.startswith("model.")]
+    assert weights and all(".lora_A." in k or ".lora_B." in k for k in weights), weights
+    _assert_loads_in_plain_transformers(two / "final", tiny_llama_dir, "qlora")
+
+
 @pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp2", marks=pytest.mark.slow)])
 def test_evaluation_on_two_processes_equals_one_process(
     tiny_llama_dir: Path, dist_train_file: Path, tmp_path: Path, strategy: str
@@ -286,7 +316,6 @@ def test_a_hung_collective_times_out_naming_the_rank_and_the_operation(tmp_path:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["dist.strategy=fsdp2", "method.name=qlora"], "fsdp2 with method.name=qlora"),
         (["dist.cpu_offload=true"], "dist.cpu_offload and dist.reshard_after_forward are fsdp2"),
         (["dist.timeout_s=0"], "dist.timeout_s: must be > 0"),
         (["dist.strategy=fsdp2", "dist.cpu_offload=true", "train.device=cpu"], "needs CUDA"),
@@ -316,12 +345,7 @@ def test_a_window_that_does_not_divide_over_the_ranks_is_refused() -> None:
         shard(list(range(7)), worlds[0])
 
 
-METHOD_CASES = [
-    (strategy, method)
-    for strategy in ("ddp", "fsdp2")
-    for method in METHODS
-    if (strategy, method) != ("fsdp2", "qlora")  # refused by check_dist
-]
+METHOD_CASES = [(strategy, method) for strategy in ("ddp", "fsdp2") for method in METHODS]
 
 
 @pytest.mark.slow

@@ -543,9 +543,7 @@ def validate(cfg: Config) -> list[str]:
     _validate_run(cfg.run)
     check_monitor(cfg.monitor)
     _validate_method(cfg)
-    check_dist(
-        cfg.dist, m.name, METHODS[m.name].base_quantization is not None, t.device, t.eval_every
-    )
+    check_dist(cfg.dist, t.device, t.eval_every)
     quantized = METHODS[m.name].base_quantization is not None
     check_deepspeed(cfg.dist, t.precision, t.optimizer, m.name, quantized)
     warnings: list[str] = check_libraries(cfg)

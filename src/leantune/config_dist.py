@@ -45,9 +45,7 @@ CPU_OFFLOAD_ON_CPU = (
 )
 
 
-def check_dist(
-    d: DistConfig, method: str, quantized_base: bool, device: str, eval_every: int
-) -> None:
+def check_dist(d: DistConfig, device: str, eval_every: int) -> None:
     """Cross-field checks of `dist:`; raises ConfigError naming the field and the fix."""
     if not d.timeout_s > 0:
         raise ConfigError(f"dist.timeout_s: must be > 0 seconds, got {d.timeout_s}")
@@ -72,11 +70,6 @@ def check_dist(
             "train.eval_every with dist.strategy=fsdp2: the periodic evaluation runs on rank 0, "
             "which holds only a shard of the model; use dist.strategy=ddp, or train.eval_every=0 "
             "(the closing evaluation still runs, on the gathered model)"
-        )
-    if d.strategy == "fsdp2" and quantized_base:
-        raise ConfigError(
-            f"dist.strategy=fsdp2 with method.name={method}: 4-bit base weights are not sharded "
-            "by this leantune; use dist.strategy=ddp (the 4-bit base is small on every rank)"
         )
 
 

@@ -5,7 +5,11 @@ norm and the head, tied or not, with whatever the method added outside the block
 after the method has wrapped the model, so a LoRA layer is made with the whole weight's shape
 (peft#3578 is what happens otherwise). A unit's trainable parameters must share one dtype:
 trainable leaves whose dtype differs from the rest of their block (fp32 adapters on a bf16
-base) become units of their own. Checkpoints are sharded (`training.distributed.sharded`).
+base) become units of their own. Frozen parameters that are not floating point (QLoRA's packed
+4-bit base weights, each carrying its quantisation state) cannot be cut into shards: FSDP
+ignores them (`ignored_params`), so every rank keeps the whole 4-bit base, an eighth of its
+fp32 size, and everything trainable is sharded as for any other method. Checkpoints are sharded
+(`training.distributed.sharded`) and hold only trainable weights, so nothing 4-bit is in them.
 """
 
 from __future__ import annotations
@@ -48,11 +52,17 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return best
 
 
+def unshardable_params(model: nn.Module) -> set[nn.Parameter]:
+    """Frozen parameters that are not floating point: packed low-bit weights (bitsandbytes'
+    `Params4bit`), whose bytes only mean something whole, with their quantisation state."""
+    return {p for p in model.parameters() if not p.requires_grad and not p.is_floating_point()}
+
+
 def odd_dtype_leaves(block: nn.Module) -> list[nn.Module]:
     """Modules of `block` owning trainable parameters of a dtype other than the block's other
-    parameters (they get their own unit, so each unit has one trainable dtype)."""
+    sharded parameters (they get their own unit, so each unit has one trainable dtype)."""
     leaves = []
-    frozen = {p.dtype for p in block.parameters() if not p.requires_grad}
+    frozen = {p.dtype for p in block.parameters() if not p.requires_grad and p.is_floating_point()}
     for module in block.modules():
         own = [p for p in module.parameters(recurse=False) if p.requires_grad]
         if own and frozen and {p.dtype for p in own} - frozen:
@@ -90,14 +100,17 @@ class FSDP2Strategy(c.OverWorld):
             else MixedPrecisionPolicy()
         )
         offload = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
+        whole = unshardable_params(model)
 
         def shard(module: nn.Module) -> None:
+            own = {p for p in module.parameters() if p in whole}
             fully_shard(
                 module,
                 mesh=self.world.mesh,
                 reshard_after_forward=self.reshard_after_forward,
                 mp_policy=mp,
                 offload_policy=offload,
+                ignored_params=own or None,
             )
 
         for block in transformer_blocks(model):

@@ -40,6 +40,15 @@ from leantune.training.strategy import CheckpointParts, Warn
 _TRAINABLE = StateDictOptions(ignore_frozen_params=True)
 
 
+def _trainable_state(model: nn.Module) -> dict[str, Any]:
+    """The model's trainable parameters by name, this rank's shards of them. What
+    `ignore_frozen_params` leaves besides (the quantisation state a 4-bit layer adds to its
+    state dict for the whole frozen weight every rank keeps) is not the run's to save."""
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    state = get_model_state_dict(model, options=_TRAINABLE)
+    return {k: v for k, v in state.items() if k in trainable}
+
+
 def save(world: World, root: Path, model: nn.Module, parts: CheckpointParts) -> Path:
     """Write ``root/step-N`` from every rank's shards; returns it on every rank.
 
@@ -55,7 +64,7 @@ def save(world: World, root: Path, model: nn.Module, parts: CheckpointParts) -> 
     name = ck._step_dir_name(step)
     tmp = root / f"{ck._TMP_PREFIX}{name}-sharded"
     _on_main(world, lambda: _fresh_dir(root, tmp), "prepare the checkpoint folder")
-    state: dict[str, Any] = {"model": get_model_state_dict(model, options=_TRAINABLE)}
+    state: dict[str, Any] = {"model": _trainable_state(model)}
     if parts.optimizer.state:  # a fresh optimizer has none (and DCP would make one up)
         state["optim"] = get_optimizer_state_dict(model, parts.optimizer)
     with c.named(world, "dcp.save of the sharded checkpoint"):
@@ -98,7 +107,7 @@ def load(
         return
     directory = ckpt.path / ck.SHARDED_DIR
     saved = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
-    state: dict[str, Any] = {"model": get_model_state_dict(model, options=_TRAINABLE)}
+    state: dict[str, Any] = {"model": _trainable_state(model)}
     with_optim = any(k.startswith("optim.") for k in saved)
     if with_optim:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
