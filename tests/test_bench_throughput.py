@@ -46,6 +46,11 @@ def test_both_systems_train_the_same_examples(tiny_llama_dir: Path, tmp_path: Pa
     assert hf["useful_tokens"] == ours["useful_tokens"] > 0  # every example once, both
     assert hf["examples"] == 16 and hf["steps"] == 2  # batch 8, one epoch
     assert hf["processed_tokens"] > hf["useful_tokens"]  # the padding collator pads
+    lines = (tmp_path / "bench" / "runs.jsonl").read_text().splitlines()  # what a stop leaves
+    kept = [json.loads(x) for x in lines]
+    assert [(r["system"], r["useful_tokens"]) for r in kept] == [
+        (r["system"], r["useful_tokens"]) for r in result["runs"]
+    ]
     row = result["results"]["lora"]
     for system in ("hf_trainer_peft", "leantune"):
         r = row[system]

@@ -206,6 +206,7 @@ def run_benchmark(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
 
     work = Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
+    (work / "runs.jsonl").write_text("")  # one line per finished run, as it finishes
     source = resolve_model(args.model)
     model = source.location
     tokenizer = load_tokenizer(source, False)
@@ -222,6 +223,8 @@ def run_benchmark(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
             order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]  # alternate who goes first
             for system in order:
                 runs.append(one_run(system, method, work, rep, ctx, log))
+                with (work / "runs.jsonl").open("a") as f:  # what a stopped run leaves
+                    f.write(json.dumps(runs[-1]) + "\n")
     lengths = [_chat_tokens(tokenizer, json.loads(x)["messages"])
                for x in train.read_text().splitlines()]  # fmt: skip
     mean_len = sum(lengths) / len(lengths)
