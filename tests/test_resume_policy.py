@@ -404,6 +404,7 @@ def test_settings_outside_the_trajectory_leave_the_fingerprint_alone() -> None:
         "train.device=cpu",
         "train.memory_budget=1GiB",
         "train.gradient_checkpointing=true",
+        "train.compile=true",
         "guard.nonfinite=pause",
         "guard.warmup=5",
         "model.trust_remote_code=true",

@@ -232,6 +232,10 @@ class TrainConfig:
     only where the memory planner predicts that not even micro-batch 1 (micro_batch_size=auto)
     or the configured micro-batch fits the memory budget without it, and never for a method
     that does not support it."""
+    compile: bool = False
+    """Compile each transformer block's training forward with torch.compile (one process; needs
+    a C++ compiler). The first steps pay the compile (tens of seconds on CPU, less with a warm
+    cache); on CPU later steps ran 6-11% faster, so it pays on long runs only."""
     eval_exact_match: bool = False
     """Measure exact match on the eval set before and after training (chat/alpaca)."""
     eval_every: int = 0
@@ -488,6 +492,11 @@ def _apply_file(cfg: Config, cfg_path: Path) -> None:
             setattr(cfg.data, name, str(base / value))
 
 
+COMPILE_ONE_PROCESS = (
+    "train.compile=true runs in one process; with dist.strategy={strategy} set train.compile=false"
+)
+
+
 def validate(cfg: Config) -> list[str]:
     """Cross-field checks: raises ConfigError when invalid, returns warnings for risky settings."""
     t, d, m = cfg.train, cfg.data, cfg.method
@@ -544,6 +553,8 @@ def validate(cfg: Config) -> list[str]:
     check_monitor(cfg.monitor)
     _validate_method(cfg)
     check_dist(cfg.dist, t.device, t.eval_every)
+    if t.compile and cfg.dist.strategy != "auto":
+        raise ConfigError(COMPILE_ONE_PROCESS.format(strategy=cfg.dist.strategy))
     quantized = METHODS[m.name].base_quantization is not None
     check_deepspeed(cfg.dist, t.precision, t.optimizer, m.name, quantized)
     warnings: list[str] = check_libraries(cfg)

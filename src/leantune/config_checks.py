@@ -7,6 +7,8 @@ rules, and these stay importable without a Config instance at import time.
 
 from __future__ import annotations
 
+import os
+import shutil
 from typing import TYPE_CHECKING
 
 from leantune.config_parse import ConfigError
@@ -54,6 +56,8 @@ def check_libraries(cfg: Config) -> list[str]:
     import importlib.util
 
     m, t, rope = cfg.method, cfg.train, cfg.model.rope_scaling
+    if t.compile:
+        check_compiler()
     if rope is not None:
         if rope.factor <= 1:
             raise ConfigError(f"model.rope_scaling.factor: must be > 1, got {rope.factor}")
@@ -106,3 +110,18 @@ def check_libraries(cfg: Config) -> list[str]:
     except OptimizerUnavailable as e:
         raise ConfigError(str(e)) from e
     return [*warnings, backend.note] if backend.note else warnings
+
+
+def check_compiler() -> None:
+    """Refuse `train.compile` where torch.compile cannot build its kernels (Inductor's CPU code
+    is C++, and Triton's launcher on CUDA is compiled too), before anything loads.
+
+    Raises:
+        ConfigError: no C++ compiler ($CXX, default g++) on PATH.
+    """
+    cxx = os.environ.get("CXX") or "g++"
+    if shutil.which(cxx) is None:
+        raise ConfigError(
+            f"train.compile=true needs a C++ compiler for torch.compile's kernels: {cxx!r} is "
+            "not on PATH (install g++, or set CXX to one); or set train.compile=false"
+        )

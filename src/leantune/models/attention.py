@@ -43,12 +43,27 @@ CONFIG_NAMES = {"segments": SEGMENTS, "sdpa": "sdpa", "eager": "eager"}
 """model.attn_implementation (resolved) -> transformers' attn_implementation."""
 
 
+_registered: list[Callable[..., Any]] = []
+"""The attention function registered under SEGMENTS (empty: the plain one)."""
+
+
 def register_segment_attention() -> str:
     """Register the segment attention and its mask function with transformers (idempotent);
     returns the name to load a model with."""
-    AttentionInterface.register(SEGMENTS, segment_attention_forward)
+    AttentionInterface.register(
+        SEGMENTS, _registered[0] if _registered else segment_attention_forward
+    )
     AttentionMaskInterface.register(SEGMENTS, segment_mask)
     return SEGMENTS
+
+
+def keep_eager_under_compile() -> None:
+    """From now on in this process, register the segment attention as a function that
+    torch.compile does not trace (`train.compile`: each new layout of a packed row would be a
+    new graph). The same function runs, so eager callers compute exactly what they did."""
+    if not _registered:
+        _registered.append(torch.compiler.disable(segment_attention_forward))
+    register_segment_attention()
 
 
 def transformers_name(attn_implementation: str) -> str:

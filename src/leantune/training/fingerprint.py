@@ -14,6 +14,7 @@ Not in the fingerprint, so free to change between a run and its resume: ``run.*`
 (``data.eval``, ``train.eval_*``, ``max_new_tokens``), ``save_every``, ``keep_last``, the guard
 (``guard.*``: it only acts on anomalies, and relaxing it after a pause is how a run goes on),
 ``train.device``, ``memory_budget``, ``gradient_checkpointing`` (same numbers, other memory),
+``compile`` (the same computation, compiled),
 ``micro_batch_size``/``grad_accum`` at the same global batch, ``model.trust_remote_code`` and the
 data preparation engine and cache (``data.cache_dir``, ``engine``, ``scheduler``, ``partition_mb``,
 ``max_bad_fraction``).

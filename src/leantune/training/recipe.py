@@ -42,12 +42,14 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.config import (
     AUTO_RUN_NAME,
+    COMPILE_ONE_PROCESS,
     Config,
     effective_pack,
     parse_memory_size,
     to_dict,
     validate,
 )
+from leantune.config_parse import ConfigError
 from leantune.data.dataset import PreparedData
 from leantune.data.loader import SampleStream
 from leantune.data.templates import apply_chat_template
@@ -450,8 +452,24 @@ def _wrap(
         f"method {cfg.method.name}: {trainable:,} of {total:,} parameters train "
         f"({100 * trainable / total:.3f}%)"
     )
+    if cfg.train.compile:
+        _compile(model, strategy, log)
     trained = strategy.wrap_model(model)  # in place, or around it: `model` stays unwrapped
     return model, trained, trainable_named_parameters(model), (trainable, total)
+
+
+def _compile(model: nn.Module, strategy: ParallelStrategy, log: Log) -> None:
+    """train.compile: the blocks' training forward compiled (one process only).
+
+    Raises:
+        ConfigError: under torchrun (`validate` refuses the other strategies).
+    """
+    from leantune.training.compile import compile_blocks
+
+    if not isinstance(strategy, SingleProcess):
+        raise ConfigError(COMPILE_ONE_PROCESS.format(strategy="auto (ddp under torchrun)"))
+    blocks = compile_blocks(model)
+    log(f"train.compile: {blocks} blocks compile on their first training steps")
 
 
 def _monitoring(
