@@ -38,13 +38,15 @@ def test_both_systems_train_the_same_examples(tiny_llama_dir: Path, tmp_path: Pa
     args = parser().parse_args(
         ["--model", str(tiny_llama_dir), "--conversations", "16", "--heldout", "4", "--reps",
          "1", "--methods", "lora", "--threads", "1", "--min-tokens", "20", "--max-tokens", "200",
-         "--max-seq-len", "512", "--out", str(tmp_path / "bench")]
+         "--max-seq-len", "512", "--out", str(tmp_path / "bench"), "--hf-micro-batch", "4"]
     )  # fmt: skip
     result = run_benchmark(args, log=lambda _: None)
     runs = {r["system"]: r for r in result["runs"]}
     hf, ours = runs["hf_trainer_peft"], runs["leantune"]
     assert hf["useful_tokens"] == ours["useful_tokens"] > 0  # every example once, both
-    assert hf["examples"] == 16 and hf["steps"] == 2  # batch 8, one epoch
+    assert hf["examples"] == 16 and hf["steps"] == 2  # batch 8 (4 x 2 accumulated), one epoch
+    assert (hf["micro_batch_size"], hf["grad_accum"]) == (4, 2)
+    assert result["hf_batch"] == {"micro_batch_size": 4, "grad_accum": 2}
     assert hf["processed_tokens"] > hf["useful_tokens"]  # the padding collator pads
     lines = (tmp_path / "bench" / "runs.jsonl").read_text().splitlines()  # what a stop leaves
     kept = [json.loads(x) for x in lines]
@@ -60,6 +62,12 @@ def test_both_systems_train_the_same_examples(tiny_llama_dir: Path, tmp_path: Pa
     assert ratio == (
         row["leantune"]["useful_tokens_per_s"] / row["hf_trainer_peft"]["useful_tokens_per_s"]
     )
+
+
+def test_the_baseline_micro_batch_must_divide_its_batch() -> None:
+    assert parser().parse_args([]).hf_micro_batch == 8
+    result = run_cli(["bench", "throughput", "--hf-micro-batch", "3"])
+    assert result.code == 2 and "must divide 8" in result.err
 
 
 def test_the_cli_shows_the_benchmark_help() -> None:

@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     targs = TrainingArguments(
         output_dir=str(out / "trainer"),
         per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,
         learning_rate=args.lr,
         lr_scheduler_type="cosine",
         warmup_steps=0.1,  # a ratio below 1 (transformers 5)
@@ -107,6 +108,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "padding_ratio": 1 - collator.useful / max(1, collator.processed),
         "peak_rss_bytes": int(rss),
         "examples": len(rows),
+        "micro_batch_size": args.batch_size,
+        "grad_accum": args.grad_accum,
     }
     (out / "result.json").write_text(json.dumps(result, indent=2))
     return result
@@ -120,7 +123,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--method", choices=("lora", "full"), default="lora")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="fp32")
     p.add_argument("--lr", type=float, default=2e-4)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="per-device (micro) batch")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per update")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)

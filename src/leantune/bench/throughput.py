@@ -84,13 +84,20 @@ def leantune_command(model: str, train: Path, method: str, run_dir: Path) -> lis
     ]  # fmt: skip
 
 
+HF_BATCH = 8
+"""The baseline's batch per optimizer update (Trainer's usual per-device batch)."""
+
+
 def hf_command(
-    model: str, train: Path, method: str, out: Path, precision: str, threads: int
+    model: str, train: Path, method: str, out: Path, precision: str, threads: int, micro: int
 ) -> list[str]:
+    """The baseline's command: batches of `HF_BATCH` examples per update, in micro-batches of
+    `micro` (gradient accumulation makes up the rest: the same updates, the same schedule)."""
     return [
         sys.executable, "-m", "leantune.bench.hf_baseline", "--model", model, "--train",
         str(train), "--out", str(out), "--method", method, "--precision", precision,
-        "--threads", str(threads),
+        "--threads", str(threads), "--batch-size", str(micro),
+        "--grad-accum", str(HF_BATCH // micro),
     ]  # fmt: skip
 
 
@@ -116,10 +123,17 @@ def one_run(
     if system == "leantune":
         cmd = leantune_command(ctx["model"], ctx["train"], method, out)
     else:
-        cmd = hf_command(ctx["model"], ctx["train"], method, out, ctx["precision"], ctx["threads"])
+        precision, threads, micro = ctx["precision"], ctx["threads"], ctx["hf_micro_batch"]
+        cmd = hf_command(ctx["model"], ctx["train"], method, out, precision, threads, micro)
     code, rss, wall, tail = run_child(cmd, ctx["threads"])
     if code != 0:
-        raise RuntimeError(f"{system} {method} rep {rep} failed (exit {code}):\n{tail}")
+        hint = ""
+        if code == -9 and system != "leantune":  # SIGKILL: the kernel's OOM killer, mostly
+            hint = (
+                f"\n(killed, most likely for memory at peak RSS {rss / 2**30:.1f} GiB: a user "
+                f"would lower the micro-batch, e.g. --hf-micro-batch {max(1, micro // 2)})"
+            )
+        raise RuntimeError(f"{system} {method} rep {rep} failed (exit {code}):\n{tail}{hint}")
     result = (
         _leantune_result(out)
         if system == "leantune"
@@ -216,7 +230,13 @@ def run_benchmark(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
     precision = resolve_precision("auto", "cpu", None, "auto").precision
     peaks = {p: matmul_peak(p, args.threads) for p in ("fp32", "bf16")}
     log(f"matmul peak: fp32 {peaks['fp32']:.0f} GFLOP/s, bf16 {peaks['bf16']:.0f} GFLOP/s")
-    ctx = {"model": model, "train": train, "precision": precision, "threads": args.threads}
+    ctx = {
+        "model": model,
+        "train": train,
+        "precision": precision,
+        "threads": args.threads,
+        "hf_micro_batch": args.hf_micro_batch,
+    }
     runs: list[dict[str, Any]] = []
     for rep in range(args.reps):
         for method in args.methods:
@@ -244,6 +264,10 @@ def run_benchmark(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
         "mean_tokens": mean_len,
         "threads": args.threads,
         "precision": precision,
+        "hf_batch": {
+            "micro_batch_size": args.hf_micro_batch,
+            "grad_accum": HF_BATCH // args.hf_micro_batch,
+        },
         "matmul_peak_gflops": peaks,
         "cpu": _cpu_name(),
         "results": table,
@@ -280,6 +304,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="intra-op threads")
     p.add_argument("--max-seq-len", type=int, default=2048, help="longest example kept")
     p.add_argument("--out", default="runs/bench-throughput", help="working folder")
+    p.add_argument(
+        "--hf-micro-batch",
+        type=_micro_batch,
+        default=HF_BATCH,
+        help=f"the baseline's micro-batch: {HF_BATCH} examples per update either way, the rest "
+        "by gradient accumulation (what a user does when batch 8 runs out of memory)",
+    )
+
+
+def _micro_batch(text: str) -> int:
+    n = int(text)
+    if n < 1 or HF_BATCH % n:
+        raise argparse.ArgumentTypeError(f"must divide {HF_BATCH} (1, 2, 4 or 8), not {n}")
+    return n
 
 
 def parser() -> argparse.ArgumentParser:
