@@ -34,6 +34,38 @@ def test_flops_per_token_counts_weight_gradients_only_for_full(tiny_llama_dir: P
     assert full == lora * 1.5
 
 
+def test_the_baseline_trains_on_the_targets_leantune_trains_on(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """transformers' causal LM loss shifts the labels it is given; leantune's are stored shifted
+    (`labels[i]` is the target of position i). The baseline's rows must ask HF's loss for the
+    same targets: the loss HF computes on them equals the loss of leantune's own labels."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from leantune.bench.hf_baseline import _rows
+    from leantune.data.dataset import prepared_data
+    from leantune.data.prepare.records import PrepareSettings
+
+    tok = load_tokenizer(resolve_model(str(tiny_llama_dir)), False)
+    path = write_corpus(tmp_path / "c.jsonl", tok, 4, seed=0, min_tokens=40, max_tokens=200)
+    settings = PrepareSettings(format="chat", max_seq_len=512, pack=False)
+    ours = prepared_data(path, settings=settings, tokenizer=tok, max_bad_fraction=1.0).rows
+    theirs = _rows(path, tok, 512)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    assert len(theirs) == len(ours) == 4
+    for hf, row in zip(theirs, ours, strict=True):
+        ids = torch.tensor([hf["input_ids"]])
+        assert hf["input_ids"] == list(row.input_ids)
+        with torch.no_grad():
+            logits = model(ids).logits[0].float()
+            hf_loss = model(ids, labels=torch.tensor([hf["labels"]])).loss
+        want = torch.nn.functional.cross_entropy(
+            logits, torch.tensor(row.labels, dtype=torch.long), ignore_index=-100
+        )
+        assert torch.allclose(hf_loss, want, atol=1e-5), (hf_loss, want)
+
+
 def test_both_systems_train_the_same_examples(tiny_llama_dir: Path, tmp_path: Path) -> None:
     args = parser().parse_args(
         ["--model", str(tiny_llama_dir), "--conversations", "16", "--heldout", "4", "--reps",

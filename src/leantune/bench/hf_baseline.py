@@ -24,11 +24,19 @@ import torch
 def _rows(path: Path, tokenizer: Any, max_seq_len: int) -> list[dict[str, list[int]]]:
     from leantune.data.dataset import prepared_data
     from leantune.data.prepare.records import PrepareSettings
+    from leantune.data.tokenize import IGNORE_INDEX
 
     settings = PrepareSettings(format="chat", max_seq_len=max_seq_len, pack=False)
     data = prepared_data(path, settings=settings, tokenizer=tokenizer, max_bad_fraction=1.0)
+    # leantune stores labels shifted (labels[i] is the target of position i); transformers'
+    # loss shifts the labels it gets, so it gets them unshifted: the target of position i
+    # at i + 1. Passed as they are, every position would learn the token two ahead.
     return [
-        {"input_ids": r.input_ids, "labels": r.labels, "attention_mask": [1] * len(r.input_ids)}
+        {
+            "input_ids": [int(t) for t in r.input_ids],
+            "labels": [IGNORE_INDEX, *(int(t) for t in r.labels[:-1])],
+            "attention_mask": [1] * len(r.input_ids),
+        }
         for r in data.rows
     ]
 

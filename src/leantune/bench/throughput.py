@@ -5,7 +5,9 @@ epoch, the same hyper-parameters (LoRA r16/alpha32 on all linear layers, or full
 lr 2e-4 cosine), each in its own process, alternating, `reps` times. Both run in the precision
 this machine runs fastest (leantune's measured `train.precision=auto`, applied to the baseline
 too: bf16 on a CPU without fast bf16 matmul would be unfair to it). The baseline is configured
-as a user would (its padding collator, `use_cpu=True`); leantune runs with its defaults.
+as a user would (its padding collator, `use_cpu=True`, batch 8; where that runs out of
+memory, `--hf-micro-batch` accumulates the same batch of 8 from smaller micro-batches);
+leantune runs with its defaults.
 
 Reported per system and method: useful (non-pad) tokens/s, step time, peak RSS of the process,
 held-out loss of the final model (the same function, fp32, for both), MFU against a matmul peak
