@@ -82,8 +82,9 @@ def test_both_systems_train_the_same_examples(tiny_llama_dir: Path, tmp_path: Pa
     assert hf["processed_tokens"] > hf["useful_tokens"]  # the padding collator pads
     lines = (tmp_path / "bench" / "runs.jsonl").read_text().splitlines()  # what a stop leaves
     kept = [json.loads(x) for x in lines]
-    assert [(r["system"], r["useful_tokens"]) for r in kept] == [
-        (r["system"], r["useful_tokens"]) for r in result["runs"]
+    keys = ("system", "useful_tokens", "heldout_loss", "mfu")  # each run whole, judged
+    assert [tuple(r[k] for k in keys) for r in kept] == [
+        tuple(r[k] for k in keys) for r in result["runs"]
     ]
     row = result["results"]["lora"]
     for system in ("hf_trainer_peft", "leantune"):

@@ -10,8 +10,10 @@ memory, `--hf-micro-batch` accumulates the same batch of 8 from smaller micro-ba
 leantune runs with its defaults.
 
 Reported per system and method: useful (non-pad) tokens/s, step time, peak RSS of the process,
-held-out loss of the final model (the same function, fp32, for both), MFU against a matmul peak
-measured in the same run, and leantune's ratios to the baseline. One JSON line last.
+held-out loss of the final model (the same function, fp32, for both, judged after each run),
+MFU against a matmul peak measured in the same run, and leantune's ratios to the baseline
+(medians over the repetitions). Each run, judged, is appended to `<out>/runs.jsonl` as it
+finishes. One JSON line last.
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ def heldout_loss(model_dir: str, eval_file: Path, max_seq_len: int) -> float:
     return float(evaluate_loss(model, data.rows, int(tokenizer.pad_token_id), 8, "fp32")["loss"])
 
 
-def _aggregate(runs: list[dict[str, Any]], losses: dict[tuple[str, str], float]) -> dict[str, Any]:
+def _aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians per (system, method) and leantune's ratios to the baseline."""
     table: dict[str, Any] = {}
     for method in sorted({r["method"] for r in runs}):
@@ -177,7 +179,7 @@ def _aggregate(runs: list[dict[str, Any]], losses: dict[tuple[str, str], float])
                 "step_time_s": statistics.median(r["step_time_s"] for r in mine),
                 "steps": mine[0]["steps"],
                 "peak_rss_bytes": statistics.median(r["peak_rss_bytes"] for r in mine),
-                "heldout_loss": losses[(system, method)],
+                "heldout_loss": statistics.median(r["heldout_loss"] for r in mine),
                 "mfu": statistics.median(r["mfu"] for r in mine),
                 "padding_ratio": mine[0].get("padding_ratio"),
                 "precision": mine[0]["precision"],
@@ -239,26 +241,24 @@ def run_benchmark(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
         "threads": args.threads,
         "hf_micro_batch": args.hf_micro_batch,
     }
+    lengths = [_chat_tokens(tokenizer, json.loads(x)["messages"])
+               for x in train.read_text().splitlines()]  # fmt: skip
+    mean_len = sum(lengths) / len(lengths)
     runs: list[dict[str, Any]] = []
     for rep in range(args.reps):
         for method in args.methods:
             order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]  # alternate who goes first
             for system in order:
-                runs.append(one_run(system, method, work, rep, ctx, log))
-                with (work / "runs.jsonl").open("a") as f:  # what a stopped run leaves
-                    f.write(json.dumps(runs[-1]) + "\n")
-    lengths = [_chat_tokens(tokenizer, json.loads(x)["messages"])
-               for x in train.read_text().splitlines()]  # fmt: skip
-    mean_len = sum(lengths) / len(lengths)
-    for r in runs:
-        per_token = flops_per_token(model, r["method"], mean_len)
-        r["mfu"] = r["useful_tokens_per_s"] * per_token / (peaks[r["precision"]] * 1e9)
-    losses = {
-        (r["system"], r["method"]): heldout_loss(r["model_dir"], heldout, args.max_seq_len)
-        for r in runs
-        if r["rep"] == args.reps - 1
-    }
-    table = _aggregate(runs, losses)
+                r = one_run(system, method, work, rep, ctx, log)
+                per_token = flops_per_token(model, method, mean_len)
+                r["mfu"] = r["useful_tokens_per_s"] * per_token / (peaks[r["precision"]] * 1e9)
+                # Judged at once (between runs, outside what is timed): a stopped benchmark
+                # leaves every finished run whole in runs.jsonl, its held-out loss included.
+                r["heldout_loss"] = heldout_loss(r["model_dir"], heldout, args.max_seq_len)
+                runs.append(r)
+                with (work / "runs.jsonl").open("a") as f:
+                    f.write(json.dumps(r) + "\n")
+    table = _aggregate(runs)
     return {
         "benchmark": "throughput_vs_hf",
         "model": args.model,
