@@ -45,13 +45,7 @@ def one_run(name: str, work: Path, env: dict[str, str], overrides: list[str]) ->
     """Run the demo once in its own process; what it measured."""
     run_dir = work / name
     cmd = [sys.executable, "-m", "leantune", "train", f"run.dir={run_dir}", *SETTINGS, *overrides]
-    saved = dict(os.environ)
-    os.environ.update(env)
-    try:
-        code, peak, wall, tail = run_child(cmd, threads=os.cpu_count() or 1)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    code, peak, wall, tail = run_child(cmd, os.cpu_count() or 1, extra_env=env)
     if code != 0:
         raise SystemExit(f"{name} failed ({code}):\n{tail}")
     summary = json.loads((run_dir / "summary.json").read_text())

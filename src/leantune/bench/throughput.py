@@ -66,9 +66,13 @@ def flops_per_token(model_dir: str, method: str, mean_len: float) -> float:
     return float(matmul + attention)
 
 
-def run_child(cmd: list[str], threads: int) -> tuple[int, int, float, str]:
-    """Run `cmd`; its exit code, its own peak RSS in bytes, wall seconds, its output's tail."""
+def run_child(
+    cmd: list[str], threads: int, extra_env: dict[str, str] | None = None
+) -> tuple[int, int, float, str]:
+    """Run `cmd` (this environment, `extra_env` over it); its exit code, its own peak RSS in
+    bytes, wall seconds, its output's tail."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    env.update(extra_env or {})
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     assert proc.stdout is not None
