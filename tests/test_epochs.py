@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from leantune.config import effective_pack, load_config
 from leantune.data.loader import SampleStream
 from leantune.training.metrics import read_metrics
-from leantune.training.run_setup import steps_for
+from leantune.training.run_setup import default_global_batch, steps_for
 
 SIGNAL_ENV = "LEANTUNE_SIGNAL_AT_MICRO_BATCH"
 
@@ -221,7 +221,8 @@ def test_max_seq_len_follows_the_data_and_the_data_is_tokenised_once(
     assert str(longest) in line and "512" in line  # the choice, and the model's context
     caches = [p for p in (run / "prepared").iterdir() if p.is_dir()]
     assert len(caches) == 1, caches  # tokenised once, at the model's context
-    assert run_cli(own_data_args(tiny_llama_dir, data, run, "train.max_steps=2")).code == 0
+    again = run_cli(own_data_args(tiny_llama_dir, data, run, "train.max_steps=2"))
+    assert again.code == 0, again.err[-3000:]
     assert [p for p in (run / "prepared").iterdir() if p.is_dir()] == caches
 
 
@@ -263,6 +264,50 @@ def test_pack_auto_is_said_once_and_recorded(tiny_llama_dir: Path, tmp_path: Pat
         assert len(lines) == 1, result.out
         assert (("one example per row" in lines[0]) is not packed) and method in lines[0]
         assert record(run)["data.pack"] is packed
+
+
+def test_the_default_global_batch_holds_about_8_examples() -> None:
+    """HF Trainer's default batch is 8 examples; a packed row holds several, so the default
+    global batch is the rows that hold 8 on average, never 8 packed rows."""
+    assert default_global_batch(rows=24, examples=24) == 8  # unpacked: 8 rows
+    assert default_global_batch(rows=45, examples=128) == 3  # 2.8 rows hold 8 examples
+    assert default_global_batch(rows=10, examples=40) == 2
+    assert default_global_batch(rows=1, examples=16) == 1  # never below one row
+    # Under torchrun every process takes an equal share: a multiple of the world size.
+    assert default_global_batch(rows=45, examples=128, processes=2) == 4
+    assert default_global_batch(rows=24, examples=24, processes=3) == 9
+
+
+def test_a_packed_run_takes_8_examples_per_step_by_default(
+    tiny_llama_dir: Path, tokenizer, tmp_path: Path
+) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
+    prepared = prepare_rows(data, "chat", tokenizer, 128, pack=True)
+    rows = len(prepared.rows)
+    assert 4 <= rows <= 20, rows  # several examples per row
+    batch = default_global_batch(rows, 40)
+    assert batch < 8
+    run = tmp_path / "run"
+    result = run_cli(own_data_args(tiny_llama_dir, data, run, "data.max_seq_len=128"))
+    assert result.code == 0, result.err
+    (line,) = [x for x in result.out.splitlines() if "train.global_batch_size unset" in x]
+    assert f"global batch {batch} row" in line and f"are in {rows} rows" in line, line
+    assert record(run)["train.global_batch"] == batch
+    steps = read_metrics(run / "metrics.jsonl")
+    assert len(steps) == -(-rows // batch)  # one epoch
+    assert steps[0]["micro_batch_size"] * steps[0]["grad_accum"] == batch
+    # `leantune plan` predicts the batch `train` takes on this data.
+    planned = run_cli(
+        ["plan", f"model.path={tiny_llama_dir}", f"data.train={data}", "data.max_seq_len=128",
+         "--json"]
+    )  # fmt: skip
+    assert planned.code == 0, planned.err
+    configured = json.loads(planned.out)["configured"]
+    assert configured["micro_batch"] * configured["grad_accum"] == batch, configured
+    # The same command resumes the finished run instead of refusing its fingerprint.
+    again = run_cli(own_data_args(tiny_llama_dir, data, run, "data.max_seq_len=128"))
+    assert again.code == 0, again.err
+    assert len(read_metrics(run / "metrics.jsonl")) == len(steps)
 
 
 def test_micro_batch_size_auto_is_the_default_for_own_data(

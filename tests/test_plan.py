@@ -196,8 +196,10 @@ def _config_file(tmp_path: Path, model_dir: Path) -> Path:
     ]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     cfg = tmp_path / "c.yaml"
+    # Unpacked, the 8 examples are 8 rows, so a step takes the whole configured batch of 8
+    # (packed, they fill 3 rows, and `plan`, as `train`, would take those 3).
     cfg.write_text(
-        f"model: {{path: {model_dir}}}\ndata: {{train: {data}, max_seq_len: 64}}\n"
+        f"model: {{path: {model_dir}}}\ndata: {{train: {data}, max_seq_len: 64, pack: false}}\n"
         "train: {micro_batch_size: 4, grad_accum: 2}\n"
     )
     return cfg
@@ -299,7 +301,8 @@ def test_unpacked_rows_are_planned_at_their_real_length(
     from leantune.memory.report import row_stats_from_data
 
     cfg = load_config(_config_file(tmp_path, tiny_llama_dir), ["data.pack=false"])
-    supervised, longest = row_stats_from_data(cfg)
+    supervised, longest, rows, examples = row_stats_from_data(cfg)
+    assert rows == examples == 8  # unpacked
     assert longest is not None and supervised is not None and longest < cfg.data.max_seq_len
     short = plan_inputs(cfg, "cpu", supervised, longest)
     full = plan_inputs(cfg, "cpu", supervised)

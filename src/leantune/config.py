@@ -40,8 +40,10 @@ from leantune.methods.registry import METHODS
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 AUTO_RUN_NAME = "auto"
 """run.name that `train` replaces with one derived from the run (training.run_setup)."""
-DEFAULT_GLOBAL_BATCH = 8
-"""Rows per optimizer step with micro_batch_size=auto and no train.global_batch_size."""
+DEFAULT_BATCH_EXAMPLES = 8
+"""Examples per optimizer step with micro_batch_size=auto and no train.global_batch_size (HF
+Trainer's default batch): the rows that hold that many examples on average (8 unpacked rows;
+see training.run_setup.default_global_batch)."""
 
 
 @dataclass
@@ -192,9 +194,10 @@ class TrainConfig:
     the memory planner predicts fits train.memory_budget (grad_accum then fills the rest; where
     the planner cannot model the run, 4)."""
     global_batch_size: int | None = None
-    """Rows per optimizer step with micro_batch_size=auto (unset: 8); with a fixed micro-batch
-    the global batch is micro_batch_size x grad_accum and this is ignored. Data with fewer rows
-    makes every step one pass over all of them."""
+    """Rows per optimizer step with micro_batch_size=auto (unset: the rows that hold 8 examples
+    on average, as HF Trainer's default batch of 8 does: 8 unpacked rows, fewer packed ones);
+    with a fixed micro-batch the global batch is micro_batch_size x grad_accum and this is
+    ignored. Data with fewer rows makes every step one pass over all of them."""
     memory_budget: str | None = None
     """Memory the run may use, e.g. 20GiB. micro_batch_size=auto plans within it (unset: 90% of
     free CUDA memory or available RAM); on CPU a micro-batch whose resident memory goes above it
@@ -687,9 +690,11 @@ def effective_pack(pack: bool | str, method: str) -> bool:
 
 
 def configured_global_batch(t: TrainConfig) -> int:
-    """Rows per optimizer step as configured (a smaller dataset lowers it; see run_setup)."""
+    """Rows per optimizer step as configured; unset with micro_batch_size=auto, the rows of
+    DEFAULT_BATCH_EXAMPLES unpacked examples (run_setup resolves it from the data first, and a
+    smaller dataset lowers it)."""
     if t.micro_batch_size == "auto":
-        return t.global_batch_size or DEFAULT_GLOBAL_BATCH
+        return t.global_batch_size or DEFAULT_BATCH_EXAMPLES
     return t.micro_batch_size * t.grad_accum
 
 

@@ -70,13 +70,14 @@ class Inspection:
     def tokens(self) -> int:
         return sum(int(e.input_ids.size) for e in self.examples)
 
-    def row_stats(self) -> tuple[int | None, int | None]:
-        """(most supervised tokens in one row, longest row), what the planner needs."""
+    def row_stats(self) -> tuple[int | None, int | None, int, int]:
+        """(most supervised tokens in one row, longest row, rows, examples), what the planner
+        needs."""
         if not self.groups:
-            return None, None
+            return None, None, 0, len(self.examples)
         supervised = [sum(self.examples[i].supervised for i in g) for g in self.groups]
         longest = [sum(int(self.examples[i].input_ids.size) for i in g) for g in self.groups]
-        return max(supervised), max(longest)
+        return max(supervised), max(longest), len(self.groups), len(self.examples)
 
 
 def inspect_file(

@@ -27,10 +27,14 @@ COMPONENTS = (
 )
 
 
-def row_stats_from_data(cfg: Config) -> tuple[int | None, int | None]:
-    """(most supervised tokens in one training row, longest row) from the data (tokenizer only,
-    no weights); (None, None) when the data cannot be read (the planner then assumes full rows
-    of data.max_seq_len, all supervised)."""
+RowStats = tuple[int | None, int | None, int, int]
+"""(most supervised tokens in one training row, longest row, rows, examples)."""
+
+
+def row_stats_from_data(cfg: Config) -> RowStats:
+    """The training rows' `RowStats` from the data (tokenizer only, no weights); (None, None,
+    0, 0) when the data cannot be read (the planner then assumes full rows of
+    data.max_seq_len, all supervised, and the configured global batch)."""
     from leantune.config import effective_pack
     from leantune.data.dataset import prepared_data
     from leantune.data.packing import longest_example, rows_for
@@ -42,7 +46,7 @@ def row_stats_from_data(cfg: Config) -> tuple[int | None, int | None]:
 
     d = cfg.data
     if d.train is None:
-        return None, None
+        return None, None, 0, 0
     try:
         source = resolve_model(cfg.model.path, cfg.model.gguf_file)
         tok = load_tokenizer(source)
@@ -64,23 +68,28 @@ def row_stats_from_data(cfg: Config) -> tuple[int | None, int | None]:
             rows_for(data.examples, pack, longest_example(data.examples)) if repack else data.rows
         )
     except Exception:
-        return None, None
+        return None, None, 0, 0
     longest = max((len(r.input_ids) for r in rows), default=0) or None
-    return max_supervised_per_row([r.labels for r in rows]), longest
+    supervised = max_supervised_per_row([r.labels for r in rows])
+    return supervised, longest, len(rows), len(data.examples)
 
 
 def plan(
     cfg: Config,
     device: str,
     budget: str | None = None,
-    row_stats: tuple[int | None, int | None] | None = None,
+    row_stats: RowStats | None = None,
 ) -> dict[str, Any]:
     """Predict the configured run and recommend the fastest settings that fit the budget.
 
-    `row_stats` is (most supervised tokens in a row, longest row) when the caller has the rows
-    already (`leantune inspect`); by default they are read from the data.
+    `row_stats` is given when the caller has the rows already (`leantune inspect`); by default
+    they are read from the data. The global batch is the one `train` takes on them.
     """
-    inputs = plan_inputs(cfg, device, *(row_stats or row_stats_from_data(cfg)))
+    from leantune.training.run_setup import resolved_global_batch
+
+    supervised, longest, rows, examples = row_stats or row_stats_from_data(cfg)
+    batch = min(resolved_global_batch(cfg.train, rows, examples), rows) if rows else None
+    inputs = plan_inputs(cfg, device, supervised, longest, batch)
     limit = budget_for(cfg, device, budget)
     configured = estimate(inputs.facts, inputs.step, inputs.weight_itemsize)
     best = recommend(

@@ -77,6 +77,7 @@ from leantune.monitor.prometheus import PrometheusSink, RunFacts
 from leantune.monitor.report import report_at_end
 from leantune.monitor.step_stats import StepStats, build_step_stats
 from leantune.training.checkpoint import TrainingState, latest_checkpoint, list_complete_checkpoints
+from leantune.training.distributed.launch import launched_world_size
 from leantune.training.divergence import WeightsDiverged
 from leantune.training.evaluation import (
     EvalInputs,
@@ -285,13 +286,13 @@ def set_up(
     for warning in apply_chat_template(tokenizer, cfg.data.chat_template):  # saved with final/
         log(f"warning: {warning}")
     # Rank 0 first: it may prepare the data cache and tidy the checkpoints the others read.
-    run = _in_turn(strategy, lambda: set_up_run(cfg, source, tokenizer, device.type, log))
+    world = launched_world_size()
+    run = _in_turn(strategy, lambda: set_up_run(cfg, source, tokenizer, device.type, log, world))
     cfg, t = run.cfg, run.cfg.train
     pad_id = int(tokenizer.pad_token_id)
     settings = EvalSettings(t.precision, t.eval_batch_size, t.max_new_tokens)
-    eval_inputs = None
-    if run.eval_data is not None:
-        eval_inputs = EvalInputs(tokenizer, run.eval_data, pad_id, events, faults)
+    held_out = run.eval_data
+    eval_inputs = EvalInputs(tokenizer, held_out, pad_id, events, faults) if held_out else None
     # Base model -> its exact match -> the method's wrapping -> the trainer around it.
     quantization = base_quantization(cfg.method, t.precision)
     model = _base_model(cfg, source, quantization, device)

@@ -7,13 +7,15 @@
 - ``data.pack=auto`` packs unless the method needs one example per row (`effective_pack`).
 - ``data.max_seq_len=auto``: the data is tokenised once with the model's context as the limit
   (the tokenise-once cache is keyed by that), then packed up to its longest example.
-- The global batch: data with fewer rows than one global batch makes every step one pass over
-  all of them (a step's window never crosses an epoch: `SampleStream.window`).
+- The global batch: unset (with micro_batch_size=auto), the rows that hold 8 examples on
+  average (`default_global_batch`); data with fewer rows than one global batch makes every step
+  one pass over all of them (a step's window never crosses an epoch: `SampleStream.window`).
 - ``train.epochs`` and ``train.max_steps`` give the number of steps (`steps_for`).
 
 `set_up_run` does all of this at the start of `train` and returns the config with these values
-resolved (``data.max_seq_len`` and ``data.pack`` concrete, ``train.max_steps`` the steps), which
-is what the run's fingerprint records.
+resolved (``data.max_seq_len`` and ``data.pack`` concrete, ``train.max_steps`` the steps,
+``train.global_batch_size`` the global batch with micro_batch_size=auto), which is what the
+run's fingerprint records.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.config import (
     AUTO_RUN_NAME,
+    DEFAULT_BATCH_EXAMPLES,
     Config,
     GuardConfig,
     ModelConfig,
@@ -108,7 +111,8 @@ def check_resumable(cfg: Config, location: str, gguf_file: str | None) -> None:
     """Refuse a run directory that holds another run before anything is tokenised or written.
 
     The values this config leaves to the data (data.max_seq_len=auto, data.pack=auto, unset
-    train.max_steps) are taken as the recorded run's; what they resolve to is compared once the
+    train.max_steps, unset train.global_batch_size with micro_batch_size=auto) are taken as
+    the recorded run's; what they resolve to is compared once the
     data is read (`plan_run` in `train`).
 
     Raises:
@@ -126,7 +130,11 @@ def check_resumable(cfg: Config, location: str, gguf_file: str | None) -> None:
         pack=recorded.get("data.pack", "auto") if d.pack == "auto" else d.pack,
     )
     steps = recorded.get("train.max_steps") if t.max_steps is None else t.max_steps
-    assumed = dataclasses.replace(cfg, data=data, train=dataclasses.replace(t, max_steps=steps))
+    batch = t.global_batch_size
+    if t.micro_batch_size == "auto" and batch is None:
+        batch = recorded.get("train.global_batch")
+    train = dataclasses.replace(t, max_steps=steps, global_batch_size=batch)
+    assumed = dataclasses.replace(cfg, data=data, train=train)
     plan_run(assumed, location, gguf_file, lambda _message: None)
 
 
@@ -160,10 +168,48 @@ def describe_steps(rows: int, batch: int, epochs: int | None, max_steps: int | N
     return line
 
 
-def _batch_and_steps(t: TrainConfig, data: PreparedData, log: Log) -> tuple[int, int]:
-    """(global batch, steps) for `data`; says so when the data is smaller than one batch."""
+def default_global_batch(rows: int, examples: int, processes: int = 1) -> int:
+    """The global batch with micro_batch_size=auto and train.global_batch_size unset: the rows
+    that hold DEFAULT_BATCH_EXAMPLES examples on average (HF Trainer's default batch counts
+    examples; a packed row holds several, so 8 packed rows would be several times its tokens
+    per update and a fraction of its updates), at least one row per process and a multiple of
+    `processes` (each takes an equal share)."""
+    rows_per_example = rows / max(examples, 1)
+    batch = max(1, round(DEFAULT_BATCH_EXAMPLES * rows_per_example))
+    return -(-batch // processes) * processes
+
+
+def resolved_global_batch(t: TrainConfig, rows: int, examples: int, processes: int = 1) -> int:
+    """The configured global batch; with micro_batch_size=auto and train.global_batch_size
+    unset, the default for data of `examples` examples in `rows` rows."""
+    if t.micro_batch_size != "auto" or t.global_batch_size is not None:
+        return configured_global_batch(t)
+    return default_global_batch(rows, examples, processes)
+
+
+def _global_batch(t: TrainConfig, data: PreparedData, processes: int, log: Log) -> int:
+    """`resolved_global_batch` for `data`; the log says how a default one follows from it."""
+    rows, examples = len(data.rows), len(data.examples)
+    batch = resolved_global_batch(t, rows, examples, processes)
+    default = t.micro_batch_size == "auto" and t.global_batch_size is None
+    if default and (rows != examples or batch != DEFAULT_BATCH_EXAMPLES):
+        per_process = f", a multiple of the {processes} processes" if processes > 1 else ""
+        log(
+            f"global batch {batch} row{'s' if batch != 1 else ''} (train.global_batch_size "
+            f"unset): the {examples} examples are in {rows} rows, so {batch} hold about "
+            f"{batch * examples / max(rows, 1):.3g} examples, near the default of "
+            f"{DEFAULT_BATCH_EXAMPLES} per step{per_process}"
+        )
+    return batch
+
+
+def _batch_and_steps(
+    t: TrainConfig, data: PreparedData, processes: int, log: Log
+) -> tuple[int, int, int]:
+    """(configured global batch, the batch the steps take, steps) for `data`; says so when the
+    data is smaller than one batch."""
     rows = len(data.rows)
-    configured = configured_global_batch(t)
+    configured = _global_batch(t, data, processes, log)
     batch = min(configured, rows)
     if batch < configured:
         log(
@@ -172,7 +218,7 @@ def _batch_and_steps(t: TrainConfig, data: PreparedData, log: Log) -> tuple[int,
             f"over all of them (global batch {batch}), never a row twice"
         )
     log(describe_steps(rows, batch, t.epochs, t.max_steps))
-    return batch, steps_for(rows, batch, t.epochs, t.max_steps)
+    return configured, batch, steps_for(rows, batch, t.epochs, t.max_steps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,6 +344,7 @@ def set_up_run(
     tokenizer: PreTrainedTokenizerBase,
     device: str,
     log: Log,
+    processes: int = 1,
 ) -> RunSetup:
     """Tokenise the data, resolve what follows from it and the method (data.pack,
     data.max_seq_len, the global batch, the steps), decide fresh / resume / force on the
@@ -313,11 +360,14 @@ def set_up_run(
     location, gguf_file = source.location, source.gguf_file
     context = model_context(location, gguf_file, cfg.model) if d.max_seq_len == "auto" else None
     train_data, eval_data, max_seq_len = load_datasets(cfg, tokenizer, context, log)
-    batch, steps = _batch_and_steps(cfg.train, train_data, log)
+    configured, batch, steps = _batch_and_steps(cfg.train, train_data, processes, log)
     data = dataclasses.replace(
         d, max_seq_len=max_seq_len, pack=effective_pack(d.pack, cfg.method.name)
     )
-    cfg = dataclasses.replace(cfg, data=data, train=dataclasses.replace(cfg.train, max_steps=steps))
+    train = dataclasses.replace(cfg.train, max_steps=steps)
+    if train.micro_batch_size == "auto":  # the fingerprint records the default as resolved
+        train = dataclasses.replace(train, global_batch_size=configured)
+    cfg = dataclasses.replace(cfg, data=data, train=train)
     # The fingerprint holds the configured micro-batch split (auto, or the numbers given).
     plan = plan_run(cfg, location, gguf_file, log)
     labels = [r.labels for r in train_data.rows]

@@ -70,3 +70,8 @@ def rank_tag() -> str:
 def launched_by_torchrun() -> bool:
     """Whether torchrun (or another env:// launcher) started this process."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def launched_world_size() -> int:
+    """The processes this run is one of: torchrun's WORLD_SIZE, else 1."""
+    return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
