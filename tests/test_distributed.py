@@ -9,6 +9,7 @@ torchrun; and what rank 0 writes (checkpoints, final/) is what plain tools read.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -249,8 +250,14 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_the_run_resumes(
     done = subprocess.run([*command, *args], env=env, capture_output=True, text=True, timeout=300)
     _ok(done)
     assert "(exitcode: -9) local_rank: 1" in done.stderr  # torchrun saw the kill
-    # Rank 0, waiting for rank 1 in a collective, said where before torchrun restarted both.
-    assert "CollectiveFailed: rank 0 of 2:" in done.stderr
+    # Rank 0, waiting for rank 1 in a collective, never hangs there: either gloo saw the lost
+    # peer first and rank 0 said where, or torchrun's monitor saw the dead rank first and closed
+    # rank 0 (SIGTERM) before gloo did. Which comes first is a race between torchrun and gloo
+    # that no rank decides (under load the second won, and the report was missing). A failed
+    # collective's report is tested on its own: test_a_hung_collective_times_out_naming_...
+    reported = "CollectiveFailed: rank 0 of 2:" in done.stderr
+    closed = re.search(r"Sending process \d+ closing signal SIGTERM", done.stderr) is not None
+    assert reported or closed, done.stderr[-3000:]
     assert "resumed from" in done.stdout and "step 2" in done.stdout
     _assert_same_run(dist_reference["lora"], run_dir)
 
