@@ -4,13 +4,16 @@ examples, each in its own process, and the result says so in numbers."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+import pytest
 from conftest import run_cli
 
 from leantune.bench.chat_corpus import write_corpus
 from leantune.bench.throughput import flops_per_token, parser, run_benchmark
 from leantune.models.loading import load_tokenizer, resolve_model
+from leantune.training.allocator import find_tcmalloc, library_dirs, preloaded_environment
 
 
 def test_corpus_spreads_lengths_and_turns(tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -66,7 +69,14 @@ def test_the_baseline_trains_on_the_targets_leantune_trains_on(
         assert torch.allclose(hf_loss, want, atol=1e-5), (hf_loss, want)
 
 
-def test_both_systems_train_the_same_examples(tiny_llama_dir: Path, tmp_path: Path) -> None:
+def test_both_systems_train_the_same_examples(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As under `leantune bench throughput`, which runs with the tcmalloc it preloaded.
+    tcmalloc = find_tcmalloc(library_dirs(os.environ))
+    assert tcmalloc, "tcmalloc is not installed: apt-get install libtcmalloc-minimal4"
+    for k, v in preloaded_environment({}, tcmalloc).items():
+        monkeypatch.setenv(k, v)
     args = parser().parse_args(
         ["--model", str(tiny_llama_dir), "--conversations", "16", "--heldout", "4", "--reps",
          "1", "--methods", "lora", "--threads", "1", "--min-tokens", "20", "--max-tokens", "200",
@@ -75,6 +85,8 @@ def test_both_systems_train_the_same_examples(tiny_llama_dir: Path, tmp_path: Pa
     result = run_benchmark(args, log=lambda _: None)
     runs = {r["system"]: r for r in result["runs"]}
     hf, ours = runs["hf_trainer_peft"], runs["leantune"]
+    # leantune preloads tcmalloc for itself; the baseline keeps the allocator its user has.
+    assert (ours["allocator"], hf["allocator"]) == ("tcmalloc", "glibc")
     assert hf["useful_tokens"] == ours["useful_tokens"] > 0  # every example once, both
     assert hf["examples"] == 16 and hf["steps"] == 2  # batch 8 (4 x 2 accumulated), one epoch
     assert (hf["micro_batch_size"], hf["grad_accum"]) == (4, 2)

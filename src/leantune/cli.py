@@ -744,6 +744,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+ALLOCATOR_COMMANDS = frozenset({"train", "eval", "generate", "export", "bench"})
+"""The commands that run a model: their own process re-executes itself with tcmalloc when it is
+installed (`leantune.training.allocator`; LEANTUNE_ALLOCATOR=system keeps glibc's)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `leantune` console script."""
     from leantune.errors import UserError
@@ -765,6 +770,10 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_import_noise()
     args.own_process = argv is None  # the command line's own process, not a caller's
     try:
+        if args.own_process and args.command in ALLOCATOR_COMMANDS:
+            from leantune.training.allocator import reexec_with_allocator
+
+            reexec_with_allocator()  # tcmalloc preloaded: returns only if already so, or not
         return int(args.func(args))
     except UserError as e:
         from leantune.training.distributed.launch import rank_tag

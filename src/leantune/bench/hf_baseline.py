@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from leantune.training.allocator import mapped_allocator
+
 
 def _rows(path: Path, tokenizer: Any, max_seq_len: int) -> list[dict[str, list[int]]]:
     from leantune.data.dataset import prepared_data
@@ -119,6 +121,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "micro_batch_size": args.batch_size,
         "grad_accum": args.grad_accum,
     }
+    result["allocator"] = mapped_allocator()[0]
     (out / "result.json").write_text(json.dumps(result, indent=2))
     return result
 

@@ -25,9 +25,11 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from leantune.training.allocator import without_leantune_preload
 
 Log = Callable[[str], None]
 SYSTEMS = ("hf_trainer_peft", "leantune")
@@ -67,11 +69,15 @@ def flops_per_token(model_dir: str, method: str, mean_len: float) -> float:
 
 
 def run_child(
-    cmd: list[str], threads: int, extra_env: dict[str, str] | None = None
+    cmd: list[str],
+    threads: int,
+    extra_env: dict[str, str] | None = None,
+    base_env: Mapping[str, str] | None = None,
 ) -> tuple[int, int, float, str]:
-    """Run `cmd` (this environment, `extra_env` over it); its exit code, its own peak RSS in
-    bytes, wall seconds, its output's tail."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    """Run `cmd` (`base_env`, this environment by default, `extra_env` over it); its exit code,
+    its own peak RSS in bytes, wall seconds, its output's tail."""
+    base = os.environ if base_env is None else base_env
+    env = {**base, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     env.update(extra_env or {})
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
@@ -120,6 +126,7 @@ def _leantune_result(run_dir: Path) -> dict[str, Any]:
         "steps": int(summary["steps"]),
         "useful_tokens": sum(int(m["tokens"]) for m in metrics),
         "precision": "bf16" if "precision: bf16" in cfg else "fp32",
+        "allocator": summary.get("allocator", "glibc"),
     }
 
 
@@ -133,7 +140,10 @@ def one_run(
     else:
         precision, threads, micro = ctx["precision"], ctx["threads"], ctx["hf_micro_batch"]
         cmd = hf_command(ctx["model"], ctx["train"], method, out, precision, threads, micro)
-    code, rss, wall, tail = run_child(cmd, ctx["threads"])
+    # The baseline runs with the allocator its user would have: not the tcmalloc that the
+    # leantune command preloaded into this process (a preload of the user's own stays).
+    base = os.environ if system == "leantune" else without_leantune_preload(os.environ)
+    code, rss, wall, tail = run_child(cmd, ctx["threads"], base_env=base)
     if code != 0:
         hint = ""
         if code == -9 and system != "leantune":  # SIGKILL: the kernel's OOM killer, mostly

@@ -76,6 +76,7 @@ from leantune.monitor.backends import RunInfo, optional_sinks
 from leantune.monitor.prometheus import PrometheusSink, RunFacts
 from leantune.monitor.report import report_at_end
 from leantune.monitor.step_stats import StepStats, build_step_stats
+from leantune.training.allocator import allocator_note, mapped_allocator
 from leantune.training.checkpoint import TrainingState, latest_checkpoint, list_complete_checkpoints
 from leantune.training.distributed.launch import launched_world_size
 from leantune.training.divergence import WeightsDiverged
@@ -389,7 +390,9 @@ def _resolve_device(cfg: Config) -> tuple[torch.device, Config, list[str]]:
     how many CPU threads run and what auto chose for the precision and why."""
     device = pick_device(cfg.train.device)
     # Threads before the precision probe: it measures (and caches by) the thread count.
-    notes: list[str | None] = [configure_threads()] if device.type == "cpu" else []
+    notes: list[str | None] = (
+        [configure_threads(), allocator_note()] if device.type == "cpu" else []
+    )
     compute = compute_dtype(cfg.method)
     recorded = recorded_precision(cfg.run_dir)
     choice = resolve_precision(cfg.train.precision, device.type, recorded, compute)
@@ -751,6 +754,8 @@ def finish(session: Session, *, log: Log, started: float) -> dict[str, Any]:
             model, s.eval_inputs, s.eval_settings, predictions_file=preds, step=tr.state.step
         )
     results["wall_time_s"] = round(time.perf_counter() - started, 2)  # this invocation
+    if pick_device(cfg.train.device).type == "cpu":
+        results["allocator"] = mapped_allocator()[0]  # what ran, for comparing runs
     summary = write_summary(
         files.run_dir, tr.state, tr.progress, s.trainable_params, s.total_params, results, log
     )
