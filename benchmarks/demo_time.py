@@ -10,9 +10,12 @@ steps, the final exact match) three times, each in its own process, in turn:
   new folder): the first run on a machine;
 - `compile_warm`: the same again, reusing the cache the cold run filled: every later run.
 
-`--other-src DIR` adds a fourth run per repetition, the demo of another source tree (an earlier
-commit's `src/`, with its own demo config) run eagerly with the same environment: whether a
-change of step time came from the code or from the machine, measured side by side.
+`--arms` picks the runs (default `eager,compile_cold,compile_warm`); `glibc` is the demo as
+shipped with `LEANTUNE_ALLOCATOR=system`: glibc's malloc instead of the tcmalloc the command
+preloads (`leantune.training.allocator`). `--other-src DIR` adds another run per repetition,
+the demo of another source tree (an earlier commit's `src/`, with its own demo config) run
+eagerly with the same environment: whether a change of step time came from the code or from
+the machine, measured side by side.
 
 Reported per run: the training time (summary.json's train_time_s: the sum of the steps' wall
 times), the first step's time (where the compile happens), the median step time after it, the
@@ -67,11 +70,13 @@ def one_run(name: str, work: Path, env: dict[str, str], overrides: list[str]) ->
 def arms(args: argparse.Namespace, work: Path, rep: int) -> list[tuple[str, dict, list[str]]]:
     """This repetition's runs: (name, environment, overrides), in the order they run."""
     cache = str(work / f"inductor-{rep}")
-    out = [
-        (f"{rep}-eager", {}, []),
-        (f"{rep}-compile_cold", {"TORCHINDUCTOR_CACHE_DIR": cache}, ["train.compile=true"]),
-        (f"{rep}-compile_warm", {"TORCHINDUCTOR_CACHE_DIR": cache}, ["train.compile=true"]),
-    ]
+    every = {
+        "eager": ({}, []),
+        "glibc": ({"LEANTUNE_ALLOCATOR": "system"}, []),
+        "compile_cold": ({"TORCHINDUCTOR_CACHE_DIR": cache}, ["train.compile=true"]),
+        "compile_warm": ({"TORCHINDUCTOR_CACHE_DIR": cache}, ["train.compile=true"]),
+    }
+    out = [(f"{rep}-{arm}", *every[arm]) for arm in args.arms.split(",")]
     if args.other_src:
         out.append((f"{rep}-other", {"PYTHONPATH": str(Path(args.other_src).resolve())}, []))
     return out
@@ -89,7 +94,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         out[arm]["eval_exact_match"] = [r["eval_exact_match"] for r in mine]
         out[arm]["steps"] = mine[0]["steps"]
     eager = out["eager"]["train_time_s"]
-    for arm in ("compile_cold", "compile_warm"):
+    for arm in (a for a in ("glibc", "compile_cold", "compile_warm") if a in out):
         out[arm]["saved_vs_eager_s"] = round(eager - out[arm]["train_time_s"], 2)
         out[arm]["train_time_ratio"] = round(out[arm]["train_time_s"] / eager, 3)
     return out
@@ -98,6 +103,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--arms", default="eager,compile_cold,compile_warm", help="eager first")
     p.add_argument("--other-src", default=None, help="another tree's src/ to run its demo too")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON line here")
     args = p.parse_args()
@@ -121,6 +127,7 @@ def main() -> None:
         "threads": os.cpu_count(),
         "started": started,
         "other_src": args.other_src,
+        "arms_run": args.arms,
         "arms": summarise(runs),
         "runs": runs,
     }
