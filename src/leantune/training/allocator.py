@@ -129,7 +129,7 @@ def reexec_with_allocator() -> None:
     it and this process was not started so (then it returns; so does a failed exec, which
     keeps the allocator this process has)."""
     library = preload_for(os.environ)
-    if library is None or str(library) in _preloaded(os.environ):
+    if library is None:  # glibc chosen, or an allocator (ours included) already preloaded
         return
     if Path(sys.argv[0]).name == "__main__.py":  # python [options] -m leantune ...
         argv = [sys.executable, *sys.orig_argv[1:]]
