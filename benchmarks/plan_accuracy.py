@@ -12,7 +12,10 @@ The subprocess runs with MALLOC_MMAP_THRESHOLD_=65536 so that freed tensors go b
 kernel (with glibc's default dynamic threshold, freed 1-32 MB blocks stay in the heap and RSS
 overstated live memory by a workload-dependent ~10-35% on this grid, which no planner can
 predict) and MKL_DISABLE_FAST_MM=1 so that MKL does not keep its GEMM scratch buffers.
-`--default-malloc` also measures each point with the default allocators.
+`--default-malloc` also measures each point with the default allocators, `--tcmalloc` with
+the tcmalloc that `leantune train` preloads when it is installed (`leantune.training.allocator`;
+MKL's fast memory manager on, as in a run): how far RSS runs above the live tensors under each
+is the planner's `CPU_RSS_FACTORS`.
 
 Usage:
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/plan_accuracy.py [--only NAME ...]
@@ -209,22 +212,39 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="*", help="grid points to run (default: all)")
     p.add_argument("--default-malloc", action="store_true", help="also measure with glibc defaults")
+    p.add_argument("--tcmalloc", action="store_true", help="also measure with tcmalloc")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker)))
         return 0
     names = args.only or list(GRID)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    from leantune.training.allocator import (
+        find_tcmalloc,
+        library_dirs,
+        preloaded_environment,
+        without_leantune_preload,
+    )
+
+    env = without_leantune_preload(os.environ)
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    arms = {"tuned": {"MALLOC_MMAP_THRESHOLD_": "65536", "MKL_DISABLE_FAST_MM": "1"}}
+    if args.default_malloc:
+        arms["default"] = {}
+    if args.tcmalloc:
+        library = find_tcmalloc(library_dirs(os.environ))
+        if library is None:
+            p.error("--tcmalloc: no libtcmalloc here (apt-get install libtcmalloc-minimal4)")
+        arms["tcmalloc"] = {
+            k: v for k, v in preloaded_environment(env, library).items() if env.get(k) != v
+        }
     results = []
     print(f"{'config':28s} {'predicted MiB':>13s} {'measured MiB':>12s} {'error':>7s}", end="")
-    print(f" {'glibc MiB':>9s}" if args.default_malloc else "", flush=True)
+    print(f" {'glibc MiB':>9s}" if args.default_malloc else "", end="")
+    print(f" {'tcmalloc MiB':>12s}" if args.tcmalloc else "", flush=True)
     for name in names:
         runs = {}
-        tuned = {"MALLOC_MMAP_THRESHOLD_": "65536", "MKL_DISABLE_FAST_MM": "1"}
-        for label, extra in (("tuned", tuned), ("default", {})):
-            if label == "default" and not args.default_malloc:
-                continue
+        for label, extra in arms.items():
             out = subprocess.run(
                 [sys.executable, __file__, "--worker", name],
                 env={**env, **extra},
@@ -242,11 +262,19 @@ def main() -> int:
         if "default" in runs:
             row["measured_default_malloc"] = runs["default"]["measured"]
             line += f" {runs['default']['measured'] / 2**20:9.1f}"
+        if "tcmalloc" in runs:
+            row["measured_tcmalloc"] = runs["tcmalloc"]["measured"]
+            line += f" {runs['tcmalloc']['measured'] / 2**20:12.1f}"
         print(line, flush=True)
         results.append(row)
     worst = max(abs(r["error"]) for r in results)
     summary = {"configs": len(results), "max_abs_error": round(worst, 4), "target": 0.15}
     summary["within_target"] = worst <= 0.15
+    for label in ("default_malloc", "tcmalloc"):  # the most RSS ran above the prediction
+        key = f"measured_{label}"
+        over = [r[key] / r["predicted"] for r in results if key in r]
+        if over:
+            summary[f"max_rss_over_predicted_{label}"] = round(max(over), 3)
     print(json.dumps({"summary": summary, "results": results}))
     return 0
 

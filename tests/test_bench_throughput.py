@@ -11,7 +11,13 @@ import pytest
 from conftest import run_cli
 
 from leantune.bench.chat_corpus import write_corpus
-from leantune.bench.throughput import flops_per_token, parser, run_benchmark
+from leantune.bench.throughput import (
+    flops_per_token,
+    hf_command,
+    leantune_command,
+    parser,
+    run_benchmark,
+)
 from leantune.models.loading import load_tokenizer, resolve_model
 from leantune.training.allocator import find_tcmalloc, library_dirs, preloaded_environment
 
@@ -80,13 +86,16 @@ def test_both_systems_train_the_same_examples(
     args = parser().parse_args(
         ["--model", str(tiny_llama_dir), "--conversations", "16", "--heldout", "4", "--reps",
          "1", "--methods", "lora", "--threads", "1", "--min-tokens", "20", "--max-tokens", "200",
-         "--max-seq-len", "512", "--out", str(tmp_path / "bench"), "--hf-micro-batch", "4"]
+         "--max-seq-len", "512", "--out", str(tmp_path / "bench"), "--hf-micro-batch", "4",
+         "--precision", "fp32"]
     )  # fmt: skip
     result = run_benchmark(args, log=lambda _: None)
     runs = {r["system"]: r for r in result["runs"]}
     hf, ours = runs["hf_trainer_peft"], runs["leantune"]
     # leantune preloads tcmalloc for itself; the baseline keeps the allocator its user has.
     assert (ours["allocator"], hf["allocator"]) == ("tcmalloc", "glibc")
+    # --precision fp32: both in fp32, on any CPU (what auto picks where bf16 matmul is slow).
+    assert (ours["precision"], hf["precision"], result["precision"]) == ("fp32",) * 3
     assert hf["useful_tokens"] == ours["useful_tokens"] > 0  # every example once, both
     assert hf["examples"] == 16 and hf["steps"] == 2  # batch 8 (4 x 2 accumulated), one epoch
     assert (hf["micro_batch_size"], hf["grad_accum"]) == (4, 2)
@@ -107,6 +116,18 @@ def test_both_systems_train_the_same_examples(
     assert ratio == (
         row["leantune"]["useful_tokens_per_s"] / row["hf_trainer_peft"]["useful_tokens_per_s"]
     )
+
+
+def test_leantune_gets_a_precision_only_when_the_benchmark_names_one(tmp_path: Path) -> None:
+    train, out = tmp_path / "t.jsonl", tmp_path / "run"
+    assert not any(
+        a.startswith("train.precision") for a in leantune_command("m", train, "lora", out)
+    )
+    cmd = leantune_command("m", train, "full", out, "fp32")
+    assert [a for a in cmd if a.startswith("train.precision")] == ["train.precision=fp32"]
+    hf = hf_command("m", train, "full", out, "fp32", 2, 8)
+    assert hf[hf.index("--precision") + 1] == "fp32"
+    assert parser().parse_args([]).precision == "auto"
 
 
 def test_the_baseline_micro_batch_must_divide_its_batch() -> None:

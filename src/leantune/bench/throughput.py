@@ -4,7 +4,8 @@ Both train the same model on the same variable-length chat corpus (`bench.chat_c
 epoch, the same hyper-parameters (LoRA r16/alpha32 on all linear layers, or full fine-tuning;
 lr 2e-4 cosine), each in its own process, alternating, `reps` times. Both run in the precision
 this machine runs fastest (leantune's measured `train.precision=auto`, applied to the baseline
-too: bf16 on a CPU without fast bf16 matmul would be unfair to it). The baseline is configured
+too: bf16 on a CPU without fast bf16 matmul would be unfair to it), or both in the one that
+`--precision` names. The baseline is configured
 as a user would (its padding collator, `use_cpu=True`, batch 8; where that runs out of
 memory, `--hf-micro-batch` accumulates the same batch of 8 from smaller micro-batches);
 leantune runs with its defaults.
@@ -88,13 +89,18 @@ def run_child(
     return proc.returncode, usage.ru_maxrss * 1024, time.perf_counter() - started, output[-3000:]
 
 
-def leantune_command(model: str, train: Path, method: str, run_dir: Path) -> list[str]:
+def leantune_command(
+    model: str, train: Path, method: str, run_dir: Path, precision: str = "auto"
+) -> list[str]:
+    """leantune's command: its defaults, and `train.precision` only when the benchmark was
+    asked for one precision (`--precision`) rather than what each system runs fastest."""
     lora = ["method.r=16", "method.alpha=32"] if method == "lora" else []
+    chosen = [] if precision == "auto" else [f"train.precision={precision}"]
     return [
         sys.executable, "-m", "leantune", "train", f"model.path={model}", f"data.train={train}",
         "data.format=chat", "data.eval=null", "train.eval_exact_match=false",
         f"method.name={method}", *lora, "train.lr=2e-4", "train.epochs=1", f"run.dir={run_dir}",
-        "run.resume=never", "run.progress=false", "monitor.report=false",
+        "run.resume=never", "run.progress=false", "monitor.report=false", *chosen,
     ]  # fmt: skip
 
 
@@ -136,7 +142,7 @@ def one_run(
     """Train once with `system`; its result with the child's peak RSS."""
     out = work / f"{system}-{method}-{rep}"
     if system == "leantune":
-        cmd = leantune_command(ctx["model"], ctx["train"], method, out)
+        cmd = leantune_command(ctx["model"], ctx["train"], method, out, ctx["asked_precision"])
     else:
         precision, threads, micro = ctx["precision"], ctx["threads"], ctx["hf_micro_batch"]
         cmd = hf_command(ctx["model"], ctx["train"], method, out, precision, threads, micro)
@@ -245,13 +251,17 @@ def run_benchmark(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
     lo, hi = args.min_tokens, args.max_tokens
     train = write_corpus(work / "train.jsonl", tokenizer, args.conversations, 0, lo, hi)
     heldout = write_corpus(work / "heldout.jsonl", tokenizer, args.heldout, 1, lo, hi)
-    precision = resolve_precision("auto", "cpu", None, "auto").precision
+    asked = args.precision
+    precision = asked
+    if asked == "auto":
+        precision = resolve_precision("auto", "cpu", None, "auto").precision
     peaks = {p: matmul_peak(p, args.threads) for p in ("fp32", "bf16")}
     log(f"matmul peak: fp32 {peaks['fp32']:.0f} GFLOP/s, bf16 {peaks['bf16']:.0f} GFLOP/s")
     ctx = {
         "model": model,
         "train": train,
         "precision": precision,
+        "asked_precision": asked,
         "threads": args.threads,
         "hf_micro_batch": args.hf_micro_batch,
     }
@@ -280,6 +290,7 @@ def run_benchmark(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
         "mean_tokens": mean_len,
         "threads": args.threads,
         "precision": precision,
+        "precision_asked": asked,
         "hf_batch": {
             "micro_batch_size": args.hf_micro_batch,
             "grad_accum": HF_BATCH // args.hf_micro_batch,
@@ -320,6 +331,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="intra-op threads")
     p.add_argument("--max-seq-len", type=int, default=2048, help="longest example kept")
     p.add_argument("--out", default="runs/bench-throughput", help="working folder")
+    p.add_argument(
+        "--precision",
+        choices=("auto", "fp32", "bf16"),
+        default="auto",
+        help="auto: what this CPU runs fastest (leantune's train.precision=auto, the baseline "
+        "the same); fp32 or bf16: both systems in that precision (fp32 stands in for a CPU "
+        "without fast bf16 matmul, where auto picks fp32)",
+    )
     p.add_argument(
         "--hf-micro-batch",
         type=_micro_batch,
