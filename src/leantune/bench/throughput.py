@@ -142,7 +142,7 @@ def one_run(
     """Train once with `system`; its result with the child's peak RSS."""
     out = work / f"{system}-{method}-{rep}"
     if system == "leantune":
-        cmd = leantune_command(ctx["model"], ctx["train"], method, out, ctx["asked_precision"])
+        cmd = leantune_command(ctx["model"], ctx["train"], method, out, ctx["precision_asked"])
     else:
         precision, threads, micro = ctx["precision"], ctx["threads"], ctx["hf_micro_batch"]
         cmd = hf_command(ctx["model"], ctx["train"], method, out, precision, threads, micro)
@@ -261,7 +261,7 @@ def run_benchmark(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
         "model": model,
         "train": train,
         "precision": precision,
-        "asked_precision": asked,
+        "precision_asked": asked,
         "threads": args.threads,
         "hf_micro_batch": args.hf_micro_batch,
     }
