@@ -10,6 +10,8 @@ CPU, where bitsandbytes never logs it, runs the same check.
 
 from __future__ import annotations
 
+import importlib
+import importlib.resources
 import importlib.util
 import json
 import logging
@@ -116,20 +118,30 @@ def test_the_kernel_notice_is_held_back_and_explained_once_when_4bit_is_in_use(
     assert capsys.readouterr().err == ""
 
 
+def test_the_explanation_keeps_the_reason_and_drops_advice_leantune_does_not_need(
+    held_notice: bnb_notice._HeldNotice, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With `kernels` installed (transformers 5.25 requires it) and the Hub offline, the reason
+    bitsandbytes gives ends in advice to download the kernel: leantune never runs it."""
+    offline = (
+        "Version 1 of 'kernels-community/quantization-bitsandbytes' is not available in the local "
+        "cache and Hugging Face Hub is in offline mode. Download the kernel while online first, "
+        "or pass an explicit `revision=<commit>`."
+    )
+    logging.getLogger(bnb_notice.BNB_CPU_LOGGER).warning(NOTICE, offline)
+    assert keep_training_layout(torch.nn.Sequential(_linear4bit())) == 1
+    err = capsys.readouterr().err
+    assert "is not available in the local cache and Hugging Face Hub is in offline mode)" in err
+    assert "Download the kernel" not in err and "revision=" not in err
+    assert "nothing to do" in err
+
+
 def test_without_the_notice_nothing_is_explained(
     held_notice: bnb_notice._HeldNotice, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """AVX2-only CPUs, or `kernels` installed: bitsandbytes logs nothing, neither does leantune."""
     keep_training_layout(torch.nn.Sequential(_linear4bit()))
     assert capsys.readouterr().err == ""
-
-
-def _expected_notes() -> int:
-    """How many explanations a 4-bit run prints on this CPU: bitsandbytes logs its notice only
-    on AVX512-BF16 CPUs without the `kernels` package."""
-    from bitsandbytes.functional import has_avx512bf16
-
-    return int(bool(has_avx512bf16()) and importlib.util.find_spec("kernels") is None)
 
 
 # `python -m leantune ARGS`, then one line on stderr saying whether bitsandbytes was imported.
@@ -145,18 +157,39 @@ sys.exit(code)
 """
 
 
+# A stand-in for the `kernels` package (transformers 5.25 requires the real one), ahead of it on
+# the path: bitsandbytes asks it for its optional kernel at import on AVX512-BF16 CPUs, and the
+# real one asks the Hugging Face Hub. This one says whether the Hub was offline when asked.
+_KERNELS_STAND_IN = """
+from huggingface_hub import constants
+
+def get_kernel(repo_id, version=None, **kwargs):
+    raise RuntimeError(f"stand-in kernels, hub offline: {constants.HF_HUB_OFFLINE}")
+"""
+
+
 def test_train_imports_bitsandbytes_and_its_notice_only_for_4bit_and_explains_it(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
     """Real processes, so that bitsandbytes is imported after the CLI starts, as for a user:
-    LoRA's never imports it (peft would, and with it TorchDynamo and Inductor), QLoRA's does."""
+    LoRA's never imports it (peft would, and with it TorchDynamo and Inductor), QLoRA's does,
+    with the Hub offline (leantune reaches it only with HF_HUB_OFFLINE=0), and explains the
+    notice bitsandbytes logs on AVX512-BF16 CPUs when its optional kernel does not load."""
     pytest.importorskip("bitsandbytes")
+    from bitsandbytes.functional import has_avx512bf16
+
+    (tmp_path / "stand_in" / "kernels").mkdir(parents=True)
+    (tmp_path / "stand_in" / "kernels" / "__init__.py").write_text(_KERNELS_STAND_IN)
     rows = [
         {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
         for i in range(4)
     ]
     data = write_jsonl(tmp_path / "chat.jsonl", rows)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LEANTUNE_HOME": str(tmp_path / "home")}
+    env.pop("HF_HUB_OFFLINE", None)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(tmp_path / "stand_in"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
     printed = {}
     for method in ("lora", "qlora"):
         args = tiny_train_args(
@@ -181,7 +214,47 @@ def test_train_imports_bitsandbytes_and_its_notice_only_for_4bit_and_explains_it
     assert "bitsandbytes imported: False" in printed["lora"]
     assert "bitsandbytes imported: True" in printed["qlora"]
     assert "note: bitsandbytes" not in printed["lora"]
-    assert printed["qlora"].count("note: bitsandbytes") == _expected_notes()
+    assert printed["qlora"].count("note: bitsandbytes") == int(bool(has_avx512bf16()))
+    assert ("stand-in kernels, hub offline: True" in printed["qlora"]) == bool(has_avx512bf16())
+    assert "hub offline: False" not in printed["qlora"]
+
+
+def test_a_package_imported_through_the_offline_finder_finds_the_hub_offline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What `bnb_notice.import_offline` does for bitsandbytes, on a package of its own: the
+    package and what it imports run with huggingface_hub offline, unless HF_HUB_OFFLINE=0;
+    the flag is restored afterwards and the package is otherwise imported as usual."""
+    from huggingface_hub import constants
+
+    pkg = tmp_path / "offline_probe"
+    pkg.mkdir()
+    reads = "from huggingface_hub import constants\nOFFLINE = constants.HF_HUB_OFFLINE\n"
+    (pkg / "__init__.py").write_text(reads + "from . import sub\n")
+    (pkg / "sub.py").write_text(reads)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    bnb_notice.import_offline("offline_probe")
+    bnb_notice.import_offline("offline_probe")  # once is enough
+    assert sum(isinstance(f, bnb_notice._OfflineImport) for f in sys.meta_path) == 1
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+    def fresh() -> types.ModuleType:
+        for name in ("offline_probe", "offline_probe.sub"):
+            sys.modules.pop(name, None)
+        return importlib.import_module("offline_probe")
+
+    module = fresh()
+    assert module.OFFLINE is True and module.sub.OFFLINE is True
+    assert constants.HF_HUB_OFFLINE is False
+    assert module.__file__ == str(pkg / "__init__.py")
+    assert importlib.resources.files(module).joinpath("sub.py").is_file()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the user allows downloads
+    module = fresh()
+    assert module.OFFLINE is False and module.sub.OFFLINE is False
+    for name in ("offline_probe", "offline_probe.sub"):
+        sys.modules.pop(name, None)
 
 
 def _config_dir(path: Path, **extra: object) -> str:
