@@ -32,7 +32,13 @@ from transformers import (
 from leantune.config import Config, load_config
 from leantune.data.dataset import PreparedData, prepared_data
 from leantune.data.prepare.records import PrepareSettings
+from leantune.models.bnb_notice import import_offline
 from leantune.training.metrics import read_metrics
+
+# bitsandbytes' import asks the Hugging Face Hub for an optional kernel when the `kernels`
+# package is installed (transformers 5.25 requires it): offline here, as in every leantune
+# command (`bnb_notice.import_offline`), so that no test reaches the network through it.
+import_offline()
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

@@ -57,12 +57,15 @@ def _quiet_import_noise() -> None:
     CUDA-only extension it cannot load, and torch one per pytree registration: nothing a user
     can act on. peft and transformers import bitsandbytes, whose CPU backend logs a notice about
     an optional kernel on AVX512-BF16 CPUs: held back, and explained only when a 4-bit model
-    loads (`models.bnb_notice`). Set before any command imports peft."""
-    from leantune.models.bnb_notice import hold_back_kernel_notice
+    loads (`models.bnb_notice`), and imported with the Hugging Face Hub offline (its optional
+    kernel's lookup asks the Hub when `kernels` is installed) unless HF_HUB_OFFLINE=0. Set
+    before any command imports peft."""
+    from leantune.models.bnb_notice import hold_back_kernel_notice, import_offline
 
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
     hold_back_kernel_notice()
+    import_offline()
     # With DeepSpeed installed (dist.strategy=deepspeed), transformers imports it inside every
     # save_pretrained, and on a machine without CUDA its accelerator detection prints a warning
     # (on stdout) that it picked the CPU. Its logger keeps this filter when DeepSpeed sets it up.
