@@ -157,14 +157,27 @@ sys.exit(code)
 """
 
 
-# A stand-in for the `kernels` package (transformers 5.25 requires the real one), ahead of it on
-# the path: bitsandbytes asks it for its optional kernel at import on AVX512-BF16 CPUs, and the
-# real one asks the Hugging Face Hub. This one says whether the Hub was offline when asked.
+# A stand-in for the `kernels` package, first on the path. bitsandbytes asks it for its optional
+# kernel at import on AVX512-BF16 CPUs, and the real one (transformers 5.25 requires it and
+# imports it too) asks the Hugging Face Hub: the stand-in becomes the real package where one is
+# installed, with a get_kernel that says whether the Hub was offline when asked.
 _KERNELS_STAND_IN = """
-from huggingface_hub import constants
+import importlib.machinery, importlib.util, os, sys
+
 
 def get_kernel(repo_id, version=None, **kwargs):
+    from huggingface_hub import constants
+
     raise RuntimeError(f"stand-in kernels, hub offline: {constants.HF_HUB_OFFLINE}")
+
+
+_mine = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_rest = [p for p in sys.path if os.path.abspath(p or ".") != _mine]
+_real = importlib.machinery.PathFinder.find_spec("kernels", _rest)
+if _real is not None:
+    sys.modules["kernels"] = _module = importlib.util.module_from_spec(_real)
+    _real.loader.exec_module(_module)
+    _module.get_kernel = get_kernel
 """
 
 
@@ -236,7 +249,8 @@ def test_a_package_imported_through_the_offline_finder_finds_the_hub_offline(
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     bnb_notice.import_offline("offline_probe")
     bnb_notice.import_offline("offline_probe")  # once is enough
-    assert sum(isinstance(f, bnb_notice._OfflineImport) for f in sys.meta_path) == 1
+    finders = [f for f in sys.meta_path if isinstance(f, bnb_notice._OfflineImport)]
+    assert [f.name for f in finders].count("offline_probe") == 1
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
 
