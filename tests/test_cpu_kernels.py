@@ -136,6 +136,22 @@ def test_the_explanation_keeps_the_reason_and_drops_advice_leantune_does_not_nee
     assert "nothing to do" in err
 
 
+def test_the_offline_trust_check_notice_of_kernels_is_dropped_and_nothing_else(
+    held_notice: bnb_notice._HeldNotice, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With the Hub offline (leantune's default), `kernels` logs that it skips its publisher
+    check before it looks for bitsandbytes' kernel in the cache: a consequence of leantune's
+    choice, not the user's, so it is dropped; its other messages are not."""
+    logger = logging.getLogger(bnb_notice.KERNELS_HUB_LOGGER)
+    with caplog.at_level(logging.WARNING):
+        logger.warning(
+            "Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes' "
+            "because Hugging Face Hub is in offline mode."
+        )
+        logger.warning("Something else about a kernel.")
+    assert [r.getMessage() for r in caplog.records] == ["Something else about a kernel."]
+
+
 def test_without_the_notice_nothing_is_explained(
     held_notice: bnb_notice._HeldNotice, capsys: pytest.CaptureFixture[str]
 ) -> None:

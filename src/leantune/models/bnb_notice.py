@@ -33,6 +33,10 @@ PACKAGE = "bitsandbytes"
 BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
 """The logger bitsandbytes' CPU backend logs the notice on."""
 NOTICE_START = "Failed to load CPU gemm_4bit_forward from kernels-community"
+KERNELS_HUB_LOGGER = "kernels._internals.hf_hub"
+"""Where `kernels` says it skips its publisher check because the Hub is offline: leantune's
+default (`import_offline`), so the user has nothing to act on."""
+OFFLINE_TRUST_START = "Skipping publisher trust check for "
 
 
 class _HeldNotice(logging.Filter):
@@ -54,12 +58,23 @@ class _HeldNotice(logging.Filter):
 _NOTICE = _HeldNotice()
 
 
+class _OfflineTrustCheck(logging.Filter):
+    """Drops `kernels`' note that it skips its publisher check offline."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(OFFLINE_TRUST_START)
+
+
 def hold_back_kernel_notice() -> None:
-    """Keep bitsandbytes' kernel notice off the terminal (call before bitsandbytes is imported;
-    calling it again changes nothing)."""
+    """Keep bitsandbytes' kernel notice, and `kernels`' note that it skips its publisher check
+    offline, off the terminal (call before bitsandbytes is imported; calling it again changes
+    nothing)."""
     logger = logging.getLogger(BNB_CPU_LOGGER)
     if _NOTICE not in logger.filters:
         logger.addFilter(_NOTICE)
+    kernels = logging.getLogger(KERNELS_HUB_LOGGER)
+    if not any(isinstance(f, _OfflineTrustCheck) for f in kernels.filters):
+        kernels.addFilter(_OfflineTrustCheck())
 
 
 class _OfflineLoader(importlib.abc.Loader):
