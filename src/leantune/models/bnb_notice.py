@@ -28,7 +28,7 @@ from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any, TextIO
 
-PACKAGE = "bitsandbytes"
+from leantune.models.bnb_import import PACKAGE
 
 BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
 """The logger bitsandbytes' CPU backend logs the notice on."""
@@ -134,8 +134,7 @@ def explain_kernel_notice(stream: TextIO | None = None) -> str | None:
     _NOTICE.explained = True
     # The reason's first sentence: what follows is advice for bitsandbytes' kernel (install
     # kernels, download it while online) that a leantune run does not need.
-    reason = _NOTICE.held.removeprefix(NOTICE_START).lstrip(": ").split(". ", 1)[0]
-    reason = reason.split(". Please", 1)[0].rstrip(".")
+    reason = _NOTICE.held.removeprefix(NOTICE_START).lstrip(": ").split(". ", 1)[0].rstrip(".")
     text = (
         "note: bitsandbytes could not load its optional AVX512-BF16 kernel for 4-bit inference "
         f"(kernels-community/quantization-bitsandbytes: {reason}). bitsandbytes runs the 4-bit "
