@@ -170,6 +170,7 @@ def prepare_rows(
     pack: bool,
     *,
     system_prompt: str | None = None,
+    system_message: str = "auto",
     max_bad_fraction: float = 0.0,
     limit: int | None = None,
 ) -> PreparedData:
@@ -177,7 +178,7 @@ def prepare_rows(
     cache directory: what `eval` and `plan` read."""
     return prepared_data(
         path,
-        settings=PrepareSettings(fmt, max_seq_len, pack, system_prompt),
+        settings=PrepareSettings(fmt, max_seq_len, pack, system_prompt, system_message),
         tokenizer=tokenizer,
         max_bad_fraction=max_bad_fraction,
         limit=limit,

@@ -209,7 +209,7 @@ FAMILIES: dict[str, Family] = {
             eos="<|endoftext|>",
             pad="<|pad|>",
             bos="<|endoftext|>",
-            end_of_turn="<|endoftext|>\n",
+            end_of_turn="<|endoftext|>",  # the "\n" after it is written only before another turn
         ),
         Family(
             "smollm2",

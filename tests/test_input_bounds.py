@@ -209,9 +209,11 @@ TRIMMING = (  # Llama-3 style: the template trims each message, so contents are 
 )
 
 
-def test_a_template_that_rewrites_content_falls_back_to_the_prefix_method(
-    tmp_path: Path, tokenizer
+def test_a_template_that_trims_content_is_located_in_one_render(
+    tmp_path: Path, tokenizer, monkeypatch
 ) -> None:
+    """Before issue 31 such a template fell back to rendering every prefix, and a conversation
+    of more than 128 messages was dropped; the walk finds trimmed text in the one render."""
     tok = _retemplated(tokenizer, TRIMMING)
     msgs = [
         {"role": "user", "content": "  padded question  "},
@@ -222,17 +224,16 @@ def test_a_template_that_rewrites_content_falls_back_to_the_prefix_method(
     ex = encode_chat(tok, msgs)
     assert (ex.input_ids, ex.labels) == prefix_encode(tok, msgs)
     assert _supervised_text(tok, ex.labels) == "answer one<|im_end|>\ntwo<|im_end|>\n"
-    # Too long for the quadratic method: a counted drop, not hours of rendering.
-    path = write_jsonl(
-        tmp_path / "d.jsonl",
-        [{"messages": msgs}, {"messages": [{"role": "user", "content": " x "}, *_long_chat(300)]}],
-    )
+    long = [{"role": "user", "content": " x "}, *_long_chat(300)]
+    calls = _count_renders(monkeypatch, tok)
+    long_ex = encode_chat(tok, long)
+    assert calls == [len(long)]
+    assert _supervised_text(tok, long_ex.labels) == _answers(long)
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": msgs}, {"messages": long}])
     out = tmp_path / "out"
     s = PrepareSettings(format="chat", max_seq_len=100_000)
     report = prepare_dataset([str(path)], s, tok, out)
-    assert report["rows_out"] == 1 and report["dropped"] == {"template_error": 1}
-    [row] = [json.loads(x) for x in (out / "rejected.jsonl").read_text().splitlines()]
-    assert row["line"] == 2 and "chat template" in row["reason"]
+    assert report["rows_out"] == 2 and report["dropped"] == {}
 
 
 # --- supervision covers only the record's assistant turns -----------------------------------
@@ -448,10 +449,20 @@ def test_a_record_that_fits_is_never_rejected_by_the_floor(tmp_path: Path, smol)
 
 
 def test_the_supervised_mask_is_a_merge_not_a_product() -> None:
+    """A token is supervised when it overlaps a span: the product definition, on random
+    tokenisations and spans (a token that straddles a span's start, like Mistral's " answer"
+    piece, overlaps it; one that ends where the span starts does not)."""
     from leantune.data.tokenize import supervised_mask
 
-    starts = np.array([0, 3, 5, 9, 10, 14, 20])
-    spans = [(3, 9), (10, 11), (19, 30)]
-    want = [any(s <= x < e for s, e in spans) for x in starts]
-    assert supervised_mask(starts, spans).tolist() == want
-    assert supervised_mask(starts, []).tolist() == [False] * len(starts)
+    rng = random.Random(0)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, 60), rng.randint(1, 20)))
+        offsets = list(zip([0, *cuts], [*cuts, 60], strict=True))
+        points = sorted(rng.sample(range(0, 61), 2 * rng.randint(0, 4)))
+        spans = [(points[i], points[i + 1]) for i in range(0, len(points), 2)]
+        want = [any(s < e2 and e > s2 for s2, e2 in spans) for s, e in offsets]
+        assert supervised_mask(np.array(offsets), spans).tolist() == want
+    straddle = np.array([(0, 3), (3, 9), (9, 12)])  # "[/INST]" + " Water" + "</s>"
+    assert supervised_mask(straddle, [(4, 12)]).tolist() == [False, True, True]
+    assert supervised_mask(straddle, [(3, 12)]).tolist() == [False, True, True]
+    assert supervised_mask(straddle, []).tolist() == [False] * 3

@@ -340,16 +340,23 @@ RAISING = (
 
 
 def test_a_record_the_template_refuses_is_a_counted_drop(tmp_path: Path, tokenizer) -> None:
+    """With data.system_message=keep the template's refusal stands; by default (auto) the
+    system message is folded into the user turn and the record trains."""
     tok = type(tokenizer).from_pretrained(tokenizer.name_or_path)
     tok.chat_template = RAISING
     sys_first = {"messages": [{"role": "system", "content": "s"}, *GOOD[0]["messages"]]}
     path = write_jsonl(tmp_path / "d.jsonl", [GOOD[0], sys_first, GOOD[1]])
-    report = prepare_dataset([str(path)], PrepareSettings("chat", 128), tok, tmp_path / "o")
+    keep = PrepareSettings("chat", 128, system_message="keep")
+    report = prepare_dataset([str(path)], keep, tok, tmp_path / "o")
     assert report["dropped"] == {"template_error": 1} and report["rows_out"] == 2
     [row] = rejected(tmp_path / "o")
     assert row["line"] == 2 and "System role not supported" in row["reason"]
-    data = prepare_rows(path, "chat", tok, 128, pack=False, max_bad_fraction=0.5)
+    data = prepare_rows(
+        path, "chat", tok, 128, pack=False, system_message="keep", max_bad_fraction=0.5
+    )
     assert [b.line for b in data.bad] == [2] and "System role not supported" in data.bad[0].reason
+    folded = prepare_dataset([str(path)], PrepareSettings("chat", 128), tok, tmp_path / "f")
+    assert folded["dropped"] == {} and folded["rows_out"] == 3
 
 
 def test_chat_data_with_a_tokenizer_without_a_template_is_refused(

@@ -95,6 +95,10 @@ class DataConfig:
     """Refuse to start when more than this share of lines is bad (0 = any bad line stops)."""
     system_prompt: str | None = None
     """System message added to alpaca records and to chat records that have none."""
+    system_message: Literal["auto", "keep", "fold", "drop"] = "auto"
+    """System messages: keep them as the chat template writes them, fold each into the next
+    user turn (its text, a blank line, the user's), or drop them. auto = keep where the
+    template writes them, fold where it refuses or leaves them out (Gemma 2, Mistral v0.3)."""
     clean: list[Literal["html", "control", "nfkc", "whitespace"]] = field(default_factory=list)
     """Cleaning rules for every text field before tokenising (none by default: data is used
     as is; `leantune prepare --data` defaults to all four)."""

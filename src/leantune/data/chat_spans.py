@@ -1,34 +1,46 @@
 """Where the assistant turns of a rendered conversation are, from one render of it.
 
-The chat template is probed once per tokenizer with sentinel messages, which shows what it
-writes before and after each role's content and what its generation prompt is (`ChatShape`).
-A conversation is then rendered once and walked piece by piece against that shape; when every
-piece matches, each message's place is known, and the spans are the ones the prefix method
-(`spans_by_prefixes`) finds, in time linear in the conversation's length. When a piece does not
-match (a template that rewrites content, or renders a message differently by what follows it),
-the prefix method runs instead, but only on conversations of at most `PREFIX_LIMIT` messages:
-it renders every prefix, so its cost grows with the square of the turns (2,000 turns took 32 s).
+A conversation is rendered once. A template that marks the assistant's text with
+`{% generation %}` says itself where that text is (transformers' assistant-mask renderer). Any
+other template is walked once, in order: each message's own text is found in the render after
+the previous one's, so a template may trim text, drop the reasoning of earlier turns (Qwen3),
+move the system message (Mistral), write a default system prompt or date lines (Qwen2.5,
+SmolLM2, Llama 3.1) or end an unprompted conversation with an extra token (Phi-3), and the
+answers are still found, in time linear in the conversation's length.
 
-A span starts after the generation prompt and ends after the turn's closing text, so the model
-also learns to stop. An assistant message that opens a conversation is supervised from its
-content on: what a template writes before it (a default system prompt, role headers) is not
-the record's text.
+What a template writes around an answer is learned once per template from renders of sentinel
+conversations (`TemplateFacts`): the generation prompt that precedes an answer (its header) and
+the text that closes one (`end_of_turn`: `<|im_end|>\\n`, `<|eot_id|>`, `<end_of_turn>\\n`,
+`<|end|>\\n`, `</s>`), cut at a token boundary.
+
+A span covers the answer's own text and the end of turn, so the model also learns to stop, and
+nothing else the template writes (headers, default system prompts, date lines, the empty think
+block Qwen3 writes before a final answer). An answer with reasoning or tool calls is everything
+the model writes after the header, its markup included, so its span starts at the header's end.
 """
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from transformers.utils.chat_template_utils import render_jinja_template
 
 from leantune.data.errors import DataError
+from leantune.data.record_checks import Message
 
-ROLES = ("system", "user", "assistant")
-PREFIX_LIMIT = 128
+log = logging.getLogger(__name__)
+
+SYSTEM_POLICIES = ("auto", "keep", "fold", "drop")
+"""data.system_message: what happens to system messages before the template renders them."""
+
 # Sentinel contents: no template alters them (no spaces to trim, no markup) or writes them.
-_A, _B = "Lt7probeAq", "Lt7probeBq"
+_A, _B, _S = "Lt7probeAq", "Lt7probeBq", "Lt7probeSq"
+_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
-Message = dict[str, str]
 Span = tuple[int, int]
 Render = Callable[[list[Message], bool], str]
 
@@ -70,151 +82,265 @@ def renderer(tokenizer: Any) -> Render:
     return render
 
 
+SystemHandling = Literal["kept", "dropped", "refused"]
+
+
 @dataclass(frozen=True)
-class ChatShape:
-    """What a chat template writes around each role's content.
+class TemplateFacts:
+    """What a chat template writes around the messages, learned from sentinel renders."""
 
-    `first[role]` and `later[role]` are the (before, after) text of a message that opens the
-    conversation or follows another one; `prompt[role]` is the generation prompt the template
-    adds after a conversation whose last message has that role. Roles the template refused in
-    a probe are missing.
-    """
-
-    first: dict[str, tuple[str, str]] = field(default_factory=dict)
-    later: dict[str, tuple[str, str]] = field(default_factory=dict)
-    prompt: dict[str, str] = field(default_factory=dict)
+    headers: tuple[str, ...]
+    """The generation prompts it writes before an answer (after a user or an assistant
+    message); empty for a template without one (Mistral's)."""
+    end_of_turn: str
+    """What it writes right after an answer's text, up to the next message."""
+    system: SystemHandling
+    """Whether a system message's text appears in the render, or the template drops or
+    refuses it."""
+    generation_tags: bool
+    """It marks the assistant's text with {% generation %}."""
 
 
 def _msg(role: str, content: str) -> Message:
     return {"role": role, "content": content}
 
 
-def _around(text: str | None, content: str) -> tuple[str, str] | None:
-    """(before, after) `content` when it occurs exactly once in `text`."""
-    if text is None:
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _token_floor(tokenizer: Any, text: str, n: int) -> int:
+    """The last token boundary of `text` at or before character `n`."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return max([0, *(end for _, end in enc["offset_mapping"] if end <= n)])
+
+
+def _attempt(render: Render, messages: list[Message], gen: bool) -> str | None:
+    try:
+        return render(messages, gen)
+    except TemplateError:
         return None
-    i = text.find(content)
-    if i < 0 or text.find(content, i + 1) >= 0:
-        return None
-    return text[:i], text[i + len(content) :]
 
 
-def probe_shape(render: Render) -> ChatShape:
-    """Learn a template's shape from a few renders of sentinel conversations."""
-
-    def attempt(messages: list[Message], gen: bool) -> str | None:
-        try:
-            return render(messages, gen)
-        except TemplateError:
-            return None
-
-    first: dict[str, tuple[str, str]] = {}
-    later: dict[str, tuple[str, str]] = {}
-    prompt: dict[str, str] = {}
-    for role in ROLES:
-        piece = _around(attempt([_msg(role, _A)], False), _A)
-        if piece is not None:
-            first[role] = piece
-    base = attempt([_msg("user", _A)], False)
-    for role in ROLES:
-        two = attempt([_msg("user", _A), _msg(role, _B)], False)
-        if base is not None and two is not None and two.startswith(base):
-            piece = _around(two[len(base) :], _B)
-            if piece is not None:
-                later[role] = piece
-    for conv in (
-        [_msg("system", _A)],
-        [_msg("user", _A)],
-        [_msg("user", _A), _msg("assistant", _B)],
-    ):
-        plain, gen = attempt(conv, False), attempt(conv, True)
-        if plain is not None and gen is not None and gen.startswith(plain):
-            prompt[conv[-1]["role"]] = gen[len(plain) :]
-    return ChatShape(first, later, prompt)
+def probe_facts(tokenizer: Any) -> TemplateFacts:
+    """Learn a template's headers, end of turn and system handling from sentinel renders."""
+    render = renderer(tokenizer)
+    headers: list[str] = []
+    for conv in ([_msg("user", _A)], [_msg("user", _A), _msg("assistant", _B)]):
+        plain, gen = _attempt(render, conv, False), _attempt(render, conv, True)
+        if plain is None or gen is None:
+            continue
+        # Phi-3 ends an unprompted conversation with EOS: the prompt starts where they differ.
+        cut = _token_floor(tokenizer, gen, _common_prefix(plain, gen))
+        if gen[cut:] and gen[cut:] not in headers:
+            headers.append(gen[cut:])
+    end_of_turn = ""
+    last = _attempt(render, [_msg("user", _A), _msg("assistant", _B)], False)
+    more = _attempt(render, [_msg("user", _A), _msg("assistant", _B), _msg("user", _S)], False)
+    if last is not None and more is not None and _B in last and _B in more:
+        after, after_more = last[last.index(_B) + len(_B) :], more[more.index(_B) + len(_B) :]
+        end_of_turn = after[: _token_floor(tokenizer, after, _common_prefix(after, after_more))]
+    with_system = _attempt(
+        render, [_msg("system", _S), _msg("user", _A), _msg("assistant", _B)], False
+    )
+    system: SystemHandling = (
+        "refused" if with_system is None else "kept" if _S in with_system else "dropped"
+    )
+    tagged = bool(_GENERATION_TAG.search(str(tokenizer.chat_template)))
+    return TemplateFacts(tuple(headers), end_of_turn, system, tagged)
 
 
-_SHAPES: dict[tuple[str, str], ChatShape] = {}
+_FACTS: dict[tuple[str, str], TemplateFacts] = {}
 
 
-def chat_shape(tokenizer: Any) -> ChatShape:
-    """The shape of the tokenizer's chat template, probed once per (template, special tokens)."""
+def template_facts(tokenizer: Any) -> TemplateFacts:
+    """The facts of the tokenizer's chat template, probed once per (template, special tokens)."""
     key = (repr(tokenizer.chat_template), repr(sorted(tokenizer.special_tokens_map.items())))
-    shape = _SHAPES.get(key)
-    if shape is None:
-        shape = _SHAPES[key] = probe_shape(renderer(tokenizer))
-    return shape
+    facts = _FACTS.get(key)
+    if facts is None:
+        facts = _FACTS[key] = probe_facts(tokenizer)
+    return facts
 
 
-def spans_by_shape(shape: ChatShape, messages: list[Message], full: str) -> list[Span] | None:
-    """The assistant spans of `full`, walking it once; None where it does not match `shape`."""
-    pos = 0
-    spans: list[Span] = []
-    for i, msg in enumerate(messages):
-        role, content = msg["role"], msg["content"]
-        piece = (shape.first if i == 0 else shape.later).get(role)
-        if piece is None:
-            return None
-        before, after = piece
-        start = pos
-        if not full.startswith(before, pos):
-            return None
-        pos += len(before)
-        if not full.startswith(content, pos):
-            return None
-        pos += len(content)
-        if not full.startswith(after, pos):
-            return None
-        pos += len(after)
-        if role != "assistant":
-            continue
-        if i == 0:  # nothing the template wrote before the record's first message
-            spans.append((start + len(before), pos))
-            continue
-        header = shape.prompt.get(messages[i - 1]["role"])
-        if header is None or len(header) > len(before) or not full.startswith(header, start):
-            return None
-        spans.append((start + len(header), pos))
-    return spans if pos == len(full) else None
+# --- system messages --------------------------------------------------------------------------
+
+_SAID: set[tuple[str, str]] = set()
 
 
-def spans_by_prefixes(render: Render, messages: list[Message], full: str) -> list[Span]:
-    """The exact method for any template: render the prefix before and through each answer.
+def resolve_system_policy(facts: TemplateFacts, policy: str, name: str = "") -> str:
+    """data.system_message as it applies to this template: `auto` keeps system messages where
+    the template writes them and folds them into the next user turn where it refuses or drops
+    them (as Gemma's and Mistral's own documentation does), said once in the log."""
+    if policy != "auto":
+        return policy
+    if facts.system == "kept":
+        return "keep"
+    said = (name, facts.system)
+    if said not in _SAID:
+        _SAID.add(said)
+        log.warning(
+            "the chat template of %s %s a system message: each one is folded into the next user "
+            "turn (data.system_message=fold; keep or drop to choose otherwise)",
+            name or "this model",
+            "refuses" if facts.system == "refused" else "leaves out",
+        )
+    return "fold"
+
+
+def apply_system_policy(
+    messages: list[Message], policy: str, supervise_from: int = 0
+) -> tuple[list[Message], int]:
+    """`messages` with their system messages kept, folded into the next user message (its text
+    first, then a blank line) or dropped; and `supervise_from` moved with the messages.
 
     Raises:
-        TemplateError: the template renders a prefix differently from the whole conversation.
+        TemplateError: fold, and a system message that no user message follows.
     """
+    if policy == "keep" or not any(m["role"] == "system" for m in messages):
+        return messages, supervise_from
+    out: list[Message] = []
+    pending: list[str] = []
+    shift = 0
+    for i, msg in enumerate(messages):
+        if msg["role"] != "system":
+            if pending and msg["role"] == "user":
+                msg = {**msg, "content": "\n\n".join([*pending, msg["content"]])}
+                pending = []
+            out.append(msg)
+            continue
+        if policy == "fold" and msg["content"].strip():
+            pending.append(msg["content"])
+        if i < supervise_from:
+            shift += 1
+    if pending:
+        raise TemplateError(
+            "a system message with no user message after it cannot be folded into one "
+            "(data.system_message=fold)"
+        )
+    return out, max(supervise_from - shift, 0)
+
+
+def for_template(
+    tokenizer: Any, messages: list[Message], policy: str = "auto", supervise_from: int = 0
+) -> tuple[list[Message], int]:
+    """The messages as the tokenizer's template is given them under data.system_message=`policy`
+    (see `apply_system_policy`), and `supervise_from` moved with them."""
+    if not any(m["role"] == "system" for m in messages):
+        return messages, supervise_from
+    name = str(getattr(tokenizer, "name_or_path", ""))
+    resolved = resolve_system_policy(template_facts(tokenizer), policy, name)
+    return apply_system_policy(messages, resolved, supervise_from)
+
+
+# --- locating the answers ---------------------------------------------------------------------
+
+
+def _own_text(msg: Message) -> str:
+    """The part of a message's text every template writes verbatim (trimmed): for an answer
+    that holds its reasoning in `<think>...</think>`, what follows it."""
+    content: str = msg["content"]
+    if msg["role"] == "assistant" and "</think>" in content:
+        content = content.split("</think>")[-1]
+    return content.strip()
+
+
+def _writes_markup(msg: Message) -> bool:
+    """The model writes more than the answer's text in this turn: reasoning or tool calls."""
+    return bool(msg.get("reasoning_content") or msg.get("tool_calls")) or "</think>" in str(
+        msg["content"]
+    )
+
+
+def _after_header(facts: TemplateFacts, full: str, cursor: int) -> int:
+    """Where the nearest answer header after `cursor` ends; `cursor` when there is none."""
+    found = [(at, len(h)) for h in facts.headers if (at := full.find(h, cursor)) >= 0]
+    if not found:
+        return cursor
+    at, n = min(found)
+    return at + n
+
+
+def _answer_span(facts: TemplateFacts, msg: Message, i: int, full: str, cursor: int) -> Span:
+    head = _after_header(facts, full, cursor)
+    text = _own_text(msg)
+    at = full.find(text, head) if text else head
+    if at < 0:
+        raise TemplateError(
+            f"messages[{i}] (assistant): the chat template does not write its text as given, so "
+            "its tokens cannot be located"
+        )
+    end = at + len(text)
+    close = full.find(facts.end_of_turn, end) if facts.end_of_turn else end
+    between = full[end:close] if close >= 0 else ""
+    if close < 0 or (between.strip() and not msg.get("tool_calls")):
+        raise TemplateError(
+            f"messages[{i}] (assistant): the chat template does not close it with "
+            f"{facts.end_of_turn!r} right after its text"
+        )
+    for call in msg.get("tool_calls") or ():
+        if call["function"]["name"] not in full[head:close]:
+            raise TemplateError(
+                f"messages[{i}].tool_calls: the chat template does not write tool calls (the "
+                "model's template has no tool support)"
+            )
+    start = head if _writes_markup(msg) else at
+    return start, close + len(facts.end_of_turn)
+
+
+def spans_by_walk(facts: TemplateFacts, messages: list[Message], full: str) -> list[Span]:
+    """The assistant spans of `full`, finding each message's text after the previous one's.
+
+    Raises:
+        TemplateError: a user, tool or assistant message's text is not in the render, or an
+            answer is not closed by the template's end of turn.
+    """
+    cursor = 0
     spans: list[Span] = []
     for i, msg in enumerate(messages):
-        if msg["role"] != "assistant":
-            continue
-        if i == 0:
-            start = _opening_answer_start(render, full)
-        else:
-            before = render(messages[:i], True)
-            if not full.startswith(before):
-                raise TemplateError(_UNSTABLE)
-            start = len(before)
-        last = i == len(messages) - 1  # the whole conversation is already rendered
-        through = full if last else render(messages[: i + 1], False)
-        if not full.startswith(through):
-            raise TemplateError(_UNSTABLE)
-        spans.append((start, len(through)))
+        role = msg["role"]
+        if role == "assistant":
+            span = _answer_span(facts, msg, i, full, cursor)
+            spans.append(span)
+            cursor = span[1]
+        elif role != "system":  # templates move system text (Mistral: into the last user turn)
+            text = _own_text(msg)
+            at = full.find(text, cursor)
+            if at < 0:
+                raise TemplateError(
+                    f"messages[{i}] ({role}): the chat template does not write it as given"
+                    + (" (tool results are not supported by it)" if role == "tool" else "")
+                )
+            cursor = at + len(text)
     return spans
 
 
-_UNSTABLE = (
-    "the chat template renders a conversation differently from its prefixes; "
-    "answer tokens cannot be located"
-)
+def spans_by_tags(tokenizer: Any, messages: list[Message], full: str) -> list[Span]:
+    """The assistant spans a {% generation %} template marks, one per answer.
 
-
-def _opening_answer_start(render: Render, full: str) -> int:
-    """Where the content of an assistant message that opens the conversation starts."""
-    probe = render([_msg("assistant", _A)], False)
-    i = probe.find(_A)
-    if i < 0 or not full.startswith(probe[:i]):
-        raise TemplateError("the chat template hides where the opening assistant message starts")
-    return i
+    Raises:
+        TemplateError: the marked render differs from `full`, or marks another number of spans
+            than there are answers.
+    """
+    # With return_assistant_tokens_mask it returns (renders, generation spans), not a str.
+    result: Any = render_jinja_template(
+        [messages],
+        chat_template=tokenizer.chat_template,
+        return_assistant_tokens_mask=True,
+        **tokenizer.special_tokens_map,
+    )
+    rendered, indices = result
+    spans = [(int(s), int(e)) for s, e in indices[0]]
+    answers = sum(m["role"] == "assistant" for m in messages)
+    if rendered[0] != full or len(spans) != answers:
+        raise TemplateError(
+            f"the chat template's {{% generation %}} blocks mark {len(spans)} spans for "
+            f"{answers} assistant messages"
+        )
+    return spans
 
 
 def answer_spans(
@@ -226,15 +352,11 @@ def answer_spans(
     Raises:
         TemplateError: the answers cannot be located (see the module docstring).
     """
-    spans = spans_by_shape(chat_shape(tokenizer), messages, full)
-    if spans is None:
-        if len(messages) > PREFIX_LIMIT:
-            raise TemplateError(
-                f"the chat template does not write these {len(messages)} messages verbatim and "
-                f"in order, and locating the answers of such a template renders every prefix: "
-                f"it is limited to {PREFIX_LIMIT} messages"
-            )
-        spans = spans_by_prefixes(renderer(tokenizer), messages, full)
+    facts = template_facts(tokenizer)
+    if facts.generation_tags:
+        spans = spans_by_tags(tokenizer, messages, full)
+    else:
+        spans = spans_by_walk(facts, messages, full)
     if supervise_from <= 0:
         return spans
     answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]

@@ -24,6 +24,7 @@ from leantune.data.record_checks import (
     ROLES,
     BadRecordError,
     check_text,
+    is_empty_answer,
     parse_messages,
     require_str,
     with_system_prompt,
@@ -50,7 +51,7 @@ class Record:
 
     source: str
     line: int
-    messages: tuple[dict[str, str], ...] | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
     text: str | None = None
     supervise_from: int = 0
     """Index of the first message whose assistant turns are learned (prompt/completion: the
@@ -84,7 +85,7 @@ def parse_alpaca(obj: dict[str, Any], system_prompt: str | None) -> list[dict[st
     return [*messages, {"role": "user", "content": user}, {"role": "assistant", "content": output}]
 
 
-def parse_chat(obj: dict[str, Any], system_prompt: str | None) -> list[dict[str, str]]:
+def parse_chat(obj: dict[str, Any], system_prompt: str | None) -> list[dict[str, Any]]:
     """OpenAI-shaped `messages`; the last message must be a non-empty assistant answer."""
     messages = obj.get("messages")
     if messages is None:
@@ -93,7 +94,7 @@ def parse_chat(obj: dict[str, Any], system_prompt: str | None) -> list[dict[str,
     if out[-1]["role"] != "assistant":
         raise BadRecordError("the last message must be from the assistant (the answer to learn)")
     for i, msg in enumerate(out):
-        if msg["role"] == "assistant" and not msg["content"].strip():
+        if is_empty_answer(msg):
             raise BadRecordError(f"messages[{i}].content: empty assistant answer")
     return with_system_prompt(out, system_prompt)
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-ROLES = ("system", "user", "assistant")
-Message = dict[str, str]
+ROLES = ("system", "user", "assistant", "tool")
+Message = dict[str, Any]
+"""`role` and `content` (a string), and for assistant messages optionally `tool_calls` (OpenAI's
+list of function calls) and `reasoning_content`; for tool results optionally `tool_call_id`."""
 
 
 class BadRecordError(ValueError):
@@ -52,23 +54,97 @@ def require_str(obj: dict[str, Any], key: str, allow_empty: bool = False) -> str
 
 
 def parse_messages(value: Any, key: str) -> list[Message]:
-    """An OpenAI-shaped message list: objects with a `role` in ROLES and a string `content`."""
+    """An OpenAI-shaped message list: objects with a `role` in ROLES and a `content` that is a
+    string or a list of `{"type": "text", "text": ...}` parts (joined into one string). Assistant
+    messages may carry `tool_calls` (then `content` may be empty or null) and `reasoning_content`;
+    tool results a `tool_call_id`. Other fields are not kept."""
     if not isinstance(value, list) or not value:
         raise BadRecordError(f"field '{key}' must be a non-empty list")
     out: list[Message] = []
     for i, msg in enumerate(value):
+        where = f"{key}[{i}]"
         if not isinstance(msg, dict):
-            raise BadRecordError(f"{key}[{i}] must be an object")
+            raise BadRecordError(f"{where} must be an object")
         role = msg.get("role")
         if role not in ROLES:
             raise BadRecordError(
-                f"{key}[{i}].role must be one of {'/'.join(ROLES)}, got {describe(role)}"
+                f"{where}.role must be one of {'/'.join(ROLES)}, got {describe(role)}"
             )
+        calls = _tool_calls(msg.get("tool_calls"), where) if role == "assistant" else None
         content = msg.get("content")
-        if not isinstance(content, str):
-            raise BadRecordError(f"{key}[{i}].content must be a string")
-        out.append({"role": role, "content": check_text(content, f"{key}[{i}].content")})
+        if content is None and calls:
+            content = ""
+        parsed: Message = {"role": role, "content": _content(content, f"{where}.content")}
+        if calls:
+            parsed["tool_calls"] = calls
+        extra = (("reasoning_content",) if role == "assistant" else ()) + (
+            ("tool_call_id", "name") if role == "tool" else ()
+        )
+        for field in extra:
+            if msg.get(field) is not None:
+                parsed[field] = check_text(_string(msg[field], f"{where}.{field}"), where)
+        out.append(parsed)
     return out
+
+
+def _string(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise BadRecordError(f"{where} must be a string, got {describe(value)}")
+    return value
+
+
+def _content(value: Any, where: str) -> str:
+    """A message's text: a string, or a list of text parts joined (as OpenAI reads them)."""
+    if isinstance(value, str):
+        return check_text(value, where)
+    if not isinstance(value, list):
+        raise BadRecordError(f"{where} must be a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise BadRecordError(
+                f'{where}[{j}] must be a text part {{"type": "text", "text": ...}}, got '
+                f"{describe(kind) if kind else describe(part)} (images and audio are not supported)"
+            )
+        texts.append(check_text(part["text"], f"{where}[{j}].text"))
+    return "".join(texts)
+
+
+def _tool_calls(value: Any, where: str) -> list[dict[str, Any]] | None:
+    """OpenAI tool calls: `[{"type": "function", "function": {"name", "arguments"}}]`, the
+    arguments a JSON object or a string of one; None when there are none."""
+    if value in (None, []):
+        return None
+    if not isinstance(value, list):
+        raise BadRecordError(f"{where}.tool_calls must be a list")
+    calls = []
+    for j, call in enumerate(value):
+        fn = call.get("function") if isinstance(call, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not name.strip():
+            raise BadRecordError(
+                f'{where}.tool_calls[{j}] must be {{"type": "function", "function": '
+                f'{{"name": ..., "arguments": ...}}}}'
+            )
+        assert isinstance(fn, dict)
+        args = fn.get("arguments", {})
+        if not isinstance(args, dict | str):
+            raise BadRecordError(
+                f"{where}.tool_calls[{j}].function.arguments must be an object or a string"
+            )
+        kept = {"name": name, "arguments": args}
+        calls.append({"type": "function", "function": kept, **_call_id(call)})
+    return calls
+
+
+def _call_id(call: dict[str, Any]) -> dict[str, str]:
+    return {"id": call["id"]} if isinstance(call.get("id"), str) else {}
+
+
+def is_empty_answer(msg: Message) -> bool:
+    """An assistant message with neither text nor tool calls: nothing to learn."""
+    return msg["role"] == "assistant" and not msg["content"].strip() and not msg.get("tool_calls")
 
 
 def with_system_prompt(messages: list[Message], system_prompt: str | None) -> list[Message]:

@@ -19,7 +19,13 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.data import chat_spans
 from leantune.data.bounds import token_floor
-from leantune.data.chat_spans import NoChatTemplateError, Span, TemplateError, renderer
+from leantune.data.chat_spans import (
+    NoChatTemplateError,
+    Span,
+    TemplateError,
+    for_template,
+    renderer,
+)
 from leantune.data.formats import Record
 
 __all__ = [
@@ -68,7 +74,7 @@ class TooLong:
         )
 
 
-def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> str:
     """The conversation as the chat template writes it (no generation prompt).
 
     Raises:
@@ -78,14 +84,18 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str
 
 
 def answer_spans(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], supervise_from: int = 0
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    supervise_from: int = 0,
+    system_message: str = "auto",
 ) -> tuple[str, list[Span]]:
-    """Render the conversation and find the character span of each assistant turn (from
-    message `supervise_from` on).
+    """Render the conversation (its system messages handled as data.system_message says) and
+    find the character span of each assistant turn (from message `supervise_from` on).
 
-    A span starts after the template's assistant header (the generation prompt) and ends after
-    the turn's closing tokens, so the model also learns to stop.
+    A span holds the answer's text and the turn's closing tokens, so the model also learns to
+    stop (`leantune.data.chat_spans`).
     """
+    messages, supervise_from = for_template(tokenizer, messages, system_message, supervise_from)
     full = render_chat(tokenizer, messages)
     return full, chat_spans.answer_spans(tokenizer, messages, full, supervise_from)
 
@@ -100,13 +110,17 @@ def too_long(tokenizer: PreTrainedTokenizerBase, text: str, limit: int | None) -
     return TooLong(n, limit) if n is not None else None
 
 
-def supervised_mask(starts: np.ndarray, spans: list[Span]) -> np.ndarray:
-    """Which tokens start inside one of `spans` (sorted, disjoint): a merge, not tokens x spans."""
-    starts = np.asarray(starts, dtype=np.int64)
+def supervised_mask(offsets: np.ndarray, spans: list[Span]) -> np.ndarray:
+    """Which tokens overlap one of `spans` (sorted, disjoint); `offsets` holds each token's
+    (start, end) characters. A token that straddles a span's start (a word piece that takes
+    the space the template wrote before the answer, as Mistral's " " + answer) is the answer's
+    first token, so it is supervised. A merge, not tokens x spans."""
+    offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
     if not spans:
-        return np.zeros(starts.size, dtype=bool)
+        return np.zeros(len(offsets), dtype=bool)
     bounds = np.asarray(spans, dtype=np.int64)
-    k = np.searchsorted(bounds[:, 0], starts, side="right") - 1
+    starts, ends = offsets[:, 0], np.maximum(offsets[:, 1], offsets[:, 0] + 1)
+    k = np.searchsorted(bounds[:, 0], ends, side="left") - 1
     return (k >= 0) & (starts < bounds[np.maximum(k, 0), 1])
 
 
@@ -121,17 +135,19 @@ def encode_rendered(tokenizer: PreTrainedTokenizerBase, full: str, spans: list[S
     """Tokenise a rendered conversation; supervise the tokens that start inside `spans`."""
     enc: Any = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = np.asarray(enc["input_ids"], dtype=np.int64)
-    starts = np.fromiter((s for s, _ in enc["offset_mapping"]), dtype=np.int64, count=ids.size)
-    labels = shifted_labels(ids, supervised_mask(starts, spans))
+    labels = shifted_labels(ids, supervised_mask(enc["offset_mapping"], spans))
     return Example(input_ids=ids.tolist(), labels=labels.tolist())
 
 
 def encode_chat(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], supervise_from: int = 0
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    supervise_from: int = 0,
+    system_message: str = "auto",
 ) -> Example:
     """Tokenise a conversation with the tokenizer's chat template; supervise assistant turns
     (those from message `supervise_from` on)."""
-    full, spans = answer_spans(tokenizer, messages, supervise_from)
+    full, spans = answer_spans(tokenizer, messages, supervise_from, system_message)
     return encode_rendered(tokenizer, full, spans)
 
 
@@ -148,9 +164,11 @@ def _shift(ids: list[int], supervised: list[bool]) -> Example:
     return Example(input_ids=ids, labels=[*labels, IGNORE_INDEX])
 
 
-def encode_record(tokenizer: PreTrainedTokenizerBase, record: Record) -> Example:
+def encode_record(
+    tokenizer: PreTrainedTokenizerBase, record: Record, system_message: str = "auto"
+) -> Example:
     """Encode a validated record of any format."""
     if record.messages is not None:
-        return encode_chat(tokenizer, list(record.messages), record.supervise_from)
+        return encode_chat(tokenizer, list(record.messages), record.supervise_from, system_message)
     assert record.text is not None
     return encode_text(tokenizer, record.text)

@@ -18,6 +18,7 @@ import torch
 from peft import PeftModel
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from leantune.data.chat_spans import for_template
 from leantune.methods.prompt import prompt_learning_generate_inputs
 
 # End-of-turn markers of the common chat templates (ChatML/Qwen, Llama 3, Gemma, GPT-style).
@@ -177,6 +178,8 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, s
     Returns:
         The prompt text, special tokens included, ready for `generate_texts`.
     """
+    # A system message the template refuses (Gemma 2) is folded as training folded it.
+    messages, _ = for_template(tokenizer, messages)
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     if not isinstance(rendered, str):
         raise TypeError(f"apply_chat_template returned {type(rendered).__name__}, expected str")

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from leantune.data.chat_spans import for_template
 from leantune.data.formats import FORMATS, detect_format, read_jsonl
 
 REPORT_NAME = "export_report.json"
@@ -67,7 +68,8 @@ class Samples:
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]) -> str:
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(list(messages), tokenize=False)
+        conversation, _ = for_template(tokenizer, list(messages))
+        text = tokenizer.apply_chat_template(conversation, tokenize=False)
         if isinstance(text, str):
             return text
     return "\n".join(m["content"] for m in messages)

@@ -60,7 +60,9 @@ def row_stats_from_data(cfg: Config) -> RowStats:
         pack = effective_pack(d.pack, cfg.method.name)
         # Uncleaned and every line accepted; no cache directory (`plan` writes nothing). A
         # prepared directory's rows are used as they are, as `train` uses them.
-        settings = PrepareSettings(d.format, limit, pack and not auto, d.system_prompt)
+        settings = PrepareSettings(
+            d.format, limit, pack and not auto, d.system_prompt, d.system_message
+        )
         data = prepared_data(d.train, settings=settings, tokenizer=tok, max_bad_fraction=1.0)
         # max_seq_len=auto packs up to the longest example, as `train` does.
         repack = auto and not Path(d.train).is_dir()

@@ -44,6 +44,7 @@ DATA_FIELDS = (
     "max_seq_len",
     "pack",
     "system_prompt",
+    "system_message",
     "clean",
     "dedup",
     "near_dup_threshold",

@@ -173,7 +173,6 @@ def clean_record(
         return {"text": clean_text(parsed["text"], rules, changed)}
     # Every key but the messages (e.g. prompt/completion's supervise_from) is kept as is.
     messages = [
-        {"role": m["role"], "content": clean_text(m["content"], rules, changed)}
-        for m in parsed["messages"]
+        {**m, "content": clean_text(m["content"], rules, changed)} for m in parsed["messages"]
     ]
     return {**parsed, "messages": messages}

@@ -29,6 +29,7 @@ def settings_from_config(data: Any) -> PrepareSettings:
         max_seq_len=PREPARE_MAX_SEQ_LEN if data.max_seq_len == "auto" else data.max_seq_len,
         pack=data.pack is not False,
         system_prompt=data.system_prompt,
+        system_message=data.system_message,
         clean=tuple(data.clean),
         dedup=data.dedup,
         near_dup_threshold=data.near_dup_threshold,
@@ -92,6 +93,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-tokens", type=int, default=None, help=_default("min_tokens"))
     p.add_argument("--truncate", action="store_true", help="cut over-long examples, do not drop")
     p.add_argument("--system-prompt", default=None, help=_default("system_prompt"))
+    p.add_argument(
+        "--system-message",
+        choices=["auto", "keep", "fold", "drop"],
+        default=None,
+        help=_default("system_message"),
+    )
     p.add_argument("--engine", choices=["local", "dask"], default=None, help=_default("engine"))
     p.add_argument(
         "--scheduler", default=None, help="Dask scheduler address (default LocalCluster)"
@@ -164,6 +171,7 @@ _FLAGS = {
     "near_dup_threshold": "near-dup-threshold",
     "min_tokens": "min-tokens",
     "system_prompt": "system-prompt",
+    "system_message": "system-message",
     "engine": "engine",
     "scheduler": "scheduler",
     "partition_mb": "partition-mb",

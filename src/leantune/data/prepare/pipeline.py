@@ -32,7 +32,7 @@ from leantune.data.prepare.shards import SHARD_TOKENS, ShardBuffer, write_shard
 from leantune.data.tokenize import IGNORE_INDEX
 from leantune.errors import UserError
 
-PIPELINE_VERSION = 3  # bump when the output for the same key changes
+PIPELINE_VERSION = 4  # bump when the output for the same key changes
 REPORT = "prepare_report.json"
 REJECTED = "rejected.jsonl"
 Log = Callable[[str], None]

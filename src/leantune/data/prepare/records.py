@@ -16,11 +16,12 @@ import numpy as np
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.data import chat_spans
+from leantune.data.chat_spans import SYSTEM_POLICIES
 from leantune.data.formats import FORMATS, BadRecordError, parse_record
 from leantune.data.prepare.clean import check_rules, clean_record
 from leantune.data.prepare.dedup import DEDUP_MODES, content_hash, minhash, record_text
 from leantune.data.prepare.readers import DecodeError, RawItem, decode_item
-from leantune.data.record_checks import UNSUPPORTED
+from leantune.data.record_checks import UNSUPPORTED, is_empty_answer
 from leantune.data.tokenize import (
     IGNORE_INDEX,
     TemplateError,
@@ -39,6 +40,7 @@ class PrepareSettings:
     max_seq_len: int
     pack: bool = True
     system_prompt: str | None = None
+    system_message: str = "auto"
     clean: tuple[str, ...] = ()
     dedup: str = "none"
     near_dup_threshold: float = 0.85
@@ -51,6 +53,11 @@ class PrepareSettings:
             raise ValueError(f"data.format: {self.format!r} is not one of {' | '.join(FORMATS)}")
         if self.dedup not in DEDUP_MODES:
             raise ValueError(f"data.dedup: {self.dedup!r} is not one of {' | '.join(DEDUP_MODES)}")
+        if self.system_message not in SYSTEM_POLICIES:
+            raise ValueError(
+                f"data.system_message: {self.system_message!r} is not one of "
+                f"{' | '.join(SYSTEM_POLICIES)}"
+            )
         if self.max_seq_len < 1 or self.min_tokens < 0:
             raise ValueError("data.max_seq_len must be >= 1 and data.min_tokens >= 0")
         object.__setattr__(self, "clean", check_rules(self.clean))
@@ -115,7 +122,7 @@ def _after_cleaning(parsed: dict[str, Any]) -> str | None:
     if "text" in parsed:
         return None if parsed["text"].strip() else "field 'text' is empty after cleaning"
     for i, msg in enumerate(parsed["messages"]):
-        if msg["role"] == "assistant" and not msg["content"].strip():
+        if is_empty_answer(msg):
             return f"messages[{i}].content: empty assistant answer after cleaning"
     return None
 
@@ -135,6 +142,7 @@ def encode_batch(
     tokenizer: PreTrainedTokenizerBase,
     parsed: list[dict[str, Any]],
     max_tokens: int | None = None,
+    system_message: str = "auto",
 ) -> list[Encoded | Dropped]:
     """Tokenise records in one tokenizer call per kind; equals `encode_record` per record.
 
@@ -148,14 +156,15 @@ def encode_batch(
         text = p.get("text")
         try:
             if text is None:
-                text = render_chat(tokenizer, p["messages"])
+                messages, start = chat_spans.for_template(
+                    tokenizer, p["messages"], system_message, p.get("supervise_from", 0)
+                )
+                text = render_chat(tokenizer, messages)
             rejected = too_long(tokenizer, text, max_tokens)
             if rejected is not None:
                 out[i] = Dropped("too_long", str(rejected))
             elif "messages" in p:
-                spans = chat_spans.answer_spans(
-                    tokenizer, p["messages"], text, p.get("supervise_from", 0)
-                )
+                spans = chat_spans.answer_spans(tokenizer, messages, text, start)
                 chats.append((i, text, spans))
             else:
                 texts.append(i)
@@ -167,8 +176,7 @@ def encode_batch(
         )
         for j, (i, _, spans) in enumerate(chats):
             ids = np.asarray(enc["input_ids"][j], dtype=np.int32)
-            starts = np.asarray([s for s, _ in enc["offset_mapping"][j]], dtype=np.int64)
-            out[i] = (ids, shifted_labels(ids, supervised_mask(starts, spans)))
+            out[i] = (ids, shifted_labels(ids, supervised_mask(enc["offset_mapping"][j], spans)))
     if texts:
         enc = tokenizer([parsed[i]["text"] for i in texts], add_special_tokens=True)
         eos = tokenizer.eos_token_id
@@ -235,7 +243,7 @@ def process_chunk(
         valid.append((pos, parsed))
     # With truncate, an over-long record is cut, not dropped: it must be tokenised.
     limit = None if settings.truncate else settings.max_seq_len
-    encoded = encode_batch(tokenizer, [p for _, p in valid], limit)
+    encoded = encode_batch(tokenizer, [p for _, p in valid], limit, settings.system_message)
     kept_at: dict[int, Kept] = {}
     for (pos, parsed), enc in zip(valid, encoded, strict=True):
         item = items[pos]
