@@ -23,12 +23,13 @@ from leantune.data.formats import BadRecordError, parse_chat
 from leantune.data.prepare.pipeline import prepare_dataset
 from leantune.data.prepare.records import Dropped, PrepareSettings, encode_batch
 from leantune.data.tokenize import IGNORE_INDEX, encode_chat
+from leantune.eval.generation import stop_token_ids
 
 _TOKENIZERS: dict[str, PreTrainedTokenizerFast] = {}
 
-# Mistral's templates write " " + answer: where the tokenizer makes the space and the answer's
-# first word one piece (a real Mistral tokenizer's "▁Water"), that piece is the answer's first
-# token and is supervised with its space.
+# Mistral's templates have no generation prompt: the prompt ends at "[/INST]", and the model
+# writes " " + answer, so the space is supervised (whether it is a token of its own or, as in
+# a real Mistral tokenizer's "▁Water", the start of the answer's first piece).
 SPACE_BEFORE_ANSWER = ("mistral", "mixtral")
 
 
@@ -45,17 +46,11 @@ def supervised(tokenizer: Any, messages: list[dict[str, Any]], **kw: Any) -> str
     return tokenizer.decode([t for t in ex.labels if t != IGNORE_INDEX])
 
 
-def _lead(name: str, answer: str) -> str:
-    if name not in SPACE_BEFORE_ANSWER:
-        return ""
-    first = tok(name).tokenize(" " + answer)[0]
-    return " " if len(first) > 1 else ""  # "Ġ" alone: the space is a token of its own
-
-
 def answers(name: str, messages: list[dict[str, Any]]) -> str:
     end = FAMILIES[name].end_of_turn
+    lead = " " if name in SPACE_BEFORE_ANSWER else ""
     texts = [m["content"].strip() for m in messages if m["role"] == "assistant"]
-    return "".join(_lead(name, a) + a + end for a in texts)
+    return "".join(lead + a + end for a in texts)
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -263,10 +258,19 @@ def test_a_template_that_rewrites_an_answer_is_a_reason_not_a_guess(tokenizer) -
     assert isinstance(got[0], Dropped) and "does not write" in got[0].reason
 
 
-def test_a_word_piece_that_carries_the_templates_space_is_the_answers_first_token() -> None:
-    """Mistral writes "[/INST]" + " " + answer; "Ġthe" starts at the template's space. Counting
-    only tokens that start inside the answer left the answer's first word unsupervised."""
+def test_the_space_mistral_writes_before_an_answer_is_supervised_in_either_tokenisation() -> None:
+    """Mistral writes "[/INST]" + " " + answer and its prompt ends at "[/INST]": the model
+    writes the space. As its own token ("Ġ", "Weekly") or inside the answer's first piece
+    ("Ġthe"), it is supervised; leaving "Ġ" out made the trained model start its answers wrong."""
     t = tok("mistral")
-    assert t.tokenize(" the")[0] == "Ġthe"
-    msgs = [{"role": "user", "content": "Water?"}, {"role": "assistant", "content": "the fern"}]
-    assert supervised(t, msgs) == " the fern</s>"
+    assert t.tokenize(" the")[0] == "Ġthe" and t.tokenize(" Weekly")[0] == "Ġ"
+    for answer in ("the fern", "Weekly."):
+        msgs = [{"role": "user", "content": "Water?"}, {"role": "assistant", "content": answer}]
+        assert supervised(t, msgs) == f" {answer}</s>"
+
+
+def test_generation_stops_at_the_special_token_the_template_ends_an_answer_with() -> None:
+    """Phi-3 ends answers with <|end|>, not its EOS: a model whose generation_config lists only
+    the EOS still stops where it was trained to."""
+    t = tok("phi3")
+    assert t.convert_tokens_to_ids("<|end|>") in stop_token_ids(t)

@@ -13,10 +13,12 @@ conversations (`TemplateFacts`): the generation prompt that precedes an answer (
 the text that closes one (`end_of_turn`: `<|im_end|>\\n`, `<|eot_id|>`, `<end_of_turn>\\n`,
 `<|end|>\\n`, `</s>`), cut at a token boundary.
 
-A span covers the answer's own text and the end of turn, so the model also learns to stop, and
-nothing else the template writes (headers, default system prompts, date lines, the empty think
-block Qwen3 writes before a final answer). An answer with reasoning or tool calls is everything
-the model writes after the header, its markup included, so its span starts at the header's end.
+A span covers what the model writes after the generation prompt: the answer's text (with the
+space a template without a generation prompt writes before it, as Mistral's) and the end of
+turn, so the model also learns to stop; nothing else the template writes (headers, default
+system prompts, date lines, the empty think block Qwen3 writes before a final answer). An
+answer with reasoning or tool calls is everything the model writes after the header, its
+markup included, so its span starts at the header's end.
 """
 
 from __future__ import annotations
@@ -287,8 +289,18 @@ def _answer_span(facts: TemplateFacts, msg: Message, i: int, full: str, cursor: 
                 f"messages[{i}].tool_calls: the chat template does not write tool calls (the "
                 "model's template has no tool support)"
             )
-    start = head if _writes_markup(msg) else at
-    return start, close + len(facts.end_of_turn)
+    return _answer_start(facts, msg, full, head, at), close + len(facts.end_of_turn)
+
+
+def _answer_start(facts: TemplateFacts, msg: Message, full: str, head: int, at: int) -> int:
+    """Where the model's part of an answer starts: after the generation prompt (`head`), less
+    the markup a template writes there itself for a plain answer (Qwen3's empty think block);
+    without a generation prompt (Mistral ends the prompt at "[/INST]"), with the space the
+    template writes before the answer, which the model has to write at inference."""
+    gap = full[head:at]
+    if _writes_markup(msg) or not gap.strip():
+        return head
+    return at if facts.headers else at - (len(gap) - len(gap.rstrip()))
 
 
 def spans_by_walk(facts: TemplateFacts, messages: list[Message], full: str) -> list[Span]:

@@ -18,7 +18,12 @@ import torch
 from peft import PeftModel
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from leantune.data.chat_spans import for_template
+from leantune.data.chat_spans import (
+    NoChatTemplateError,
+    TemplateError,
+    for_template,
+    template_facts,
+)
 from leantune.methods.prompt import prompt_learning_generate_inputs
 
 # End-of-turn markers of the common chat templates (ChatML/Qwen, Llama 3, Gemma, GPT-style).
@@ -145,6 +150,21 @@ def _as_id_list(ids: int | Iterable[int] | None) -> list[int]:
     return [int(i) for i in ids]
 
 
+def _template_end_of_turn(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The special token the chat template closes an answer with (Phi-3's `<|end|>`), which the
+    model was trained to write: learned from the template, so no list has to know it."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    try:
+        end = template_facts(tokenizer).end_of_turn
+    except (TemplateError, NoChatTemplateError):
+        return []
+    ids = tokenizer(end, add_special_tokens=False)["input_ids"] if end else []
+    added = tokenizer.get_added_vocab()
+    first = tokenizer.convert_ids_to_tokens(ids[0]) if ids else None
+    return [ids[0]] if first in added else []
+
+
 def stop_token_ids(
     tokenizer: PreTrainedTokenizerBase,
     model_generation_config: GenerationConfig | None = None,
@@ -157,12 +177,13 @@ def stop_token_ids(
 
     Returns:
         The tokenizer's eos id, the ids of the end-of-turn tokens in `END_OF_TURN_TOKENS` that
-        exist in the vocabulary, and the generation config's eos ids, without duplicates, in that
-        order.
+        exist in the vocabulary, the special token the chat template ends an answer with, and
+        the generation config's eos ids, without duplicates, in that order.
     """
     ids = _as_id_list(tokenizer.eos_token_id)
     vocab = tokenizer.get_vocab()
     ids += [vocab[token] for token in END_OF_TURN_TOKENS if token in vocab]
+    ids += _template_end_of_turn(tokenizer)
     if model_generation_config is not None:
         ids += _as_id_list(model_generation_config.eos_token_id)
     return list(dict.fromkeys(ids))
