@@ -112,11 +112,30 @@ _QWEN_TOOL_TURNS = """
         {%- endif %}
     {%- endif %}"""
 
+_QWEN_TOOLS = """
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}"""
+
 QWEN25 = (
-    """{%- if messages[0]['role'] == 'system' %}
+    """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}"""
+    + _QWEN_TOOLS
+    + """
+{%- else %}
+{%- if messages[0]['role'] == 'system' %}
     {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
 {%- else %}
     {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+{%- endif %}
 {%- endif %}
 {%- for message in messages %}
     {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
@@ -130,8 +149,18 @@ QWEN25 = (
 """
 )
 
-QWEN3 = """{%- if messages[0].role == 'system' %}
+QWEN3 = (
+    """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content }}
+    {%- endif %}"""
+    + _QWEN_TOOLS
+    + """
+{%- else %}
+{%- if messages[0].role == 'system' %}
     {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
 {%- endif %}
 {%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
 {%- for message in messages[::-1] %}
@@ -207,6 +236,7 @@ QWEN3 = """{%- if messages[0].role == 'system' %}
     {%- endif %}
 {%- endif %}
 """
+)
 
 MISTRAL_V03 = """{%- if messages[0]["role"] == "system" %}
     {%- set system_message = messages[0]["content"] %}

@@ -19,10 +19,11 @@ from model_zoo import FAMILIES, family_tokenizer, plant_chats
 from transformers import PreTrainedTokenizerFast
 
 from leantune.data.chat_spans import TemplateError, apply_system_policy, template_facts
-from leantune.data.formats import BadRecordError, parse_chat
+from leantune.data.dataset import load_prepared
+from leantune.data.formats import BadRecordError, parse_chat, parse_record
 from leantune.data.prepare.pipeline import prepare_dataset
 from leantune.data.prepare.records import Dropped, PrepareSettings, encode_batch
-from leantune.data.tokenize import IGNORE_INDEX, encode_chat
+from leantune.data.tokenize import IGNORE_INDEX, encode_chat, encode_record
 from leantune.eval.generation import stop_token_ids
 
 _TOKENIZERS: dict[str, PreTrainedTokenizerFast] = {}
@@ -274,3 +275,48 @@ def test_generation_stops_at_the_special_token_the_template_ends_an_answer_with(
     the EOS still stops where it was trained to."""
     t = tok("phi3")
     assert t.convert_tokens_to_ids("<|end|>") in stop_token_ids(t)
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "qwen3"])
+def test_a_records_tools_are_written_by_the_template_and_never_supervised(
+    name: str, tmp_path: Path
+) -> None:
+    """Before, a chat record's `tools` field was read past: the model trained on tool calls
+    without ever seeing the tools it was calling."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": TOOL_CHAT, "tools": TOOLS}])
+    out = tmp_path / "out"
+    report = prepare_dataset([str(path)], PrepareSettings("chat", 1024), tok(name), out)
+    assert report["rows_out"] == 1 and report["dropped"] == {}
+    [record] = load_prepared(out).records
+    assert record.tools == tuple(TOOLS)
+    ex = encode_record(tok(name), record)
+    text = tok(name).decode(ex.input_ids)
+    assert '"description": "Weather in a city"' in text  # the model reads its tools
+    sup = tok(name).decode([x for x in ex.labels if x != IGNORE_INDEX])
+    assert "Weather in a city" not in sup and sup.endswith(
+        "Yes, it is sunny: water it.<|im_end|>\n"
+    )
+
+
+def test_tools_with_a_template_that_cannot_write_them_is_a_reason_per_line(tmp_path: Path) -> None:
+    path = write_jsonl(
+        tmp_path / "d.jsonl", [{"messages": plant_chats(1)[0]["messages"], "tools": TOOLS}]
+    )
+    report = prepare_dataset([str(path)], PrepareSettings("chat", 512), tok("phi3"), tmp_path / "o")
+    assert report["dropped"] == {"template_error": 1}
+    [row] = [json.loads(x) for x in (tmp_path / "o" / "rejected.jsonl").read_text().splitlines()]
+    assert "field 'tools'" in row["reason"]
+    with pytest.raises(BadRecordError, match=r"tools\[0\] must be"):
+        parse_record({"messages": TOOL_CHAT, "tools": [{"name": "x"}]}, "chat")

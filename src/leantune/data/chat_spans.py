@@ -44,7 +44,8 @@ _A, _B, _S = "Lt7probeAq", "Lt7probeBq", "Lt7probeSq"
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
 Span = tuple[int, int]
-Render = Callable[[list[Message], bool], str]
+Render = Callable[..., str]
+"""`render(messages, add_generation_prompt, tools=None)`."""
 
 
 class TemplateError(ValueError):
@@ -70,15 +71,21 @@ def renderer(tokenizer: Any) -> Render:
             "a model with one (an instruct/chat model), or use data.format=text"
         )
 
-    def render(messages: list[Message], gen: bool) -> str:
+    def render(messages: list[Message], gen: bool, tools: list[Any] | None = None) -> str:
         try:
             text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=gen
+                messages, tools=tools, tokenize=False, add_generation_prompt=gen
             )
         except Exception as e:  # the template is code: raise_exception(), jinja and type errors
             raise TemplateError(f"the chat template refused the conversation: {e}") from e
         if not isinstance(text, str):
             raise TemplateError("the chat template did not render to a string")
+        for tool in tools or ():
+            if tool["function"]["name"] not in text:
+                raise TemplateError(
+                    "field 'tools': the chat template does not write tool descriptions (the "
+                    "model's template has no tool support)"
+                )
         return text
 
     return render

@@ -179,6 +179,7 @@ def _chat_record(source: str, line: int, stored: str) -> Record:
         line=line,
         messages=tuple(parsed["messages"]),
         supervise_from=parsed.get("supervise_from", 0),
+        tools=tuple(parsed["tools"]) if "tools" in parsed else None,
     )
 
 

@@ -26,6 +26,7 @@ from leantune.data.record_checks import (
     check_text,
     is_empty_answer,
     parse_messages,
+    parse_tools,
     require_str,
     with_system_prompt,
 )
@@ -56,6 +57,8 @@ class Record:
     supervise_from: int = 0
     """Index of the first message whose assistant turns are learned (prompt/completion: the
     completion's; 0 = every assistant turn)."""
+    tools: tuple[dict[str, Any], ...] | None = None
+    """Function descriptions the chat template writes for the model (chat format)."""
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,11 @@ def parse_record(obj: Any, fmt: str, system_prompt: str | None = None) -> dict[s
         "chat": parse_chat,
         "sharegpt": parse_sharegpt,
     }
-    return {"messages": parsers[fmt](obj, system_prompt)}
+    parsed: dict[str, Any] = {"messages": parsers[fmt](obj, system_prompt)}
+    tools = parse_tools(obj.get("tools")) if fmt == "chat" else None
+    if tools:
+        parsed["tools"] = tools
+    return parsed
 
 
 def _items(path: str | Path) -> Iterator[tuple[RawItem, Any]]:
@@ -161,6 +168,7 @@ def read_records(
                 messages=tuple(messages) if messages is not None else None,
                 text=parsed.get("text"),
                 supervise_from=parsed.get("supervise_from", 0),
+                tools=tuple(parsed["tools"]) if "tools" in parsed else None,
             )
         )
     return records, bad

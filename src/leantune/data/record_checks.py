@@ -142,6 +142,24 @@ def _call_id(call: dict[str, Any]) -> dict[str, str]:
     return {"id": call["id"]} if isinstance(call.get("id"), str) else {}
 
 
+def parse_tools(value: Any) -> list[dict[str, Any]] | None:
+    """A chat record's `tools`: OpenAI function descriptions (`{"type": "function",
+    "function": {"name", "description", "parameters"}}`), which the chat template writes
+    where the model reads them; None when there are none."""
+    if value in (None, []):
+        return None
+    if not isinstance(value, list):
+        raise BadRecordError("field 'tools' must be a list of function descriptions")
+    for j, tool in enumerate(value):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise BadRecordError(
+                f'tools[{j}] must be {{"type": "function", "function": {{"name": ..., '
+                f'"parameters": ...}}}}'
+            )
+    return value
+
+
 def is_empty_answer(msg: Message) -> bool:
     """An assistant message with neither text nor tool calls: nothing to learn."""
     return msg["role"] == "assistant" and not msg["content"].strip() and not msg.get("tool_calls")
@@ -165,8 +183,8 @@ _REFUSED = {
     "images": "images, videos and audio are not supported (leantune trains text-only models)",
     "videos": "images, videos and audio are not supported (leantune trains text-only models)",
     "audios": "images, videos and audio are not supported (leantune trains text-only models)",
-    "tools": "tool descriptions are not supported (leantune trains system, user and assistant "
-    "turns)",
+    "tools": "tool descriptions are not supported in this format (the chat format takes them: "
+    "'tools' beside 'messages')",
 }
 UNSUPPORTED = "not supported"
 """Every refusal's reason says this, so a reader can count them as their own kind."""

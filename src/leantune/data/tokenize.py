@@ -74,13 +74,17 @@ class TooLong:
         )
 
 
-def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> str:
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
     """The conversation as the chat template writes it (no generation prompt).
 
     Raises:
         NoChatTemplateError: the tokenizer has none. TemplateError: the template refused it.
     """
-    return renderer(tokenizer)(messages, False)
+    return renderer(tokenizer)(messages, False, tools)
 
 
 def answer_spans(
@@ -88,6 +92,7 @@ def answer_spans(
     messages: list[dict[str, Any]],
     supervise_from: int = 0,
     system_message: str = "auto",
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[Span]]:
     """Render the conversation (its system messages handled as data.system_message says) and
     find the character span of each assistant turn (from message `supervise_from` on).
@@ -96,7 +101,7 @@ def answer_spans(
     stop (`leantune.data.chat_spans`).
     """
     messages, supervise_from = for_template(tokenizer, messages, system_message, supervise_from)
-    full = render_chat(tokenizer, messages)
+    full = render_chat(tokenizer, messages, tools)
     return full, chat_spans.answer_spans(tokenizer, messages, full, supervise_from)
 
 
@@ -144,10 +149,11 @@ def encode_chat(
     messages: list[dict[str, Any]],
     supervise_from: int = 0,
     system_message: str = "auto",
+    tools: list[dict[str, Any]] | None = None,
 ) -> Example:
     """Tokenise a conversation with the tokenizer's chat template; supervise assistant turns
     (those from message `supervise_from` on)."""
-    full, spans = answer_spans(tokenizer, messages, supervise_from, system_message)
+    full, spans = answer_spans(tokenizer, messages, supervise_from, system_message, tools)
     return encode_rendered(tokenizer, full, spans)
 
 
@@ -169,6 +175,9 @@ def encode_record(
 ) -> Example:
     """Encode a validated record of any format."""
     if record.messages is not None:
-        return encode_chat(tokenizer, list(record.messages), record.supervise_from, system_message)
+        tools = list(record.tools) if record.tools else None
+        return encode_chat(
+            tokenizer, list(record.messages), record.supervise_from, system_message, tools
+        )
     assert record.text is not None
     return encode_text(tokenizer, record.text)

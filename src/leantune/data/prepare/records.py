@@ -159,7 +159,7 @@ def encode_batch(
                 messages, start = chat_spans.for_template(
                     tokenizer, p["messages"], system_message, p.get("supervise_from", 0)
                 )
-                text = render_chat(tokenizer, messages)
+                text = render_chat(tokenizer, messages, p.get("tools"))
             rejected = too_long(tokenizer, text, max_tokens)
             if rejected is not None:
                 out[i] = Dropped("too_long", str(rejected))
