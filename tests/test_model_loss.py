@@ -23,7 +23,12 @@ from transformers import AutoModelForCausalLM
 
 from leantune.data.tokenize import IGNORE_INDEX
 from leantune.models.loading import ModelSource, load_model
-from leantune.models.output_head import decide_output_head, output_head
+from leantune.models.output_head import (
+    OUTPUT_HEAD_ATTR,
+    OutputHead,
+    decide_output_head,
+    output_head,
+)
 from leantune.training.token_loss import supervised_logits, token_loss_sum
 
 ALL_FAMILIES: dict[str, Family] = {**FAMILIES, **OUTPUT_SCALED_FAMILIES}
@@ -106,7 +111,7 @@ def test_training_loss_and_gradients_are_the_models_own(zoo_dir: Path, name: str
 def test_known_transforms_keep_the_chunked_path(
     zoo_dir: Path, name: str, scale: float, softcap: float | None
 ) -> None:
-    head = output_head(_load(zoo_dir, name))
+    head = getattr(_load(zoo_dir, name), OUTPUT_HEAD_ATTR)  # decided by the loader
     assert not head.own_forward, head.note
     assert (head.scale, head.softcap) == (scale, softcap)
 
@@ -130,7 +135,7 @@ def test_an_unknown_transform_trains_on_the_models_own_forward(zoo_dir: Path) ->
 
 def test_the_loader_decides_and_a_new_decision_sees_a_later_change(zoo_dir: Path) -> None:
     model = _load(zoo_dir, "qwen2.5")
-    assert not output_head(model).own_forward
+    assert getattr(model, OUTPUT_HEAD_ATTR, None) == OutputHead()  # decided at load: identity
     model.register_forward_hook(_halved_logits)
     assert decide_output_head(model).own_forward
     _assert_same_loss_and_grads(model, _batch(model.config.vocab_size))

@@ -71,6 +71,7 @@ from leantune.models.loading import (
     load_tokenizer,
     resolve_model,
 )
+from leantune.models.output_head import output_head
 from leantune.models.quantize import Quantization
 from leantune.monitor.backends import RunInfo, optional_sinks
 from leantune.monitor.prometheus import PrometheusSink, RunFacts
@@ -297,6 +298,9 @@ def set_up(
     # Base model -> its exact match -> the method's wrapping -> the trainer around it.
     quantization = base_quantization(cfg.method, t.precision)
     model = _base_model(cfg, source, quantization, device)
+    head_note = output_head(model).note
+    if head_note:
+        log(f"warning: {head_note}")
     base_exact_match = None
     if t.eval_exact_match and t.eval_base and eval_inputs and run.plan.action == "fresh":
         # On the bare base model, before any adapter exists (an untrained adapter is a no-op
