@@ -10,6 +10,7 @@ logits of realistic size (tens), where soft-capping and scaling change the loss 
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,11 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from leantune.config import load_config
+from leantune.data.packing import Row
 from leantune.data.tokenize import IGNORE_INDEX
+from leantune.eval.perplexity import evaluate_loss
+from leantune.methods.registry import apply_method, trainable_named_parameters
 from leantune.models.loading import ModelSource, load_model
 from leantune.models.output_head import (
     OUTPUT_HEAD_ATTR,
@@ -150,3 +155,59 @@ def test_adapters_read_the_decision_of_their_base_model(zoo_dir: Path) -> None:
             nn.init.normal_(module.lora_B["default"].weight, std=0.5)
     assert output_head(model) is decided
     _assert_same_loss_and_grads(model, _batch(base.config.vocab_size))
+
+
+def _with_virtual_tokens(model: nn.Module, name: str) -> nn.Module:
+    """`name` (prompt or prefix tuning) applied, its weights moved off their init."""
+    cfg = load_config(
+        None, [f"method.name={name}", "data.pack=false", "method.num_virtual_tokens=4"]
+    )
+    torch.manual_seed(0)
+    model = apply_method(model, cfg.method).eval()
+    with torch.no_grad():
+        for p in trainable_named_parameters(model).values():
+            p.add_(torch.randn_like(p) * 2.0)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("family", "method", "unknown"),
+    [("gemma2", "prompt", False), ("qwen2.5", "prompt", True), ("qwen2.5", "prefix", True)],
+)
+def test_virtual_tokens_get_the_same_output_transform(
+    zoo_dir: Path, family: str, method: str, unknown: bool
+) -> None:
+    """Prompt and prefix tuning: the loss equals peft's own forward, with Gemma 2's soft-capping
+    (the chunked path) and with a transform only the model's forward knows (the fallback)."""
+    path = _model_dir(zoo_dir, family)
+    base = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    if unknown:
+        base.register_forward_hook(_halved_logits)
+    model = _with_virtual_tokens(base, method)
+    batch = _batch(base.config.vocab_size)
+    width, mask = batch["input_ids"].shape[1], batch["labels"] != IGNORE_INDEX
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft's own forward: deprecated kwargs in transformers 5
+        ours = supervised_logits(model, batch)
+        reference = model(input_ids=batch["input_ids"]).logits[:, -width:][mask].float()
+        loss = token_loss_sum(model, batch)
+    assert output_head(model).own_forward is unknown
+    assert reference.abs().max() > 10
+    torch.testing.assert_close(ours.float(), reference, rtol=1e-5, atol=1e-4)
+    expected = F.cross_entropy(reference, batch["labels"][mask], reduction="sum")
+    torch.testing.assert_close(loss, expected, rtol=2e-6, atol=1e-4)
+
+
+def test_perplexity_is_the_models_own(zoo_dir: Path) -> None:
+    model = _load(zoo_dir, "gemma2")
+    batch = _batch(model.config.vocab_size)
+    rows = [
+        Row(input_ids=ids.tolist(), labels=labels.tolist(), position_ids=pos.tolist())
+        for ids, labels, pos in zip(
+            batch["input_ids"], batch["labels"], batch["position_ids"], strict=True
+        )
+    ]
+    with torch.no_grad():
+        ref, logits = _own_loss(model, batch)
+    got = evaluate_loss(model, rows, pad_id=0)
+    assert got["loss"] == pytest.approx(float(ref) / logits.shape[0], rel=1e-5)
