@@ -10,6 +10,8 @@ logits of realistic size (tens), where soft-capping and scaling change the loss 
 
 from __future__ import annotations
 
+import json
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from model_zoo import FAMILIES, OUTPUT_SCALED_FAMILIES, Family, save_family_model
+from conftest import make_config, write_jsonl
+from model_zoo import FAMILIES, OUTPUT_SCALED_FAMILIES, Family, plant_chats, save_family_model
 from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import AutoModelForCausalLM
@@ -34,6 +37,7 @@ from leantune.models.output_head import (
     decide_output_head,
     output_head,
 )
+from leantune.training.recipe import train
 from leantune.training.token_loss import supervised_logits, token_loss_sum
 
 ALL_FAMILIES: dict[str, Family] = {**FAMILIES, **OUTPUT_SCALED_FAMILIES}
@@ -211,3 +215,50 @@ def test_perplexity_is_the_models_own(zoo_dir: Path) -> None:
         ref, logits = _own_loss(model, batch)
     got = evaluate_loss(model, rows, pad_id=0)
     assert got["loss"] == pytest.approx(float(ref) / logits.shape[0], rel=1e-5)
+
+
+HALVED_MODEL_CODE = '''
+from transformers import Qwen2ForCausalLM
+
+
+class HalvedForCausalLM(Qwen2ForCausalLM):
+    """A model of its own code that halves its logits: nothing in its config says so."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 0.5
+        return out
+'''
+
+
+def test_a_model_of_its_own_code_trains_on_its_own_forward_and_says_so(
+    zoo_dir: Path, tmp_path: Path
+) -> None:
+    """The loader's check catches a transform no table knows (trust_remote_code), the loss
+    follows the model's own forward, and the run's log says so once."""
+    model_dir = tmp_path / "halved"
+    shutil.copytree(_model_dir(zoo_dir, "qwen2.5"), model_dir)
+    (model_dir / "modeling_halved.py").write_text(HALVED_MODEL_CODE)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_halved.HalvedForCausalLM"}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    source = ModelSource(str(model_dir))
+    model = load_model(source, trust_remote_code=True, attn_implementation="eager").eval()
+    assert type(model).__name__ == "HalvedForCausalLM"
+    assert getattr(model, OUTPUT_HEAD_ATTR).own_forward
+    _assert_same_loss_and_grads(model, _batch(model.config.vocab_size))
+
+    data = write_jsonl(tmp_path / "chat.jsonl", plant_chats(8))
+    cfg = make_config(
+        model_dir,
+        data,
+        tmp_path / "run",
+        "model.trust_remote_code=true",
+        "model.attn_implementation=eager",
+        "train.max_steps=1",
+        "data.max_seq_len=256",
+    )
+    lines: list[str] = []
+    train(cfg, log=lines.append)
+    notes = [line for line in lines if "own forward" in line]
+    assert len(notes) == 1 and "HalvedForCausalLM" in notes[0], lines
