@@ -297,10 +297,7 @@ def set_up(
     eval_inputs = EvalInputs(tokenizer, held_out, pad_id, events, faults) if held_out else None
     # Base model -> its exact match -> the method's wrapping -> the trainer around it.
     quantization = base_quantization(cfg.method, t.precision)
-    model = _base_model(cfg, source, quantization, device)
-    head_note = output_head(model).note
-    if head_note:
-        log(f"warning: {head_note}")
+    model = _base_model(cfg, source, quantization, device, log)
     base_exact_match = None
     if t.eval_exact_match and t.eval_base and eval_inputs and run.plan.action == "fresh":
         # On the bare base model, before any adapter exists (an untrained adapter is a no-op
@@ -427,8 +424,14 @@ def _run_files(cfg: Config, inputs: list[Path], main: bool = True) -> RunFiles:
 
 
 def _base_model(
-    cfg: Config, source: ModelSource, quantization: Quantization | None, device: torch.device
+    cfg: Config,
+    source: ModelSource,
+    quantization: Quantization | None,
+    device: torch.device,
+    log: Log = _quiet,
 ) -> nn.Module:
+    """The base model on `device`; `log` hears why the loss must use the model's own forward
+    when the loader's check found so (once per run: the rebuilt final model stays quiet)."""
     m = cfg.model
     model: nn.Module = load_model(
         source,
@@ -440,6 +443,9 @@ def _base_model(
         device=device,
     )
     model.to(device)  # in place (the quantised load is already there)
+    note = output_head(model).note
+    if note:
+        log(f"warning: {note}")
     return model
 
 
