@@ -233,6 +233,33 @@ FAMILIES: dict[str, Family] = {
 }
 """The architecture matrix: every family the README lists as tested."""
 
+OUTPUT_SCALED_FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in [
+        Family(
+            "cohere",
+            _cfg("CohereConfig", logit_scale=0.5, tie_word_embeddings=True),
+            ct.QWEN25,
+            ct.QWEN_TOKENS,
+            eos="<|im_end|>",
+            pad="<|endoftext|>",
+            end_of_turn="<|im_end|>\n",
+        ),
+        Family(
+            "granite",
+            _cfg("GraniteConfig", logits_scaling=2.0, tie_word_embeddings=True),
+            ct.QWEN25,
+            ct.QWEN_TOKENS,
+            eos="<|im_end|>",
+            pad="<|endoftext|>",
+            end_of_turn="<|im_end|>\n",
+        ),
+    ]
+}
+"""Architectures that scale their logits after the output projection (Cohere's `logit_scale`
+multiplies, Granite's `logits_scaling` divides), for the loss tests; they reuse the ChatML
+template and are not part of the matrix."""
+
 
 def family_tokenizer(family: Family, out_dir: Path | None = None) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer (vocab <= 448) with the family's special tokens as single

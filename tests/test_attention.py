@@ -36,6 +36,7 @@ from leantune.models.attention import (
     segment_mask,
 )
 from leantune.models.loading import enable_gradient_checkpointing
+from leantune.models.output_head import output_head
 from leantune.training.recipe import train
 from leantune.training.token_loss import token_loss_sum
 
@@ -387,6 +388,8 @@ def test_rows_reach_the_kernel_unmixed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
     model = _model("llama")
     _attend(model, "segments")
+    output_head(model)  # the once-per-model check of its logits (the loader's): not the loss's
+    calls.clear()
     rows = [Row(list(range(3, 13)), [-100] * 10, [0, 1, 2, 3, 0, 1, 2, 0, 1, 2])]
     with torch.no_grad():
         token_loss_sum(model, {**collate(rows, 0), "labels": torch.tensor([[5] * 10])})

@@ -78,3 +78,32 @@ def test_bf16_weights_without_autocast_match_autograd() -> None:
     assert h.grad.dtype == torch.bfloat16  # type: ignore[union-attr]
     torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-2)
     torch.testing.assert_close(h.grad, ref_h, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(("scale", "softcap"), [(0.5, None), (1.0, 3.0), (2.0, 5.0)])
+@pytest.mark.parametrize("grad", [True, False])
+def test_output_transforms_equal_autograd_through_them(
+    scale: float, softcap: float | None, grad: bool
+) -> None:
+    """Scaling (Cohere, Granite) and soft-capping (Gemma 2) inside the chunks: the loss and
+    gradients of autograd through `softcap * tanh(scale * z / softcap)`, with logits (~ +-12)
+    well into the tanh's bend, where skipping it changes the loss by a lot."""
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(50, 16, generator=g, requires_grad=True)
+    w = torch.randn(97, 16, generator=g, requires_grad=True)
+    t = torch.randint(0, 97, (50,), generator=g)
+    z = F.linear(h, w) * scale
+    logits = z if softcap is None else softcap * torch.tanh(z / softcap)
+    ref = F.cross_entropy(logits, t, reduction="sum")
+    assert not torch.allclose(ref, _plain(h, w, t), rtol=0.05)  # the transform matters here
+    with torch.set_grad_enabled(grad):
+        got = linear_cross_entropy_sum(h, w, t, chunk=16, scale=scale, softcap=softcap)
+    torch.testing.assert_close(got, ref.detach(), rtol=1e-6, atol=1e-5)
+    if not grad:
+        return
+    ref.backward(torch.tensor(0.37))
+    ref_h, ref_w = h.grad.clone(), w.grad.clone()  # type: ignore[union-attr]
+    h.grad, w.grad = None, None
+    got.backward(torch.tensor(0.37))
+    torch.testing.assert_close(h.grad, ref_h, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w.grad, ref_w, rtol=1e-5, atol=1e-6)

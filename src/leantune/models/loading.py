@@ -23,6 +23,7 @@ from leantune.config import RopeScalingConfig
 from leantune.errors import UserError
 from leantune.models.attention import check_supported, transformers_name
 from leantune.models.demo_model import DEMO_MODEL_NAMES, ensure_demo_model
+from leantune.models.output_head import decide_output_head
 from leantune.models.paths import (
     ModelPathError,
     downloads_allowed,
@@ -203,7 +204,8 @@ def load_model(
     quantization: Quantization | None = None,
     device: torch.device | str = "cpu",
 ) -> PreTrainedModel:
-    """Load a causal LM with its frozen weights in `dtype` ("fp32", "bf16" or "fp16").
+    """Load a causal LM with its frozen weights in `dtype` ("fp32", "bf16" or "fp16"), its
+    output transform checked against its own forward (`models.output_head`).
 
     Args:
         source: where the model lives.
@@ -271,6 +273,9 @@ def _load_model(
     check_supported(model, attn_implementation)
     if quantization is not None:
         keep_training_layout(model)
+    # Once, here, for every user of the model (train, eval, the wrappers around it): how the
+    # loss gets its logits (`output_head(model).note` says why when it is the slow way).
+    decide_output_head(model)
     return model
 
 

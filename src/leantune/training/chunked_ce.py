@@ -7,6 +7,10 @@ function (the approach of Liger-Kernel's fused linear cross-entropy): the forwar
 chunk's loss and, at once, its gradients with respect to the hidden states and the projection
 weight, and keeps only those; no logits survive a chunk. There is no recomputation, so the cost
 is the same matmuls as the plain path.
+
+A model's output transform (`models.output_head`: Cohere's and Granite's scaling, Gemma 2's
+soft-capping `cap * tanh(z / cap)`) runs inside each chunk, and its derivative with it
+(`scale * (1 - tanh^2)`), so those models keep the chunked path.
 """
 
 from __future__ import annotations
@@ -23,7 +27,13 @@ CHUNK = 256
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        chunk: int,
+        scale: float,
+        softcap: float | None,
     ) -> torch.Tensor:
         needs_w = weight.requires_grad
         grad_h = torch.empty_like(hidden)
@@ -33,20 +43,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start : start + chunk]
             t = targets[start : start + chunk]
-            logits = F.linear(h, weight).float()  # bf16 matmul under autocast, as the head's
+            # The matmul in bf16 under autocast, as the head's; the transform in fp32.
+            logits, tanh = _transformed(F.linear(h, weight).float(), scale, softcap)
             lse = torch.logsumexp(logits, dim=-1)
             at = rows[: t.shape[0]]
             total += (lse - logits[at, t]).sum()
             # d(sum CE)/d logits = softmax - one_hot, formed in the logits' own memory.
             grad = logits.sub_(lse.unsqueeze(1)).exp_()
             grad[at, t] -= 1
+            if tanh is not None:  # d(cap * tanh(x / cap))/dx = 1 - tanh^2
+                grad.mul_(tanh.square_().neg_().add_(1))
+            if scale != 1.0:
+                grad.mul_(scale)
             # In the weight's dtype (bf16 frozen weights without autocast), or bf16 under
             # autocast: as autograd's backward of the head would compute them.
             g = grad if grad.dtype == weight.dtype else grad.to(weight.dtype)
             grad_h[start : start + chunk] = (g @ weight).to(hidden.dtype)
             if needs_w:
                 grad_w += (g.t() @ h.to(g.dtype)).float()
-            del logits, grad
+            del logits, grad, tanh
         ctx.save_for_backward(grad_h, grad_w if needs_w else torch.empty(0))
         ctx.weight_dtype = weight.dtype if needs_w else None
         return total
@@ -55,18 +70,41 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
         grad_h, grad_w = ctx.saved_tensors
         gw = None if ctx.weight_dtype is None else (grad_w * grad_out).to(ctx.weight_dtype)
-        return grad_h * grad_out.to(grad_h.dtype), gw, None, None
+        return grad_h * grad_out.to(grad_h.dtype), gw, None, None, None, None
+
+
+def _transformed(
+    z: torch.Tensor, scale: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`softcap * tanh(scale * z / softcap)` of fp32 logits `z` (in `z`'s memory where it can)
+    and the tanh, which the gradient needs; without soft-capping, `scale * z` and None."""
+    if scale != 1.0:
+        z = z.mul_(scale)
+    if softcap is None:
+        return z, None
+    tanh = z.div_(softcap).tanh_()
+    return tanh * softcap, tanh
 
 
 def linear_cross_entropy_sum(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = CHUNK
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk: int = CHUNK,
+    *,
+    scale: float = 1.0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """`cross_entropy(hidden @ weight.T, targets, reduction="sum")` in fp32, `chunk` rows at a
-    time: the same value and gradients (to float rounding) without the n x V logits."""
+    """`cross_entropy(f(hidden @ weight.T), targets, reduction="sum")` in fp32, `chunk` rows at
+    a time: the same value and gradients (to float rounding) without the n x V logits.
+
+    `f` is the model's output transform: `softcap * tanh(scale * z / softcap)`, or `scale * z`
+    when `softcap` is None (the identity by default)."""
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(hidden, weight, targets, chunk)
+        return _LinearCrossEntropy.apply(hidden, weight, targets, chunk, scale, softcap)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk):  # evaluation: the loss only
-        logits = F.linear(hidden[start : start + chunk], weight).float()
+        z = F.linear(hidden[start : start + chunk], weight).float()
+        logits, _ = _transformed(z, scale, softcap)
         total += F.cross_entropy(logits, targets[start : start + chunk], reduction="sum")
     return total

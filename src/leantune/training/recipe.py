@@ -71,6 +71,7 @@ from leantune.models.loading import (
     load_tokenizer,
     resolve_model,
 )
+from leantune.models.output_head import output_head
 from leantune.models.quantize import Quantization
 from leantune.monitor.backends import RunInfo, optional_sinks
 from leantune.monitor.prometheus import PrometheusSink, RunFacts
@@ -296,7 +297,7 @@ def set_up(
     eval_inputs = EvalInputs(tokenizer, held_out, pad_id, events, faults) if held_out else None
     # Base model -> its exact match -> the method's wrapping -> the trainer around it.
     quantization = base_quantization(cfg.method, t.precision)
-    model = _base_model(cfg, source, quantization, device)
+    model = _base_model(cfg, source, quantization, device, log)
     base_exact_match = None
     if t.eval_exact_match and t.eval_base and eval_inputs and run.plan.action == "fresh":
         # On the bare base model, before any adapter exists (an untrained adapter is a no-op
@@ -423,8 +424,14 @@ def _run_files(cfg: Config, inputs: list[Path], main: bool = True) -> RunFiles:
 
 
 def _base_model(
-    cfg: Config, source: ModelSource, quantization: Quantization | None, device: torch.device
+    cfg: Config,
+    source: ModelSource,
+    quantization: Quantization | None,
+    device: torch.device,
+    log: Log = _quiet,
 ) -> nn.Module:
+    """The base model on `device`; `log` hears why the loss must use the model's own forward
+    when the loader's check found so (once per run: the rebuilt final model stays quiet)."""
     m = cfg.model
     model: nn.Module = load_model(
         source,
@@ -436,6 +443,9 @@ def _base_model(
         device=device,
     )
     model.to(device)  # in place (the quantised load is already there)
+    note = output_head(model).note
+    if note:
+        log(f"warning: {note}")
     return model
 
 

@@ -9,17 +9,23 @@ carry no label, and the vocab projection (49k x 576 for SmolLM2) is a large shar
 So the loss runs the model's decoder itself; a method whose trained weights live outside the
 decoder's modules (virtual tokens) gives the model a `VirtualTokens` forward under
 `VIRTUAL_TOKENS_HOOK` for it.
+
+What the model's forward does after the projection (soft-capping, logit scaling) the loss does
+too, as the model's `OutputHead` says (`models.output_head`, decided once per model against its
+own forward); a model whose forward does something else has its loss computed from its own
+forward's logits.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from leantune.data.tokenize import IGNORE_INDEX
+from leantune.models.output_head import output_head
 from leantune.training.chunked_ce import linear_cross_entropy_sum
 
 VIRTUAL_TOKENS_HOOK = "leantune_virtual_tokens"
@@ -72,15 +78,44 @@ def supervised_hidden(
 
 
 def supervised_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Logits at the supervised positions of `batch`, shape (n_supervised, vocab)."""
-    found = supervised_hidden(model, batch)
+    """The model's logits at the supervised positions of `batch`, shape (n_supervised, vocab):
+    its output projection's, with its output transform applied."""
+    decided = output_head(model)
+    found = None if decided.own_forward else supervised_hidden(model, batch)
     if found is None:
-        logits = model(
-            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
-        ).logits
-        return logits[batch["labels"] != IGNORE_INDEX]
+        return own_forward_logits(model, batch)
     hidden, head = found
-    return head(hidden)
+    return decided.apply(head(hidden))
+
+
+def own_forward_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Logits of the model's own forward at the supervised positions of `batch`.
+
+    With virtual tokens in effect, the decoder's output inside that forward is replaced by the
+    hidden states with the virtual tokens (`VIRTUAL_TOKENS_HOOK`), so that what the forward
+    does after the decoder still applies to them.
+    """
+    mask = batch["labels"] != IGNORE_INDEX
+    ids, positions = batch["input_ids"], batch["position_ids"]
+    virtual: VirtualTokens | None = getattr(model, VIRTUAL_TOKENS_HOOK, None)
+    parts = _decoder_and_head(model) if virtual else None
+    hidden = virtual(parts[0], ids, positions) if virtual and parts else None
+    if hidden is None or parts is None:
+        return model(input_ids=ids, position_ids=positions, use_cache=False).logits[mask]
+    get_base = getattr(model, "get_base_model", None)
+    base = get_base() if callable(get_base) else model
+    handle = parts[0].register_forward_hook(lambda _m, _a, out: _replaced(out, hidden))
+    try:
+        logits = base(input_ids=ids, position_ids=positions, use_cache=False).logits
+    finally:
+        handle.remove()
+    return logits[mask]
+
+
+def _replaced(output: Any, hidden: torch.Tensor) -> Any:
+    """A decoder's output with `hidden` as its last hidden state."""
+    output.last_hidden_state = hidden
+    return output
 
 
 class LossModule(nn.Module):
@@ -125,11 +160,14 @@ def token_loss_sum(
     if isinstance(model, WrappedLoss):
         return model(batch, kl_coef)
     targets = batch["labels"][batch["labels"] != IGNORE_INDEX]
-    if kl_coef == 0:
+    decided = output_head(model)
+    if kl_coef == 0 and not decided.own_forward:
         found = supervised_hidden(model, batch)
         if found is not None and found[1].bias is None:
             hidden, head = found
-            return linear_cross_entropy_sum(hidden, head.weight, targets)
+            return linear_cross_entropy_sum(
+                hidden, head.weight, targets, scale=decided.scale, softcap=decided.softcap
+            )
     logits = supervised_logits(model, batch)
     loss = F.cross_entropy(logits.float(), targets, reduction="sum")
     if kl_coef > 0:
