@@ -26,6 +26,7 @@ from leantune.models.demo_model import DEMO_MODEL_NAMES, ensure_demo_model
 from leantune.models.paths import (
     ModelPathError,
     downloads_allowed,
+    file_given_message,
     hub_id_problem,
     hub_offline_unless_allowed,
     hub_snapshot,
@@ -95,6 +96,8 @@ def resolve_model(path: str, gguf_file: str | None = None) -> ModelSource:
     if p.is_dir():
         return ModelSource(str(p), gguf_file)
     where = f"model.path={path}"
+    if p.is_file():  # a file of a model directory (its weights, its config.json), not the model
+        raise ModelNotFoundError(file_given_message(p, where))
     if not looks_like_hub_id(path):
         raise ModelNotFoundError(missing_path_message(path, where))
     problem = hub_id_problem(path, where, gguf_file or "config.json")
