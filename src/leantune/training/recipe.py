@@ -66,6 +66,7 @@ from leantune.models.artifacts import save_final
 from leantune.models.attention import resolve_attention
 from leantune.models.loading import (
     ModelSource,
+    check_tokenizer_files,
     enable_gradient_checkpointing,
     load_model,
     load_model_config,
@@ -412,6 +413,7 @@ def _resolve_attention(cfg: Config, source: ModelSource) -> tuple[Config, str | 
         UnsupportedAttention: an explicit model.attn_implementation the model cannot use.
     """
     m = cfg.model
+    check_tokenizer_files(source, m.trust_remote_code)  # a folder that is no model, said so
     recorded = recorded_setting(cfg.run_dir, "model.attn_implementation")
     choice = resolve_attention(
         m.attn_implementation,
