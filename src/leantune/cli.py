@@ -667,13 +667,9 @@ def _add_export_parser(sub: Any) -> None:
 
 def _add_attention_argument(p: argparse.ArgumentParser) -> None:
     """train's model.attn_implementation, for the commands that load a model to use it."""
-    p.add_argument(
-        "--attn-implementation",
-        choices=["auto", "segments", "sdpa", "eager"],
-        default="auto",
-        help="attention kernel, as train's model.attn_implementation; auto: sdpa, or eager for "
-        "a model transformers has no sdpa for (Gemma 2)",
-    )
+    choices = ["auto", "segments", "sdpa", "eager"]
+    about = "as train's model.attn_implementation; auto: sdpa, or eager where there is none"
+    p.add_argument("--attn-implementation", choices=choices, default="auto", help=about)
 
 
 def _add_train_parser(sub: Any) -> None:

@@ -13,6 +13,13 @@ Anything else (a padding mask, a KV cache with a prefix, one-token decoding) goe
 transformers' own sdpa mask and attention unchanged, so prefix methods and generation compute
 exactly what sdpa computes. FlexAttention has no backward on CPU (torch 2.13) and torch's varlen
 attention is CUDA-only, so one SDPA call per example is what runs on both.
+
+Segments compute only what sdpa computes. `resolve_attention` decides from the model's config
+and class, before any weights load, whether they can: a model that soft-caps its attention
+logits (Gemma 2), has no sdpa path in transformers (attention sinks, ...) or does not call
+transformers' attention functions is refused by name when asked for segments, and `auto` gives
+it the masked attention it supports (eager for Gemma 2), which keeps the examples of a packed
+row apart with a mask built from the same position ids.
 """
 
 from __future__ import annotations
