@@ -15,8 +15,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama_config, tiny_qwen2_config, write_jsonl
-from transformers import LlamaForCausalLM, PreTrainedModel, Qwen2ForCausalLM
+from conftest import (
+    CliResult,
+    run_cli,
+    tiny_llama_config,
+    tiny_qwen2_config,
+    tiny_train_args,
+    write_jsonl,
+)
+from model_zoo import FAMILIES, plant_chats, save_family_model
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaForCausalLM,
+    PreTrainedConfig,
+    PreTrainedModel,
+    Qwen2ForCausalLM,
+)
 
 import leantune.models.attention as attention
 from leantune.config import MethodConfig, load_config
@@ -25,8 +39,10 @@ from leantune.data.packing import Row, pack_examples, single_rows
 from leantune.data.tokenize import Example
 from leantune.methods.registry import METHODS as SPECS
 from leantune.methods.registry import apply_method
+from leantune.models.artifacts import load_for_inference
 from leantune.models.attention import (
     SEGMENTS,
+    AttentionChoice,
     UnsupportedAttention,
     check_supported,
     register_segment_attention,
@@ -34,6 +50,7 @@ from leantune.models.attention import (
     sdpa_attention,
     segment_lengths,
     segment_mask,
+    segments_refusal,
 )
 from leantune.models.loading import enable_gradient_checkpointing
 from leantune.models.output_head import output_head
@@ -249,6 +266,91 @@ def test_every_method_equals_sdpa(method: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Every architecture of the model zoo: a packed row equals each of its examples run alone
+
+LOSS_RTOL = 1.2e-6
+"""fp32; measured at most 1.2e-7 (the loss is a sum over ~100 tokens of ~4 each)."""
+GRAD_RTOL = 1.5e-6
+"""Of each gradient's largest entry; measured at most 7.1e-7 (Gemma 2 on eager)."""
+
+
+def _zoo_model(family: str, **config: object) -> tuple[PreTrainedModel, PreTrainedConfig]:
+    """The family's 2-layer model (fp32, fixed init), without building its tokenizer."""
+    cfg = FAMILIES[family].config(VOCAB, eos_token_id=1, pad_token_id=0, bos_token_id=2)
+    for key, value in config.items():
+        setattr(cfg, key, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    return model.train(), cfg
+
+
+def _alone(model: PreTrainedModel, examples: list[Example]) -> tuple[float, dict]:
+    """Loss and gradients summed over one forward and backward per example."""
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for row in single_rows(examples):
+        loss = token_loss_sum(model, collate([row], pad_id=0))
+        loss.backward()
+        total += float(loss.detach())
+    return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_equal_alone(got: tuple[float, dict], alone: tuple[float, dict]) -> None:
+    assert got[0] == pytest.approx(alone[0], rel=LOSS_RTOL, abs=0)
+    assert got[1].keys() == alone[1].keys() and got[1]
+    for name, grad in alone[1].items():
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(got[1][name], grad, rtol=0, atol=GRAD_RTOL * scale, msg=name)
+
+
+def _packed_loss(model: PreTrainedModel, batch: dict[str, torch.Tensor], name: str) -> tuple:
+    """Loss and gradients of `batch` with attention `name`; segments may not call sdpa."""
+    _attend(model, name)
+    with pytest.MonkeyPatch.context() as mp:
+        if name == "segments":
+            mp.setattr(attention, "sdpa_attention_forward", _refuse_sdpa)
+            mp.setattr(attention, "sdpa_mask", _refuse_sdpa)
+        return _loss_and_grads(model, batch)
+
+
+def _refuse_sdpa(*args: object, **kwargs: object) -> None:
+    raise AssertionError("segment attention delegated to sdpa")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_attends_within_each_example(family: str) -> None:
+    """What auto picks for packed rows (segments, or the masked fallback for a model segments
+    refuse) gives the loss and gradients of each example run alone on the model's masked
+    attention; a row whose positions do not restart (the examples see each other) does not.
+    Segments are refused by name before loading exactly where their forward would refuse."""
+    model, cfg = _zoo_model(family)
+    choice = resolve_attention("auto", packed=True, model_config=cfg)
+    masked = resolve_attention("auto", packed=False, model_config=cfg).name
+    refused = segments_refusal(type(model), cfg)
+    assert (choice.name == "segments") == (refused is None)
+    assert (choice.note is None) == (refused is None)
+    examples = _examples()
+    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", 1) else 0
+    assert not window or max(LENGTHS) > window  # it cuts into the longer examples
+    _attend(model, masked)
+    alone = _alone(model, examples)
+    batch = _packed_batch()
+    _assert_equal_alone(_packed_loss(model, batch, choice.name), alone)
+    width = batch["input_ids"].shape[1]
+    leaking = {**batch, "position_ids": torch.arange(width).expand_as(batch["position_ids"])}
+    leaked = _packed_loss(model, leaking, choice.name)[0]
+    assert abs(leaked - alone[0]) > 20 * LOSS_RTOL * alone[0]  # measured: 9.5e-5 and up
+    if refused is not None:
+        with pytest.raises(UnsupportedAttention, match=f"segments: {type(model).__name__}"):
+            resolve_attention("segments", packed=True, model_config=cfg)
+        with pytest.raises(UnsupportedAttention):
+            _packed_loss(model, batch, "segments")
+    if window:  # the window mattered: without it, other losses
+        wide, _ = _zoo_model(family, sliding_window=64)
+        assert abs(_packed_loss(wide, batch, choice.name)[0] - alone[0]) > 1e-5 * alone[0]
+
+
+# ---------------------------------------------------------------------------------------------
 # The mask function, the segments, the settings
 
 
@@ -275,12 +377,23 @@ def test_segment_lengths() -> None:
 
 
 def test_resolve_attention() -> None:
-    assert resolve_attention("auto", packed=True) == "segments"
-    assert resolve_attention("auto", packed=False) == "sdpa"
-    assert resolve_attention("auto", packed=True, remote_code=True) == "sdpa"
-    assert resolve_attention("auto", packed=True, recorded="sdpa") == "sdpa"  # a resumed run
-    assert resolve_attention("auto", packed=True, recorded="garbage") == "segments"
-    assert resolve_attention("eager", packed=True, recorded="segments") == "eager"
+    llama = tiny_llama_config()
+
+    def auto(packed: bool = True, **kw: object) -> str:
+        return resolve_attention("auto", packed=packed, **{"model_config": llama, **kw}).name  # type: ignore[arg-type]
+
+    assert auto() == "segments"
+    assert auto(packed=False) == "sdpa"
+    assert auto(model_config=None) == "sdpa"  # not known: sdpa, as transformers loads it
+    remote = tiny_llama_config()
+    remote.auto_map = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+    assert auto(model_config=remote, remote_code=True) == "sdpa"  # its own code, maybe no hooks
+    assert auto(model_config=remote) == "segments"  # without trust_remote_code: transformers'
+    assert auto(recorded="sdpa") == "sdpa"  # a resumed run
+    assert auto(recorded="garbage") == "segments"
+    chosen = resolve_attention("eager", packed=True, model_config=llama, recorded="segments")
+    assert chosen == AttentionChoice("eager")
+    assert resolve_attention("auto", packed=True, model_config=llama).note is None
 
 
 def test_evaluation_attends_with_sdpa() -> None:
@@ -458,3 +571,106 @@ def test_a_packed_run_trains_with_segments_as_it_did_with_sdpa(
     assert auto_summary["eval_loss"] == pytest.approx(sdpa_summary["eval_loss"], rel=1e-5)
     config = json.loads((tmp_path / "auto" / "final" / "config.json").read_text())
     assert SEGMENTS not in json.dumps(config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models segments cannot compute: auto falls back before any work, explicit choices are refused
+
+
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 2 soft-caps its attention logits (and has no sdpa path in transformers)."""
+    return save_family_model(tmp_path_factory.mktemp("gemma2"), "gemma2")
+
+
+def _zoo_train(model: Path, tmp_path: Path, *extra: str) -> CliResult:
+    data = write_jsonl(tmp_path / "chat.jsonl", plant_chats(12, system_every=0))
+    args = ["train.max_steps=2", "method.name=lora", "data.max_seq_len=256", *extra]
+    return run_cli(tiny_train_args(model, data, tmp_path / "run", *args))
+
+
+def test_auto_trains_a_soft_capped_model_on_eager(gemma2_dir: Path, tmp_path: Path) -> None:
+    """Packed rows (the default) go to eager's masked path, said once; the run records it."""
+    result = _zoo_train(gemma2_dir, tmp_path)
+    assert result.code == 0, result
+    said = [line for line in result.out.splitlines() if "model.attn_implementation=auto" in line]
+    assert len(said) == 1, result.out
+    assert "-> eager" in said[0] and "attn_logit_softcapping" in said[0], said
+    record = json.loads((tmp_path / "run" / "leantune_run.json").read_text())
+    assert record["fingerprint"]["model.attn_implementation"] == "eager"
+    assert record["fingerprint"]["data.pack"] is True
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert len(losses) == 2 and all(0 < loss < 20 for loss in losses)
+
+
+@pytest.mark.parametrize("name", ["segments", "sdpa"])
+def test_an_explicit_attention_the_model_cannot_use_is_refused_first(
+    name: str, gemma2_dir: Path, tmp_path: Path
+) -> None:
+    result = _zoo_train(gemma2_dir, tmp_path, f"model.attn_implementation={name}")
+    assert result.code == 2, result
+    assert f"model.attn_implementation={name}: Gemma2ForCausalLM" in result.err, result.err
+    assert "set model.attn_implementation=eager" in result.err, result.err
+    assert "prepare:" not in result.out  # refused before the data is read
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# eval, generate and export load an attention the model supports, or the one asked for
+
+
+def test_inference_loads_an_attention_the_model_supports(
+    gemma2_dir: Path, tiny_llama_dir: Path
+) -> None:
+    """auto is eager for Gemma 2 (its logits are its own eager forward's), sdpa elsewhere;
+    --attn-implementation overrides it, and one the model cannot use is refused by name."""
+    model, tokenizer = load_for_inference(str(gemma2_dir))
+    assert model.config._attn_implementation == "eager"
+    ids = tokenizer("Water the fern twice a week.", return_tensors="pt")["input_ids"]
+    own = AutoModelForCausalLM.from_pretrained(gemma2_dir, attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, own(ids).logits, rtol=0, atol=0)
+    assert load_for_inference(str(tiny_llama_dir))[0].config._attn_implementation == "sdpa"
+    eager, _ = load_for_inference(str(tiny_llama_dir), attn_implementation="eager")
+    assert eager.config._attn_implementation == "eager"
+    refusal = r"--attn-implementation=sdpa: Gemma2ForCausalLM .*; set --attn-implementation=eager"
+    with pytest.raises(UnsupportedAttention, match=refusal):
+        load_for_inference(str(gemma2_dir), attn_implementation="sdpa")
+
+
+def test_a_trained_soft_capped_model_evaluates_generates_and_exports(
+    gemma2_dir: Path, tmp_path: Path
+) -> None:
+    assert _zoo_train(gemma2_dir, tmp_path).code == 0
+    run, data = tmp_path / "run", tmp_path / "chat.jsonl"
+    commands = {
+        "eval": ["eval", "--model", str(run), "--data", str(data), "--limit", "4"],
+        "generate": [
+            "generate",
+            "--model",
+            str(run),
+            "--prompt",
+            "Water?",
+            "--max-new-tokens",
+            "3",
+        ],
+        # Held-out chats without a system message: Gemma's template refuses one, and the
+        # built-in parity prompts have one.
+        "export": [
+            *("export", str(run), "--format", "hf", "--data", str(data)),
+            *("--out", str(tmp_path / "hf")),
+        ],
+    }
+    done = {name: run_cli(args) for name, args in commands.items()}
+    assert all(r.code == 0 for r in done.values()), done
+    eager = run_cli([*commands["eval"], "--attn-implementation", "eager"])
+    assert json.loads(eager.out)["loss"] == json.loads(done["eval"].out)["loss"] > 0
+    report = json.loads((tmp_path / "hf" / "export_report.json").read_text())
+    assert report["passed"] is True, report
+    for name, args in commands.items():
+        if name == "export":
+            args = [*args[:-1], str(tmp_path / "hf2")]
+        refused = run_cli([*args, "--attn-implementation", "sdpa"])
+        assert refused.code == 2, (name, refused)
+        assert "--attn-implementation=sdpa: Gemma2ForCausalLM" in refused.err, refused.err
+    assert not (tmp_path / "hf2").exists()  # refused before the export's folder is made

@@ -300,3 +300,22 @@ def test_a_tokenizer_that_needs_a_missing_package_says_which(
     assert result.code == 2, result
     assert f"{model}: its tokenizer needs the sentencepiece or tiktoken package" in result.err
     assert len(result.err.strip().splitlines()) == 1
+
+
+# --- a file inside a model directory -------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("file", ["model.safetensors", "config.json"])
+def test_a_file_of_a_model_directory_says_to_give_the_folder(
+    command: str, file: str, tiny_qwen2_dir: Path, data: Path, tmp_path: Path
+) -> None:
+    """`model.path=DIR/model.safetensors` names the folder to give, not itself as a near miss."""
+    weights = tiny_qwen2_dir / file
+    assert weights.is_file()
+    result = run_cli(_commands(str(weights), data, tmp_path)[command])
+    assert result.code == 2, result
+    assert f"{weights}: a file of the model directory {tiny_qwen2_dir}" in result.err, result.err
+    assert f"give the directory: {tiny_qwen2_dir}" in result.err, result.err
+    assert "did you mean" not in result.err and "no such file" not in result.err
+    assert not (tmp_path / "export").exists() and not (tmp_path / "run").exists()

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from leantune.config import Config, load_config
+
+Attention = Literal["auto", "segments", "sdpa", "eager"]
+"""model.attn_implementation's choices (the library's own type lives with torch's imports)."""
 
 
 def _quiet() -> None:
@@ -78,6 +81,7 @@ def evaluate(
     max_new_tokens: int = 128,
     max_seq_len: int = 4096,
     dtype: str = "fp32",
+    attn_implementation: Attention = "auto",
 ) -> dict[str, Any]:
     """Loss, perplexity and exact match of a model on a JSONL file, as `leantune eval --data`.
 
@@ -91,6 +95,8 @@ def evaluate(
         max_new_tokens: Longest generated answer for exact match.
         max_seq_len: Longest example in tokens.
         dtype: fp32, bf16 or fp16 weights.
+        attn_implementation: auto, segments, sdpa or eager (`leantune eval
+            --attn-implementation`); auto is one the model supports.
 
     Returns:
         The same object `leantune eval` prints.
@@ -112,7 +118,11 @@ def evaluate(
     from leantune.models.artifacts import load_for_inference
 
     torch.manual_seed(0)
-    loaded, tokenizer = load_for_inference(str(model), dtype)
+    loaded, tokenizer = load_for_inference(
+        str(model),
+        dtype,
+        attn_implementation=attn_implementation,
+    )
     result = evaluate_file(
         loaded, tokenizer, Path(data), format, limit, batch_size, max_new_tokens, max_seq_len
     )
@@ -126,8 +136,10 @@ def export_model(
     gguf_type: str = "f16",
     data: str | Path | None = None,
     samples: int = 4,
+    attn_implementation: Attention = "auto",
 ) -> dict[str, Any]:
     """Export a run or model and check parity, as `leantune export`; returns the report.
+    `attn_implementation` is its --attn-implementation (auto: one the model supports).
 
     Raises:
         ExportError: the format cannot be made from this input, or `out`/`data` are unusable.
@@ -137,4 +149,13 @@ def export_model(
     _quiet()  # before the imports that log the noise
     from leantune.export.run import export_model as run
 
-    return run(str(model), format, Path(out), gguf_type, Path(data) if data else None, samples)
+    data_path = Path(data) if data else None
+    return run(
+        str(model),
+        format,
+        Path(out),
+        gguf_type,
+        data_path,
+        samples,
+        attn_implementation,
+    )

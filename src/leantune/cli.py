@@ -371,7 +371,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from leantune.models.artifacts import load_for_inference
 
     torch.manual_seed(0)
-    model, tokenizer = load_for_inference(args.model, args.dtype)
+    model, tokenizer = load_for_inference(
+        args.model, args.dtype, attn_implementation=args.attn_implementation
+    )
     _use_chat_template(tokenizer, args.chat_template)
     result: dict[str, object] = {"model": args.model}
     if path is not None:
@@ -447,7 +449,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from leantune.eval.generation import generate_texts, render_prompt
     from leantune.models.artifacts import load_for_inference
 
-    model, tokenizer = load_for_inference(args.model, args.dtype)
+    model, tokenizer = load_for_inference(
+        args.model, args.dtype, attn_implementation=args.attn_implementation
+    )
     _use_chat_template(tokenizer, args.chat_template)
     settings = _decoding(args, model)
     has_template = getattr(tokenizer, "chat_template", None) is not None
@@ -490,7 +494,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     data = Path(args.data) if args.data else None
     try:
         report = export_model(
-            args.model, args.format, Path(args.out), args.gguf_type, data, args.samples
+            args.model,
+            args.format,
+            Path(args.out),
+            args.gguf_type,
+            data,
+            args.samples,
+            args.attn_implementation,
         )
     except ParityError as e:  # the export was written but does not reproduce the source
         print(f"error: {e}", file=sys.stderr)
@@ -544,6 +554,7 @@ def _add_eval_parser(sub: Any) -> None:
         "--max-seq-len", type=_count(1, MAX_SEQ_LEN), default=4096, help="longest example, tokens"
     )
     e.add_argument("--dtype", choices=DTYPES, default="fp32", help="dtype of the weights")
+    _add_attention_argument(e)
     e.add_argument(
         "--lm-eval",
         default=None,
@@ -603,6 +614,7 @@ def _add_generate_parser(sub: Any) -> None:
     )
     g.add_argument("--seed", type=_count(0, 2**63 - 1), default=0, help="seeds sampling")
     g.add_argument("--dtype", choices=DTYPES, default="fp32", help="dtype of the weights")
+    _add_attention_argument(g)
     g.set_defaults(func=cmd_generate)
 
 
@@ -649,7 +661,15 @@ def _add_export_parser(sub: Any) -> None:
     x.add_argument(
         "--samples", type=_count(1), default=4, help="held-out samples for the parity check"
     )
+    _add_attention_argument(x)
     x.set_defaults(func=cmd_export)
+
+
+def _add_attention_argument(p: argparse.ArgumentParser) -> None:
+    """train's model.attn_implementation, for the commands that load a model to use it."""
+    choices = ["auto", "segments", "sdpa", "eager"]
+    about = "as train's model.attn_implementation; auto: sdpa, or eager where there is none"
+    p.add_argument("--attn-implementation", choices=choices, default="auto", help=about)
 
 
 def _add_train_parser(sub: Any) -> None:

@@ -40,6 +40,7 @@ from leantune.export.source import (
 )
 from leantune.export.source import model_logits_fn as _model_logits_fn
 from leantune.export.torchscript import example_input, load_torchscript, write_torchscript
+from leantune.models.attention import AttnImplementation
 from leantune.models.paths import check_model_path, is_adapter_dir
 
 
@@ -201,9 +202,11 @@ def export_model(
     gguf_type: str = "f16",
     data: Path | None = None,
     num_samples: int = 4,
+    attn_implementation: AttnImplementation = "auto",
 ) -> dict[str, Any]:
     """Export `path` (run dir, model dir, adapter dir or demo name) to `out` in format `fmt`,
-    then check parity; returns the report written to `out/export_report.json`.
+    then check parity; returns the report written to `out/export_report.json`. The source
+    loads with `attn_implementation` (`models.artifacts.load_for_inference`).
 
     Raises:
         ExportError: the format cannot be made from this input, or `out`/`data` are unusable
@@ -226,7 +229,7 @@ def export_model(
     check_model_path(resolved)
     if fmt == "adapter" and not is_adapter_dir(Path(resolved).expanduser()):
         write_adapter(None, out)  # raises the explanatory error
-    source = load_source(path)
+    source = load_source(path, attn_implementation)
     try:
         samples = build_samples(source.tokenizer, data, num_samples)
     except ValueError as e:  # no valid record in --data

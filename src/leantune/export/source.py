@@ -24,6 +24,7 @@ from leantune.errors import UserError
 from leantune.export.parity import LogitsFn
 from leantune.methods.lora import quiet_peft
 from leantune.models.artifacts import check_model_path, is_adapter_dir, load_for_inference
+from leantune.models.attention import AttnImplementation
 from leantune.models.quantize import canonical_4bit
 
 
@@ -52,16 +53,17 @@ def resolve_export_input(path: str) -> str:
     return path
 
 
-def load_source(path: str) -> ExportSource:
+def load_source(path: str, attn_implementation: AttnImplementation = "auto") -> ExportSource:
     """Load a run, model directory, adapter directory or demo name in float32 for export.
 
     Raises:
         ModelPathError: the path is not a model (e.g. a run without `final/`, saying how to
             finish it) or cannot be loaded.
+        UnsupportedAttention: an explicit `attn_implementation` the model cannot use.
     """
     resolved = resolve_export_input(path)
     check_model_path(resolved)
-    model, tokenizer = load_for_inference(resolved, "fp32")
+    model, tokenizer = load_for_inference(resolved, "fp32", attn_implementation=attn_implementation)
     p = Path(resolved)
     adapter_dir = p if p.is_dir() and is_adapter_dir(p) else None
     return ExportSource(resolved, model, tokenizer, adapter_dir)

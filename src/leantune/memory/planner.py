@@ -255,12 +255,14 @@ def plan_inputs(
             trust_remote_code=cfg.model.trust_remote_code,
             local_files_only=not downloads_allowed(),
         )
-    facts = model_facts_for(
-        hf_config,
-        cfg.model.dtype,
+    attention = resolve_attention(
         cfg.model.attn_implementation,
-        cfg.method,
-        cfg.model.trust_remote_code,
+        packed=effective_pack(cfg.data.pack, cfg.method.name),
+        model_config=hf_config,
+        remote_code=cfg.model.trust_remote_code,
+    ).name
+    facts = model_facts_for(
+        hf_config, cfg.model.dtype, attention, cfg.method, cfg.model.trust_remote_code
     )
     t = cfg.train
     global_batch = global_batch or configured_global_batch(t)
@@ -273,11 +275,7 @@ def plan_inputs(
         seq_len=min(limit, longest_row or limit),
         supervised_per_row=supervised_per_row,
         gradient_checkpointing=t.gradient_checkpointing is True,
-        attn_implementation=resolve_attention(
-            cfg.model.attn_implementation,
-            effective_pack(cfg.data.pack, cfg.method.name),
-            cfg.model.trust_remote_code,
-        ),
+        attn_implementation=attention,
         precision=planned_precision(cfg, device),
         optimizer=str(getattr(t, "optimizer", "adamw")),
         weight_quant=METHODS[cfg.method.name].planned_weight_quant,
@@ -314,7 +312,7 @@ def alternatives(cfg: Config, inputs: PlanInputs) -> dict[str, ModelFacts]:
             out[name] = model_facts_for(
                 inputs.hf_config,
                 cfg.model.dtype,
-                cfg.model.attn_implementation,
+                inputs.step.attn_implementation,
                 light,
                 cfg.model.trust_remote_code,
             )

@@ -33,6 +33,7 @@ from leantune.config import RopeScalingConfig
 from leantune.methods.adapter import adapter_settings, load_adapter, save_adapter
 from leantune.methods.lora import quiet_peft
 from leantune.methods.prompt import with_virtual_tokens
+from leantune.models.attention import AttnImplementation
 from leantune.models.loading import (
     ModelSource,
     load_model,
@@ -51,6 +52,8 @@ from leantune.models.paths import check_model_path as check_model_path  # where 
 from leantune.models.quantize import Quantization
 
 BASE_POINTER = "leantune_base.json"
+ATTN_FLAG = "--attn-implementation"
+"""How refusals of `load_for_inference`'s attention name it (eval, generate, export)."""
 
 
 @contextlib.contextmanager
@@ -126,22 +129,29 @@ def _base_of(adapter_dir: Path) -> tuple[ModelSource, dict]:
 
 
 def load_for_inference(
-    path: str, dtype: str = "fp32", trust_remote_code: bool = False
+    path: str,
+    dtype: str = "fp32",
+    trust_remote_code: bool = False,
+    attn_implementation: AttnImplementation = "auto",
 ) -> tuple[PreTrainedModel | PeftModel, PreTrainedTokenizerBase]:
     """Load a model directory, GGUF file, hub id, demo name, adapter directory (with its base),
-    or a run directory's `final/` model.
+    or a run directory's `final/` model, for `eval`, `generate` and `export`.
+
+    `attn_implementation` is their --attn-implementation: auto loads the masked attention the
+    model supports (sdpa, or eager where transformers has none, e.g. Gemma 2).
 
     Raises:
         ModelPathError: `path` is not a model or cannot be loaded (unreadable config or weights,
             a truncated GGUF, a hub id not in the cache when offline, an adapter whose base
             model cannot be found).
+        UnsupportedAttention: an explicit `attn_implementation` the model cannot use.
     """
     with loading(path):  # also the adapter's pointer file and peft's loading of the adapter
-        return _load_for_inference(path, dtype, trust_remote_code)
+        return _load_for_inference(path, dtype, trust_remote_code, attn_implementation)
 
 
 def _load_for_inference(
-    path: str, dtype: str, trust_remote_code: bool
+    path: str, dtype: str, trust_remote_code: bool, attn_implementation: AttnImplementation
 ) -> tuple[PreTrainedModel | PeftModel, PreTrainedTokenizerBase]:
     path = model_of_run(path)
     p = Path(path).expanduser()
@@ -160,6 +170,8 @@ def _load_for_inference(
             rope_scaling=rope,
             quantization=quant,
             device=device,
+            attn_implementation=attn_implementation,
+            attn_field=ATTN_FLAG,
         )
         adapted: PreTrainedModel | PeftModel
         if is_bottleneck_adapter_dir(p):
@@ -171,6 +183,12 @@ def _load_for_inference(
         return adapted, tokenizer
     source = resolve_model(path)
     tokenizer = load_tokenizer(source, trust_remote_code)
-    model = load_model(source, dtype=dtype, trust_remote_code=trust_remote_code)
+    model = load_model(
+        source,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
+        attn_field=ATTN_FLAG,
+    )
     model.eval()
     return model, tokenizer

@@ -13,6 +13,13 @@ Anything else (a padding mask, a KV cache with a prefix, one-token decoding) goe
 transformers' own sdpa mask and attention unchanged, so prefix methods and generation compute
 exactly what sdpa computes. FlexAttention has no backward on CPU (torch 2.13) and torch's varlen
 attention is CUDA-only, so one SDPA call per example is what runs on both.
+
+Segments compute only what sdpa computes. `resolve_attention` decides from the model's config
+and class, before any weights load, whether they can: a model that soft-caps its attention
+logits (Gemma 2), has no sdpa path in transformers (attention sinks, ...) or does not call
+transformers' attention functions is refused by name when asked for segments, and `auto` gives
+it the masked attention it supports (eager for Gemma 2), which keeps the examples of a packed
+row apart with a mask built from the same position ids.
 """
 
 from __future__ import annotations
@@ -21,12 +28,18 @@ import itertools
 import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import (
+    AttentionInterface,
+    AutoModelForCausalLM,
+    PreTrainedConfig,
+    PreTrainedModel,
+)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -81,43 +94,145 @@ def transformers_name(attn_implementation: str) -> str:
 
 AttnImplementation = Literal["auto", "segments", "sdpa", "eager"]
 RESOLVED: tuple[AttnImplementation, ...] = ("segments", "sdpa", "eager")
+FIELD = "model.attn_implementation"
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    """The attention a model is loaded with, and why when `auto` did not pick its usual one."""
+
+    name: AttnImplementation
+    """segments, sdpa or eager."""
+    note: str | None = None
+    """One line for the log when `auto` fell back (the model cannot use its usual pick)."""
+
+
+def causal_lm_class(config: PreTrainedConfig | None, remote_code: bool = False) -> type | None:
+    """The class transformers builds for `config` as a causal LM; None when no config is
+    given or the model code is not transformers' own (remote code, an unknown model type)."""
+    if config is None:
+        return None
+    auto_map = getattr(config, "auto_map", None) or {}
+    if remote_code and "AutoModelForCausalLM" in auto_map:
+        return None
+    try:
+        found: Any = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        return None
+    # Some model types map to several classes; the first is the one from_pretrained builds.
+    cls = found[0] if isinstance(found, tuple) else found
+    return cls if isinstance(cls, type) else None
+
+
+def segments_refusal(cls: type, config: PreTrainedConfig | None) -> str | None:
+    """Why segments cannot compute the attention of model class `cls` (None: they can).
+
+    Segments call sdpa once per example, so they compute only what sdpa computes: a model
+    transformers gives no sdpa path (soft-capped logits, attention sinks, ...) is refused, and
+    so is one that does not call transformers' attention functions (it would ignore them)."""
+    name = cls.__name__
+    if not getattr(cls, "_supports_attention_backend", False):
+        return f"{name} does not use transformers' attention functions"
+    text = config.get_text_config() if config is not None else None
+    softcap = getattr(text, "attn_logit_softcapping", None)
+    if softcap is not None:
+        return f"{name} soft-caps its attention logits (attn_logit_softcapping={softcap})"
+    if _masked(cls) != "sdpa":
+        return f"{name} has an attention sdpa does not compute (transformers gives it no sdpa)"
+    return None
+
+
+def _masked(cls: type | None) -> AttnImplementation:
+    """The masked attention the model can use: sdpa, or eager where transformers has no sdpa
+    for it (an unknown class is sdpa's: transformers says so when loading, if it is not)."""
+    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
+
+
+def _refusal(
+    name: str, cls: type | None, config: PreTrainedConfig | None, field: str
+) -> str | None:
+    """Why `name` cannot attend for `cls` (None: it can, or the class is not known here)."""
+    if cls is None or name == "eager":
+        return None
+    reason = segments_refusal(cls, config) if name == "segments" else None
+    if name == "sdpa" and _masked(cls) != "sdpa":
+        reason = f"{cls.__name__} has no sdpa attention in transformers"
+    if reason is None:
+        return None
+    return f"{field}={name}: {reason}; set {field}={_masked(cls)} (or auto)"
 
 
 def resolve_attention(
     configured: AttnImplementation,
+    *,
     packed: bool,
+    model_config: PreTrainedConfig | None,
     remote_code: bool = False,
     recorded: str | None = None,
-) -> AttnImplementation:
-    """model.attn_implementation as a run uses it.
+    field: str = FIELD,
+) -> AttentionChoice:
+    """The attention a model loads with, decided from its config before any weights load.
 
-    `auto` is `segments` when the run trains on packed rows with transformers' own model code,
-    and `sdpa` otherwise (one example per row gains nothing from cutting rows: its causal sdpa
-    has no mask either; `remote_code` models may not call transformers' attention functions).
-    A resumed run keeps the one it `recorded`, so a run started before `auto` existed resumes
-    unchanged.
+    `auto` is `segments` when the run trains on packed rows with transformers' own model code
+    and the model's attention is what segments compute; otherwise the masked attention the
+    model supports (sdpa, or eager where transformers has no sdpa for it, e.g. Gemma 2's
+    soft-capped attention): it finds the examples of a packed row from the position ids and
+    masks across them. One example per row gains nothing from cutting rows (its causal sdpa
+    has no mask either). A resumed run keeps the one it `recorded`, so a run started before
+    `auto` existed resumes unchanged.
+
+    Args:
+        configured: model.attn_implementation (or eval/generate/export's override).
+        packed: the rows hold several examples (training with data.pack).
+        model_config: the model's transformers config (None: not known, taken as sdpa's).
+        remote_code: the model's own code builds it (trust_remote_code).
+        recorded: what the run being resumed recorded.
+        field: how messages name the setting.
+
+    Raises:
+        UnsupportedAttention: an explicit choice (segments or sdpa) this model cannot use.
     """
+    cls = causal_lm_class(model_config, remote_code)
     if configured != "auto":
-        return configured
+        problem = _refusal(configured, cls, model_config, field)
+        if problem is not None:
+            raise UnsupportedAttention(problem)
+        return AttentionChoice(configured)
     for kept in RESOLVED:
-        if recorded == kept:
-            return kept
-    return "segments" if packed and not remote_code else "sdpa"
+        if recorded == kept and _refusal(kept, cls, model_config, field) is None:
+            return AttentionChoice(kept)
+    masked = _masked(cls)
+    if cls is None:  # remote code may not call transformers' attention functions
+        return AttentionChoice(masked)
+    if not packed:
+        lacks = f"{cls.__name__} has no sdpa attention in transformers"
+        return AttentionChoice(
+            masked, None if masked == "sdpa" else f"{field}=auto -> {masked}: {lacks}"
+        )
+    reason = segments_refusal(cls, model_config)
+    if reason is None:
+        return AttentionChoice("segments")
+    return AttentionChoice(
+        masked,
+        f"{field}=auto -> {masked}: {reason}, which segments (sdpa per example) cannot "
+        f"compute; packed rows attend through {masked} with a mask that keeps their examples "
+        "apart",
+    )
 
 
 def check_supported(model: nn.Module, attn_implementation: str) -> None:
-    """Refuse segments for a model whose attention does not go through transformers'
-    attention functions (it would ignore them, and attend across the examples of a row).
+    """Refuse segments for a loaded model they cannot compute (the class a remote-code model
+    brings is known only now).
 
     Raises:
         UnsupportedAttention: such a model with attn_implementation=segments.
     """
-    if attn_implementation == "segments" and not getattr(
-        model, "_supports_attention_backend", False
-    ):
+    if attn_implementation != "segments":
+        return
+    reason = segments_refusal(type(model), getattr(model, "config", None))
+    if reason is not None:
         raise UnsupportedAttention(
-            f"model.attn_implementation=segments: {type(model).__name__} does not use "
-            "transformers' attention functions; set model.attn_implementation=sdpa"
+            f"{FIELD}=segments: {reason}; set {FIELD}={_masked(type(model))} (or auto)"
         )
 
 

@@ -16,17 +16,30 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedConfig,
+    PreTrainedModel,
+)
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.config import RopeScalingConfig
 from leantune.errors import UserError
-from leantune.models.attention import check_supported, transformers_name
+from leantune.models.attention import (
+    FIELD,
+    AttnImplementation,
+    check_supported,
+    resolve_attention,
+    transformers_name,
+)
 from leantune.models.demo_model import DEMO_MODEL_NAMES, ensure_demo_model
 from leantune.models.output_head import decide_output_head
 from leantune.models.paths import (
     ModelPathError,
     downloads_allowed,
+    file_given_message,
     hub_id_problem,
     hub_offline_unless_allowed,
     hub_snapshot,
@@ -96,6 +109,8 @@ def resolve_model(path: str, gguf_file: str | None = None) -> ModelSource:
     if p.is_dir():
         return ModelSource(str(p), gguf_file)
     where = f"model.path={path}"
+    if p.is_file():  # a file of a model directory (its weights, its config.json), not the model
+        raise ModelNotFoundError(file_given_message(p, where))
     if not looks_like_hub_id(path):
         raise ModelNotFoundError(missing_path_message(path, where))
     problem = hub_id_problem(path, where, gguf_file or "config.json")
@@ -194,12 +209,33 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False) -> PreT
     return tok
 
 
+def load_model_config(source: ModelSource, trust_remote_code: bool = False) -> PreTrainedConfig:
+    """The model's transformers config (no weights read).
+
+    Raises:
+        ModelPathError: the source holds no loadable config.
+    """
+    with loading(_name(source)):
+        return _model_config(source, trust_remote_code)
+
+
+def _model_config(source: ModelSource, trust_remote_code: bool) -> PreTrainedConfig:
+    config: PreTrainedConfig = AutoConfig.from_pretrained(
+        source.location,
+        gguf_file=source.gguf_file,
+        trust_remote_code=trust_remote_code,
+        local_files_only=not downloads_allowed(),
+    )
+    return config
+
+
 def load_model(
     source: ModelSource,
     *,
     dtype: str = "fp32",
     trust_remote_code: bool = False,
-    attn_implementation: str = "sdpa",
+    attn_implementation: AttnImplementation = "auto",
+    attn_field: str = FIELD,
     rope_scaling: RopeScalingConfig | None = None,
     quantization: Quantization | None = None,
     device: torch.device | str = "cpu",
@@ -211,8 +247,10 @@ def load_model(
         source: where the model lives.
         dtype: dtype of the weights that are not quantised.
         trust_remote_code: allow model code from the model directory.
-        attn_implementation: attention kernel, a resolved model.attn_implementation
-            (segments, sdpa or eager; see `leantune.models.attention`).
+        attn_implementation: a model.attn_implementation (see `leantune.models.attention`);
+            auto is the masked attention the model supports (sdpa, or eager where
+            transformers has none).
+        attn_field: how a refusal of `attn_implementation` names the setting.
         rope_scaling: RoPE scaling written into the model config before the model is built.
         quantization: quantise the blocks' linear layers to 4 bits while loading (QLoRA); the
             model is then loaded straight onto `device`, where bitsandbytes quantises it.
@@ -220,13 +258,23 @@ def load_model(
 
     Raises:
         ModelPathError: the source holds no loadable model (missing or broken config or weights).
+        UnsupportedAttention: an explicit `attn_implementation` the model cannot use.
     """
     with loading(_name(source)):
+        config = _model_config(source, trust_remote_code)
+        attention = resolve_attention(
+            attn_implementation,
+            packed=False,
+            model_config=config,
+            remote_code=trust_remote_code,
+            field=attn_field,
+        )
         return _load_model(
             source,
+            config,
             dtype,
             trust_remote_code,
-            attn_implementation,
+            attention.name,
             rope_scaling,
             quantization,
             device,
@@ -240,6 +288,7 @@ def _name(source: ModelSource) -> str:
 
 def _load_model(
     source: ModelSource,
+    config: PreTrainedConfig,
     dtype: str,
     trust_remote_code: bool,
     attn_implementation: str,
@@ -250,12 +299,6 @@ def _load_model(
     local_only = not downloads_allowed()
     kwargs: dict[str, Any] = {}
     if rope_scaling is not None:
-        config = AutoConfig.from_pretrained(
-            source.location,
-            gguf_file=source.gguf_file,
-            trust_remote_code=trust_remote_code,
-            local_files_only=local_only,
-        )
         apply_rope_scaling(config, rope_scaling)
         kwargs["config"] = config
     if quantization is not None:

@@ -106,6 +106,17 @@ def missing_path_message(path: str, where: str) -> str:
     )
 
 
+def file_given_message(p: Path, where: str) -> str:
+    """A file given where a model is expected (not a .gguf): the folder to give instead when
+    it holds the model (`DIR/model.safetensors` is a file of the model `DIR`)."""
+    if _holds_model(p.parent):
+        return (
+            f"{where}: a file of the model directory {p.parent}; a model is loaded from its "
+            f"directory (config, weights and tokenizer together): give the directory: {p.parent}"
+        )
+    return f"{where}: a file that is not a .gguf model; give a .gguf file or a model directory"
+
+
 def hub_id_problem(path: str, where: str, filename: str = "config.json") -> str | None:
     """None when the hub id `path` can load (in the HF cache, or `downloads_allowed()`), else
     why not: a missing local path when its first part is a local folder (`runs/dmeo` beside
@@ -190,9 +201,7 @@ def check_model_path(path: str, label: str = "") -> None:
         raise ModelPathError(f"{where}: not a usable path ({e})") from None
     if is_file:
         if p.suffix.lower() != ".gguf":
-            raise ModelPathError(
-                f"{where}: a file that is not a .gguf model; give a .gguf file or a model directory"
-            )
+            raise ModelPathError(file_given_message(p, where))
         return
     if is_dir:
         if _holds_model(p):

@@ -66,8 +66,10 @@ from leantune.models.artifacts import save_final
 from leantune.models.attention import resolve_attention
 from leantune.models.loading import (
     ModelSource,
+    check_tokenizer_files,
     enable_gradient_checkpointing,
     load_model,
+    load_model_config,
     load_tokenizer,
     resolve_model,
 )
@@ -276,6 +278,8 @@ def set_up(
     main = strategy.is_main_process
     # Device and precision first: the fingerprint records the resolved precision.
     device, cfg, notes = _resolve_device(cfg)
+    cfg, attention_note = _resolve_attention(cfg, source)  # refuses one the model cannot use
+    notes += [attention_note] if attention_note else []
     check_resumable(cfg, source.location, source.gguf_file)  # before anything is written
     for note in notes:
         log(note)  # once the run directory's run is known to be this one
@@ -387,8 +391,8 @@ def _in_turn(strategy: ParallelStrategy, work: Callable[[], RunSetup]) -> RunSet
 
 def _resolve_device(cfg: Config) -> tuple[torch.device, Config, list[str]]:
     """The device, `cfg` with train.precision=auto resolved for it (a resumed run keeps the
-    precision it started with) and model.attn_implementation=auto too, and the lines that say
-    how many CPU threads run and what auto chose for the precision and why."""
+    precision it started with), and the lines that say how many CPU threads run and what auto
+    chose for the precision and why."""
     device = pick_device(cfg.train.device)
     # Threads before the precision probe: it measures (and caches by) the thread count.
     notes: list[str | None] = (
@@ -399,17 +403,27 @@ def _resolve_device(cfg: Config) -> tuple[torch.device, Config, list[str]]:
     choice = resolve_precision(cfg.train.precision, device.type, recorded, compute)
     resolved = replace(cfg, train=replace(cfg.train, precision=choice.precision))
     notes.append(choice.note)
-    return device, _resolve_attention(resolved), [n for n in notes if n]
+    return device, resolved, [n for n in notes if n]
 
 
-def _resolve_attention(cfg: Config) -> Config:
-    """`cfg` with model.attn_implementation=auto resolved (the fingerprint records it)."""
+def _resolve_attention(cfg: Config, source: ModelSource) -> tuple[Config, str | None]:
+    """`cfg` with model.attn_implementation=auto resolved from the model's config (the
+    fingerprint records it), and the line that says why auto fell back, if it did.
+
+    Raises:
+        UnsupportedAttention: an explicit model.attn_implementation the model cannot use.
+    """
     m = cfg.model
+    check_tokenizer_files(source, m.trust_remote_code)  # a folder that is no model, said so
     recorded = recorded_setting(cfg.run_dir, "model.attn_implementation")
-    packed = effective_pack(cfg.data.pack, cfg.method.name)
-    kept = recorded if isinstance(recorded, str) else None
-    attn = resolve_attention(m.attn_implementation, packed, m.trust_remote_code, kept)
-    return replace(cfg, model=replace(m, attn_implementation=attn))
+    choice = resolve_attention(
+        m.attn_implementation,
+        packed=effective_pack(cfg.data.pack, cfg.method.name),
+        model_config=load_model_config(source, m.trust_remote_code),
+        remote_code=m.trust_remote_code,
+        recorded=recorded if isinstance(recorded, str) else None,
+    )
+    return replace(cfg, model=replace(m, attn_implementation=choice.name)), choice.note
 
 
 def _run_files(cfg: Config, inputs: list[Path], main: bool = True) -> RunFiles:
