@@ -1,0 +1,276 @@
+"""The sizes people bring: plan, 3 training steps and export on random-weight models of real
+shapes (Qwen2.5 0.5B, 1.5B, 7B), built from config on this machine (nothing is downloaded;
+shapes decide memory and speed, not weights).
+
+Each model is written once as bf16 safetensors shards of random weights (one tensor at a time,
+so building a 7B never holds more than one shard), with the demo model's tokenizer (49k
+vocabulary, so the shapes have 0.4B, 1.4B and 6.9B parameters). Then, per case, in fresh
+processes: `leantune plan --json` (what the planner predicts and recommends), `leantune train`
+for 3 steps on a 64-record chat file (peak RSS of the process by wait4, wall time, load time
+and seconds per step from the run's log and metrics), and `leantune export --format hf` where
+asked (its parity check included). Set-up time is the run's wall time less its training time
+(loading, quantising, data preparation). Cases run one at a time: run nothing else meanwhile.
+
+Usage:
+    PYTHONPATH=src python benchmarks/scale.py [--cases 0.5b-full,0.5b-lora,...] [--keep]
+Prints a table and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+from leantune.models.demo_model import ensure_demo_model
+
+SHAPES: dict[str, dict[str, int]] = {
+    "0.5b": {
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+    },
+    "1.5b": {
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+    },
+    "7b": {
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+    },
+}
+"""Qwen2.5-{0.5B,1.5B,7B}'s published config.json shapes (tie_word_embeddings for 0.5B/1.5B)."""
+
+# name: (shape, method, extra overrides, export)
+CASES: dict[str, tuple[str, str, tuple[str, ...], bool]] = {
+    "0.5b-full": ("0.5b", "full", (), True),
+    "0.5b-lora": ("0.5b", "lora", (), False),
+    "1.5b-lora": ("1.5b", "lora", (), False),
+    "7b-qlora": ("7b", "qlora", ("train.global_batch_size=2",), False),
+}
+SHARD_BYTES = 2 << 30
+
+
+def build_model(shape: str, out: Path, tokenizer_dir: Path) -> Path:
+    """Random bf16 weights of `shape` as sharded safetensors, one tensor in memory at a time."""
+    if (out / "COMPLETE").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    dims = SHAPES[shape]
+    config = Qwen2Config(
+        **dims,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=32768,
+        tie_word_embeddings=shape != "7b",
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="bfloat16",
+    )
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    gen = torch.Generator().manual_seed(0)
+    for name, p in skeleton.state_dict().items():
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        t = torch.empty(p.shape, dtype=torch.bfloat16)
+        if name.endswith("norm.weight"):
+            t.fill_(1.0)
+        elif p.dim() == 1:
+            t.zero_()
+        else:
+            t.normal_(0.0, config.initializer_range, generator=gen)
+        if size + t.numel() * 2 > SHARD_BYTES and shards[-1]:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.numel() * 2
+        if size >= SHARD_BYTES:
+            _flush(shards, out)
+    _flush(shards, out, last=True)
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "COMPLETE").write_text("")
+    return out
+
+
+_WRITTEN: list[str] = []
+
+
+def _flush(shards: list[dict[str, torch.Tensor]], out: Path, last: bool = False) -> None:
+    """Write the full shards (and, at the end, the last one) and the safetensors index."""
+    keep = [] if last else shards[-1:]
+    for shard in shards[: len(shards) - len(keep)]:
+        if shard:
+            name = f"model-{len(_WRITTEN) + 1:05d}.safetensors"
+            save_file(shard, out / name, metadata={"format": "pt"})
+            _WRITTEN.append(name)
+            _INDEX.update(dict.fromkeys(shard, name))
+    shards[:] = keep or [{}]
+    if last:
+        index = {"metadata": {}, "weight_map": dict(_INDEX)}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        _WRITTEN.clear()
+        _INDEX.clear()
+
+
+_INDEX: dict[str, str] = {}
+
+
+def chat_file(path: Path, n: int = 64) -> Path:
+    """`n` support chats of 1-3 turns (short, as people's first data sets are)."""
+    topics = ["refund", "delivery", "password", "invoice", "upgrade", "warranty", "address"]
+    with path.open("w") as f:
+        for i in range(n):
+            t = topics[i % len(topics)]
+            msgs = []
+            for turn in range(1 + i % 3):
+                msgs.append({"role": "user", "content": f"Question {i}.{turn} about my {t}?"})
+                msgs.append({"role": "assistant", "content": f"Answer {i}.{turn}: your {t} is ok."})
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    return path
+
+
+def run(cmd: list[str], env: dict[str, str]) -> tuple[int, int, float, str]:
+    """Exit code, peak RSS (bytes, wait4), wall seconds and output of one command."""
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    assert proc.stdout is not None
+    output = proc.stdout.read().decode(errors="replace")
+    _, status, usage = os.wait4(proc.pid, 0)
+    return (
+        os.waitstatus_to_exitcode(status),
+        usage.ru_maxrss * 1024,
+        time.perf_counter() - started,
+        output,
+    )
+
+
+def case(name: str, work: Path, tokenizer_dir: Path, data: Path) -> dict[str, Any]:
+    shape, method, extra, export = CASES[name]
+    model = build_model(shape, work / f"model-{shape}", tokenizer_dir)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    leantune = [sys.executable, "-m", "leantune"]
+    common = [
+        f"model.path={model}",
+        f"data.train={data}",
+        "data.max_seq_len=512",
+        f"method.name={method}",
+        *extra,
+    ]
+    code, _, _, out = run([*leantune, "plan", *common, "--json"], env)
+    plan = json.loads(out[out.index("{") :]) if code == 0 else {"error": out[-1500:]}
+    run_dir = work / f"run-{name}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    train = [
+        *leantune,
+        "train",
+        *common,
+        "train.max_steps=3",
+        "data.eval=null",
+        "train.eval_exact_match=false",
+        "run.progress=false",
+        f"run.dir={run_dir}",
+    ]
+    code, rss, wall, out = run(train, env)
+    row: dict[str, Any] = {
+        "case": name,
+        "shape": shape,
+        "method": method,
+        "exit": code,
+        "peak_rss_gib": round(rss / 2**30, 2),
+        "wall_s": round(wall, 1),
+    }
+    configured = plan.get("configured", {}).get("breakdown", {})
+    if configured:
+        row["planned_peak_gib"] = round(configured["peak"] / 2**30, 2)
+        row["rss_over_plan"] = round(rss / configured["peak"], 2)
+        row["plan_fits"] = plan.get("fits")
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        steps = [json.loads(x) for x in metrics.read_text().splitlines()]
+        steps = [s for s in steps if "step_time_s" in s]
+        times = [s["step_time_s"] for s in steps]
+        if times:
+            row["s_per_step"] = round(sum(times[1:] or times) / len(times[1:] or times), 2)
+        tokens = sum(s.get("tokens", 0) for s in steps)
+        if times and tokens:
+            row["tok_per_s"] = round(tokens / sum(times), 1)
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        s = json.loads(summary.read_text())
+        row["setup_s"] = round(s["wall_time_s"] - s["train_time_s"], 1)  # load + data
+    if code != 0:
+        row["tail"] = out[-1500:]
+    elif export:
+        code, xrss, xwall, out = run(
+            [
+                *leantune,
+                "export",
+                str(run_dir),
+                "--format",
+                "hf",
+                "--out",
+                str(work / f"hf-{name}"),
+            ],
+            env,
+        )
+        row["export"] = {
+            "exit": code,
+            "peak_rss_gib": round(xrss / 2**30, 2),
+            "wall_s": round(xwall, 1),
+            "parity": "passed" in out,
+        }
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated names of CASES")
+    ap.add_argument("--work", default=None, help="folder for models and runs (default: a temp one)")
+    args = ap.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="leantune-scale-"))
+    work.mkdir(parents=True, exist_ok=True)
+    tokenizer_dir = ensure_demo_model()
+    data = chat_file(work / "chat.jsonl")
+    rows = []
+    for name in args.cases.split(","):
+        row = case(name, work, tokenizer_dir, data)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    flags = sorted({f for f in ("avx512_bf16", "amx_bf16") if f in cpu})
+    print(f"\n{'case':12} {'exit':>4} {'plan GiB':>9} {'peak GiB':>9} {'ratio':>6} {'s/step':>7}")
+    for r in rows:
+        print(
+            f"{r['case']:12} {r['exit']:>4} {r.get('planned_peak_gib', '-'):>9} "
+            f"{r['peak_rss_gib']:>9} {r.get('rss_over_plan', '-'):>6} {r.get('s_per_step', '-'):>7}"
+        )
+    print(json.dumps({"benchmark": "scale", "cpu_flags": flags, "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
