@@ -33,12 +33,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import yaml
 from torch import nn
-from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.config import (
@@ -51,7 +50,7 @@ from leantune.config import (
     validate,
 )
 from leantune.config_parse import ConfigError
-from leantune.data.dataset import PreparedData, check_token_range
+from leantune.data.dataset import PreparedData
 from leantune.data.loader import SampleStream
 from leantune.data.templates import apply_chat_template
 from leantune.methods.registry import (
@@ -116,6 +115,7 @@ from leantune.training.resume_policy import (
 )
 from leantune.training.run_setup import (
     RunSetup,
+    check_ids_fit,
     check_resumable,
     guard_settings,
     named_run,
@@ -297,8 +297,7 @@ def set_up(
     eval_inputs = EvalInputs(tokenizer, held_out, pad_id, events, faults) if held_out else None
     # Base model -> its exact match -> the method's wrapping -> the trainer around it.
     quantization = base_quantization(cfg.method, t.precision)
-    model = _base_model(cfg, source, quantization, device)
-    _check_ids_fit(model, cfg, run)
+    model = _base_model(cfg, source, quantization, device, run)
     base_exact_match = None
     if t.eval_exact_match and t.eval_base and eval_inputs and run.plan.action == "fresh":
         # On the bare base model, before any adapter exists (an untrained adapter is a no-op
@@ -425,8 +424,13 @@ def _run_files(cfg: Config, inputs: list[Path], main: bool = True) -> RunFiles:
 
 
 def _base_model(
-    cfg: Config, source: ModelSource, quantization: Quantization | None, device: torch.device
+    cfg: Config,
+    source: ModelSource,
+    quantization: Quantization | None,
+    device: torch.device,
+    run: RunSetup | None = None,
 ) -> nn.Module:
+    """The base model on `device`; with `run`, its embedding checked against the run's ids."""
     m = cfg.model
     model: nn.Module = load_model(
         source,
@@ -438,21 +442,9 @@ def _base_model(
         device=device,
     )
     model.to(device)  # in place (the quantised load is already there)
+    if run is not None:
+        check_ids_fit(model, run)
     return model
-
-
-def _check_ids_fit(model: nn.Module, cfg: Config, run: RunSetup) -> None:
-    """No token id past the model's embedding reaches it: prepared data is checked against
-    the model's tokenizer first, but a model whose embedding is smaller than its own tokenizer
-    is only caught here (with exit 2, not an IndexError mid-step)."""
-    embedding = cast(PreTrainedModel, model).get_input_embeddings()
-    rows = getattr(embedding, "num_embeddings", None)
-    if not isinstance(rows, int):  # not an nn.Embedding: its size is not known here
-        return
-    assert cfg.data.train is not None
-    check_token_range(run.train_data, rows, cfg.data.train)
-    if run.eval_data is not None and cfg.data.eval is not None:
-        check_token_range(run.eval_data, rows, cfg.data.eval)
 
 
 def _wrap(
