@@ -237,7 +237,8 @@ def test_the_digest_ignores_call_time_padding_and_truncation(tiny_llama_dir: Pat
 
 def test_token_ids_past_the_embedding_are_refused(tmp_path: Path, tokenizer_dir: Path) -> None:
     """A model whose embedding is smaller than its tokenizer (a misconfigured checkpoint):
-    the data is tokenised with its own tokenizer, so only the range check can catch it."""
+    the data is tokenised with its own tokenizer, so only the range check can catch it, in
+    train and in eval."""
     model_dir = tmp_path / "narrow"
     torch.manual_seed(0)
     LlamaForCausalLM(tiny_llama_config(vocab_size=300)).save_pretrained(model_dir)
@@ -245,7 +246,10 @@ def test_token_ids_past_the_embedding_are_refused(tmp_path: Path, tokenizer_dir:
     train = write_jsonl(tmp_path / "t.jsonl", chat_rows(16))
     done = _train(model_dir, train, tmp_path / "run")
     assert done.code == 2, done
-    assert "300" in done.err and str(train) in done.err and "vocab" in done.err
+    assert "300 rows" in done.err and f"{train}:1: token id" in done.err
+    done = run_cli(["eval", "--model", str(model_dir), "--data", str(train)])
+    assert done.code == 2, done
+    assert "300 rows" in done.err and f"{train}:1: token id" in done.err
 
 
 def test_check_token_range_names_the_first_record_out_of_range() -> None:
