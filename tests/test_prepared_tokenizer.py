@@ -226,8 +226,12 @@ def test_the_digest_ignores_call_time_padding_and_truncation(tiny_llama_dir: Pat
     tok = load_tokenizer(resolve_model(str(tiny_llama_dir)))
     before = tokenizer_fingerprint(tok)
     tok(["a b", "c"], padding=True)
-    tok("a b c", truncation=True, max_length=2)
+    assert tok.backend_tokenizer.padding is not None  # the state the digest must leave out
     assert tokenizer_fingerprint(tok) == before
+    tok("a b c", truncation=True, max_length=2)
+    assert tok.backend_tokenizer.truncation is not None
+    assert tokenizer_fingerprint(tok) == before
+    assert tok.backend_tokenizer.truncation is not None  # the caller's tokenizer is unchanged
     tok.chat_template = "{{ messages }}"
     assert tokenizer_fingerprint(tok) != before
 

@@ -21,15 +21,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.data.errors import DataError
 
 DIGEST_KEY = "tokenizer_digest"
 """The prepare_report.json key that holds the `TokenizerDigest` as a dict."""
-# Settings the backend keeps from its last call (`tokenizer(..., padding=True)` sets them):
-# the same tokenizer before and after a padded call must have the same digest.
-_CALL_STATE = ("truncation", "padding")
 
 
 class TokenizerMismatch(DataError):
@@ -52,10 +50,16 @@ def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> TokenizerDigest:
     h = hashlib.sha256(type(tokenizer).__name__.encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        state = json.loads(backend.to_str())
-        for key in _CALL_STATE:
-            state.pop(key, None)
-        h.update(json.dumps(state, sort_keys=True).encode())
+        text = backend.to_str()
+        if backend.truncation is not None or backend.padding is not None:
+            # Settings the backend keeps from its last call (`tokenizer(..., padding=True)`
+            # sets them): the same tokenizer after a padded call must have the same digest.
+            # A copy without them, so the caller's tokenizer is left as it is.
+            bare = Tokenizer.from_str(text)
+            bare.no_truncation()
+            bare.no_padding()
+            text = bare.to_str()
+        h.update(text.encode())
     else:
         h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
         sp_model = getattr(tokenizer, "sp_model", None)  # a slow SentencePiece tokenizer
