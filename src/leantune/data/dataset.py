@@ -22,11 +22,20 @@ from leantune.data.errors import DataError
 from leantune.data.formats import BadLine, Record, format_hint
 from leantune.data.packing import Row
 from leantune.data.prepare.pipeline import REJECTED, cache_key, prepare_dataset, read_report
+from leantune.data.prepare.provenance import check_tokenizer
 from leantune.data.prepare.records import PrepareSettings
 from leantune.data.prepare.shards import best_fit_decreasing, read_examples, read_rows, rows_of
 from leantune.data.tokenize import Example
 
-__all__ = ["NOT_BAD", "DataError", "PreparedData", "check_usable", "load_prepared", "prepared_data"]
+__all__ = [
+    "NOT_BAD",
+    "DataError",
+    "PreparedData",
+    "check_token_range",
+    "check_usable",
+    "load_prepared",
+    "prepared_data",
+]
 
 # Dropped on purpose, not bad data: they do not count against data.max_bad_fraction.
 NOT_BAD = frozenset({"empty_line", "exact_duplicate", "near_duplicate"})
@@ -75,11 +84,13 @@ def prepared_data(
     Raises:
         DataError: more than `max_bad_fraction` of the lines are bad, nothing is supervised, the
             file cannot be read as its kind, or a prepared directory of another data.format.
+        TokenizerMismatch: a prepared directory made by another tokenizer or chat template, or
+            one that does not record which (a DataError too).
         FileNotFoundError: `path` does not exist.
     """
     path = Path(path)
     if path.is_dir():
-        _check_prepared_with(path, settings, log)
+        _check_prepared_with(path, settings, tokenizer, log)
         return _load(path, path, settings, max_bad_fraction, limit)
     if cache_dir is None:
         with tempfile.TemporaryDirectory(prefix="leantune-prepared-") as tmp:
@@ -92,15 +103,23 @@ def prepared_data(
 
 
 def _check_prepared_with(
-    out: Path, settings: PrepareSettings, log: Callable[[str], None] | None
+    out: Path,
+    settings: PrepareSettings,
+    tokenizer: PreTrainedTokenizerBase,
+    log: Callable[[str], None] | None,
 ) -> None:
-    """Refuse a prepared directory of another format; warn when its rows have another length."""
-    made = (read_report(out) or {}).get("settings", {})
+    """Refuse a prepared directory of another format or made by another tokenizer (or chat
+    template); warn when its rows have another length."""
+    report = read_report(out)
+    if report is None:
+        return  # `load_prepared` says it is not a prepared directory
+    made = report.get("settings", {})
     if made.get("format", settings.format) != settings.format:
         raise DataError(
             f"{out}: prepared as data.format={made['format']}, but data.format="
             f"{settings.format}; prepare it again or fix data.format"
         )
+    check_tokenizer(out, report, tokenizer, settings.format)
     if made.get("max_seq_len", settings.max_seq_len) != settings.max_seq_len and log:
         log(
             f"warning: {out} was packed with max_seq_len={made['max_seq_len']}, "
@@ -233,3 +252,34 @@ def _hint(where: str | Path, total: int, bad: list[BadLine], fmt: str | None) ->
         return ""
     hint = format_hint(where, fmt)
     return f"\n{hint}" if hint else ""
+
+
+def check_token_range(data: PreparedData, vocab_size: int, where: str | Path) -> None:
+    """Refuse token ids outside [0, vocab_size): an embedding of `vocab_size` rows would fail on
+    them with an IndexError (or, on some devices, read other memory). The labels are the same
+    ids shifted, so checking the inputs covers them.
+
+    Raises:
+        DataError: naming `where`, the first record with such an id, the id and the size.
+    """
+    ids = [e.input_ids for e in data.examples if e.input_ids]
+    if not ids or (min(map(min, ids)) >= 0 and max(map(max, ids)) < vocab_size):
+        return
+    for i, example in enumerate(data.examples):
+        bad = next((t for t in example.input_ids if not 0 <= t < vocab_size), None)
+        if bad is None:
+            continue
+        record = data.records[i] if i < len(data.records) else None
+        if record is None:
+            which = f"{where}: example {i}"
+        elif record.source == str(where):
+            which = f"{where}:{record.line}"
+        else:
+            which = f"{where}: record {record.source}:{record.line}"
+        raise DataError(
+            f"{which}: token id {bad} is outside the model's vocabulary (its "
+            f"embedding has {vocab_size} rows, ids 0..{vocab_size - 1}): the ids were made by "
+            "a tokenizer with more tokens than the model has embeddings. Give model.path a "
+            "model whose tokenizer and weights belong together; prepared data: prepare it "
+            "again with this model"
+        )

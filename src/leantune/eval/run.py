@@ -14,7 +14,7 @@ from peft import PeftModel
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from leantune.data.dataset import prepared_data
+from leantune.data.dataset import check_token_range, prepared_data
 from leantune.data.formats import detect_format
 from leantune.data.prepare.records import PrepareSettings
 from leantune.eval.exact_match import evaluate_exact_match
@@ -57,6 +57,9 @@ def evaluate_file(
         tokenizer=tokenizer,
         max_bad_fraction=1.0,
     )
+    rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    if isinstance(rows, int):  # ids past the embedding: exit 2, not an IndexError mid-batch
+        check_token_range(data, rows, path)
     for bad in data.bad:
         if on_bad_line is not None:
             on_bad_line(str(bad))

@@ -34,10 +34,15 @@ RowStats = tuple[int | None, int | None, int, int]
 def row_stats_from_data(cfg: Config) -> RowStats:
     """The training rows' `RowStats` from the data (tokenizer only, no weights); (None, None,
     0, 0) when the data cannot be read (the planner then assumes full rows of
-    data.max_seq_len, all supervised, and the configured global batch)."""
+    data.max_seq_len, all supervised, and the configured global batch).
+
+    Raises:
+        TokenizerMismatch: data.train is a prepared directory of another tokenizer.
+    """
     from leantune.config import effective_pack
     from leantune.data.dataset import prepared_data
     from leantune.data.packing import longest_example, rows_for
+    from leantune.data.prepare.provenance import TokenizerMismatch
     from leantune.data.prepare.records import PrepareSettings
     from leantune.data.templates import apply_chat_template
     from leantune.memory.planner import max_supervised_per_row
@@ -69,6 +74,8 @@ def row_stats_from_data(cfg: Config) -> RowStats:
         rows = (
             rows_for(data.examples, pack, longest_example(data.examples)) if repack else data.rows
         )
+    except TokenizerMismatch:  # planning another model's token ids would mislead: say so
+        raise
     except Exception:
         return None, None, 0, 0
     longest = max((len(r.input_ids) for r in rows), default=0) or None

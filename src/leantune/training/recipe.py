@@ -118,6 +118,7 @@ from leantune.training.resume_policy import (
 )
 from leantune.training.run_setup import (
     RunSetup,
+    check_ids_fit,
     check_resumable,
     guard_settings,
     named_run,
@@ -301,7 +302,7 @@ def set_up(
     eval_inputs = EvalInputs(tokenizer, held_out, pad_id, events, faults) if held_out else None
     # Base model -> its exact match -> the method's wrapping -> the trainer around it.
     quantization = base_quantization(cfg.method, t.precision)
-    model = _base_model(cfg, source, quantization, device, log)
+    model = _base_model(cfg, source, quantization, device, run, log)
     base_exact_match = None
     if t.eval_exact_match and t.eval_base and eval_inputs and run.plan.action == "fresh":
         # On the bare base model, before any adapter exists (an untrained adapter is a no-op
@@ -442,10 +443,12 @@ def _base_model(
     source: ModelSource,
     quantization: Quantization | None,
     device: torch.device,
+    run: RunSetup | None = None,
     log: Log = _quiet,
 ) -> nn.Module:
-    """The base model on `device`; `log` hears why the loss must use the model's own forward
-    when the loader's check found so (once per run: the rebuilt final model stays quiet)."""
+    """The base model on `device`; with `run`, its embedding checked against the run's ids;
+    `log` hears why the loss must use the model's own forward when the loader's check found
+    so (once per run: the rebuilt final model stays quiet)."""
     m = cfg.model
     model: nn.Module = load_model(
         source,
@@ -460,6 +463,8 @@ def _base_model(
     note = output_head(model).note
     if note:
         log(f"warning: {note}")
+    if run is not None:
+        check_ids_fit(model, run)
     return model
 
 

@@ -28,8 +28,11 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
+from torch import nn
+from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.config import (
@@ -43,7 +46,7 @@ from leantune.config import (
     effective_pack,
 )
 from leantune.config_checks import MAX_SEQ_LEN
-from leantune.data.dataset import PreparedData, prepared_data
+from leantune.data.dataset import PreparedData, check_token_range, prepared_data
 from leantune.data.packing import longest_example, rows_for
 from leantune.data.prepare.command import engine_options, settings_from_config
 from leantune.data.prepare.pipeline import read_report
@@ -374,6 +377,21 @@ def set_up_run(
     t, memory = plan_for_run(cfg, device, labels, batch)
     log(memory.note)
     return RunSetup(dataclasses.replace(cfg, train=t), plan, train_data, eval_data, batch, memory)
+
+
+def check_ids_fit(model: nn.Module, run: RunSetup) -> None:
+    """No token id past the model's embedding reaches it: prepared data is checked against
+    the model's tokenizer first, but a model whose embedding is smaller than its own tokenizer
+    is only caught here (with exit 2, not an IndexError mid-step)."""
+    embedding = cast(PreTrainedModel, model).get_input_embeddings()
+    rows = getattr(embedding, "num_embeddings", None)
+    if not isinstance(rows, int):  # not an nn.Embedding: its size is not known here
+        return
+    d = run.cfg.data
+    assert d.train is not None
+    check_token_range(run.train_data, rows, d.train)
+    if run.eval_data is not None and d.eval is not None:
+        check_token_range(run.eval_data, rows, d.eval)
 
 
 def seed_everything(seed: int) -> None:

@@ -17,6 +17,7 @@ import time
 from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +27,16 @@ from leantune.data.errors import DataError
 from leantune.data.prepare.chunks import ChunkStore
 from leantune.data.prepare.dedup import DedupIndex
 from leantune.data.prepare.engines import ENGINES, run_dask, run_local
+from leantune.data.prepare.provenance import DIGEST_KEY, tokenizer_digest, tokenizer_fingerprint
 from leantune.data.prepare.readers import ReaderError, file_kind
 from leantune.data.prepare.records import ChunkResult, Kept, PrepareSettings, Rejection
 from leantune.data.prepare.shards import SHARD_TOKENS, ShardBuffer, write_shard
 from leantune.data.tokenize import IGNORE_INDEX
 from leantune.errors import UserError
 
-PIPELINE_VERSION = 4  # bump when the output for the same key changes
+# Bump when the output for the same key changes (4: answers found by walking one render, and
+# the tokenizer digest recorded).
+PIPELINE_VERSION = 4
 REPORT = "prepare_report.json"
 REJECTED = "rejected.jsonl"
 Log = Callable[[str], None]
@@ -40,21 +44,6 @@ Log = Callable[[str], None]
 
 class OutputExistsError(FileExistsError, UserError):
     """The output directory holds something that is not a prepared directory."""
-
-
-def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
-    """Hash of everything in the tokenizer that changes token ids or the chat template."""
-    h = hashlib.sha256(type(tokenizer).__name__.encode())
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        h.update(backend.to_str().encode())
-    else:
-        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    template = getattr(tokenizer, "chat_template", None)
-    h.update(json.dumps(template, sort_keys=True).encode())
-    specials = {k: str(v) for k, v in tokenizer.special_tokens_map.items()}
-    h.update(json.dumps([specials, tokenizer.eos_token_id, tokenizer.bos_token_id]).encode())
-    return h.hexdigest()
 
 
 def file_digest(path: str | Path) -> str:
@@ -343,6 +332,7 @@ def _report(
         "engine": {"name": engine, **info},
         "files": [str(Path(f).resolve()) for f in files],
         "tokenizer": str(getattr(tokenizer, "name_or_path", "")),
+        DIGEST_KEY: asdict(tokenizer_digest(tokenizer)),
         "settings": settings.as_dict(),
         "cache_key": key,
         "cache_hit": False,
