@@ -23,7 +23,8 @@ from transformers import (
 )
 
 import leantune.export.gguf_file as gguf_file
-from leantune.cli import EXPORT_FORMATS, main
+from leantune.cli import main
+from leantune.cli_inference import EXPORT_FORMATS
 from leantune.export.int8 import quantize_int8
 from leantune.export.parity import REPORT_NAME, ParityError, build_samples, sample_logits
 from leantune.export.run import FORMATS, check_export, export_model

@@ -25,10 +25,11 @@ Attention = Literal["auto", "segments", "sdpa", "eager"]
 
 def _quiet() -> None:
     """The CLI's warning hygiene (kept in one place, the CLI's own functions)."""
-    from leantune.cli import _quiet_import_noise, _quiet_libraries
+    from leantune.cli import _quiet_import_noise
+    from leantune.cli_args import quiet_libraries
 
     _quiet_import_noise()
-    _quiet_libraries()
+    quiet_libraries()
 
 
 def _silent(_: str) -> None:
