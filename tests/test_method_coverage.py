@@ -1,0 +1,234 @@
+"""What each method adapts does not depend silently on the family (issue 31, silent wrong result 3):
+LoRA's defaults reach the routed experts of every MoE family in the model zoo, IA3 scales keys,
+values and the MLP on fused layouts (Phi-3), and the run says once what is adapted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_zoo import FAMILIES
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from leantune.config import MethodConfig
+from leantune.methods.coverage import coverage_of
+from leantune.methods.errors import MethodError
+from leantune.methods.registry import apply_method, count_parameters, trainable_named_parameters
+from leantune.training.optim import build_optimizer
+
+MOE = ["qwen3-moe", "qwen2-moe", "mixtral"]
+R = 16  # the default preset's rank
+IDS = torch.tensor([[5, 17, 42, 7, 99, 3, 11, 23, 64, 8]])
+
+
+def _base(family: str, seed: int = 0) -> PreTrainedModel:
+    config = FAMILIES[family].config(128, eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def _applied(family: str, method: str, **fields: object) -> torch.nn.Module:
+    torch.manual_seed(1)
+    return apply_method(_base(family), MethodConfig(name=method, **fields))  # type: ignore[arg-type]
+
+
+def _lora(out: int, inp: int, experts: int = 1) -> int:
+    """LoRA's parameters on an out x in weight (per expert for fused experts: A and B per expert)."""
+    return R * experts * (out + inp)
+
+
+def _expert_wrappers(model: torch.nn.Module, layer: int) -> set[str]:
+    """The fused expert weights of block `layer` that peft wraps (its `ParamWrapper`s)."""
+    return {
+        m.parameter_name
+        for n, m in model.named_modules()
+        if f"layers.{layer}.mlp.experts" in n and isinstance(getattr(m, "parameter_name", 0), str)
+    }
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_default_lora_adapts_and_trains_the_routed_experts_of_every_moe_family(
+    family: str,
+) -> None:
+    model = _applied(family, "lora")
+    for layer in range(2):
+        assert _expert_wrappers(model, layer) == {"gate_up_proj", "down_proj"}, family
+    expert_params = {n: p for n, p in trainable_named_parameters(model).items() if ".experts." in n}
+    assert expert_params, family
+    # Train the expert adapters alone: the output must change through them.
+    for n, p in trainable_named_parameters(model).items():
+        p.requires_grad_(n in expert_params)
+    with torch.no_grad():
+        before = model(input_ids=IDS).logits
+        base = _base(family)(input_ids=IDS).logits
+    torch.testing.assert_close(before, base)  # lora_B starts at 0: the base model's output
+    model.train()
+    logits = model(input_ids=IDS).logits
+    loss = torch.nn.functional.cross_entropy(logits[0, :-1], IDS[0, 1:])
+    loss.backward()
+    for n, p in expert_params.items():
+        if "lora_B" in n:
+            assert p.grad is not None and p.grad.abs().max() > 0, n
+    torch.optim.SGD(list(expert_params.values()), lr=0.5).step()
+    model.eval()
+    with torch.no_grad():
+        after = model(input_ids=IDS).logits
+    assert (after - before).abs().max() > 1e-3, family
+
+
+def _lines(family: str, method: str) -> list[str]:
+    return coverage_of(_applied(family, method), method).lines()[1:]
+
+
+# Dimensions from tests/model_zoo.py: hidden 64, 4 heads of 16 (2 for keys/values), MLP 128,
+# MoE: 4 experts of 32 (Qwen) or 128 (Mixtral), Qwen2-MoE's shared expert 64.
+ATTENTION = 2 * (_lora(64, 64) + 2 * _lora(32, 64) + _lora(64, 64))
+COVERAGE = {
+    "llama3": [
+        f"method lora adapts: attention q_proj, k_proj, v_proj, o_proj x 2 layers ({ATTENTION:,}); "
+        f"mlp gate_proj, up_proj, down_proj x 2 layers ({2 * 3 * _lora(128, 64):,})"
+    ],
+    "phi3": [
+        # In the model's own order: Phi3Attention defines o_proj first.
+        f"method lora adapts: attention o_proj, qkv_proj x 2 layers "
+        f"({2 * (_lora(128, 64) + _lora(64, 64)):,}); mlp gate_up_proj, down_proj x 2 layers "
+        f"({2 * (_lora(256, 64) + _lora(64, 128)):,})"
+    ],
+    "qwen3-moe": [
+        f"method lora adapts: attention q_proj, k_proj, v_proj, o_proj x 2 layers "
+        f"({ATTENTION:,}); routed experts gate_up_proj, down_proj via target_parameters "
+        f"x 2 layers ({2 * (_lora(64, 64, 4) + _lora(64, 32, 4)):,})",
+        "method lora keeps the MoE routers frozen: gate x 2 layers (the training loss has no "
+        "load-balancing term to keep a trained router spreading tokens over experts)",
+    ],
+    "qwen2-moe": [
+        f"method lora adapts: attention q_proj, k_proj, v_proj, o_proj x 2 layers "
+        f"({ATTENTION:,}); shared expert gate_proj, up_proj, down_proj x 2 layers "
+        f"({2 * 3 * _lora(64, 64):,}); routed experts gate_up_proj, down_proj via "
+        f"target_parameters x 2 layers ({2 * (_lora(64, 64, 4) + _lora(64, 32, 4)):,})",
+        "method lora keeps the MoE routers frozen: gate, shared_expert_gate x 2 layers (the "
+        "training loss has no load-balancing term to keep a trained router spreading tokens "
+        "over experts)",
+    ],
+    "mixtral": [
+        f"method lora adapts: attention q_proj, k_proj, v_proj, o_proj x 2 layers "
+        f"({ATTENTION:,}); routed experts gate_up_proj, down_proj via target_parameters "
+        f"x 2 layers ({2 * (_lora(256, 64, 4) + _lora(64, 128, 4)):,})",
+        "method lora keeps the MoE routers frozen: gate x 2 layers (the training loss has no "
+        "load-balancing term to keep a trained router spreading tokens over experts)",
+    ],
+}
+
+
+@pytest.mark.parametrize("family", sorted(COVERAGE))
+def test_lora_coverage_lines_name_every_adapted_kind_with_its_count(family: str) -> None:
+    model = _applied(family, "lora")
+    coverage = coverage_of(model, "lora")
+    assert coverage.lines()[1:] == COVERAGE[family]
+    trainable, total = count_parameters(model)
+    assert coverage.lines()[0] == (
+        f"method lora: {trainable:,} of {total:,} parameters train "
+        f"({100 * trainable / total:.3f}%)"
+    )
+    # The groups add up to what trains.
+    assert sum(g.params for g in coverage.adapted) == trainable
+    # summary.json's form of the same groups.
+    groups = coverage.as_dict()["groups"]
+    assert [(g["kind"], g["layers"], g["params"]) for g in groups] == [
+        (g.kind, 2, g.params) for g in coverage.adapted
+    ]
+    assert groups[0]["kind"] == "attention" and groups[-1]["names"] == list(coverage.adapted[-1].names)
+
+
+def test_ia3_coverage_lines_show_scales_and_the_experts_it_cannot_reach() -> None:
+    assert _lines("llama3", "ia3") == [
+        "method ia3 adapts: attention k_proj, v_proj via output scales x 2 layers (128); "
+        "mlp down_proj via input scales x 2 layers (256)"
+    ]
+    assert _lines("phi3", "ia3") == [
+        "method ia3 adapts: attention qkv_proj via output scales of k, v x 2 layers (128); "
+        "mlp down_proj via input scales x 2 layers (256)"
+    ]
+    mixtral = _lines("mixtral", "ia3")
+    assert mixtral[0] == "method ia3 adapts: attention k_proj, v_proj via output scales x 2 layers (128)"
+    assert mixtral[-1] == (
+        "warning: method ia3 does not reach the routed experts (gate_up_proj, down_proj x 2 "
+        "layers: fused expert parameters, which it cannot adapt); method.name=lora adapts them"
+    )
+
+
+def test_full_and_prompt_coverage() -> None:
+    assert _lines("llama3", "full") == ["method full adapts: every parameter"]
+    assert _lines("llama3", "prompt") == [
+        "method prompt adapts: outside blocks prompt_encoder.default.embedding (1,280)"
+    ]
+
+
+def test_phi3_ia3_scales_keys_values_and_mlp_like_llama() -> None:
+    """Phi-3 fuses q, k, v into qkv_proj and gate, up into gate_up_proj. IA3 scales its keys and
+    values (the k and v slices of qkv_proj's output) and the MLP's inner activation (down_proj's
+    input): as many scales as on Llama with the same dimensions, the queries untouched."""
+    cfg = _base("phi3").config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    queries, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    model = _applied("phi3", "ia3")
+    params = trainable_named_parameters(model)
+    shapes = {n.split("layers.")[1]: tuple(p.shape) for n, p in params.items()}
+    assert shapes == {
+        f"{i}.{site}.ia3_l.default": shape
+        for i in range(cfg.num_hidden_layers)
+        for site, shape in (
+            ("self_attn.qkv_proj", (queries + 2 * kv, 1)),
+            ("mlp.down_proj", (1, cfg.intermediate_size)),
+        )
+    }
+    logical = cfg.num_hidden_layers * (2 * kv + cfg.intermediate_size)
+    assert count_parameters(model)[0] == logical == count_parameters(_applied("llama3", "ia3"))[0]
+    # A few optimizer steps move the k, v and MLP scales and leave the query scales at 1.
+    opt = build_optimizer(params, 5e-2, 0.0)
+    model.train()
+    for _ in range(3):
+        logits = model(input_ids=IDS).logits
+        torch.nn.functional.cross_entropy(logits[0, :-1], IDS[0, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    for name, p in params.items():
+        if "qkv_proj" in name:
+            assert torch.equal(p[:queries], torch.ones_like(p[:queries])), name
+            assert (p[queries:] - 1).abs().min() > 0, name
+        else:
+            assert (p - 1).abs().min() > 0, name
+
+
+def test_phi3_ia3_output_equals_the_base_with_k_and_v_rows_scaled() -> None:
+    """The model's own forward as the reference: IA3's scales on qkv_proj act exactly as scaling
+    the key and value rows of the base weight."""
+    model = _applied("phi3", "ia3").eval()
+    base = _base("phi3")
+    queries = base.config.num_attention_heads * (base.config.hidden_size // 4)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, p in trainable_named_parameters(model).items():
+            p.copy_(1 + 0.5 * torch.randn_like(p))
+            if "qkv_proj" in name:
+                p[:queries] = 1  # held: what training leaves there
+            layer = int(name.split("layers.")[1].split(".")[0])
+            block = base.model.layers[layer]
+            if "qkv_proj" in name:
+                block.self_attn.qkv_proj.weight.mul_(p)  # rows = outputs
+            else:
+                block.mlp.down_proj.weight.mul_(p)  # columns = inputs
+        torch.testing.assert_close(model(input_ids=IDS).logits, base(input_ids=IDS).logits)
+
+
+def test_lora_target_names_that_match_nothing_are_refused() -> None:
+    with pytest.raises(MethodError, match=r"'k_proj' matches no linear layer.*qkv_proj"):
+        _applied("phi3", "lora", target_modules=["k_proj"])
+
+
+def test_explicit_lora_targets_reach_fused_experts_by_name() -> None:
+    model = _applied("qwen2-moe", "lora", target_modules=["down_proj"])
+    lines = coverage_of(model, "lora").lines()
+    assert lines[1].startswith(
+        "method lora adapts: shared expert down_proj x 2 layers (4,096); routed experts "
+        "down_proj via target_parameters x 2 layers"
+    )
