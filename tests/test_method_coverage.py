@@ -32,7 +32,7 @@ def _applied(family: str, method: str, **fields: object) -> torch.nn.Module:
 
 
 def _lora(out: int, inp: int, experts: int = 1) -> int:
-    """LoRA's parameters on an out x in weight (per expert for fused experts: A and B per expert)."""
+    """LoRA's parameters on an out x in weight (fused experts: an A and a B per expert)."""
     return R * experts * (out + inp)
 
 
@@ -126,8 +126,7 @@ def test_lora_coverage_lines_name_every_adapted_kind_with_its_count(family: str)
     assert coverage.lines()[1:] == COVERAGE[family]
     trainable, total = count_parameters(model)
     assert coverage.lines()[0] == (
-        f"method lora: {trainable:,} of {total:,} parameters train "
-        f"({100 * trainable / total:.3f}%)"
+        f"method lora: {trainable:,} of {total:,} parameters train ({100 * trainable / total:.3f}%)"
     )
     # The groups add up to what trains.
     assert sum(g.params for g in coverage.adapted) == trainable
@@ -136,7 +135,9 @@ def test_lora_coverage_lines_name_every_adapted_kind_with_its_count(family: str)
     assert [(g["kind"], g["layers"], g["params"]) for g in groups] == [
         (g.kind, 2, g.params) for g in coverage.adapted
     ]
-    assert groups[0]["kind"] == "attention" and groups[-1]["names"] == list(coverage.adapted[-1].names)
+    assert groups[0]["kind"] == "attention" and groups[-1]["names"] == list(
+        coverage.adapted[-1].names
+    )
 
 
 def test_ia3_coverage_lines_show_scales_and_the_experts_it_cannot_reach() -> None:
@@ -149,7 +150,10 @@ def test_ia3_coverage_lines_show_scales_and_the_experts_it_cannot_reach() -> Non
         "mlp down_proj via input scales x 2 layers (256)"
     ]
     mixtral = _lines("mixtral", "ia3")
-    assert mixtral[0] == "method ia3 adapts: attention k_proj, v_proj via output scales x 2 layers (128)"
+    assert (
+        mixtral[0]
+        == "method ia3 adapts: attention k_proj, v_proj via output scales x 2 layers (128)"
+    )
     assert mixtral[-1] == (
         "warning: method ia3 does not reach the routed experts (gate_up_proj, down_proj x 2 "
         "layers: fused expert parameters, which it cannot adapt); method.name=lora adapts them"

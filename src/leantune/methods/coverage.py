@@ -142,6 +142,7 @@ def _tuner_sites(model: nn.Module) -> Iterator[tuple[str, str, nn.Parameter]]:
             scaled = getattr(module, SCALED_ATTR, None)
             side = "input scales" if module.is_feedforward else "output scales"
             via = f"{side} of {scaled}" if scaled else side
+        assert isinstance(module, nn.Module)
         for pname, p in module.named_parameters():
             if p.requires_grad and not pname.startswith("base_layer."):
                 yield site, via, p
@@ -225,17 +226,17 @@ def _groups(model: nn.Module) -> list[Group]:
         layers.add(int(m.group(2)) if m else -1)
         sites[key] = (layers, min(first, order.get(site, 1 << 62)), size + n)
     members: dict[tuple[str, str, frozenset[int]], list[tuple[int, str, int]]] = {}
-    for (path, via), (layers, first, size) in sites.items():
-        inside = -1 not in layers
+    for (path, via), (blocks, first, size) in sites.items():
+        inside = -1 not in blocks
         kind = _kind(path) if inside else "outside blocks"
         name = path.rsplit(".", 1)[-1] if inside else path.removeprefix("model.")
-        key = (kind, via, frozenset(layers) if inside else frozenset())
-        members.setdefault(key, []).append((first, name, size))
+        group_key = (kind, via, frozenset(blocks) if inside else frozenset[int]())
+        members.setdefault(group_key, []).append((first, name, size))
     groups = []
-    for (kind, via, layers), items in members.items():
+    for (kind, via, in_blocks), items in members.items():
         items.sort()
         group = Group(
-            kind, tuple(n for _, n, _ in items), via, len(layers), sum(s for *_, s in items)
+            kind, tuple(n for _, n, _ in items), via, len(in_blocks), sum(s for *_, s in items)
         )
         groups.append((KINDS.index(kind), items[0][0], group))
     return [g for *_, g in sorted(groups, key=lambda t: (t[0], t[1]))]

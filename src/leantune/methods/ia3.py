@@ -98,7 +98,8 @@ def _hold_queries(layer: nn.Module, config: object) -> None:
     kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
     queries = heads * head_dim
-    for scales in layer.ia3_l.values():  # type: ignore[union-attr]
+    ia3_l: Any = layer.ia3_l  # peft's ParameterDict of scales, by adapter name
+    for scales in ia3_l.values():
         if scales.numel() != queries + 2 * kv_heads * head_dim:
             raise MethodError(
                 f"method.name=ia3: {FUSED_QKV} has {scales.numel()} outputs, not the "
