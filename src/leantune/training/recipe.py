@@ -253,10 +253,8 @@ class Session:
     eval_inputs: EvalInputs | None
     eval_settings: EvalSettings
     evaluator: PeriodicEval | None
-    trainable_params: int
-    total_params: int
-    adapted: dict[str, Any]
-    """What the method adapts (`Coverage.as_dict`), for summary.json."""
+    coverage: Coverage
+    """What the method adapts, with the (trainable, total) parameter counts."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,9 +338,7 @@ def set_up(
         eval_inputs=eval_inputs,
         eval_settings=settings,
         evaluator=evaluator,
-        trainable_params=coverage.trainable,
-        total_params=coverage.total,
-        adapted=coverage.as_dict(),
+        coverage=coverage,
     )
 
 
@@ -762,11 +758,11 @@ def finish(session: Session, *, log: Log, started: float) -> dict[str, Any]:
         files.run_dir,
         tr.state,
         tr.progress,
-        s.trainable_params,
-        s.total_params,
+        s.coverage.trainable,
+        s.coverage.total,
         results,
         log,
-        adapted=s.adapted,
+        adapted=s.coverage.as_dict(),
     )
     if cfg.monitor.report:
         report_at_end(files.run_dir, log)
