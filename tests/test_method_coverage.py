@@ -4,9 +4,12 @@ values and the MLP on fused layouts (Phi-3), and the run says once what is adapt
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from model_zoo import FAMILIES
+from peft import PeftModel
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from leantune.config import MethodConfig
@@ -236,3 +239,41 @@ def test_explicit_lora_targets_reach_fused_experts_by_name() -> None:
         "method lora adapts: shared expert down_proj x 2 layers (4,096); routed experts "
         "down_proj via target_parameters x 2 layers"
     )
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_dora_refuses_to_skip_the_routed_experts(family: str) -> None:
+    """peft has no DoRA for fused expert weights: the run says so instead of leaving them out
+    (or failing with peft's traceback)."""
+    with pytest.raises(MethodError, match=r"dora.*gate_up_proj.*routed experts"):
+        _applied(family, "dora")
+    named = _applied(family, "dora", target_modules=["q_proj", "v_proj"])
+    assert {g.kind for g in coverage_of(named, "dora").adapted} == {"attention"}
+
+
+def test_phi3_ia3_refuses_scales_that_lost_their_query_mask() -> None:
+    """A strategy that swaps the parameters (FSDP2 shards) would drop the mask silently."""
+    model = _applied("phi3", "ia3")
+    layer = model.get_base_model().model.layers[0].self_attn.qkv_proj
+    layer.ia3_l["default"] = torch.nn.Parameter(layer.ia3_l["default"].detach().clone())
+    with pytest.raises(MethodError, match=r"fused qkv_proj.*dist.strategy=ddp"):
+        model(input_ids=IDS)
+
+
+@pytest.mark.parametrize("family", ["qwen2-moe", "mixtral"])
+def test_expert_adapters_save_reload_and_merge_to_the_same_logits(
+    family: str, tmp_path: Path
+) -> None:
+    """The routed experts' adapters (peft target_parameters) are part of the saved adapter and
+    fold into the fused expert weights on merge, as export does."""
+    model = _applied(family, "lora")
+    with torch.no_grad():
+        for p in trainable_named_parameters(model).values():
+            p.add_(torch.randn_like(p) * 0.05)
+        expected = model(input_ids=IDS).logits
+    model.save_pretrained(tmp_path)
+    reloaded = PeftModel.from_pretrained(_base(family), tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=IDS).logits, expected)
+        merged = reloaded.merge_and_unload()
+        torch.testing.assert_close(merged(input_ids=IDS).logits, expected, rtol=1e-5, atol=1e-5)

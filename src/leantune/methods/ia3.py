@@ -110,3 +110,19 @@ def _hold_queries(layer: nn.Module, config: object) -> None:
         scales.register_hook(lambda g, m=mask: g * m.to(g.device, g.dtype))
         setattr(scales, HELD_ATTR, queries)
     setattr(layer, SCALED_ATTR, "k, v")
+    layer.register_forward_pre_hook(_still_held)
+
+
+def _still_held(layer: nn.Module, args: object) -> None:
+    """The mask lives on the parameter object: a strategy that replaces the parameters (FSDP2
+    shards them into new ones) would drop it and train the query scales. Refuse that run.
+
+    Raises:
+        MethodError: a scale vector of the layer is not the masked one.
+    """
+    ia3_l: Any = layer.ia3_l
+    if not all(hasattr(scales, HELD_ATTR) for scales in ia3_l.values()):
+        raise MethodError(
+            f"method.name=ia3 on a fused {FUSED_QKV}: the parallel strategy replaced the scale "
+            "vectors whose query part is held at 1; use dist.strategy=ddp (or one process)"
+        )

@@ -45,10 +45,17 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     """Wrap `model` in a peft LoRA (or DoRA) model; only adapter weights train (kept in fp32).
 
     Raises:
-        MethodError: a target name matches nothing, or peft adapted other weights than those
-            `resolve_targets` chose.
+        MethodError: a target name matches nothing, DoRA on fused expert weights (peft has no
+            DoRA for them), or peft adapted other weights than those `resolve_targets` chose.
     """
     modules, parameters = resolve_targets(model, settings.target_modules)
+    if settings.use_dora and parameters:
+        raise MethodError(
+            "method.name=dora: peft's DoRA cannot adapt fused expert weights "
+            f"({', '.join(sorted({p.rsplit('.', 1)[-1] for p in parameters}))}, the routed "
+            "experts of this MoE model); use method.name=lora, or name the layers to adapt in "
+            "method.target_modules (e.g. [q_proj, k_proj, v_proj, o_proj])"
+        )
     config = LoraConfig(
         r=settings.r,
         lora_alpha=settings.alpha,
