@@ -4,19 +4,23 @@ values and the MLP on fused layouts (Phi-3), and the run says once what is adapt
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
-from model_zoo import FAMILIES
+from conftest import make_config, write_jsonl
+from model_zoo import FAMILIES, plant_chats, save_family_model
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from leantune.config import MethodConfig
 from leantune.methods.coverage import coverage_of
 from leantune.methods.errors import MethodError
+from leantune.methods.lora import quiet_peft
 from leantune.methods.registry import apply_method, count_parameters, trainable_named_parameters
 from leantune.training.optim import build_optimizer
+from leantune.training.recipe import train
 
 MOE = ["qwen3-moe", "qwen2-moe", "mixtral"]
 R = 16  # the default preset's rank
@@ -272,8 +276,36 @@ def test_expert_adapters_save_reload_and_merge_to_the_same_logits(
             p.add_(torch.randn_like(p) * 0.05)
         expected = model(input_ids=IDS).logits
     model.save_pretrained(tmp_path)
-    reloaded = PeftModel.from_pretrained(_base(family), tmp_path)
+    with quiet_peft():
+        reloaded = PeftModel.from_pretrained(_base(family), tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=IDS).logits, expected)
         merged = reloaded.merge_and_unload()
         torch.testing.assert_close(merged(input_ids=IDS).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_qwen2_moe_run_says_its_routed_experts_train(tmp_path: Path) -> None:
+    """End to end with the defaults: the log says once what LoRA adapts, and summary.json keeps
+    it, routed experts included."""
+    model_dir = save_family_model(tmp_path / "model", "qwen2-moe")
+    data = write_jsonl(tmp_path / "chats.jsonl", plant_chats(8))
+    logs: list[str] = []
+    summary = train(
+        make_config(model_dir, data, tmp_path / "run", "train.max_steps=2", "data.max_seq_len=256"),
+        log=logs.append,
+    )
+    assert [line for line in logs if line.startswith("method lora ")] == [
+        line for line in _lines("qwen2-moe", "lora") if line.startswith("method lora ")
+    ]
+    groups = json.loads((tmp_path / "run" / "summary.json").read_text())["adapted"]["groups"]
+    experts = [g for g in groups if g["kind"] == "routed experts"]
+    assert experts == [
+        {
+            "kind": "routed experts",
+            "names": ["gate_up_proj", "down_proj"],
+            "via": "target_parameters",
+            "layers": 2,
+            "params": 2 * (_lora(64, 64, 4) + _lora(64, 32, 4)),
+        }
+    ]
+    assert summary["adapted"]["routers_frozen"] == ["gate", "shared_expert_gate"]
