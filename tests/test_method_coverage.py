@@ -232,7 +232,9 @@ def test_phi3_ia3_output_equals_the_base_with_k_and_v_rows_scaled() -> None:
 
 
 def test_lora_target_names_that_match_nothing_are_refused() -> None:
-    with pytest.raises(MethodError, match=r"'k_proj' matches no linear layer.*qkv_proj"):
+    with pytest.raises(
+        MethodError, match=r"'k_proj' matches no linear or embedding layer.*qkv_proj"
+    ):
         _applied("phi3", "lora", target_modules=["k_proj"])
 
 
@@ -309,3 +311,13 @@ def test_a_qwen2_moe_run_says_its_routed_experts_train(tmp_path: Path) -> None:
         }
     ]
     assert summary["adapted"]["routers_frozen"] == ["gate", "shared_expert_gate"]
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_routers_train_only_when_named(family: str) -> None:
+    """The default keeps routers frozen (see lora.resolve_targets); naming `gate` adapts the
+    router, a custom module around a 2-D weight in transformers 5, through target_parameters."""
+    model = _applied(family, "lora", target_modules=["q_proj", "gate"])
+    routers = [g for g in coverage_of(model, "lora").adapted if g.kind == "router"]
+    assert [(g.names, g.layers) for g in routers] == [(("gate",), 2)]
+    assert routers[0].params == 2 * _lora(4, 64)  # 4 experts x hidden 64, rank 16

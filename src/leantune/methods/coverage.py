@@ -137,7 +137,10 @@ def _tuner_sites(model: nn.Module) -> Iterator[tuple[str, str, nn.Parameter]]:
         site, via = unwrapped_name(name), ""
         parameter_name = getattr(module, "parameter_name", None)
         if isinstance(parameter_name, str):
-            site, via = f"{site}.{parameter_name}", "target_parameters"
+            # A module's own `weight` (a router's) names the module; a fused expert weight is
+            # named by itself (`experts.gate_up_proj`).
+            site = site if parameter_name == "weight" else f"{site}.{parameter_name}"
+            via = "target_parameters"
         elif hasattr(module, "is_feedforward"):  # IA3
             scaled = getattr(module, SCALED_ATTR, None)
             side = "input scales" if module.is_feedforward else "output scales"

@@ -9,10 +9,14 @@ from dataclasses import dataclass
 
 from peft import LoraConfig, get_peft_model
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from leantune.methods.coverage import adapted_sites, is_router
 from leantune.methods.errors import MethodError
 from leantune.methods.freeze import decoder_layers
+
+LINEAR = (nn.Linear, Conv1D)
+"""What "all-linear" adapts, as peft's own "all-linear" does (GPT-2-style blocks use Conv1D)."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     )
     with quiet_peft():
         wrapped = get_peft_model(model, config, autocast_adapter_dtype=True)
-    _check_adapted(wrapped, set(modules) | set(parameters))
+    _check_adapted(wrapped, set(modules) | {p.removesuffix(".weight") for p in parameters})
     return wrapped
 
 
@@ -83,32 +87,39 @@ def resolve_targets(model: nn.Module, names: tuple[str, ...]) -> tuple[list[str]
     `shared_expert_gate`) stay frozen in every family: the training loss has no load-balancing
     term, so a trained router may send every token to a few experts; name them to adapt them.
 
-    Other names: the linear layers and fused expert weights whose name is, or ends with, the name.
+    Other names: the linear and embedding layers and fused expert weights whose name is, or
+    ends with, the name (anywhere in the model: `embed_tokens`, `lm_head` too).
 
     Raises:
         MethodError: a name that matches nothing, with the names the blocks have.
     """
     blocks = _block_prefix(model)
-    linear = [
-        n
-        for n, m in model.named_modules()
-        if isinstance(m, nn.Linear) and not _inside_tuner(n) and n.startswith(blocks)
-    ]
+    own = [(n, m) for n, m in model.named_modules() if not _inside_tuner(n)]
+    linear = [n for n, m in own if isinstance(m, LINEAR) and n.startswith(blocks)]
     fused = [n for n, p in model.named_parameters() if p.dim() == 3 and n.startswith(blocks)]
     if names == ("all-linear",):
         return [n for n in linear if not is_router(n)], fused
-    all_linear = [
-        n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not _inside_tuner(n)
+    wrappable = [n for n, m in own if isinstance(m, (*LINEAR, nn.Embedding))]
+    # transformers 5 routers are custom modules around a 2-D weight: peft wraps the weight.
+    router_weights = [
+        f"{n}.weight"
+        for n, m in own
+        if n.startswith(blocks)
+        and is_router(n)
+        and not isinstance(m, LINEAR)
+        and isinstance(getattr(m, "weight", None), nn.Parameter)
     ]
     modules, parameters = [], []
     for name in names:
-        hit_modules = [n for n in all_linear if n == name or n.endswith(f".{name}")]
-        hit_params = [n for n in fused if n == name or n.endswith(f".{name}")]
+        hit_modules = [n for n in wrappable if n == name or n.endswith(f".{name}")]
+        hit_params = [n for n in fused if n == name or n.endswith(f".{name}")] + [
+            w for w in router_weights if w.endswith((f".{name}.weight", f".{name}"))
+        ]
         if not hit_modules and not hit_params:
             leaves = sorted({n.rsplit(".", 1)[-1] for n in linear + fused})
             raise MethodError(
-                f"method.target_modules: {name!r} matches no linear layer or expert weight of "
-                f"this model; its blocks have {', '.join(leaves)} (or use all-linear)"
+                f"method.target_modules: {name!r} matches no linear or embedding layer or expert "
+                f"weight of this model; its blocks have {', '.join(leaves)} (or use all-linear)"
             )
         modules += [n for n in hit_modules if n not in modules]
         parameters += [n for n in hit_params if n not in parameters]
