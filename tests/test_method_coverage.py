@@ -167,10 +167,20 @@ def test_ia3_coverage_lines_show_scales_and_the_experts_it_cannot_reach() -> Non
     )
 
 
-def test_full_and_prompt_coverage() -> None:
+def test_coverage_of_the_other_methods() -> None:
     assert _lines("llama3", "full") == ["method full adapts: every parameter"]
     assert _lines("llama3", "prompt") == [
         "method prompt adapts: outside blocks prompt_encoder.default.embedding (1,280)"
+    ]
+    assert _lines("llama3", "adapter") == [
+        "method adapter adapts: bottleneck adapters after mlp x 2 layers (1,160)"
+    ]
+    freeze = coverage_of(_applied("mixtral", "freeze", last_blocks=1), "freeze").lines()[1:]
+    assert freeze == [
+        "method freeze adapts: attention q_proj, k_proj, v_proj, o_proj x 1 of 2 layers "
+        "(12,288); routed experts gate_up_proj, down_proj x 1 of 2 layers (98,304); router "
+        "gate x 1 of 2 layers (256); block input_layernorm, post_attention_layernorm x 2 "
+        "layers (256); outside blocks norm (64)"
     ]
 
 

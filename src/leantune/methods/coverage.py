@@ -21,6 +21,7 @@ from typing import Any
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from leantune.methods.adapter import BLOCK_ATTR
 from leantune.methods.counting import count_parameters, trained_numel
 from leantune.methods.freeze import decoder_layers
 
@@ -28,7 +29,16 @@ SCALED_ATTR = "leantune_scaled"
 """On a peft IA3 layer: the part of its output it scales, when not all of it (e.g. "k, v")."""
 
 # Kinds in the order the report lists them.
-KINDS = ("attention", "mlp", "shared expert", "routed experts", "router", "block", "outside blocks")
+KINDS = (
+    "attention",
+    "mlp",
+    "shared expert",
+    "routed experts",
+    "router",
+    "bottleneck adapters after",
+    "block",
+    "outside blocks",
+)
 _ATTENTION = {"self_attn", "attn", "attention", "self_attention"}
 _MLP = {"mlp", "feed_forward", "ffn", "block_sparse_moe"}
 _PEFT_PREFIX = "base_model.model."
@@ -167,12 +177,25 @@ def _sites(model: nn.Module) -> dict[str, tuple[str, int]]:
         add(site, via, p)
     for name, p in model.named_parameters():
         if p.requires_grad:  # trained in place (full, freeze) or added by leantune or peft
-            add(unwrapped_name(name).rsplit(".", 1)[0], "", p)
+            add(_plain_site(unwrapped_name(name), p), "", p)
     return sites
+
+
+def _plain_site(name: str, p: nn.Parameter) -> str:
+    """The site of a parameter no peft layer added: its module, a fused expert weight itself,
+    or the bottleneck adapter it belongs to (`bottleneck_adapters.mlp`)."""
+    if p.dim() == 3:
+        return name
+    parts = name.split(".")
+    if BLOCK_ATTR in parts:
+        return ".".join(parts[: parts.index(BLOCK_ATTR) + 2])
+    return name.rsplit(".", 1)[0]
 
 
 def _kind(path: str) -> str:
     parts = path.split(".")
+    if parts[0] == BLOCK_ATTR:
+        return "bottleneck adapters after"
     if is_router(path):
         return "router"
     if any(p.startswith("shared_expert") for p in parts):
