@@ -247,3 +247,19 @@ def test_qlora_on_cuda_bf16_trains_and_reloads(tiny_llama_dir: Path, tokenizer, 
         torch.testing.assert_close(
             reloaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=1e-2
         )
+
+
+def test_parameter_count_is_the_full_precision_models(tiny_llama_dir: Path) -> None:
+    """Packed 4-bit storage (two values a byte) is not what a user means by parameters: the
+    issue's 6.9B model read "40,370,176 of 3,655,669,248". QLoRA counts the logical values,
+    the same total as the full-precision model and the same trainable count as LoRA."""
+    from leantune.methods.registry import count_parameters
+
+    qlora = lora_model(tiny_llama_dir, "qlora")
+    lora = lora_model(tiny_llama_dir, "lora")
+    weight = qlora.get_base_model().model.layers[0].mlp.up_proj.base_layer.weight
+    assert weight.numel() == 128 * 64 // 2  # the packed storage the count must not use
+    assert count_parameters(qlora) == count_parameters(lora)
+    base = load_model(ModelSource(str(tiny_llama_dir)))
+    trainable, total = count_parameters(qlora)
+    assert total == sum(p.numel() for p in base.parameters()) + trainable  # base + adapters

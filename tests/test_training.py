@@ -90,6 +90,17 @@ def test_lora_run_trains_only_adapters_and_leaves_a_complete_run(
     logs: list[str] = []
     summary = train(cfg, log=logs.append)
     assert any("parameters train" in line for line in logs)
+    # What LoRA adapts, said once in the log and kept in summary.json.
+    adapts = [line for line in logs if line.startswith("method lora adapts: ")]
+    assert len(adapts) == 1 and adapts[0].startswith(
+        "method lora adapts: attention q_proj, k_proj, v_proj, o_proj x 2 layers"
+    )
+    adapted = json.loads((run_dir / "summary.json").read_text())["adapted"]
+    assert [(g["kind"], g["names"]) for g in adapted["groups"]] == [
+        ("attention", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+        ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+    ]
+    assert sum(g["params"] for g in adapted["groups"]) == summary["trainable_params"]
     assert sorted(p.name for p in run_dir.iterdir()) == [
         ".leantune.lock",  # held while a process trains in this directory
         "checkpoints",

@@ -157,8 +157,9 @@ class MethodConfig:
     norms: bool = True
     """freeze: also train every norm layer."""
     target_modules: list[str] | None = None
-    """Module names to adapt, or ["all-linear"] (lora/dora preset value, or peft's per-architecture
-    IA3 default, when unset)."""
+    """Module (or fused expert weight) names to adapt, or ["all-linear"]: every linear layer and
+    routed-expert weight of the blocks, routers left frozen (lora/dora preset value when unset;
+    IA3's default: keys, values and the MLP, through qkv_proj where they are fused)."""
     adapter_placement: Literal["houlsby", "pfeiffer"] = "pfeiffer"
     """adapter: houlsby = after attention and MLP of every block; pfeiffer = after the MLP only."""
     adapter_reduction: int = 16

@@ -1,15 +1,67 @@
-"""IA3 through peft: learned per-channel rescaling of keys, values and the MLP down projection."""
+"""IA3 through peft: learned per-channel rescaling of keys, values and the MLP's inner activation
+(the input of its down projection), as Liu et al. 2022 define it.
+
+Families with a fused attention projection (Phi-3's `qkv_proj`, whose output is the queries,
+keys and values side by side) have no `k_proj`/`v_proj` to scale. peft's IA3 scales a target's
+whole output, so leantune targets `qkv_proj` and holds the query slice of its scale vector at 1
+(its gradient is masked to zero; IA3 scales get no weight decay, so AdamW never moves it): the
+keys and values are scaled exactly as on `k_proj`/`v_proj`, and the saved adapter is a plain
+peft IA3 adapter that any peft loads and merges (a scale of 1 merges to the same weights).
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from peft import IA3Config, get_peft_model
 from torch import nn
 
+from leantune.methods.counting import HELD_ATTR
+from leantune.methods.coverage import SCALED_ATTR, unwrapped_name
+from leantune.methods.errors import MethodError
 from leantune.methods.lora import quiet_peft
 
-# peft's IA3 default for Llama/Qwen2/Mistral-style blocks, written out so the choice is visible.
+# What IA3 scales in Llama/Qwen2/Mistral-style blocks (peft's own default for them).
 DEFAULT_IA3_TARGETS = ("k_proj", "v_proj", "down_proj")
 DEFAULT_IA3_FEEDFORWARD = ("down_proj",)
+FUSED_QKV = "qkv_proj"
+"""A fused attention projection laid out as [queries | keys | values] (Phi-3, Phi-4)."""
+
+
+def _matching(model: nn.Module, name: str) -> list[str]:
+    return [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and (n == name or n.endswith(f".{name}"))
+    ]
+
+
+def resolve_ia3_targets(model: nn.Module, names: tuple[str, ...]) -> list[str]:
+    """Full names of the linear layers IA3 scales.
+
+    The default scales keys and values through `k_proj`/`v_proj`, or through a fused `qkv_proj`
+    where the family has no separate ones, and the MLP through `down_proj` (its input).
+
+    Raises:
+        MethodError: a name that matches no linear layer, or no keys and values to scale.
+    """
+    if names == DEFAULT_IA3_TARGETS:
+        attention = _matching(model, "k_proj") + _matching(model, "v_proj")
+        attention = attention or _matching(model, FUSED_QKV)
+        if not attention:
+            raise MethodError(
+                "method.name=ia3: the model has no k_proj/v_proj or fused qkv_proj layers to "
+                "scale keys and values; name its key and value layers in method.target_modules"
+            )
+        return attention + _matching(model, "down_proj")
+    targets: list[str] = []
+    for name in names:
+        hits = _matching(model, name)
+        if not hits:
+            raise MethodError(f"method.target_modules: {name!r} matches no linear layer")
+        targets += [n for n in hits if n not in targets]
+    return targets
 
 
 def apply_ia3(
@@ -19,13 +71,58 @@ def apply_ia3(
 ) -> nn.Module:
     """Wrap `model` in a peft IA3 model: one learned scale vector per targeted layer.
 
-    `feedforward_modules` (a subset of `target_modules`) are scaled on their input, the others on
-    their output.
+    `feedforward_modules` (names among the targets) are scaled on their input, the others on
+    their output; a fused `qkv_proj` on the key and value part of its output only.
     """
+    targets = resolve_ia3_targets(model, target_modules)
+    feedforward = [t for t in targets if t.rsplit(".", 1)[-1] in feedforward_modules]
     config = IA3Config(
-        target_modules=list(target_modules),
-        feedforward_modules=[m for m in feedforward_modules if m in target_modules],
-        task_type="CAUSAL_LM",
+        target_modules=targets, feedforward_modules=feedforward, task_type="CAUSAL_LM"
     )
     with quiet_peft():
-        return get_peft_model(model, config)
+        wrapped = get_peft_model(model, config)
+    for name, module in wrapped.named_modules():
+        if unwrapped_name(name).endswith(f".{FUSED_QKV}") and hasattr(module, "ia3_l"):
+            _hold_queries(module, model.config)
+    return wrapped
+
+
+def _hold_queries(layer: nn.Module, config: object) -> None:
+    """Keep the query slice of a fused qkv_proj's IA3 output scales at 1 (see the module doc).
+
+    Raises:
+        MethodError: the layer's width is not queries + keys + values of the config.
+    """
+    c: Any = config
+    heads = int(c.num_attention_heads)
+    kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
+    queries = heads * head_dim
+    ia3_l: Any = layer.ia3_l  # peft's ParameterDict of scales, by adapter name
+    for scales in ia3_l.values():
+        if scales.numel() != queries + 2 * kv_heads * head_dim:
+            raise MethodError(
+                f"method.name=ia3: {FUSED_QKV} has {scales.numel()} outputs, not the "
+                f"{queries} queries + 2 x {kv_heads * head_dim} keys/values of the config"
+            )
+        mask = torch.ones_like(scales, device="cpu")
+        mask.view(-1)[:queries] = 0
+        scales.register_hook(lambda g, m=mask: g * m.to(g.device, g.dtype))
+        setattr(scales, HELD_ATTR, queries)
+    setattr(layer, SCALED_ATTR, "k, v")
+    layer.register_forward_pre_hook(_still_held)
+
+
+def _still_held(layer: nn.Module, args: object) -> None:
+    """The mask lives on the parameter object: a strategy that replaces the parameters (FSDP2
+    shards them into new ones) would drop it and train the query scales. Refuse that run.
+
+    Raises:
+        MethodError: a scale vector of the layer is not the masked one.
+    """
+    ia3_l: Any = layer.ia3_l
+    if not all(hasattr(scales, HELD_ATTR) for scales in ia3_l.values()):
+        raise MethodError(
+            f"method.name=ia3 on a fused {FUSED_QKV}: the parallel strategy replaced the scale "
+            "vectors whose query part is held at 1; use dist.strategy=ddp (or one process)"
+        )

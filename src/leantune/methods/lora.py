@@ -9,6 +9,14 @@ from dataclasses import dataclass
 
 from peft import LoraConfig, get_peft_model
 from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from leantune.methods.coverage import adapted_sites, is_router
+from leantune.methods.errors import MethodError
+from leantune.methods.freeze import decoder_layers
+
+LINEAR = (nn.Linear, Conv1D)
+"""What "all-linear" adapts, as peft's own "all-linear" does (GPT-2-style blocks use Conv1D)."""
 
 
 @dataclass(frozen=True)
@@ -23,7 +31,8 @@ class LoraSettings:
     """Dropout on the adapter input. Off by default: it costs a copy of every adapted layer's
     input (measured +35% forward time on CPU) and short fine-tunes rarely overfit."""
     target_modules: tuple[str, ...] = ("all-linear",)
-    """Module names to adapt; ("all-linear",) = every linear layer of the blocks (not lm_head)."""
+    """Module names to adapt; ("all-linear",) = every weight of the blocks (see
+    `resolve_targets`): linear layers and fused expert weights, not the MoE routers, not lm_head."""
     use_dora: bool = False
     """DoRA: split each weight into magnitude and direction and adapt the direction with LoRA."""
 
@@ -37,23 +46,109 @@ LORA_PRESETS: dict[str, LoraSettings] = {
 
 
 def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
-    """Wrap `model` in a peft LoRA (or DoRA) model; only adapter weights train (kept in fp32)."""
-    targets: str | list[str] = (
-        "all-linear"
-        if settings.target_modules == ("all-linear",)
-        else list(settings.target_modules)
-    )
+    """Wrap `model` in a peft LoRA (or DoRA) model; only adapter weights train (kept in fp32).
+
+    Raises:
+        MethodError: a target name matches nothing, DoRA on fused expert weights (peft has no
+            DoRA for them), or peft adapted other weights than those `resolve_targets` chose.
+    """
+    modules, parameters = resolve_targets(model, settings.target_modules)
+    if settings.use_dora and parameters:
+        raise MethodError(
+            "method.name=dora: peft's DoRA cannot adapt fused expert weights "
+            f"({', '.join(sorted({p.rsplit('.', 1)[-1] for p in parameters}))}, the routed "
+            "experts of this MoE model); use method.name=lora, or name the layers to adapt in "
+            "method.target_modules (e.g. [q_proj, k_proj, v_proj, o_proj])"
+        )
     config = LoraConfig(
         r=settings.r,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
-        target_modules=targets,
+        target_modules=modules,
+        target_parameters=parameters or None,
         bias="none",
         use_dora=settings.use_dora,
         task_type="CAUSAL_LM",
     )
     with quiet_peft():
-        return get_peft_model(model, config, autocast_adapter_dtype=True)
+        wrapped = get_peft_model(model, config, autocast_adapter_dtype=True)
+    _check_adapted(wrapped, set(modules) | {p.removesuffix(".weight") for p in parameters})
+    return wrapped
+
+
+def resolve_targets(model: nn.Module, names: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """The full names of the modules and of the parameters (peft `target_parameters`) LoRA
+    adapts, whatever the family.
+
+    ("all-linear",): every linear layer inside the decoder blocks and every fused expert weight
+    there (a 3-D `experts x out x in` parameter: transformers 5 stores the routed experts of
+    Mixtral, Qwen2-MoE and Qwen3-MoE that way, where peft's own "all-linear" finds no
+    `nn.Linear` and, for Qwen2-MoE, skips them), shared experts included. MoE routers (`gate`,
+    `shared_expert_gate`) stay frozen in every family: the training loss has no load-balancing
+    term, so a trained router may send every token to a few experts; name them to adapt them.
+
+    Other names: the linear and embedding layers and fused expert weights whose name is, or
+    ends with, the name (anywhere in the model: `embed_tokens`, `lm_head` too).
+
+    Raises:
+        MethodError: a name that matches nothing, with the names the blocks have.
+    """
+    blocks = _block_prefix(model)
+    own = [(n, m) for n, m in model.named_modules() if not _inside_tuner(n)]
+    linear = [n for n, m in own if isinstance(m, LINEAR) and n.startswith(blocks)]
+    fused = [n for n, p in model.named_parameters() if p.dim() == 3 and n.startswith(blocks)]
+    if names == ("all-linear",):
+        return [n for n in linear if not is_router(n)], fused
+    wrappable = [n for n, m in own if isinstance(m, (*LINEAR, nn.Embedding))]
+    # transformers 5 routers are custom modules around a 2-D weight: peft wraps the weight.
+    router_weights = [
+        f"{n}.weight"
+        for n, m in own
+        if n.startswith(blocks)
+        and is_router(n)
+        and not isinstance(m, LINEAR)
+        and isinstance(getattr(m, "weight", None), nn.Parameter)
+    ]
+    modules, parameters = [], []
+    for name in names:
+        hit_modules = [n for n in wrappable if n == name or n.endswith(f".{name}")]
+        hit_params = [n for n in fused if n == name or n.endswith(f".{name}")] + [
+            w for w in router_weights if w.endswith((f".{name}.weight", f".{name}"))
+        ]
+        if not hit_modules and not hit_params:
+            leaves = sorted({n.rsplit(".", 1)[-1] for n in linear + fused})
+            raise MethodError(
+                f"method.target_modules: {name!r} matches no linear or embedding layer or expert "
+                f"weight of this model; its blocks have {', '.join(leaves)} (or use all-linear)"
+            )
+        modules += [n for n in hit_modules if n not in modules]
+        parameters += [n for n in hit_params if n not in parameters]
+    return modules, parameters
+
+
+def _block_prefix(model: nn.Module) -> str:
+    """The name prefix of the decoder blocks' weights (`model.layers.`)."""
+    layers = decoder_layers(model)
+    return next(f"{n}." for n, m in model.named_modules() if m is layers)
+
+
+def _inside_tuner(name: str) -> bool:
+    """A layer peft added (lora_A, lora_B, ...), not one of the model's own."""
+    return any(part.startswith(("lora_", "ia3_")) for part in name.split("."))
+
+
+def _check_adapted(model: nn.Module, asked: set[str]) -> None:
+    """peft 0.21 rewrites the targets of some MoE families (its transformers-4 compatibility
+    mapping moves `*.down_proj`, `*.gate_proj`, ... to `target_parameters`), which would drop
+    dense layers of the same name: refuse a wrapping that is not what was asked."""
+    got = adapted_sites(model)
+    if got != asked:
+        missing, extra = sorted(asked - got), sorted(got - asked)
+        raise MethodError(
+            f"method.target_modules: peft adapted other weights than asked (missing "
+            f"{missing[:4]}, unexpected {extra[:4]}); name the layers to adapt in "
+            "method.target_modules"
+        )
 
 
 @contextlib.contextmanager

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+# Re-exported: the recipe, planner and tests count parameters through the registry.
+from leantune.methods.counting import count_parameters as count_parameters
 from leantune.methods.spec import LrAdvice, MethodSpec
 
 if TYPE_CHECKING:
@@ -288,16 +290,6 @@ def apply_method(model: nn.Module, cfg: MethodConfig) -> nn.Module:
 def trainable_named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """Parameters that train, by name (shared parameters appear once)."""
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
-
-
-def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts; shared parameters are counted once."""
-    trainable = total = 0
-    for p in model.parameters():
-        total += p.numel()
-        if p.requires_grad:
-            trainable += p.numel()
-    return trainable, total
 
 
 def merge_for_inference(model: nn.Module) -> nn.Module:

@@ -53,6 +53,7 @@ from leantune.config_parse import ConfigError
 from leantune.data.dataset import PreparedData
 from leantune.data.loader import SampleStream
 from leantune.data.templates import apply_chat_template
+from leantune.methods.coverage import Coverage, coverage_of
 from leantune.methods.registry import (
     DEFAULT_LR,
     apply_method,
@@ -256,8 +257,8 @@ class Session:
     eval_inputs: EvalInputs | None
     eval_settings: EvalSettings
     evaluator: PeriodicEval | None
-    trainable_params: int
-    total_params: int
+    coverage: Coverage
+    """What the method adapts, with the (trainable, total) parameter counts."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,7 +309,7 @@ def set_up(
         # On the bare base model, before any adapter exists (an untrained adapter is a no-op
         # that would only cost time). All ranks evaluate: none idles in a collective meanwhile.
         base_exact_match = exact_match_before(model, eval_inputs, settings, log)
-    model, trained, params, (trainable, total) = _wrap(cfg, model, strategy, log)
+    model, trained, params, coverage = _wrap(cfg, model, strategy, log)
     evaluator = _periodic_eval(cfg, model, eval_inputs, settings)  # on every rank, as above
     # The trainer, its sinks (events reach them too), then its start state.
     stats, sinks = _monitoring(cfg, run, files, events, model, device, strategy, evaluator, log)
@@ -343,8 +344,7 @@ def set_up(
         eval_inputs=eval_inputs,
         eval_settings=settings,
         evaluator=evaluator,
-        trainable_params=trainable,
-        total_params=total,
+        coverage=coverage,
     )
 
 
@@ -470,25 +470,23 @@ def _base_model(
 
 def _wrap(
     cfg: Config, model: nn.Module, strategy: ParallelStrategy, log: Log
-) -> tuple[nn.Module, nn.Module, dict[str, nn.Parameter], tuple[int, int]]:
+) -> tuple[nn.Module, nn.Module, dict[str, nn.Parameter], Coverage]:
     """The method's wrapping (seeded, so its initialisation is the seed's, on every rank),
     checkpointing, then the strategy's: the model with the method, as the loop trains it
     (the strategy's wrapping around it, or the same model), its trainable
-    parameters (as the strategy left them: FSDP2 replaces them with shards) and the
-    (trainable, total) counts."""
+    parameters (as the strategy left them: FSDP2 replaces them with shards) and what the method
+    adapts, with the (trainable, total) counts."""
     seed_everything(cfg.train.seed)
     model = apply_method(model, cfg.method)
     if cfg.train.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    trainable, total = count_parameters(model)
-    log(
-        f"method {cfg.method.name}: {trainable:,} of {total:,} parameters train "
-        f"({100 * trainable / total:.3f}%)"
-    )
+    coverage = coverage_of(model, cfg.method.name)
+    for line in coverage.lines():  # the counts, and what is adapted in which family
+        log(line)
     if cfg.train.compile:
         _compile(model, strategy, log)
     trained = strategy.wrap_model(model)  # in place, or around it: `model` stays unwrapped
-    return model, trained, trainable_named_parameters(model), (trainable, total)
+    return model, trained, trainable_named_parameters(model), coverage
 
 
 def _compile(model: nn.Module, strategy: ParallelStrategy, log: Log) -> None:
@@ -786,7 +784,14 @@ def finish(session: Session, *, log: Log, started: float) -> dict[str, Any]:
     if pick_device(cfg.train.device).type == "cpu":
         results["allocator"] = mapped_allocator()[0]  # what ran, for comparing runs
     summary = write_summary(
-        files.run_dir, tr.state, tr.progress, s.trainable_params, s.total_params, results, log
+        files.run_dir,
+        tr.state,
+        tr.progress,
+        s.coverage.trainable,
+        s.coverage.total,
+        results,
+        log,
+        adapted=s.coverage.as_dict(),
     )
     if cfg.monitor.report:
         report_at_end(files.run_dir, log)

@@ -19,8 +19,12 @@ def write_summary(
     total_params: int,
     results: dict[str, Any],
     log: Callable[[str], None] = print,
+    adapted: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write run_dir/summary.json and print the headline numbers."""
+    """Write run_dir/summary.json and print the headline numbers.
+
+    `adapted` (what the method adapts, `methods.coverage.Coverage.as_dict`) is written, not
+    printed: the run's log said it once when the method was applied."""
     summary: dict[str, Any] = {
         "steps": state.step,
         "train_time_s": round(progress.train_time_s, 2),
@@ -29,7 +33,8 @@ def write_summary(
         "base_exact_match": progress.base_exact_match,
         **results,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    written = summary | ({"adapted": adapted} if adapted is not None else {})
+    (run_dir / "summary.json").write_text(json.dumps(written, indent=2) + "\n")
     parts = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()]
     log("summary: " + ", ".join(parts))
     if summary.get("base_exact_match") is not None and "eval_exact_match" in summary:
@@ -37,4 +42,4 @@ def write_summary(
             f"exact match on held-out set: before {summary['base_exact_match']:.1%} -> "
             f"after {summary['eval_exact_match']:.1%}"
         )
-    return summary
+    return written
