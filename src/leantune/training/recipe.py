@@ -290,9 +290,7 @@ def set_up(
     faults = FaultHooks()
     seed_everything(cfg.train.seed)
     # Tokenizer -> data: the data resolves the lengths, the steps and the micro-batch.
-    tokenizer = load_tokenizer(source, cfg.model.trust_remote_code)
-    for warning in apply_chat_template(tokenizer, cfg.data.chat_template):  # saved with final/
-        log(f"warning: {warning}")
+    tokenizer = _tokenizer(cfg, source, log)
     # Rank 0 first: it may prepare the data cache and tidy the checkpoints the others read.
     world = launched_world_size()
     run = _in_turn(strategy, lambda: set_up_run(cfg, source, tokenizer, device.type, log, world))
@@ -346,6 +344,14 @@ def set_up(
         evaluator=evaluator,
         coverage=coverage,
     )
+
+
+def _tokenizer(cfg: Config, source: ModelSource, log: Log) -> PreTrainedTokenizerBase:
+    """The model's tokenizer with data.chat_template in place (saved with final/)."""
+    tokenizer = load_tokenizer(source, cfg.model.trust_remote_code)
+    for warning in apply_chat_template(tokenizer, cfg.data.chat_template):
+        log(f"warning: {warning}")
+    return tokenizer
 
 
 def _periodic_eval(
