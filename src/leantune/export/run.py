@@ -17,7 +17,13 @@ from transformers import PreTrainedModel
 
 from leantune.data.formats import read_jsonl
 from leantune.export.adapter import load_adapter, write_adapter
-from leantune.export.gguf_file import GGUF_TYPES, check_gguf_tokenizer, load_gguf, write_gguf
+from leantune.export.gguf_file import (
+    GGUF_TYPES,
+    check_gguf_config,
+    check_gguf_tokenizer,
+    load_gguf,
+    write_gguf,
+)
 from leantune.export.hf import load_hf, write_hf
 from leantune.export.int8 import load_int8, write_int8
 from leantune.export.parity import (
@@ -40,6 +46,7 @@ from leantune.export.source import (
 )
 from leantune.export.source import model_logits_fn as _model_logits_fn
 from leantune.export.torchscript import example_input, load_torchscript, write_torchscript
+from leantune.models.artifacts import model_config
 from leantune.models.paths import check_model_path, is_adapter_dir
 
 
@@ -226,6 +233,8 @@ def export_model(
     check_model_path(resolved)
     if fmt == "adapter" and not is_adapter_dir(Path(resolved).expanduser()):
         write_adapter(None, out)  # raises the explanatory error
+    if fmt == "gguf":
+        check_gguf_config(model_config(resolved))  # an unsupported model, before its weights
     source = load_source(path)
     try:
         samples = build_samples(source.tokenizer, data, num_samples)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.config import RopeScalingConfig
@@ -123,6 +123,25 @@ def _base_of(adapter_dir: Path) -> tuple[ModelSource, dict]:
     if not isinstance(base, str):
         raise ModelPathError(f"{adapter_dir}: adapter_config.json names no base model")
     return resolve_model(base), {}
+
+
+def model_config(path: str, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The config of the model `path` stands for (an adapter's base model's), read without
+    loading any weights, so that a command can refuse a model before the slow part.
+
+    Raises:
+        ModelPathError: `path` is not a model or its config cannot be read.
+    """
+    with loading(path):
+        path = model_of_run(path)
+        p = Path(path).expanduser()
+        if p.is_dir() and (is_adapter_dir(p) or is_bottleneck_adapter_dir(p)):
+            source, _ = _base_of(p)
+        else:
+            source = resolve_model(path)
+        return AutoConfig.from_pretrained(
+            source.location, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code
+        )
 
 
 def load_for_inference(
