@@ -12,6 +12,7 @@ Gemma) are chosen on purpose so that `GgufArch.readback` is exercised.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from model_zoo import save_family_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import leantune.export.gguf_arch as gguf_arch
+import leantune.export.gguf_file as gguf_file
 from leantune.export.gguf_file import MODEL_FILE, read_fields, write_gguf
 from leantune.export.parity import ParityError, build_samples, sample_logits
 from leantune.export.run import check_export, export_model
@@ -205,3 +207,65 @@ def test_without_the_readback_a_qwen3_gguf_is_not_read_back_right(
     )
     with pytest.raises(ParityError, match="transformers cannot read it back"):
         export_model(str(_zoo(tmp_path, "qwen3", head_dim=32)), "gguf", tmp_path / "out")
+
+
+def _swap_pre_tokenizer(
+    src: Path, pre: dict[str, Any], decoder: dict[str, Any] | None = None
+) -> None:
+    path = src / "tokenizer.json"
+    tok = json.loads(path.read_text())
+    tok["pre_tokenizer"] = pre
+    if decoder is not None:
+        tok["decoder"] = decoder
+    path.write_text(json.dumps(tok))
+
+
+TOKENIZERS_REFUSED = [
+    # llama.cpp's gpt-2 pre-tokenizer adds no prefix space: token ids would differ.
+    (
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        None,
+        "pre-tokenizer",
+    ),
+    # A known split followed by a second regex split is not the Llama 3 pre-tokenizer.
+    (
+        {
+            "type": "Sequence",
+            "pretokenizers": [
+                {
+                    "type": "Split",
+                    "pattern": {"Regex": gguf_file._LLAMA3_SPLIT},
+                    "behavior": "Isolated",
+                    "invert": False,
+                },
+                {
+                    "type": "ByteLevel",
+                    "add_prefix_space": False,
+                    "trim_offsets": True,
+                    "use_regex": True,
+                },
+            ],
+        },
+        None,
+        "pre-tokenizer",
+    ),
+    # SentencePiece style (Mistral v0.3, Gemma, Phi-3): not a byte-level BPE.
+    (
+        {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False},
+        {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False},
+        "only byte-level BPE",
+    ),
+]
+
+
+@pytest.mark.parametrize(("pre", "decoder", "message"), TOKENIZERS_REFUSED)
+def test_a_tokenizer_llama_cpp_would_split_differently_is_refused_before_loading(
+    pre: dict[str, Any], decoder: dict[str, Any] | None, message: str, tmp_path: Path
+) -> None:
+    src = _zoo(tmp_path, "mistral", sliding_window=None)
+    _swap_pre_tokenizer(src, pre, decoder)
+    (src / "model.safetensors").unlink()  # the refusal needs no weights
+    out = tmp_path / "out"
+    with pytest.raises(ExportError, match=message):
+        export_model(str(src), "gguf", out)
+    assert not out.exists()

@@ -159,18 +159,36 @@ def _write_tensors(
     return count
 
 
+def _is_byte_level(step: dict[str, Any], use_regex: bool) -> bool:
+    return (
+        step.get("type") == "ByteLevel"
+        and bool(step.get("use_regex", True)) == use_regex
+        and not step.get("add_prefix_space", False)  # llama.cpp never adds a prefix space
+    )
+
+
 def _pre_tokenizer_name(tok_json: dict[str, Any]) -> str:
+    """llama.cpp's name for the pre-tokenizer, only when it splits text exactly as this one:
+    GPT-2's byte level alone, or one known regex split followed by a byte level that does not
+    split again (Llama 3, Qwen2)."""
     pre = tok_json.get("pre_tokenizer") or {}
-    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+    if _is_byte_level(pre, use_regex=True):
         return "gpt-2"
-    if pre.get("type") == "Sequence":
-        for p in pre.get("pretokenizers", []):
-            pattern = (p.get("pattern") or {}).get("Regex")
-            if p.get("type") == "Split" and pattern in PRE_TOKENIZER_NAMES:
-                return PRE_TOKENIZER_NAMES[pattern]
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+    if len(steps) == 2 and _is_byte_level(steps[1], use_regex=False):
+        split = steps[0]
+        pattern = (split.get("pattern") or {}).get("Regex")
+        if (
+            split.get("type") == "Split"
+            and split.get("behavior") == "Isolated"
+            and not split.get("invert", False)
+            and pattern in PRE_TOKENIZER_NAMES
+        ):
+            return PRE_TOKENIZER_NAMES[pattern]
     raise ExportError(
-        f"--format gguf: pre-tokenizer {json.dumps(pre)[:200]} is not supported "
-        "(supported: GPT-2 byte level, Qwen2 and Llama 3 splits)"
+        f"--format gguf: pre-tokenizer {json.dumps(pre)[:200]} is not one llama.cpp reproduces "
+        "(supported: GPT-2 byte level, Qwen2 and Llama 3 splits); export --format hf and "
+        "convert with llama.cpp's convert_hf_to_gguf.py"
     )
 
 
@@ -185,16 +203,32 @@ def _merges(tok_json: dict[str, Any]) -> list[str]:
     return list(merges)
 
 
-def _write_tokenizer(w: gguf.GGUFWriter, tokenizer: PreTrainedTokenizerBase, n_vocab: int) -> None:
+def _tokenizer_json(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    """The tokenizer as `tokenizer.json`, when GGUF's byte-level BPE ("gpt2") describes it.
+
+    Raises:
+        ExportError: not a fast tokenizer, not byte-level BPE, or a pre-tokenizer llama.cpp
+            does not reproduce.
+    """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise ExportError("--format gguf needs a fast (tokenizers) tokenizer")
-    tok_json = json.loads(backend.to_str())
+    tok_json: dict[str, Any] = json.loads(backend.to_str())
     if (
         tok_json["model"].get("type") != "BPE"
         or (tok_json.get("decoder") or {}).get("type") != "ByteLevel"
     ):
-        raise ExportError("--format gguf: only byte-level BPE tokenizers are supported")
+        raise ExportError(
+            "--format gguf: only byte-level BPE tokenizers are supported (not SentencePiece "
+            "ones, as Mistral, Gemma and Phi-3 ship); export --format hf and convert with "
+            "llama.cpp's convert_hf_to_gguf.py"
+        )
+    _pre_tokenizer_name(tok_json)
+    return tok_json
+
+
+def _write_tokenizer(w: gguf.GGUFWriter, tokenizer: PreTrainedTokenizerBase, n_vocab: int) -> None:
+    tok_json = _tokenizer_json(tokenizer)
     by_id = {i: t for t, i in tokenizer.get_vocab().items()}
     added = tokenizer.added_tokens_decoder
     tokens: list[str] = []
@@ -252,6 +286,17 @@ def check_gguf_config(config: Any) -> GgufArch:
     return spec
 
 
+def check_gguf_source(config: Any, tokenizer: PreTrainedTokenizerBase) -> GgufArch:
+    """Everything `write_gguf` would refuse, from the config and tokenizer alone.
+
+    Raises:
+        ExportError: see `check_gguf_config` and `_tokenizer_json`.
+    """
+    spec = check_gguf_config(config)
+    _tokenizer_json(tokenizer)
+    return spec
+
+
 def write_gguf(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path, gguf_type: str
 ) -> dict[str, Any]:
@@ -261,7 +306,7 @@ def write_gguf(
         ExportError: the architecture, its configuration, rope scaling or tokenizer is not
             supported.
     """
-    spec = check_gguf_config(model.config)
+    spec = check_gguf_source(model.config, tokenizer)
     if gguf_type not in GGUF_TYPES:
         raise ExportError(f"--gguf-type {gguf_type!r}: choose one of {sorted(GGUF_TYPES)}")
     qtype, ftype = GGUF_TYPES[gguf_type]

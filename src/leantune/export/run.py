@@ -19,7 +19,7 @@ from leantune.data.formats import read_jsonl
 from leantune.export.adapter import load_adapter, write_adapter
 from leantune.export.gguf_file import (
     GGUF_TYPES,
-    check_gguf_config,
+    check_gguf_source,
     check_gguf_tokenizer,
     load_gguf,
     write_gguf,
@@ -46,7 +46,7 @@ from leantune.export.source import (
 )
 from leantune.export.source import model_logits_fn as _model_logits_fn
 from leantune.export.torchscript import example_input, load_torchscript, write_torchscript
-from leantune.models.artifacts import model_config
+from leantune.models.artifacts import model_config_and_tokenizer
 from leantune.models.paths import check_model_path, is_adapter_dir
 
 
@@ -234,7 +234,9 @@ def export_model(
     if fmt == "adapter" and not is_adapter_dir(Path(resolved).expanduser()):
         write_adapter(None, out)  # raises the explanatory error
     if fmt == "gguf":
-        check_gguf_config(model_config(resolved))  # an unsupported model, before its weights
+        # An architecture or tokenizer llama.cpp cannot run as transformers does, before the
+        # weights load.
+        check_gguf_source(*model_config_and_tokenizer(resolved))
     source = load_source(path)
     try:
         samples = build_samples(source.tokenizer, data, num_samples)
