@@ -43,10 +43,12 @@ EXPORTED: dict[str, tuple[dict[str, Any], str]] = {
     "qwen2-moe": ({}, "qwen2moe"),
     # Qwen3-30B-A3B renormalises its top-k expert weights, as llama.cpp always does.
     "qwen3-moe": ({"norm_topk_prob": True}, "qwen3moe"),
-    # Gemma 3 1B: every 6th layer full attention (llama.cpp's fixed pattern); 2 layers: none.
+    # Gemma 3 1B: every 6th layer full attention (llama.cpp's fixed pattern), whose rope base
+    # (1e6) differs from the sliding layers' (1e4).
     "gemma3": (
         {
-            "layer_types": ["sliding_attention", "sliding_attention"],
+            "num_hidden_layers": 6,
+            "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
             "head_dim": 32,
             "query_pre_attn_scalar": 32,
         },
