@@ -29,6 +29,7 @@ from leantune.export.int8 import load_int8, write_int8
 from leantune.export.parity import (
     REPORT_NAME,
     LogitsFn,
+    ParityError,
     Samples,
     Thresholds,
     build_samples,
@@ -192,7 +193,11 @@ def check_export(
     """
     spec = FORMATS[fmt]
     variant = gguf_type if fmt == "gguf" else ""
-    exported = sample_logits(spec.load(out), samples)
+    try:
+        loaded = spec.load(out)
+    except ParityError as e:  # written, but not loadable: a failed check with its report
+        return check_and_report(out, {}, spec.thresholds[variant], info, [str(e)])
+    exported = sample_logits(loaded, samples)
     metrics = compare(reference, exported, samples)
     failures: list[str] = []
     if fmt == "gguf":
