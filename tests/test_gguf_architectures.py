@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import leantune.export.gguf_arch as gguf_arch
 import leantune.export.gguf_file as gguf_file
 from leantune.export.gguf_file import MODEL_FILE, read_fields, write_gguf
-from leantune.export.parity import ParityError, build_samples, sample_logits
+from leantune.export.parity import REPORT_NAME, ParityError, build_samples, sample_logits
 from leantune.export.run import check_export, export_model
 from leantune.export.source import ExportError, ExportSource, model_logits_fn
 
@@ -165,6 +165,7 @@ REFUSED = [
     ("smollm3", {}, "model type 'smollm3' is not supported"),
     # Configurations llama.cpp would run differently.
     ("qwen3-moe", {"norm_topk_prob": False}, "norm_topk_prob False"),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window"),
     ("gemma3", {}, r"layer_types \['sliding_attention', 'full_attention'\]"),
     ("gemma2", {"query_pre_attn_scalar": 99}, "query_pre_attn_scalar 99"),
 ]
@@ -207,8 +208,12 @@ def test_without_the_readback_a_qwen3_gguf_is_not_read_back_right(
     monkeypatch.setitem(
         gguf_arch.ARCHITECTURES, "qwen3", dataclasses.replace(entry, readback=lambda f: {})
     )
+    out = tmp_path / "out"
     with pytest.raises(ParityError, match="transformers cannot read it back"):
-        export_model(str(_zoo(tmp_path, "qwen3", head_dim=32)), "gguf", tmp_path / "out")
+        export_model(str(_zoo(tmp_path, "qwen3", head_dim=32)), "gguf", out)
+    # A failed check leaves its report, so the folder is an earlier export to write over.
+    report = json.loads((out / REPORT_NAME).read_text())
+    assert report["passed"] is False and "cannot read it back" in report["failures"][0]
 
 
 def _swap_pre_tokenizer(

@@ -153,8 +153,15 @@ def _read_head_dim(fields: Fields) -> dict[str, Any]:
     return {"head_dim": int(fields["attention.key_length"])}
 
 
+def _refuse_qwen_sliding(config: Any) -> list[str]:
+    """llama.cpp's Qwen architectures have no sliding window."""
+    if getattr(config, "use_sliding_window", False):
+        return [f"use_sliding_window with sliding_window {config.sliding_window}"]
+    return []
+
+
 def _refuse_moe_routing(config: Any, normalised: bool) -> list[str]:
-    reasons = []
+    reasons = _refuse_qwen_sliding(config)
     if bool(getattr(config, "norm_topk_prob", False)) != normalised:
         reasons.append(
             f"norm_topk_prob {config.norm_topk_prob} (llama.cpp's "
@@ -204,8 +211,13 @@ ARCHITECTURES: dict[str, GgufArch] = {
     "llama": GgufArch(gguf.MODEL_ARCH.LLAMA, permute_qk=True, label="Llama, SmolLM2"),
     # llama.cpp writes Mistral as Llama; its Llama has no sliding window (see `context_length`).
     "mistral": GgufArch(gguf.MODEL_ARCH.LLAMA, permute_qk=True, label="Mistral"),
-    "qwen2": GgufArch(gguf.MODEL_ARCH.QWEN2, label="Qwen2, Qwen2.5"),
-    "qwen3": GgufArch(gguf.MODEL_ARCH.QWEN3, readback=_read_head_dim, label="Qwen3"),
+    "qwen2": GgufArch(gguf.MODEL_ARCH.QWEN2, refuse=_refuse_qwen_sliding, label="Qwen2, Qwen2.5"),
+    "qwen3": GgufArch(
+        gguf.MODEL_ARCH.QWEN3,
+        refuse=_refuse_qwen_sliding,
+        readback=_read_head_dim,
+        label="Qwen3",
+    ),
     "phi3": GgufArch(
         gguf.MODEL_ARCH.PHI3,
         refuse=_refuse_phi3,
