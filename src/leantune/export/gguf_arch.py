@@ -239,7 +239,7 @@ ARCHITECTURES: dict[str, GgufArch] = {
         refuse=_refuse_gemma3,
         write_extra=_write_gemma3,
         readback=lambda f: _read_gemma(f, big=62),
-        label="Gemma 3 (text-only, e.g. 1B)",
+        label="Gemma 3 text-only, e.g. 1B",
     ),
     "qwen2_moe": GgufArch(
         gguf.MODEL_ARCH.QWEN2MOE,
