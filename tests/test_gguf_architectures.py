@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_cli
-from model_zoo import save_family_model
+from model_zoo import FAMILIES, save_family_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import leantune.export.gguf_arch as gguf_arch
@@ -81,6 +81,12 @@ def test_each_family_exports_gguf_that_passes_parity(family: str, tmp_path: Path
     samples = build_samples(AutoTokenizer.from_pretrained(src))
     logits = sample_logits(model_logits_fn(model), samples)
     assert max(float(lg.abs().max()) for lg in logits) > 1.0
+
+
+def test_every_registered_architecture_has_a_parity_test() -> None:
+    """A new `ARCHITECTURES` entry needs a family here (Gemma 2 below, Qwen2 in test_export)."""
+    tested = {FAMILIES[f].config(448).model_type for f in EXPORTED} | {"gemma2", "qwen2"}
+    assert tested == set(gguf_arch.ARCHITECTURES)
 
 
 def _export_eager(src: Path, out: Path, gguf_type: str = "f16") -> dict[str, Any]:
