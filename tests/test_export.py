@@ -236,7 +236,7 @@ def test_gguf_refuses_unsupported_architectures(tokenizer_dir: Path, tmp_path: P
     src = tmp_path / "gpt2"
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=384)).save_pretrained(src)
     PreTrainedTokenizerFast.from_pretrained(tokenizer_dir).save_pretrained(src)
-    with pytest.raises(ExportError, match="architecture 'gpt2' is not supported"):
+    with pytest.raises(ExportError, match="model type 'gpt2' is not supported"):
         export_model(str(src), "gguf", tmp_path / "out")
 
 

@@ -173,7 +173,8 @@ def check_and_report(
 
     Args:
         out_dir: the export directory.
-        metrics: output of `compare`.
+        metrics: output of `compare`; empty when the export could not be read back, which
+            `extra_failures` then says.
         thresholds: this format's limits.
         info: what was exported (format, source, samples, per-format measurements).
         extra_failures: failures found by a format's own checks (e.g. tokenizer mismatch).
@@ -185,12 +186,14 @@ def check_and_report(
         ParityError: a threshold is exceeded or `extra_failures` is not empty.
     """
     failures = list(extra_failures)
-    if not metrics["max_abs_logit_diff"] <= thresholds.max_abs_logit_diff:
+    if not metrics and not failures:
+        raise ValueError("check_and_report: no metrics and no failure to report")
+    if metrics and not metrics["max_abs_logit_diff"] <= thresholds.max_abs_logit_diff:
         failures.append(
             f"max abs logit difference {metrics['max_abs_logit_diff']:.3g} > "
             f"{thresholds.max_abs_logit_diff:g}"
         )
-    if not metrics["ppl_rel_change"] <= thresholds.max_ppl_rel_change:
+    if metrics and not metrics["ppl_rel_change"] <= thresholds.max_ppl_rel_change:
         failures.append(
             f"perplexity {metrics['ppl_export']:.4g} vs source {metrics['ppl_source']:.4g} "
             f"(relative change {metrics['ppl_rel_change']:.3g} > {thresholds.max_ppl_rel_change:g})"

@@ -17,12 +17,19 @@ from transformers import PreTrainedModel
 
 from leantune.data.formats import read_jsonl
 from leantune.export.adapter import load_adapter, write_adapter
-from leantune.export.gguf_file import GGUF_TYPES, check_gguf_tokenizer, load_gguf, write_gguf
+from leantune.export.gguf_file import (
+    GGUF_TYPES,
+    check_gguf_source,
+    check_gguf_tokenizer,
+    load_gguf,
+    write_gguf,
+)
 from leantune.export.hf import load_hf, write_hf
 from leantune.export.int8 import load_int8, write_int8
 from leantune.export.parity import (
     REPORT_NAME,
     LogitsFn,
+    ParityError,
     Samples,
     Thresholds,
     build_samples,
@@ -40,6 +47,7 @@ from leantune.export.source import (
 )
 from leantune.export.source import model_logits_fn as _model_logits_fn
 from leantune.export.torchscript import example_input, load_torchscript, write_torchscript
+from leantune.models.artifacts import model_config_and_tokenizer
 from leantune.models.attention import AttnImplementation
 from leantune.models.paths import check_model_path, is_adapter_dir
 
@@ -186,7 +194,11 @@ def check_export(
     """
     spec = FORMATS[fmt]
     variant = gguf_type if fmt == "gguf" else ""
-    exported = sample_logits(spec.load(out), samples)
+    try:
+        loaded = spec.load(out)
+    except ParityError as e:  # written, but not loadable: a failed check with its report
+        return check_and_report(out, {}, spec.thresholds[variant], info, [str(e)])
+    exported = sample_logits(loaded, samples)
     metrics = compare(reference, exported, samples)
     failures: list[str] = []
     if fmt == "gguf":
@@ -229,6 +241,10 @@ def export_model(
     check_model_path(resolved)
     if fmt == "adapter" and not is_adapter_dir(Path(resolved).expanduser()):
         write_adapter(None, out)  # raises the explanatory error
+    if fmt == "gguf":
+        # An architecture or tokenizer llama.cpp cannot run as transformers does, before the
+        # weights load.
+        check_gguf_source(*model_config_and_tokenizer(resolved))
     source = load_source(path, attn_implementation)
     try:
         samples = build_samples(source.tokenizer, data, num_samples)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.config import RopeScalingConfig
@@ -128,6 +128,40 @@ def _base_of(adapter_dir: Path) -> tuple[ModelSource, dict]:
     return resolve_model(base), {}
 
 
+def _adapter_tokenizer(adapter_dir: Path, base: ModelSource) -> ModelSource:
+    """An adapter saved with its tokenizer uses that one, else its base model's."""
+    own = (adapter_dir / "tokenizer_config.json").is_file()
+    return ModelSource(str(adapter_dir)) if own else base
+
+
+def _config_and_tokenizer_sources(path: str) -> tuple[ModelSource, ModelSource]:
+    path = model_of_run(path)
+    p = Path(path).expanduser()
+    if p.is_dir() and (is_adapter_dir(p) or is_bottleneck_adapter_dir(p)):
+        base, _ = _base_of(p)
+        return base, _adapter_tokenizer(p, base)
+    source = resolve_model(path)
+    return source, source
+
+
+def model_config_and_tokenizer(
+    path: str, trust_remote_code: bool = False
+) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:
+    """The config (an adapter's base model's) and tokenizer `load_for_inference(path)` would
+    use, read without loading any weights, so that a command can refuse a model before the slow
+    part.
+
+    Raises:
+        ModelPathError: `path` is not a model or its config or tokenizer cannot be read.
+    """
+    with loading(path):
+        source, tok_source = _config_and_tokenizer_sources(path)
+        config = AutoConfig.from_pretrained(
+            source.location, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code
+        )
+        return config, load_tokenizer(tok_source, trust_remote_code)
+
+
 def load_for_inference(
     path: str,
     dtype: str = "fp32",
@@ -158,8 +192,7 @@ def _load_for_inference(
     if p.is_dir() and (is_adapter_dir(p) or is_bottleneck_adapter_dir(p)):
         base, info = _base_of(p)
         # The tokenizer first: it loads in a moment, and a missing one is the user's to fix.
-        tok_source = ModelSource(str(p)) if (p / "tokenizer_config.json").is_file() else base
-        tokenizer = load_tokenizer(tok_source, trust_remote_code)
+        tokenizer = load_tokenizer(_adapter_tokenizer(p, base), trust_remote_code)
         rope = RopeScalingConfig(**info["rope_scaling"]) if info.get("rope_scaling") else None
         quant = Quantization.from_json(info["quantization"]) if info.get("quantization") else None
         device = "cuda" if quant is not None and torch.cuda.is_available() else "cpu"
