@@ -30,76 +30,61 @@ def plant_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_jsonl(tmp_path_factory.mktemp("plants") / "chat.jsonl", plant_chats(40))
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_lora_and_full_train_with_the_defaults_and_export_with_parity(
-    name: str, plant_file: Path, tmp_path: Path
-) -> None:
-    model = save_family_model(tmp_path / "model", name)
-    for method in ("lora", "full"):
-        run = tmp_path / f"run-{method}"
-        done = run_cli(
-            [
-                "train",
-                f"model.path={model}",
-                f"data.train={plant_file}",
-                f"method.name={method}",
-                "train.max_steps=2",
-                f"run.dir={run}",
-                *FAST,
-            ]
-        )
-        assert done.code == 0, done
-        summary = json.loads((run / "summary.json").read_text())
-        assert summary["steps"] == 2, summary
-        assert all(
-            0 < r["loss"] < 20
-            for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-            if "loss" in r
-        )
-    exported = run_cli(
-        ["export", str(tmp_path / "run-lora"), "--format", "hf", "--out", str(tmp_path / "hf")]
-    )
-    assert exported.code == 0, exported
-    assert "parity" in exported.out + exported.err
-
-
 SHORT = [
     {
         "messages": [
+            *([{"role": "system", "content": "You are a careful gardener."}] if i % 2 else []),
             {"role": "user", "content": f"How often should I water the {plant}?"},
             {"role": "assistant", "content": "Weekly."},
         ]
     }
-    for plant in ("fern", "cactus", "basil", "ivy")
+    for i, plant in enumerate(("fern", "cactus", "basil", "ivy"))
 ]
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_generate_stops_at_the_end_of_turn_after_training_on_short_answers(
-    name: str, tmp_path: Path
-) -> None:
-    model = save_family_model(tmp_path / "model", name)
-    data = write_jsonl(tmp_path / "short.jsonl", SHORT * 4)
-    run = tmp_path / "run"
+def _train(model: Path, data: Path, run: Path, *extra: str) -> dict[str, object]:
     done = run_cli(
-        [
-            "train",
-            f"model.path={model}",
-            f"data.train={data}",
-            "method.name=full",
-            "train.lr=3e-3",
-            "train.max_steps=25",
-            "train.warmup_ratio=0",
-            f"run.dir={run}",
-            *FAST,
-        ]
+        ["train", f"model.path={model}", f"data.train={data}", f"run.dir={run}", *FAST, *extra]
     )
     assert done.code == 0, done
+    losses = [
+        r["loss"]
+        for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if "loss" in r
+    ]
+    assert losses and all(0 < x < 20 for x in losses), losses
+    return json.loads((run / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_the_family_trains_exports_and_generates_with_the_defaults(
+    name: str, plant_file: Path, tmp_path: Path
+) -> None:
+    """LoRA (the default method) for 2 steps on the plant chats, exported to HF with parity;
+    full fine-tuning for 25 steps on short answers (half with a system message), after which
+    greedy generation writes the answer and stops at the end-of-turn token."""
+    model = save_family_model(tmp_path / "model", name)
+    assert _train(model, plant_file, tmp_path / "lora", "train.max_steps=2")["steps"] == 2
+    hf = tmp_path / "hf"
+    exported = run_cli(["export", str(tmp_path / "lora"), "--format", "hf", "--out", str(hf)])
+    assert exported.code == 0, exported
+    assert json.loads((hf / "export_report.json").read_text())["passed"] is True
+    short = write_jsonl(tmp_path / "short.jsonl", SHORT * 4)
+    full = tmp_path / "full"
+    _train(
+        model,
+        short,
+        full,
+        "method.name=full",
+        "train.lr=3e-3",
+        "train.max_steps=25",
+        "train.warmup_ratio=0",
+    )
     out = run_cli(
         [
             "generate",
             "--model",
-            str(run),
+            str(full),
             "--prompt",
             "How often should I water the fern?",
             "--max-new-tokens",
