@@ -482,3 +482,12 @@ def test_a_continued_schedule_goes_on_from_where_it_was_down_to_the_floor() -> N
     # A continuation of a continuation is continuous too.
     again = longer.continued(200, longer.multiplier(200), 250, 0.0)
     assert again.multiplier(200) == longer.multiplier(200) and again.multiplier(250) == 0.0
+
+
+def test_a_record_from_before_data_system_message_reads_as_what_it_ran() -> None:
+    """Runs recorded before the field rendered system messages as given (auto, wherever the
+    template writes them): they resume under the default, and another value is a change."""
+    old = {"data.format": "chat"}
+    assert compare(old, {"data.format": "chat", "data.system_message": "auto"}) == []
+    [change] = compare(old, {"data.format": "chat", "data.system_message": "fold"})
+    assert (change.key, change.old, change.new) == ("data.system_message", "auto", "fold")

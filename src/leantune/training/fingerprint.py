@@ -176,8 +176,20 @@ def run_fingerprint(cfg: Config, model_location: str, gguf_file: str | None) -> 
     return Fingerprint(fields, sources)
 
 
+ADDED_FIELDS: dict[str, Any] = {
+    # Runs recorded before data.system_message rendered system messages as given, which is
+    # what auto does wherever the template writes them (a template that refused one made
+    # that record a bad line; folding it now changes those records only).
+    "data.system_message": "auto",
+}
+"""Fields added to the fingerprint after runs were recorded, with the value that reads such a
+record as what it ran."""
+
+
 def compare(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
-    """The fields that differ, sorted by key (a field missing on one side counts as null)."""
+    """The fields that differ, sorted by key (a field missing on one side counts as null, or,
+    missing from an older record, as its `ADDED_FIELDS` value)."""
+    old = {**{k: v for k, v in ADDED_FIELDS.items() if k not in old}, **old}
     keys = sorted(set(old) | set(new))
     return [Change(k, old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)]
 
