@@ -124,6 +124,7 @@ def test_a_fixed_micro_batch_that_cannot_fit_is_refused_before_loading(
     t, memory = plan_for_run(cfg, "cpu", labels)
     assert t.micro_batch_size == 4
     assert memory.note.startswith("warning:") and all(x in memory.note for x in LEVERS)
+    assert "train.memory_budget" in memory.note
     # Plenty of memory: no warning.
     monkeypatch.setattr(planner, "available_memory", lambda device: 64 * GIB)
     assert not plan_for_run(cfg, "cpu", labels)[1].note.startswith("warning:")

@@ -539,14 +539,13 @@ class WillNotFit(UserError):
     """A configured run's live tensors alone exceed the memory the machine has available."""
 
 
-def _levers(t: TrainConfig, method: str) -> str:
+def _levers(cfg: Config, t: TrainConfig) -> str:
     """What lowers the memory a run needs, as settings to change."""
     return (
-        f"train.micro_batch_size (now {t.micro_batch_size}; micro_batch_size=auto picks one that "
-        "fits), train.gradient_checkpointing=true, a lighter method.name (now "
-        f"{method}; lora or qlora), model.dtype=bf16, or a shorter data.max_seq_len; "
-        "`leantune plan` shows what fits. A train.memory_budget is taken as the memory the run "
-        "may use"
+        f"train.micro_batch_size (now {t.micro_batch_size}; auto picks one that fits), "
+        f"train.gradient_checkpointing=true, a lighter method.name (now {cfg.method.name}; "
+        f"lora, then qlora), model.dtype=bf16 (now {cfg.model.dtype}) or a shorter "
+        "data.max_seq_len; `leantune plan` shows what fits"
     )
 
 
@@ -565,12 +564,18 @@ def _over_budget(cfg: Config, t: TrainConfig, device: str, b: Breakdown, budget:
             raise WillNotFit(
                 f"the memory planner predicts {describe(b)}, above the "
                 f"{available_memory(device) / GIB:.2f} GiB this machine has available: the run "
-                f"would be killed. Lower it with {_levers(t, cfg.method.name)} (set one to run "
-                "anyway)"
+                f"would be killed. Lower it with {_levers(cfg, t)}; or, to run anyway, set "
+                "train.memory_budget to the memory the run may use (its out-of-memory check "
+                "then stops the run in time)"
             )
     return (
         f"warning: the memory planner predicts {describe(b)}: over the {what}; the run may be "
-        f"killed. Levers: {_levers(t, cfg.method.name)}"
+        f"killed. Levers: {_levers(cfg, t)}"
+        + (
+            "; a train.memory_budget arms the out-of-memory check that halves the micro-batch"
+            if t.memory_budget is None
+            else ""
+        )
     )
 
 

@@ -26,7 +26,7 @@ COMPONENTS = (
     ("gradients", "gradients"),
     ("step_temporaries", "optimizer-step temporaries"),
 )
-LOAD_LABEL = "loading the checkpoint (file pages + weights)"
+LOAD_LABEL = "loading the checkpoint (pages + weights)"
 
 
 RowStats = tuple[int | None, int | None, int, int]
