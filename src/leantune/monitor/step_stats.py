@@ -47,6 +47,7 @@ TIMING_FIELDS = (
     "step_time_s",
     "peak_mem_bytes",
     "rss_bytes",
+    "rss_anon_bytes",
     "mfu",
     "data_wait_s",
     "data_wait_ratio",
