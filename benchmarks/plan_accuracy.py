@@ -15,7 +15,7 @@ predict) and MKL_DISABLE_FAST_MM=1 so that MKL does not keep its GEMM scratch bu
 `--default-malloc` also measures each point with the default allocators, `--tcmalloc` with
 the tcmalloc that `leantune train` preloads when it is installed (`leantune.training.allocator`;
 MKL's fast memory manager on, as in a run): how far RSS runs above the live tensors under each
-is what the planner's `CPU_RSS_FACTOR` allows for.
+is what the planner's `estimate.FIT_MARGIN` allows for.
 
 Usage:
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/plan_accuracy.py [--only NAME ...]

@@ -205,3 +205,29 @@ def test_a_runs_records_hold_padding_mfu_eta_and_resources(
     assert rows[0]["eta_s"] == pytest.approx(2 * times[0])
     assert rows[1]["eta_s"] == pytest.approx((times[0] + times[1]) / 2)
     assert rows[2]["eta_s"] == 0
+
+
+def test_mfu_never_exceeds_one_and_says_so_once() -> None:
+    """A peak probed under load reads low (issue 31: MFU 5.6 and 13 were reported): a step
+    faster than it raises the peak to the observed rate, said once."""
+    lines: list[str] = []
+    stats = StepStats(flops_per_token=1e6, peak_flops=1e9, max_steps=10, log=lines.append)
+    stats.begin()
+    assert stats.fields(step=1, tokens=5_000, elements=5_000, elapsed=1.0)["mfu"] == 1.0
+    assert stats.peak_flops == 5e9 and len(lines) == 1 and "above the matmul peak" in lines[0]
+    assert stats.fields(step=2, tokens=6_000, elements=6_000, elapsed=1.0)["mfu"] == 1.0
+    assert len(lines) == 1  # once per run
+    assert stats.fields(step=3, tokens=3_000, elements=3_000, elapsed=1.0)["mfu"] == 0.5
+
+
+def test_the_peak_is_the_best_of_the_cached_and_the_current_probe(tmp_path: Path) -> None:
+    from leantune.monitor.flops import best_peak_flops
+
+    cache, cpu = tmp_path / "peak.json", torch.device("cpu")
+    assert best_peak_flops(cpu, "fp32", lambda d, p: 2e11, cache) == 2e11
+    assert best_peak_flops(cpu, "fp32", lambda d, p: 5e10, cache) == 2e11  # probed under load
+    assert best_peak_flops(cpu, "bf16", lambda d, p: 5e10, cache) == 5e10  # its own entry
+    assert best_peak_flops(cpu, "fp32", lambda d, p: 3e11, cache) == 3e11
+    assert best_peak_flops(cpu, "fp32", lambda d, p: None, cache) == 3e11
+    cache.write_text("not json")
+    assert best_peak_flops(cpu, "fp32", lambda d, p: 1e11, cache) == 1e11

@@ -142,13 +142,13 @@ def test_monotone_in_batch_sequence_and_checkpointing() -> None:
 def test_recommend_keeps_the_global_batch_and_follows_the_checklist() -> None:
     facts = model_facts_for(tiny_llama_config(), "fp32", "sdpa", MethodConfig(name="lora"))
     step = StepSettings(8, 256)
-    sizes = {mb: estimate(facts, replace(step, micro_batch=mb)).peak for mb in (1, 2, 4, 8)}
+    sizes = {mb: estimate(facts, replace(step, micro_batch=mb)).needed for mb in (1, 2, 4, 8)}
     plan = recommend({"lora": facts}, "lora", step, 16, sizes[8])
     assert plan is not None and (plan.micro_batch, plan.grad_accum) == (8, 2)
     plan = recommend({"lora": facts}, "lora", step, 16, sizes[4])  # halve first
     assert plan is not None and (plan.micro_batch, plan.grad_accum) == (4, 4)
     assert not plan.gradient_checkpointing
-    ckpt1 = estimate(facts, replace(step, micro_batch=1, gradient_checkpointing=True)).peak
+    ckpt1 = estimate(facts, replace(step, micro_batch=1, gradient_checkpointing=True)).needed
     assert ckpt1 < sizes[1]
     plan = recommend({"lora": facts}, "lora", step, 16, ckpt1)  # then checkpointing
     assert plan is not None and plan.gradient_checkpointing
@@ -159,7 +159,7 @@ def test_recommend_keeps_the_global_batch_and_follows_the_checklist() -> None:
 def test_resolve_micro_batch_auto() -> None:
     facts = model_facts_for(tiny_llama_config(), "fp32", "sdpa", MethodConfig(name="lora"))
     step = StepSettings(12, 128)
-    fits_3 = estimate(facts, replace(step, micro_batch=3)).peak
+    fits_3 = estimate(facts, replace(step, micro_batch=3)).needed
     assert resolve_micro_batch(facts, step, 12, fits_3)[:2] == (3, 4)  # 12 -> 6 -> 3
     with pytest.raises(MemoryError, match="gradient_checkpointing"):
         resolve_micro_batch(facts, step, 12, 1000)
@@ -176,7 +176,7 @@ def test_resolve_micro_batch_enough_tokens() -> None:
     assert resolve_micro_batch(facts, step, 16, big, enough_tokens=500)[:2] == (4, 4)
     # More tokens than the whole batch holds: the largest that fits.
     assert resolve_micro_batch(facts, step, 16, big, enough_tokens=10**6)[:2] == (16, 1)
-    fits_2 = estimate(facts, replace(step, micro_batch=2)).peak
+    fits_2 = estimate(facts, replace(step, micro_batch=2)).needed
     assert resolve_micro_batch(facts, step, 16, fits_2, enough_tokens=10**6)[:2] == (2, 8)
 
 
@@ -228,16 +228,16 @@ def test_cli_plan_json_and_text(tmp_path: Path, tiny_llama_dir: Path, capsys) ->
     assert result["fits"] is True and result["budget"] == 64 * GIB
     rec = result["recommended"]
     assert (rec["micro_batch"], rec["grad_accum"], rec["gradient_checkpointing"]) == (4, 2, False)
-    # A budget between the runtime baseline and the configured peak: does not fit, and the
-    # recommendation keeps 4 x 2 = 8 rows per step.
-    tight = (b["peak"] + b["overhead"]) // 2
+    # A budget between the runtime baseline and the configured run's needs (each with the
+    # allocator's margin): does not fit, and the recommendation keeps 4 x 2 = 8 rows per step.
+    tight = (b["needed"] + int(b["overhead"] * b["margin"])) // 2
     assert main(["plan", str(cfg), "--budget", str(tight), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["fits"] is False
     rec = result["recommended"]
     assert rec is not None, result
     assert rec["micro_batch"] * rec["grad_accum"] == 8
-    assert rec["breakdown"]["peak"] <= tight
+    assert rec["breakdown"]["needed"] <= tight
     assert main(["plan", str(cfg), "--budget", "64GiB"]) == 0
     text = capsys.readouterr().out
     assert "predicted peak" in text and "fits the cpu budget of 64.00 GiB" in text
@@ -275,7 +275,7 @@ def test_train_resolves_auto_and_logs_memory(
     labels = [r.labels for r in data.rows]
     inputs = plan_inputs(cfg, "cpu", max_supervised_per_row(labels), longest)
     peak = {
-        mb: estimate(inputs.facts, dc_replace(inputs.step, micro_batch=mb)).peak for mb in (2, 4)
+        mb: estimate(inputs.facts, dc_replace(inputs.step, micro_batch=mb)).needed for mb in (2, 4)
     }
     cfg.train.memory_budget = str((peak[2] + peak[4]) // 2)  # fits 2 rows, not 4
     # The same budget also arms the CPU out-of-memory check on process RSS, and this pytest
@@ -346,15 +346,15 @@ def test_plan_recommends_low_bit_optimizer_state_when_adamw_does_not_fit(
     cfg = load_config(_config_file(tmp_path, tiny_llama_dir), ["method.name=full"])
     inputs = plan_inputs(cfg, "cpu")
     smallest = replace(inputs.step, micro_batch=1, gradient_checkpointing=True)
-    adamw = estimate(inputs.facts, smallest).peak
-    low_bit = estimate(inputs.facts, replace(smallest, optimizer=lighter[-1])).peak
+    adamw = estimate(inputs.facts, smallest).needed
+    low_bit = estimate(inputs.facts, replace(smallest, optimizer=lighter[-1])).needed
     assert low_bit < adamw
     result = plan(cfg, "cpu", str((adamw + low_bit) // 2))
     rec = result["recommended"]
     assert result["fits"] is False and rec is not None, result
     assert rec["method"] == "full" and rec["optimizer"] in ("adamw_8bit", "adamw_4bit"), rec
     assert rec["micro_batch"] * rec["grad_accum"] == 8
-    assert rec["breakdown"]["peak"] <= (adamw + low_bit) // 2
+    assert rec["breakdown"]["needed"] <= (adamw + low_bit) // 2
 
 
 def test_gradient_checkpointing_auto_turns_on_only_when_needed(
@@ -387,7 +387,7 @@ def test_gradient_checkpointing_auto_turns_on_only_when_needed(
 
     def peak(mb: int, ckpt: bool) -> int:
         step = dc_replace(inputs.step, micro_batch=mb, gradient_checkpointing=ckpt)
-        return estimate(inputs.facts, step).peak
+        return estimate(inputs.facts, step).needed
 
     assert peak(1, True) < peak(1, False)
     roomy = dc_replace(cfg, train=dc_replace(cfg.train, memory_budget=str(10 * peak(4, False))))

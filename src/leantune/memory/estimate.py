@@ -12,6 +12,10 @@ What the loop keeps alive (training/recipe.py, training/token_loss.py):
 So: peak = overhead + weights + optimizer
            + max(activations + max(loss, recomputed block), gradients + step temporaries).
 
+Those are live tensors; what a run needs is more (`Breakdown.needed`): the allocator's share
+(`FIT_MARGIN`), and before training the load phase (`load_bytes`), when the checkpoint's file
+pages and the weights built from them are resident together.
+
 Per block and token, what autograd keeps (Llama/Qwen2/Mistral code, checked by counting saved
 tensors with `torch.autograd.graph.saved_tensors_hooks` on CPU): each RMSNorm keeps its input
 (and the normalised input when its weight trains); a linear keeps its input only when its weight
@@ -53,6 +57,17 @@ QUANT_BYTES: dict[str, float] = {
 # or the CUDA context plus cuBLAS workspace on a GPU (typical 0.3-0.6 GiB; not measured here).
 RUNTIME_OVERHEAD = {"cpu": int(0.46 * GIB), "cuda": int(0.5 * GIB)}
 
+FIT_MARGIN: dict[str, float] = {"cpu": 1.7, "cuda": 1.0}
+"""Measured peak / predicted peak that a plan must leave room for before it "fits".
+
+CPU: peak RSS ran 1.08x (0.4B full), 1.28x (0.4B LoRA), 1.36x (1.4B LoRA) and 1.65x (6.9B
+QLoRA, anonymous memory) the planner's prediction in issue 31's table (Qwen2.5 shapes,
+seq_len 512, glibc malloc), and 1.4-1.7x on benchmarks/plan_accuracy.py's grid with the default
+allocators: freed blocks stay in the heap and MKL keeps scratch buffers. A 1.4B full run planned
+at 21.67 GiB "fitting" 22 GiB was killed at 23.9 GB. 1.7 covers every ratio measured.
+CUDA: the prediction is compared with the caching allocator's allocated peak, which is what the
+trainer's budget watches; no GPU ratio has been measured here, so none is assumed."""
+
 
 @dataclass(frozen=True)
 class StepSettings:
@@ -72,6 +87,11 @@ class StepSettings:
     kl: bool = False
     """The KL-to-base term (train.kl_coef > 0) adds a second set of logits."""
     device: str = "cpu"
+    checkpoint_bytes: int = 0
+    """Bytes of the checkpoint's weight files (0: unknown, and the load phase is not modelled)."""
+    checkpoint_itemsize: int | None = None
+    """Bytes per weight in those files (None: the run's weight dtype; 0: converted on load, as
+    GGUF's quantised blocks are)."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +106,16 @@ class Breakdown:
     loss: int
     recompute: int
     step_temporaries: int
+    load: int = 0
+    """Peak of the load phase (`load_bytes`), runtime included; 0 when not modelled."""
+    margin: float = 1.0
+    """`FIT_MARGIN` of the device: how far above `peak` the process was measured to go."""
+
+    @property
+    def needed(self) -> int:
+        """Memory the run needs: the step's peak with the allocator's margin, or the load
+        phase's peak when that is higher. A plan fits a budget when this does."""
+        return max(int(self.peak * self.margin + 0.5), self.load)
 
     @property
     def backward_phase(self) -> int:
@@ -108,8 +138,8 @@ class Breakdown:
         """Predicted peak memory of the process."""
         return self.overhead + self.run_peak
 
-    def as_dict(self) -> dict[str, int]:
-        return {**asdict(self), "run_peak": self.run_peak, "peak": self.peak}
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "run_peak": self.run_peak, "peak": self.peak, "needed": self.needed}
 
 
 def activation_bytes_per_token(layer: LayerTraining, s: ModelShape, st: StepSettings) -> float:
@@ -230,17 +260,38 @@ def optimizer_bytes(facts: ModelFacts, optimizer: str) -> int:
     return 2 * facts.trainable_bytes if per is None else int(per * facts.trainable_params)
 
 
+def load_bytes(facts: ModelFacts, st: StepSettings, weight_itemsize: int, weights: int) -> int:
+    """Peak of loading the checkpoint (models/loading.py: `from_pretrained` from safetensors).
+
+    The files are memory-mapped and every page read stays resident (RSS) while mapped. Weights
+    built at another dtype than the files', or quantised from them, are a second copy beside
+    those pages until loading ends (measured on a 0.3 GB bf16 Qwen2 loaded as fp32: RSS rose by
+    the file plus the fp32 weights); at the files' own dtype the weights are the mapped pages.
+    On CUDA the files are read into host memory, not the device memory the budget is of.
+    """
+    if st.checkpoint_bytes <= 0 or st.device == "cuda":
+        return 0
+    overhead = RUNTIME_OVERHEAD.get(st.device, RUNTIME_OVERHEAD["cpu"])
+    itemsize = weight_itemsize if st.checkpoint_itemsize is None else st.checkpoint_itemsize
+    if st.weight_quant is None and itemsize == weight_itemsize:
+        return overhead + max(weights, st.checkpoint_bytes)
+    return overhead + weights + st.checkpoint_bytes
+
+
 def estimate(facts: ModelFacts, st: StepSettings, weight_itemsize: int = 4) -> Breakdown:
-    """Predict the peak memory of a training step with settings `st`."""
+    """Predict the peak memory of a training step with settings `st`, and of loading."""
+    weights = weight_bytes(facts, st, weight_itemsize)
     return Breakdown(
         overhead=RUNTIME_OVERHEAD.get(st.device, RUNTIME_OVERHEAD["cpu"]),
-        weights=weight_bytes(facts, st, weight_itemsize),
+        weights=weights,
         gradients=facts.trainable_bytes,
         optimizer=optimizer_bytes(facts, st.optimizer),
         activations=activations(facts, st),
         loss=loss_bytes(facts, st),
         recompute=recompute_bytes(facts, st),
         step_temporaries=step_temporaries(facts, st.device),
+        load=load_bytes(facts, st, weight_itemsize, weights),
+        margin=FIT_MARGIN.get(st.device, FIT_MARGIN["cpu"]),
     )
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from leantune.config import Config, MethodConfig, TrainConfig, configured_global_batch
+from leantune.errors import UserError
 from leantune.memory.estimate import GIB, Breakdown, StepSettings, estimate
 from leantune.memory.facts import ModelFacts, build_meta_model, model_facts
 from leantune.methods.errors import MethodError
@@ -107,10 +109,13 @@ class Plan:
     optimizer: str
     seq_len: int
     breakdown: Breakdown
+    model_dtype: str | None = None
+    """model.dtype to set (None: as configured)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "method": self.method,
+            "model_dtype": self.model_dtype,
             "micro_batch": self.micro_batch,
             "grad_accum": self.grad_accum,
             "gradient_checkpointing": self.gradient_checkpointing,
@@ -133,6 +138,16 @@ def _halvings(micro_batch: int, global_batch: int) -> list[int]:
     return out or [1]
 
 
+@dataclass(frozen=True)
+class WeightOption:
+    """The configured method with its frozen weights at another dtype (model.dtype)."""
+
+    dtype: str
+    facts: ModelFacts
+    step: StepSettings
+    weight_itemsize: int
+
+
 def recommend(
     facts_by_method: dict[str, ModelFacts],
     method: str,
@@ -141,31 +156,58 @@ def recommend(
     budget: int,
     weight_itemsize: int = 4,
     lighter_optimizers: tuple[str, ...] = (),
+    lighter_weights: WeightOption | None = None,
 ) -> Plan | None:
-    """The fastest settings that fit `budget`, searched in the seeds' checklist order.
+    """The fastest settings that fit `budget` (`Breakdown.needed`: with the allocator's margin
+    and the load phase), searched in the seeds' checklist order.
 
     Order: the configured method with the largest micro-batch that fits (halving; grad
     accumulation keeps the global batch), first without then with gradient checkpointing (it
-    costs ~30% step time), then each of `lighter_optimizers`, then the other methods of
-    `facts_by_method` in their given order (e.g. lora, then qlora). Returns None if nothing fits.
+    costs ~30% step time), then each of `lighter_optimizers`; then the same with
+    `lighter_weights` (e.g. model.dtype=bf16: the method unchanged, at half the weights); then
+    the other methods of `facts_by_method` in their given order (e.g. lora, then qlora).
+    Returns None if nothing fits.
     """
-    methods = [method] + [m for m in facts_by_method if m != method]
-    for m in methods:
-        facts = facts_by_method[m]
-        quant = METHODS[m].planned_weight_quant or step.weight_quant
-        for opt in (step.optimizer, *lighter_optimizers):
-            for ckpt in sorted({step.gradient_checkpointing, True}):
-                for mb in _halvings(step.micro_batch, global_batch):
-                    st = replace(
-                        step,
-                        micro_batch=mb,
-                        gradient_checkpointing=ckpt,
-                        optimizer=opt,
-                        weight_quant=quant,
-                    )
-                    b = estimate(facts, st, weight_itemsize)
-                    if b.peak <= budget:
-                        return Plan(m, mb, global_batch // mb, ckpt, opt, step.seq_len, b)
+    options: list[tuple[str, ModelFacts, StepSettings, int, str | None]] = [
+        (method, facts_by_method[method], step, weight_itemsize, None)
+    ]
+    if lighter_weights is not None:
+        w = lighter_weights
+        options.append((method, w.facts, w.step, w.weight_itemsize, w.dtype))
+    options += [
+        (m, f, step, weight_itemsize, None) for m, f in facts_by_method.items() if m != method
+    ]
+    for m, facts, base, itemsize, dtype in options:
+        plan = _fastest_fitting(m, facts, base, global_batch, budget, itemsize, lighter_optimizers)
+        if plan is not None:
+            return replace(plan, model_dtype=dtype)
+    return None
+
+
+def _fastest_fitting(
+    method: str,
+    facts: ModelFacts,
+    step: StepSettings,
+    global_batch: int,
+    budget: int,
+    weight_itemsize: int,
+    lighter_optimizers: tuple[str, ...],
+) -> Plan | None:
+    """`recommend` for one method and weight dtype."""
+    quant = METHODS[method].planned_weight_quant or step.weight_quant
+    for opt in (step.optimizer, *lighter_optimizers):
+        for ckpt in sorted({step.gradient_checkpointing, True}):
+            for mb in _halvings(step.micro_batch, global_batch):
+                st = replace(
+                    step,
+                    micro_batch=mb,
+                    gradient_checkpointing=ckpt,
+                    optimizer=opt,
+                    weight_quant=quant,
+                )
+                b = estimate(facts, st, weight_itemsize)
+                if b.needed <= budget:
+                    return Plan(method, mb, global_batch // mb, ckpt, opt, step.seq_len, b)
     return None
 
 
@@ -177,8 +219,9 @@ def resolve_micro_batch(
     weight_itemsize: int = 4,
     enough_tokens: int | None = None,
 ) -> tuple[int, int, Breakdown]:
-    """`train.micro_batch_size=auto`: the largest micro-batch dividing `global_batch` that fits,
-    or, with `enough_tokens`, the smallest that fits and holds at least that many tokens.
+    """`train.micro_batch_size=auto`: the largest micro-batch dividing `global_batch` that fits
+    (`Breakdown.needed`), or, with `enough_tokens`, the smallest that fits and holds at least
+    that many tokens.
 
     `step.micro_batch` is the largest to try. Returns (micro_batch, grad_accum, breakdown) with
     micro_batch * grad_accum == global_batch.
@@ -189,7 +232,7 @@ def resolve_micro_batch(
     fitting = []
     for mb in _halvings(step.micro_batch, global_batch):
         b = estimate(facts, replace(step, micro_batch=mb), weight_itemsize)
-        if b.peak <= budget:
+        if b.needed <= budget:
             fitting.append((mb, b))
     if fitting:
         full = [f for f in fitting if enough_tokens and f[0] * step.seq_len >= enough_tokens]
@@ -197,7 +240,7 @@ def resolve_micro_batch(
         return mb, global_batch // mb, b
     b = estimate(facts, replace(step, micro_batch=1), weight_itemsize)
     raise MemoryError(
-        f"train.micro_batch_size=auto: even micro-batch 1 needs {b.peak / GIB:.2f} GiB, over the "
+        f"train.micro_batch_size=auto: even micro-batch 1 needs {b.needed / GIB:.2f} GiB, over the "
         f"budget of {budget / GIB:.2f} GiB; try train.gradient_checkpointing=true, a shorter "
         "data.max_seq_len or a lighter method (method.name=lora); `leantune plan` shows options"
     )
@@ -264,6 +307,7 @@ def plan_inputs(
     facts = model_facts_for(
         hf_config, cfg.model.dtype, attention, cfg.method, cfg.model.trust_remote_code
     )
+    files, file_itemsize = checkpoint_size(source.location, source.gguf_file, hf_config, facts)
     t = cfg.train
     global_batch = global_batch or configured_global_batch(t)
     micro = global_batch if t.micro_batch_size == "auto" else min(t.micro_batch_size, global_batch)
@@ -281,8 +325,38 @@ def plan_inputs(
         weight_quant=METHODS[cfg.method.name].planned_weight_quant,
         kl=t.kl_coef > 0,
         device=device,
+        checkpoint_bytes=files,
+        checkpoint_itemsize=file_itemsize,
     )
     return PlanInputs(facts, step, global_batch, DTYPE_BYTES[cfg.model.dtype], hf_config)
+
+
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
+"""The files `from_pretrained` reads weights from (one kind is present; safetensors first)."""
+
+
+def checkpoint_size(
+    location: str, gguf_file: str | None, hf_config: object, facts: ModelFacts
+) -> tuple[int, int | None]:
+    """(bytes of the weight files loading reads, bytes per weight in them or None if unknown).
+
+    A local folder's files are measured; a hub id not on disk is sized from its config's dtype
+    (`facts.total_params` at that dtype); (0, None) when neither is known. A GGUF file is
+    dequantised on load, so its weights never share a dtype with the run's.
+    """
+    folder = Path(location)
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else None
+    if gguf_file is not None:
+        gguf = folder / gguf_file
+        return (gguf.stat().st_size if gguf.is_file() else 0), 0
+    if folder.is_dir():
+        for pattern in WEIGHT_FILES:
+            sizes = [f.stat().st_size for f in folder.glob(pattern) if f.is_file()]
+            if sizes:
+                return sum(sizes), itemsize
+        return 0, None
+    return (facts.total_params * itemsize if itemsize else 0), itemsize
 
 
 def planned_precision(cfg: Config, device: str) -> str:
@@ -319,6 +393,24 @@ def alternatives(cfg: Config, inputs: PlanInputs) -> dict[str, ModelFacts]:
     return out
 
 
+def lighter_weights(
+    cfg: Config,
+    device: str,
+    supervised_per_row: int | None = None,
+    longest_row: int | None = None,
+    global_batch: int | None = None,
+) -> WeightOption | None:
+    """The configured method with model.dtype=bf16, for a method that keeps fp32 base weights
+    frozen (None otherwise: full fine-tuning in bf16 weights loses the updates' low bits, and a
+    quantised base is already lighter)."""
+    spec = METHODS[cfg.method.name]
+    if cfg.model.dtype != "fp32" or spec.trains_base_weights or spec.planned_weight_quant:
+        return None
+    half = replace(cfg, model=replace(cfg.model, dtype="bf16"))
+    inputs = plan_inputs(half, device, supervised_per_row, longest_row, global_batch)
+    return WeightOption("bf16", inputs.facts, inputs.step, inputs.weight_itemsize)
+
+
 def available_optimizers(device: str) -> tuple[str, ...]:
     """The lighter optimizers of OPTIMIZER_LADDER that can run on `device` ("cpu" or "cuda")
     here: one of their backends there has its library installed (see
@@ -335,10 +427,6 @@ def available_optimizers(device: str) -> tuple[str, ...]:
     return tuple(offered)
 
 
-CPU_RSS_FACTOR = 1.7
-"""CPU RSS measured up to 1.7x a run's live tensors with glibc's default malloc
-(benchmarks/plan_accuracy.py): micro_batch_size=auto on CPU without train.memory_budget plans
-within the default budget divided by it."""
 CPU_ENOUGH_TOKENS = 2048
 """micro_batch_size=auto on CPU: the smallest micro-batch of at least this many tokens (that
 fits). A CPU's matmuls already run at their peak on one 2,048-token row, so more rows per
@@ -399,12 +487,9 @@ def plan_for_run(
         if isinstance(e, MethodError):  # nor let one go wrong
             raise
         return _unmodelled(cfg, t, device, global_batch, e)
-    headroom = device == "cpu" and t.memory_budget is None
     budget = _budget_or_none(cfg, device)
-    # Nothing catches an out of memory on CPU without a budget: plan with the allocator's share.
-    plan_budget = int(budget / CPU_RSS_FACTOR) if budget is not None and headroom else budget
     if t.micro_batch_size == "auto":
-        return _auto_micro_batch(cfg, t, device, inputs, plan_budget, headroom)
+        return _auto_micro_batch(cfg, t, device, inputs, budget)
     ckpt = t.gradient_checkpointing
     b = estimate(
         inputs.facts,
@@ -414,25 +499,82 @@ def plan_for_run(
     reason = ""
     if ckpt == "auto":
         ckpt = False
-        if plan_budget is not None and b.peak > plan_budget:
+        if budget is not None and b.needed > budget:
             with_ckpt = estimate(
                 inputs.facts,
                 replace(inputs.step, gradient_checkpointing=True),
                 inputs.weight_itemsize,
             )
-            if with_ckpt.peak <= plan_budget:
+            if with_ckpt.needed <= budget:
                 ckpt, b = True, with_ckpt
                 reason = (
                     f"; gradient checkpointing on (gradient_checkpointing=auto): without it the "
                     f"micro-batch of {t.micro_batch_size} would not fit"
                 )
     t = replace(t, gradient_checkpointing=ckpt)
-    note = (
-        f"planner predicts peak {b.peak / GIB:.2f} GiB (weights {b.weights / GIB:.2f}, "
-        f"optimizer {b.optimizer / GIB:.2f}, activations {b.activations / GIB:.2f}, "
-        f"loss {b.loss / GIB:.2f}, gradients {b.gradients / GIB:.2f}){reason}"
-    )
+    note = f"planner predicts {describe(b)}{reason}"
+    if budget is not None and b.needed > budget:
+        note = _over_budget(cfg, t, device, b, budget)
     return t, PlannedMemory(note, b.peak, budget)
+
+
+def describe(b: Breakdown) -> str:
+    """'peak 1.20 GiB (weights ..., gradients ...), 2.04 GiB with the allocator's x1.7 margin;
+    loading 0.90 GiB'."""
+    text = (
+        f"peak {b.peak / GIB:.2f} GiB (weights {b.weights / GIB:.2f}, "
+        f"optimizer {b.optimizer / GIB:.2f}, activations {b.activations / GIB:.2f}, "
+        f"loss {b.loss / GIB:.2f}, gradients {b.gradients / GIB:.2f})"
+    )
+    if b.margin != 1:
+        text += f", {b.peak * b.margin / GIB:.2f} GiB with the allocator's x{b.margin:g} margin"
+    if b.load:
+        text += f"; loading the checkpoint {b.load / GIB:.2f} GiB"
+    return text
+
+
+class WillNotFit(UserError):
+    """A configured run's live tensors alone exceed the memory the machine has available."""
+
+
+def _levers(cfg: Config, t: TrainConfig) -> str:
+    """What lowers the memory a run needs, as settings to change."""
+    return (
+        f"train.micro_batch_size (now {t.micro_batch_size}; auto picks one that fits), "
+        f"train.gradient_checkpointing=true, a lighter method.name (now {cfg.method.name}; "
+        f"lora, then qlora), model.dtype=bf16 (now {cfg.model.dtype}) or a shorter "
+        "data.max_seq_len; `leantune plan` shows what fits"
+    )
+
+
+def _over_budget(cfg: Config, t: TrainConfig, device: str, b: Breakdown, budget: int) -> str:
+    """The warning for a configured micro-batch whose plan does not fit `budget`.
+
+    Raises:
+        WillNotFit: on CPU without train.memory_budget, when even the live tensors (the least
+            the process will hold; it was measured at 1.08x-1.65x them) exceed the available
+            memory: nothing would stop the run short of the kernel's OOM killer, minutes in.
+    """
+    what = f"train.memory_budget of {budget / GIB:.2f} GiB"
+    if t.memory_budget is None:
+        what = f"{budget / GIB:.2f} GiB the {device} has available (less {1 - SAFETY:.0%})"
+        if device == "cpu" and max(b.peak, b.load) > available_memory(device):
+            raise WillNotFit(
+                f"the memory planner predicts {describe(b)}, above the "
+                f"{available_memory(device) / GIB:.2f} GiB this machine has available: the run "
+                f"would be killed. Lower it with {_levers(cfg, t)}; or, to run anyway, set "
+                "train.memory_budget to the memory the run may use (its out-of-memory check "
+                "then stops the run in time)"
+            )
+    return (
+        f"warning: the memory planner predicts {describe(b)}: over the {what}; the run may be "
+        f"killed. Levers: {_levers(cfg, t)}"
+        + (
+            "; a train.memory_budget arms the out-of-memory check that halves the micro-batch"
+            if t.memory_budget is None
+            else ""
+        )
+    )
 
 
 def _unmodelled(
@@ -462,7 +604,6 @@ def _auto_micro_batch(
     device: str,
     inputs: PlanInputs,
     budget: int | None,
-    headroom: bool,
 ) -> tuple[TrainConfig, PlannedMemory]:
     """micro_batch_size=auto: the planner's pick within `budget`; with gradient_checkpointing
     =auto, checkpointing only when not even micro-batch 1 fits without it."""
@@ -485,9 +626,8 @@ def _auto_micro_batch(
         t = replace(t, micro_batch_size=mb, grad_accum=accum, gradient_checkpointing=bool(ckpt))
         note = (
             f"micro_batch_size=auto: {mb} x grad_accum {accum} (global batch "
-            f"{inputs.global_batch}); planner predicts peak {b.peak / GIB:.2f} GiB of a "
+            f"{inputs.global_batch}); planner predicts {describe(b)}, within a "
             f"{budget / GIB:.2f} GiB budget"
-            + (f" (available RAM / {CPU_RSS_FACTOR:g} for the allocator)" if headroom else "")
             + (
                 "; gradient checkpointing on (gradient_checkpointing=auto): without it not "
                 "even micro-batch 1 fits"
@@ -495,7 +635,7 @@ def _auto_micro_batch(
                 else ""
             )
         )
-        return t, PlannedMemory(note, b.peak, budget_for(cfg, device))
+        return t, PlannedMemory(note, b.peak, budget)
     ckpt = ckpt_options[-1] is True
     t = replace(t, micro_batch_size=1, grad_accum=inputs.global_batch, gradient_checkpointing=ckpt)
     note = f"warning: {error}; training with 1 x grad_accum {inputs.global_batch}"
@@ -504,4 +644,4 @@ def _auto_micro_batch(
         replace(inputs.step, micro_batch=1, gradient_checkpointing=ckpt),
         inputs.weight_itemsize,
     )
-    return t, PlannedMemory(note, one.peak, budget_for(cfg, device))
+    return t, PlannedMemory(note, one.peak, budget)

@@ -11,6 +11,7 @@ from leantune.memory.planner import (
     alternatives,
     available_optimizers,
     budget_for,
+    lighter_weights,
     plan_inputs,
     recommend,
 )
@@ -25,6 +26,7 @@ COMPONENTS = (
     ("gradients", "gradients"),
     ("step_temporaries", "optimizer-step temporaries"),
 )
+LOAD_LABEL = "loading the checkpoint (pages + weights)"
 
 
 RowStats = tuple[int | None, int | None, int, int]
@@ -109,11 +111,12 @@ def plan(
         limit,
         inputs.weight_itemsize,
         available_optimizers(device),
+        lighter_weights(cfg, device, supervised, longest, batch),
     )
     return {
         "device": device,
         "budget": limit,
-        "fits": configured.peak <= limit,
+        "fits": configured.needed <= limit,
         "configured": {
             "method": cfg.method.name,
             "micro_batch": inputs.step.micro_batch,
@@ -148,12 +151,14 @@ def format_text(result: dict[str, Any]) -> str:
         "  peak = runtime + weights + optimizer"
         " + max(activations + max(loss, recompute), gradients + step)"
     )
-    lines.append(f"  {'predicted peak':40s} {b['peak'] / GIB:8.3f} GiB")
-    if result["device"] == "cpu":
-        lines.append(
-            "  (live tensors; with glibc's default malloc, CPU RSS measured up to 1.6x the run's"
-            " tensors: benchmarks/plan_accuracy.py)"
-        )
+    lines.append(f"  {'predicted peak (live tensors)':40s} {b['peak'] / GIB:8.3f} GiB")
+    if b["margin"] != 1:
+        label = f"with the allocator's margin x{b['margin']:g}"
+        lines.append(f"  {label:40s} {b['peak'] * b['margin'] / GIB:8.3f} GiB")
+        lines.append("  (CPU RSS measured 1.08x-1.65x the live tensors: estimate.FIT_MARGIN)")
+    if b["load"]:
+        lines.append(f"  {LOAD_LABEL:40s} {b['load'] / GIB:8.3f} GiB")
+    lines.append(f"  {'needed':40s} {b['needed'] / GIB:8.3f} GiB")
     budget = result["budget"] / GIB
     verdict = "fits" if result["fits"] else "does NOT fit"
     lines += ["", f"{verdict} the {result['device']} budget of {budget:.2f} GiB"]
@@ -163,11 +168,13 @@ def format_text(result: dict[str, Any]) -> str:
             "nothing fits: shorten data.max_seq_len, or use a smaller model or more memory"
         )
     else:
+        dtype = rec.get("model_dtype")
         lines.append(
             f"fastest that fits: method.name={rec['method']} "
-            f"train.micro_batch_size={rec['micro_batch']} train.grad_accum={rec['grad_accum']} "
+            + (f"model.dtype={dtype} " if dtype else "")
+            + f"train.micro_batch_size={rec['micro_batch']} train.grad_accum={rec['grad_accum']} "
             f"train.gradient_checkpointing={str(rec['gradient_checkpointing']).lower()}"
             + (f" train.optimizer={rec['optimizer']}" if rec["optimizer"] != "adamw" else "")
-            + f" (peak {rec['breakdown']['peak'] / GIB:.3f} GiB)"
+            + f" (needs {rec['breakdown']['needed'] / GIB:.3f} GiB)"
         )
     return "\n".join(lines)

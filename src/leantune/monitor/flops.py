@@ -1,16 +1,22 @@
 """How much arithmetic a training token costs, and how much this device can do.
 
 MFU (model FLOPs utilisation) is the share of the device's matmul peak that the model's own
-arithmetic used: `flops_per_token x tokens/s / peak`. The peak is measured once at set-up by a
+arithmetic used: `flops_per_token x tokens/s / peak`. The peak is measured at set-up by a
 short matmul in the run's precision (`measure_peak_flops`) rather than read from a table of
-data-sheet numbers, so it is what this device (and, on CPU, these cores under their current
-load) delivers to a large matmul.
+data-sheet numbers, so it is what this device delivers to a large matmul. A probe taken while
+other work shares the cores reads low (MFU of 5.6 and 13 were reported so), so the run uses the
+best of the probe now and the best probe this machine recorded before (`best_peak_flops`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import os
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -19,6 +25,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PROBE_SECONDS = 0.01
 """Each timed round of the peak probe lasts about this long (the probe: ~4 rounds)."""
 MAX_PROBE_SIZE = {"cuda": 8192, "cpu": 1024}
+PEAK_FILE = "matmul_peak.json"
+"""The best probe per machine, device and precision, under $LEANTUNE_HOME."""
 
 
 def flops_per_token(matmul_params: int, trainable_matmul_params: int) -> float:
@@ -111,3 +119,45 @@ def _probe(device: torch.device, dtype: torch.dtype, rounds: int) -> float:
     repeats = max(1, math.ceil(PROBE_SECONDS / max(first, 1e-9)))
     best = min(_seconds(a, b, repeats, device) for _ in range(rounds)) / repeats
     return 2 * size**3 / max(best, 1e-12)
+
+
+def _peak_key(device: torch.device, precision: str) -> str:
+    """What a probe's result depends on: the machine (CPU model, flags, torch, threads) or the
+    GPU's name, and the precision."""
+    from leantune.training.precision import machine_key
+
+    if device.type == "cuda":
+        where = f"{torch.cuda.get_device_name(device)} | torch {torch.__version__}"
+    else:
+        where = machine_key()
+    return f"{device.type} | {where} | {precision}"
+
+
+def best_peak_flops(
+    device: torch.device,
+    precision: str,
+    measure: Callable[[torch.device, str], float | None] = measure_peak_flops,
+    cache: Path | None = None,
+) -> float | None:
+    """The matmul peak MFU is measured against: the higher of `measure` now and the best probe
+    recorded for this machine in `cache` (default $LEANTUNE_HOME/matmul_peak.json), which keeps
+    the higher one. A cache that cannot be read or written leaves the probe's value."""
+    if cache is None:
+        from leantune.models.demo_model import leantune_home
+
+        cache = leantune_home() / PEAK_FILE
+    now = measure(device, precision)
+    key = _peak_key(device, precision)
+    entries: dict[str, float] = {}
+    with contextlib.suppress(OSError, ValueError):
+        raw = json.loads(cache.read_text(encoding="utf-8"))
+        entries = {k: float(v) for k, v in raw.items()} if isinstance(raw, dict) else {}
+    best = max([v for v in (now, entries.get(key)) if v is not None and v > 0], default=None)
+    if best is not None and best != entries.get(key):
+        entries[key] = best
+        with contextlib.suppress(OSError):
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+            tmp.write_text(json.dumps(entries, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+            os.replace(tmp, cache)
+    return best

@@ -7,7 +7,9 @@ step's data work, `fields(...)` once the step is done. Each record gains:
   share of the batches' tensor elements (``tokens``/``tokens_per_s`` count non-pad tokens only,
   so they are the useful throughput);
 - ``mfu``: model FLOPs utilisation, 0-1 (`flops.flops_per_token` x non-pad tokens/s over the
-  matmul peak measured at set-up); None when no peak was measured;
+  matmul peak: the best probe, `flops.best_peak_flops`); None when no peak was measured. A step
+  that runs faster than that peak raises it to the rate observed (said once in the log), so
+  MFU never exceeds 1;
 - ``data_wait_s``, ``data_wait_ratio``: time spent picking the window and collating it, and its
   share of the step. The copy to the device is not in it: it waits in the stream behind the
   previous step's GPU work, so timing it would count that work as data;
@@ -34,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from leantune.monitor.flops import flops_per_token, matmul_parameters, measure_peak_flops
+from leantune.monitor.flops import best_peak_flops, flops_per_token, matmul_parameters
 from leantune.monitor.gpu import GpuProbe, open_gpu_probe
 from leantune.training.metrics import current_rss_bytes
 
@@ -45,6 +47,7 @@ TIMING_FIELDS = (
     "step_time_s",
     "peak_mem_bytes",
     "rss_bytes",
+    "rss_anon_bytes",
     "mfu",
     "data_wait_s",
     "data_wait_ratio",
@@ -98,6 +101,9 @@ class StepStats:
     """Report `rss_bytes` (off on CPU, where `metrics.memory_stats` already does)."""
     data: DataClock = field(default_factory=DataClock)
     cores: int = field(default_factory=_cores)
+    log: Callable[[str], None] | None = None
+    """Where the one line about a peak raised to the observed rate goes."""
+    _peak_raised: bool = False
     _times: deque[float] = field(default_factory=lambda: deque(maxlen=ETA_WINDOW))
     _cpu_start: float = 0.0
     _wall_start: float = 0.0
@@ -117,7 +123,10 @@ class StepStats:
         self._times.append(elapsed)
         mfu = None
         if self.flops_per_token is not None and self.peak_flops:
-            mfu = self.flops_per_token * tokens / elapsed / self.peak_flops
+            achieved = self.flops_per_token * tokens / elapsed
+            if achieved > self.peak_flops:
+                self._raise_peak(achieved)
+            mfu = achieved / self.peak_flops
         eta = None
         if self.max_steps is not None:
             eta = max(0, self.max_steps - step) * sum(self._times) / len(self._times)
@@ -136,6 +145,18 @@ class StepStats:
             out.update(self.gpu.read())
         return out
 
+    def _raise_peak(self, achieved: float) -> None:
+        """A step outran the probed peak: the probe ran under load (or the FLOP count
+        overstates the model); the observed rate is the peak from here on."""
+        if not self._peak_raised and self.log is not None:
+            self.log(
+                f"MFU: a step ran at {achieved / 1e12:.3g} TFLOP/s, above the matmul peak of "
+                f"{(self.peak_flops or 0) / 1e12:.3g} TFLOP/s probed at start-up (other work "
+                "on the device then?); MFU is measured against the fastest rate seen from here on"
+            )
+        self._peak_raised = True
+        self.peak_flops = achieved
+
 
 def build_step_stats(
     model: nn.Module,
@@ -143,10 +164,11 @@ def build_step_stats(
     precision: str,
     max_steps: int | None,
     log: Callable[[str], None],
-    measure: Callable[[torch.device, str], float | None] = measure_peak_flops,
+    measure: Callable[[torch.device, str], float | None] = best_peak_flops,
 ) -> StepStats:
     """The run's `StepStats`: FLOPs per token of the wrapped model, the device's matmul peak
-    (measured now, ~50 ms), the steps for the ETA and an NVML probe on CUDA."""
+    (probed now, ~50 ms, or the best probe before: `best_peak_flops`), the steps for the ETA
+    and an NVML probe on CUDA."""
     matmul, trainable = matmul_parameters(model)
     peak = measure(device, precision)
     if peak is not None:
@@ -157,4 +179,5 @@ def build_step_stats(
         max_steps=max_steps,
         gpu=open_gpu_probe(device),
         rss=device.type != "cpu",
+        log=log,
     )

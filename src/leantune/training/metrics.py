@@ -20,9 +20,39 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
+def status_bytes(field: str) -> int | None:
+    """A memory field of /proc/self/status (VmHWM, RssAnon, ...) in bytes; None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name == field:
+                    return int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def start_training_memory() -> int | None:
+    """At the start of training on CPU: the process's peak so far (the load phase, whose RSS
+    counts the checkpoint's file pages while they are mapped), with the kernel's high-water
+    mark (VmHWM) then reset, so that the peaks `memory_stats` reports from here on are
+    training's. None where /proc/self cannot say or reset it (the peak then stays the
+    process's, load included)."""
+    peak = status_bytes("VmHWM")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux 4.0+, proc(5))
+    except OSError:
+        return None
+    return peak
+
+
 def memory_stats(device: torch.device) -> dict[str, int]:
     """Current and peak memory for a metrics row: CUDA allocated and reserved (each with its
-    peak), or the process's resident set size (RSS) now and at its peak on CPU."""
+    peak), or on CPU the process's resident set size (RSS) now, its anonymous part (the run's
+    tensors and heap; the rest is file pages such as a mapped checkpoint) and its peak since
+    `start_training_memory` (since the start of the process before it runs)."""
     if device.type == "cuda":
         return {
             "mem_allocated_bytes": int(torch.cuda.memory_allocated(device)),
@@ -31,8 +61,14 @@ def memory_stats(device: torch.device) -> dict[str, int]:
             "peak_mem_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
         }
     rss = current_rss_bytes()
+    hwm = status_bytes("VmHWM")
+    peak = hwm if hwm is not None else peak_memory_bytes(device)  # ru_maxrss is never reset
     # The kernel updates its high-water mark lazily, so it can trail the current RSS.
-    return {"rss_bytes": rss, "peak_mem_bytes": max(rss, peak_memory_bytes(device))}
+    out = {"rss_bytes": rss, "peak_mem_bytes": max(rss, peak)}
+    anon = status_bytes("RssAnon")
+    if anon is not None:
+        out["rss_anon_bytes"] = anon
+    return out
 
 
 def current_rss_bytes() -> int:

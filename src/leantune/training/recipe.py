@@ -101,6 +101,7 @@ from leantune.training.events import (
 )
 from leantune.training.faults import KILL_ENV, FaultHooks, signal_at_start
 from leantune.training.guard_actions import act_on_guard
+from leantune.training.metrics import memory_stats, start_training_memory
 from leantune.training.oom import MemoryBudget, levers_message
 from leantune.training.optim import build_optimizer, build_scheduler, default_schedule, use_schedule
 from leantune.training.precision import (
@@ -201,6 +202,8 @@ def _lifecycle(
     """Set up, loop, finish: `train` inside its claimed run directory."""
     signal_at_start()
     session = set_up(cfg, source, stop=stop, inputs=inputs, log=log, strategy=strategy)
+    if session.trainer.device.type == "cpu":  # the metrics' peaks are training's from here
+        session.load_peak_bytes = start_training_memory()
     run.started = True  # from here on, a failure leaves the run directory as it is
     try:
         run_loop(session.trainer, session.loop, session.evaluator)
@@ -259,6 +262,8 @@ class Session:
     evaluator: PeriodicEval | None
     coverage: Coverage
     """What the method adapts, with the (trainable, total) parameter counts."""
+    load_peak_bytes: int | None = None
+    """CPU: the process's peak before training (loading; `start_training_memory`)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -767,6 +772,9 @@ def finish(session: Session, *, log: Log, started: float) -> dict[str, Any]:
     """Write final/, run the closing evaluation and write summary.json."""
     s, tr = session, session.trainer
     cfg, files = s.cfg, tr.files
+    memory = {"train_peak_mem_bytes": memory_stats(tr.device)["peak_mem_bytes"]}
+    if s.load_peak_bytes is not None:
+        memory["load_peak_mem_bytes"] = s.load_peak_bytes
     model = tr.strategy.final_model(s.model, lambda: _rebuilt(s))
     if model is None:  # not the main process: it helped gather the weights, and is done
         return {}
@@ -779,7 +787,7 @@ def finish(session: Session, *, log: Log, started: float) -> dict[str, Any]:
         rope_scaling=cfg.model.rope_scaling,
         quantization=s.quantization,
     )
-    results: dict[str, Any] = {"final_train_loss": tr.progress.last_loss}
+    results: dict[str, Any] = {"final_train_loss": tr.progress.last_loss, **memory}
     if s.eval_inputs is not None:
         merge_for_inference(model)
         preds = files.run_dir / "eval_predictions.jsonl" if cfg.train.eval_exact_match else None
