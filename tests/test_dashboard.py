@@ -28,7 +28,7 @@ from leantune.monitor.dashboard import make_server
 from leantune.monitor.dashboard import runs as dash_runs
 from leantune.monitor.dashboard import status as dash_status
 from leantune.monitor.dashboard.server import DashboardServer
-from leantune.training import recipe, rundir
+from leantune.training import run_monitoring, rundir
 from leantune.training.events import read_events
 from leantune.training.faults import LOSS_SCALE_ENV
 from leantune.training.metrics import read_metrics
@@ -324,7 +324,7 @@ def test_a_run_folder_that_vanishes_mid_read_is_a_503_not_a_dropped_connection(
 
 def test_the_dashboards_file_names_are_the_run_directorys() -> None:
     assert dash_status.LOCK_FILE == rundir.LOCK_FILE
-    assert dash_runs.PLAN_FILE == recipe.MEMORY_PLAN_FILE
+    assert dash_runs.PLAN_FILE == run_monitoring.MEMORY_PLAN_FILE
     assert (dash_runs.RUN_FILE, dash_runs.CONFIG_FILE) == (rundir.RUN_FILE, rundir.CONFIG_FILE)
 
 

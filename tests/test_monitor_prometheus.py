@@ -20,7 +20,7 @@ from conftest import chat_rows, free_port, make_config, run_cli, tiny_train_args
 from prometheus_client.parser import text_string_to_metric_families
 
 from leantune.monitor.prometheus import PrometheusSink, RunFacts
-from leantune.training import recipe
+from leantune.training import recipe, run_monitoring
 from leantune.training.faults import LOSS_SCALE_ENV, OOM_STEP_ENV
 from leantune.training.metrics import read_metrics
 from leantune.training.sinks import Sinks
@@ -90,7 +90,7 @@ class ScrapingSink:
 
 def with_scraper(monkeypatch: pytest.MonkeyPatch) -> list[ScrapingSink]:
     """Make every run of this test append a `ScrapingSink` behind its Prometheus sink."""
-    built = recipe._sinks
+    built = run_monitoring.sinks_for
     made: list[ScrapingSink] = []
 
     def sinks(*args: Any, **kwargs: Any) -> Sinks:
@@ -100,7 +100,7 @@ def with_scraper(monkeypatch: pytest.MonkeyPatch) -> list[ScrapingSink]:
         made.append(ScrapingSink(prometheus[0]))
         return Sinks([*out.sinks, made[-1]])
 
-    monkeypatch.setattr(recipe, "_sinks", sinks)
+    monkeypatch.setattr(run_monitoring, "sinks_for", sinks)
     return made
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from conftest import chat_rows, free_port, make_config, write_jsonl
 
-from leantune.training import recipe
+from leantune.training import recipe, run_monitoring
 from leantune.training.metrics import read_metrics
 from leantune.training.sinks import Sinks
 
@@ -131,8 +131,10 @@ def test_prometheus_scrapes_the_run_and_its_loss_series_equals_metrics_jsonl(
 ) -> None:
     server, port = prometheus
     waiter = WaitForScrape(server)
-    built = recipe._sinks
-    monkeypatch.setattr(recipe, "_sinks", lambda *a, **k: Sinks([*built(*a, **k).sinks, waiter]))
+    built = run_monitoring.sinks_for
+    monkeypatch.setattr(
+        run_monitoring, "sinks_for", lambda *a, **k: Sinks([*built(*a, **k).sinks, waiter])
+    )
     train_file = write_jsonl(tmp_path / "train.jsonl", chat_rows(16))
     run = tmp_path / "run"
     cfg = make_config(

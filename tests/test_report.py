@@ -181,10 +181,10 @@ def test_the_report_of_a_demo_sized_run_is_quick_and_shows_memory_against_the_pl
 
 def test_the_report_names_the_run_files_as_the_training_code_does() -> None:
     from leantune.data.prepare import pipeline
-    from leantune.training import events, recipe, rundir
+    from leantune.training import events, run_monitoring, rundir
 
     assert report_data.RUN_FILE == rundir.RUN_FILE
-    assert report_data.PLAN_FILES == (recipe.MEMORY_PLAN_FILE,)
+    assert report_data.PLAN_FILES == (run_monitoring.MEMORY_PLAN_FILE,)
     assert report_data.EVENTS_FILE == events.EVENTS_FILE
     assert report_data.PAUSED_MARKER == events.PAUSED_MARKER
     assert report_data.PREPARE_REPORT == pipeline.REPORT

@@ -17,7 +17,7 @@ from conftest import chat_rows, make_config, write_jsonl
 from safetensors.torch import load_file
 from torch import nn
 
-from leantune.training import recipe
+from leantune.training import recipe, run_monitoring
 from leantune.training.checkpoint import Checkpoint
 from leantune.training.events import read_events
 from leantune.training.faults import LOSS_SCALE_ENV
@@ -89,13 +89,13 @@ def test_a_sink_sees_every_record_the_run_files_hold_and_the_rollback(
     train_file = write_jsonl(tmp_path / "train.jsonl", chat_rows(24))
     eval_file = write_jsonl(tmp_path / "eval.jsonl", chat_rows(4, offset=100))
     sink = RecordingSink()
-    built = recipe._sinks
+    built = run_monitoring.sinks_for
 
     def with_recorder(*args: Any, **kwargs: Any) -> Sinks:
         sinks = built(*args, **kwargs)
         return Sinks([*sinks.sinks, sink])
 
-    monkeypatch.setattr(recipe, "_sinks", with_recorder)
+    monkeypatch.setattr(run_monitoring, "sinks_for", with_recorder)
     monkeypatch.setenv(LOSS_SCALE_ENV, "6:50")  # step 6's loss x50: a spike, rolled back
     run = tmp_path / "run"
     cfg = make_config(

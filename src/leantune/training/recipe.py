@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -41,7 +40,6 @@ from torch import nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.config import (
-    AUTO_RUN_NAME,
     COMPILE_ONE_PROCESS,
     Config,
     effective_pack,
@@ -59,7 +57,6 @@ from leantune.methods.registry import (
     apply_method,
     base_quantization,
     compute_dtype,
-    count_parameters,
     merge_for_inference,
     trainable_named_parameters,
 )
@@ -76,10 +73,8 @@ from leantune.models.loading import (
 )
 from leantune.models.output_head import output_head
 from leantune.models.quantize import Quantization
-from leantune.monitor.backends import RunInfo, optional_sinks
-from leantune.monitor.prometheus import PrometheusSink, RunFacts
 from leantune.monitor.report import report_at_end
-from leantune.monitor.step_stats import StepStats, build_step_stats
+from leantune.monitor.step_stats import StepStats
 from leantune.training.allocator import allocator_note, mapped_allocator
 from leantune.training.checkpoint import TrainingState, latest_checkpoint, list_complete_checkpoints
 from leantune.training.distributed.launch import launched_world_size
@@ -118,6 +113,7 @@ from leantune.training.resume_policy import (
     check_weights_fit,
     recorded_schedule,
 )
+from leantune.training.run_monitoring import monitoring
 from leantune.training.run_setup import (
     RunSetup,
     check_ids_fit,
@@ -136,7 +132,7 @@ from leantune.training.rundir import (
     write_record,
 )
 from leantune.training.signals import Interrupted, StopSignals
-from leantune.training.sinks import ConsoleSink, JsonlSink, Sink, Sinks
+from leantune.training.sinks import Sinks
 from leantune.training.strategy import ParallelStrategy, SingleProcess
 from leantune.training.summary import write_summary
 from leantune.training.threads import configure_threads
@@ -145,8 +141,6 @@ from leantune.training.trainer import RunFiles, StepResult, StepSettings, Traine
 Log = Callable[[str], None]
 # Test hook: SIGKILL this process right after the backward of this global micro-batch index.
 FAULT_ENV = KILL_ENV
-MEMORY_PLAN_FILE = "memory_plan.json"
-"""The planner's predicted peak and the budget (set-up writes it when the planner models it)."""
 
 __all__ = ["FAULT_ENV", "Session", "StepResult", "Trainer", "train"]
 
@@ -315,7 +309,7 @@ def set_up(
     model, trained, params, coverage = _wrap(cfg, model, strategy, log)
     evaluator = _periodic_eval(cfg, model, eval_inputs, settings)  # on every rank, as above
     # The trainer, its sinks (events reach them too), then its start state.
-    stats, sinks = _monitoring(cfg, run, files, events, model, device, strategy, evaluator, log)
+    stats, sinks = monitoring(cfg, run, files, events, model, device, strategy, evaluator, log)
     trainer = build_trainer(
         cfg,
         model=trained,
@@ -512,75 +506,6 @@ def _compile(model: nn.Module, strategy: ParallelStrategy, log: Log) -> None:
         raise ConfigError(COMPILE_ONE_PROCESS.format(strategy="auto (ddp under torchrun)"))
     blocks = compile_blocks(model)
     log(f"train.compile: {blocks} blocks compile on their first training steps")
-
-
-def _monitoring(
-    cfg: Config,
-    run: RunSetup,
-    files: RunFiles,
-    events: EventLog,
-    model: nn.Module,
-    device: torch.device,
-    strategy: ParallelStrategy,
-    evaluator: PeriodicEval | None,
-    log: Log,
-) -> tuple[StepStats, Sinks]:
-    """The per-step figures (MFU's peak is measured here) and the sinks, which hear the events."""
-    stats = build_step_stats(model, device, cfg.train.precision, cfg.train.max_steps, log)
-    trainable, total = count_parameters(model)
-    memory = run.memory
-    facts = RunFacts(
-        run_name=cfg.run_dir.name,
-        method=cfg.method.name,
-        model=cfg.model.path,
-        device=device.type,
-        precision=cfg.train.precision,
-        max_steps=int(cfg.train.max_steps or 0),
-        trainable_params=trainable,
-        total_params=total,
-        planned_peak_bytes=memory.peak_bytes if memory is not None else None,
-        memory_budget_bytes=memory.budget_bytes if memory is not None else None,
-        peak_flops=stats.peak_flops,
-    )
-    main = strategy.is_main_process
-    if main and memory is not None and memory.peak_bytes is not None:
-        # The report and the dashboard draw the measured memory against this.
-        plan = {"peak_bytes": memory.peak_bytes, "budget_bytes": memory.budget_bytes}
-        write_file(files.run_dir / MEMORY_PLAN_FILE, json.dumps(plan) + "\n")
-    sinks = _sinks(cfg, files, with_eval=evaluator is not None, log=log, facts=facts, main=main)
-    events.listeners.append(sinks.event)
-    return stats, sinks
-
-
-def _sinks(
-    cfg: Config,
-    files: RunFiles,
-    *,
-    with_eval: bool,
-    log: Log,
-    facts: RunFacts | None = None,
-    main: bool = True,
-) -> Sinks:
-    """metrics.jsonl/eval.jsonl, the progress bar, with monitor.metrics_port the Prometheus
-    endpoint, and the configured TensorBoard/W&B/MLflow sinks: the monitoring backends on the
-    main process (rank 0) only.
-
-    Raises:
-        MetricsPortInUse: monitor.metrics_port cannot be bound (exit 2, before training).
-    """
-    assert cfg.train.max_steps is not None, "resolved by set_up_run"
-    sinks: list[Sink] = []
-    if main:
-        sinks += [
-            JsonlSink(files.run_dir, with_eval),
-            ConsoleSink(cfg.train.max_steps, cfg.run.progress, log),
-        ]
-    m = cfg.monitor
-    if m.metrics_port is not None and facts is not None and main:
-        sinks.append(PrometheusSink(m.metrics_host, m.metrics_port, facts, files.ckpt_dir, log))
-    name = cfg.run.name if cfg.run.name != AUTO_RUN_NAME else files.run_dir.name  # run.dir set
-    sinks.extend(optional_sinks(m, RunInfo(files.run_dir, name, to_dict(cfg))) if main else [])
-    return Sinks(sinks)
 
 
 def build_trainer(

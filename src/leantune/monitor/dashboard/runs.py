@@ -32,7 +32,8 @@ MARKS = (RUN_FILE, CONFIG_FILE, METRICS_FILE)
 MAX_TEXT = 1 << 20
 """Largest config.yaml/summary.json read (a run writes a few kB)."""
 PLAN_FILE = "memory_plan.json"
-"""The planner's prediction, written by `train` at set-up (`training.recipe.MEMORY_PLAN_FILE`)."""
+"""The planner's prediction, written by `train` at set-up
+(`training.run_monitoring.MEMORY_PLAN_FILE`)."""
 """The metrics-row field that holds the memory planner's predicted peak, when a run records
 it; the memory chart draws it as a line."""
 
