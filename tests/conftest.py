@@ -58,18 +58,24 @@ _CORPUS = [
 ]
 
 
-def build_tiny_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE tokenizer (vocab 384) with ChatML special tokens and save it."""
+def train_bpe(corpus: list[str], special_tokens: list[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE (GPT-2 style) trained in-process on `corpus` x 20, special tokens first."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=384,
-        special_tokens=SPECIAL_TOKENS,
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
+    tok.train_from_iterator(corpus * 20, trainer=trainer)
+    return tok
+
+
+def build_tiny_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer (vocab 384) with ChatML special tokens and save it."""
+    tok = train_bpe(_CORPUS, SPECIAL_TOKENS, 384)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=None,
@@ -221,6 +227,21 @@ def chat_files(tmp_path: Path) -> tuple[Path, Path]:
         write_jsonl(tmp_path / "train.jsonl", chat_rows(24)),
         write_jsonl(tmp_path / "eval.jsonl", chat_rows(4, offset=100)),
     )
+
+
+def plan_config_file(tmp_path: Path, model_dir: Path, train: str) -> Path:
+    """A config file of 8 one-word chats (unpacked, 64 tokens) with `train: <train>` (YAML)."""
+    rows = [
+        {"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": "a"}]}
+        for i in range(8)
+    ]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        f"model: {{path: {model_dir}}}\ndata: {{train: {data}, max_seq_len: 64, pack: false}}\n"
+        f"train: {train}\n"
+    )
+    return cfg
 
 
 def make_config(model_dir: Path, train_file: Path, run_dir: Path, *extra: str) -> Config:

@@ -17,7 +17,7 @@ from typing import Any
 import chat_templates as ct
 import torch
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from conftest import train_bpe
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerFast
 
 # Plant-care chats: the words the tiny tokenizers are trained on (the matrix's data, too).
@@ -46,9 +46,6 @@ class Family:
     bos: str | None = None
     end_of_turn: str = ""
     """The text the template writes after each assistant message's content (supervised)."""
-    system: str = "kept"
-    """What the template does with a system message: kept, folded (into the first user turn by
-    the template itself), moved (into the last user turn), or refused."""
     generation_eos: tuple[str, ...] = ()
     """Tokens that end generation (generation_config.eos_token_id), beside `eos`."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -73,6 +70,28 @@ def _cfg(cls_name: str, **extra: Any) -> Callable[..., PretrainedConfig]:
 
 
 _MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+# What the families of one template lineage share.
+_CHATML: dict[str, Any] = {
+    "special_tokens": ct.QWEN_TOKENS,
+    "eos": "<|im_end|>",
+    "pad": "<|endoftext|>",
+    "end_of_turn": "<|im_end|>\n",
+}
+_MISTRAL: dict[str, Any] = {
+    "special_tokens": ct.MISTRAL_TOKENS,
+    "eos": "</s>",
+    "pad": "<unk>",
+    "bos": "<s>",
+    "end_of_turn": "</s>",
+}
+_GEMMA: dict[str, Any] = {
+    "special_tokens": ct.GEMMA_TOKENS,
+    "eos": "<eos>",
+    "pad": "<pad>",
+    "bos": "<bos>",
+    "end_of_turn": "<end_of_turn>\n",
+    "generation_eos": ("<end_of_turn>",),
+}
 
 FAMILIES: dict[str, Family] = {
     f.name: f
@@ -91,59 +110,37 @@ FAMILIES: dict[str, Family] = {
             "qwen2.5",
             _cfg("Qwen2Config", tie_word_embeddings=False),
             ct.QWEN25,
-            ct.QWEN_TOKENS,
-            eos="<|im_end|>",
-            pad="<|endoftext|>",
-            end_of_turn="<|im_end|>\n",
+            **_CHATML,
         ),
         Family(
             "qwen3",
             _cfg("Qwen3Config", head_dim=16, tie_word_embeddings=True),
             ct.QWEN3,
-            ct.QWEN_TOKENS,
-            eos="<|im_end|>",
-            pad="<|endoftext|>",
-            end_of_turn="<|im_end|>\n",
+            **_CHATML,
         ),
         Family(
             "qwen3-moe",
             _cfg("Qwen3MoeConfig", head_dim=16, **_MOE),
             ct.QWEN3,
-            ct.QWEN_TOKENS,
-            eos="<|im_end|>",
-            pad="<|endoftext|>",
-            end_of_turn="<|im_end|>\n",
+            **_CHATML,
         ),
         Family(
             "qwen2-moe",
             _cfg("Qwen2MoeConfig", shared_expert_intermediate_size=64, **_MOE),
             ct.QWEN25,
-            ct.QWEN_TOKENS,
-            eos="<|im_end|>",
-            pad="<|endoftext|>",
-            end_of_turn="<|im_end|>\n",
+            **_CHATML,
         ),
         Family(
             "mixtral",
             _cfg("MixtralConfig", num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
             ct.MIXTRAL,
-            ct.MISTRAL_TOKENS,
-            eos="</s>",
-            pad="<unk>",
-            bos="<s>",
-            end_of_turn="</s>",
-            system="folded",
+            **_MISTRAL,
         ),
         Family(
             "mistral",
             _cfg("MistralConfig", head_dim=16, sliding_window=8),
             ct.MISTRAL_V03,
-            ct.MISTRAL_TOKENS,
-            eos="</s>",
-            pad="<unk>",
-            bos="<s>",
-            end_of_turn="</s>",
-            system="moved",
+            **_MISTRAL,
         ),
         Family(
             "gemma2",
@@ -156,13 +153,7 @@ FAMILIES: dict[str, Family] = {
                 attn_logit_softcapping=50.0,
             ),
             ct.GEMMA2,
-            ct.GEMMA_TOKENS,
-            eos="<eos>",
-            pad="<pad>",
-            bos="<bos>",
-            end_of_turn="<end_of_turn>\n",
-            system="refused",
-            generation_eos=("<end_of_turn>",),
+            **_GEMMA,
         ),
         Family(
             "gemma3",
@@ -174,13 +165,7 @@ FAMILIES: dict[str, Family] = {
                 layer_types=["sliding_attention", "full_attention"],
             ),
             ct.GEMMA3,
-            ct.GEMMA_TOKENS,
-            eos="<eos>",
-            pad="<pad>",
-            bos="<bos>",
-            end_of_turn="<end_of_turn>\n",
-            system="folded",
-            generation_eos=("<end_of_turn>",),
+            **_GEMMA,
         ),
         Family(
             "phi3",
@@ -215,19 +200,13 @@ FAMILIES: dict[str, Family] = {
             "smollm2",
             _cfg("LlamaConfig", tie_word_embeddings=True),
             ct.SMOLLM2,
-            ct.QWEN_TOKENS,
-            eos="<|im_end|>",
-            pad="<|endoftext|>",
-            end_of_turn="<|im_end|>\n",
+            **_CHATML,
         ),
         Family(
             "smollm3",
             _cfg("SmolLM3Config", tie_word_embeddings=True),
             ct.SMOLLM3,
-            ct.QWEN_TOKENS,
-            eos="<|im_end|>",
-            pad="<|endoftext|>",
-            end_of_turn="<|im_end|>\n",
+            **_CHATML,
         ),
     ]
 }
@@ -240,19 +219,13 @@ OUTPUT_SCALED_FAMILIES: dict[str, Family] = {
             "cohere",
             _cfg("CohereConfig", logit_scale=0.5, tie_word_embeddings=True),
             ct.QWEN25,
-            ct.QWEN_TOKENS,
-            eos="<|im_end|>",
-            pad="<|endoftext|>",
-            end_of_turn="<|im_end|>\n",
+            **_CHATML,
         ),
         Family(
             "granite",
             _cfg("GraniteConfig", logits_scaling=2.0, tie_word_embeddings=True),
             ct.QWEN25,
-            ct.QWEN_TOKENS,
-            eos="<|im_end|>",
-            pad="<|endoftext|>",
-            end_of_turn="<|im_end|>\n",
+            **_CHATML,
         ),
     ]
 }
@@ -264,17 +237,7 @@ template and are not part of the matrix."""
 def family_tokenizer(family: Family, out_dir: Path | None = None) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer (vocab <= 448) with the family's special tokens as single
     tokens and its chat template; saved to `out_dir` when given."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = list(dict.fromkeys(family.special_tokens))
-    trainer = trainers.BpeTrainer(
-        vocab_size=448,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(PLANT_CORPUS * 20, trainer=trainer)
+    tok = train_bpe(PLANT_CORPUS, list(dict.fromkeys(family.special_tokens)), 448)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=family.bos,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import prepare_rows, tiny_llama_config, write_jsonl
+from conftest import plan_config_file, prepare_rows, tiny_llama_config
 from transformers import AutoModelForCausalLM
 
 from leantune.cli import main
@@ -190,19 +190,9 @@ def test_parse_size_and_supervised_rows() -> None:
 
 
 def _config_file(tmp_path: Path, model_dir: Path) -> Path:
-    rows = [
-        {"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": "a"}]}
-        for i in range(8)
-    ]
-    data = write_jsonl(tmp_path / "d.jsonl", rows)
-    cfg = tmp_path / "c.yaml"
     # Unpacked, the 8 examples are 8 rows, so a step takes the whole configured batch of 8
     # (packed, they fill 3 rows, and `plan`, as `train`, would take those 3).
-    cfg.write_text(
-        f"model: {{path: {model_dir}}}\ndata: {{train: {data}, max_seq_len: 64, pack: false}}\n"
-        "train: {micro_batch_size: 4, grad_accum: 2}\n"
-    )
-    return cfg
+    return plan_config_file(tmp_path, model_dir, "{micro_batch_size: 4, grad_accum: 2}")
 
 
 def test_auto_config_fields(tmp_path: Path, tiny_llama_dir: Path) -> None:

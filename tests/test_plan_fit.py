@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import tiny_llama_config, write_jsonl
+from conftest import plan_config_file, tiny_llama_config
 from transformers import Qwen2Config
 
 import leantune.memory.planner as planner
@@ -21,17 +21,7 @@ from leantune.memory.planner import WeightOption, model_facts_for, plan_for_run,
 
 
 def _config_file(tmp_path: Path, model_dir: Path, train: str) -> Path:
-    rows = [
-        {"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": "a"}]}
-        for i in range(8)
-    ]
-    data = write_jsonl(tmp_path / "d.jsonl", rows)
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(
-        f"model: {{path: {model_dir}}}\ndata: {{train: {data}, max_seq_len: 64, pack: false}}\n"
-        f"train: {train}\n"
-    )
-    return cfg
+    return plan_config_file(tmp_path, model_dir, train)
 
 
 def test_fits_only_with_the_margin() -> None:

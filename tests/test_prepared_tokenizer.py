@@ -21,10 +21,10 @@ from conftest import (
     save_tiny_model,
     tiny_llama_config,
     tiny_train_args,
+    train_bpe,
     write_jsonl,
 )
 from model_zoo import PLANT_CORPUS, save_family_model
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from leantune.data.dataset import PreparedData, check_token_range, prepared_data
@@ -49,16 +49,7 @@ def _max_id(prepared: Path) -> int:
 def other_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
     """The tiny tokenizer's recipe (same special tokens, same 384 vocabulary size, same chat
     template) trained on other text: other merges, so other ids for the same words."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=384,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(PLANT_CORPUS * 20, trainer=trainer)
+    tok = train_bpe(PLANT_CORPUS, SPECIAL_TOKENS, 384)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
     )
