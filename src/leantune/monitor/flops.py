@@ -21,6 +21,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from leantune.models.demo_model import leantune_home
+from leantune.training.precision import machine_key
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PROBE_SECONDS = 0.01
 """Each timed round of the peak probe lasts about this long (the probe: ~4 rounds)."""
@@ -124,8 +127,6 @@ def _probe(device: torch.device, dtype: torch.dtype, rounds: int) -> float:
 def _peak_key(device: torch.device, precision: str) -> str:
     """What a probe's result depends on: the machine (CPU model, flags, torch, threads) or the
     GPU's name, and the precision."""
-    from leantune.training.precision import machine_key
-
     if device.type == "cuda":
         where = f"{torch.cuda.get_device_name(device)} | torch {torch.__version__}"
     else:
@@ -143,8 +144,6 @@ def best_peak_flops(
     recorded for this machine in `cache` (default $LEANTUNE_HOME/matmul_peak.json), which keeps
     the higher one. A cache that cannot be read or written leaves the probe's value."""
     if cache is None:
-        from leantune.models.demo_model import leantune_home
-
         cache = leantune_home() / PEAK_FILE
     now = measure(device, precision)
     key = _peak_key(device, precision)
