@@ -208,6 +208,14 @@ def case(name: str, work: Path, tokenizer_dir: Path, data: Path) -> dict[str, An
         row["planned_peak_gib"] = round(configured["peak"] / 2**30, 2)
         row["rss_over_plan"] = round(rss / configured["peak"], 2)
         row["plan_fits"] = plan.get("fits")
+        recommended = plan.get("recommended") or {}
+        row["plan_recommends"] = {
+            k: recommended.get(k) for k in ("method", "micro_batch", "gradient_checkpointing")
+        }
+        needed = configured.get("needed")
+        if needed:
+            row["planned_needed_gib"] = round(needed / 2**30, 2)
+            row["rss_over_needed"] = round(rss / needed, 2)
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
         steps = [json.loads(x) for x in metrics.read_text().splitlines()]
