@@ -203,19 +203,6 @@ def case(name: str, work: Path, tokenizer_dir: Path, data: Path) -> dict[str, An
         "peak_rss_gib": round(rss / 2**30, 2),
         "wall_s": round(wall, 1),
     }
-    configured = plan.get("configured", {}).get("breakdown", {})
-    if configured:
-        row["planned_peak_gib"] = round(configured["peak"] / 2**30, 2)
-        row["rss_over_plan"] = round(rss / configured["peak"], 2)
-        row["plan_fits"] = plan.get("fits")
-        recommended = plan.get("recommended") or {}
-        row["plan_recommends"] = {
-            k: recommended.get(k) for k in ("method", "micro_batch", "gradient_checkpointing")
-        }
-        needed = configured.get("needed")
-        if needed:
-            row["planned_needed_gib"] = round(needed / 2**30, 2)
-            row["rss_over_needed"] = round(rss / needed, 2)
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
         steps = [json.loads(x) for x in metrics.read_text().splitlines()]
@@ -230,6 +217,27 @@ def case(name: str, work: Path, tokenizer_dir: Path, data: Path) -> dict[str, An
     if summary.is_file():
         s = json.loads(summary.read_text())
         row["setup_s"] = round(s["wall_time_s"] - s["train_time_s"], 1)  # load + data
+        # train resets the kernel's high-water mark when training starts (so that its metrics
+        # are training's), which wait4 then reports: the load phase's peak is in the summary.
+        for phase in ("load", "train"):
+            if s.get(f"{phase}_peak_mem_bytes"):
+                row[f"{phase}_peak_gib"] = round(s[f"{phase}_peak_mem_bytes"] / 2**30, 2)
+        row["peak_rss_gib"] = max(row["peak_rss_gib"], row.get("load_peak_gib", 0.0))
+        row["allocator"] = s.get("allocator")
+    peak = row["peak_rss_gib"] * 2**30  # the whole process: load or training, the higher
+    configured = plan.get("configured", {}).get("breakdown", {})
+    if configured:
+        row["planned_peak_gib"] = round(configured["peak"] / 2**30, 2)
+        row["rss_over_plan"] = round(peak / configured["peak"], 2)
+        row["plan_fits"] = plan.get("fits")
+        recommended = plan.get("recommended") or {}
+        row["plan_recommends"] = {
+            k: recommended.get(k) for k in ("method", "micro_batch", "gradient_checkpointing")
+        }
+        needed = configured.get("needed")
+        if needed:
+            row["planned_needed_gib"] = round(needed / 2**30, 2)
+            row["rss_over_needed"] = round(peak / needed, 2)
     if code != 0:
         row["tail"] = out[-1500:]
     elif export:
