@@ -12,14 +12,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import SafetensorError
 from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    GenerationConfig,
     PreTrainedConfig,
     PreTrainedModel,
 )
@@ -48,6 +50,7 @@ from leantune.models.paths import (
 )
 from leantune.models.quantize import Quantization, bnb_config, keep_training_layout
 from leantune.models.rope import apply_rope_scaling
+from leantune.models.weight_files import checkpoint_shards, pread_state_dict
 
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -296,29 +299,75 @@ def _load_model(
     quantization: Quantization | None,
     device: torch.device | str,
 ) -> PreTrainedModel:
-    local_only = not downloads_allowed()
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {
+        "dtype": DTYPES[dtype],
+        "trust_remote_code": trust_remote_code,
+        "attn_implementation": transformers_name(attn_implementation),
+    }
     if rope_scaling is not None:
         apply_rope_scaling(config, rope_scaling)
         kwargs["config"] = config
     if quantization is not None:
         kwargs["quantization_config"] = bnb_config(quantization)
         kwargs["device_map"] = {"": str(device)}
-    model = AutoModelForCausalLM.from_pretrained(
-        source.location,
-        gguf_file=source.gguf_file,
-        dtype=DTYPES[dtype],
-        trust_remote_code=trust_remote_code,
-        attn_implementation=transformers_name(attn_implementation),
-        local_files_only=local_only,
-        **kwargs,
-    )
+    shards = streamed_shards(source, config, trust_remote_code)
+    if shards is not None:
+        model = _from_shards(_model_class(config), source.location, config, shards, kwargs)
+    else:  # a hub id, a GGUF file, .bin weights or remote code: transformers reads the files
+        model = AutoModelForCausalLM.from_pretrained(
+            source.location,
+            gguf_file=source.gguf_file,
+            local_files_only=not downloads_allowed(),
+            **kwargs,
+        )
     check_supported(model, attn_implementation)
     if quantization is not None:
         keep_training_layout(model)
     # Once, here, for every user of the model (train, eval, the wrappers around it): how the
     # loss gets its logits (`output_head(model).note` says why when it is the slow way).
     decide_output_head(model)
+    return model
+
+
+def streamed_shards(
+    source: ModelSource, config: PreTrainedConfig, trust_remote_code: bool
+) -> list[Path] | None:
+    """The safetensors files loading reads tensor by tensor (`models.weight_files`), or None
+    where transformers reads the files itself: a GGUF file, .bin weights, a hub id not on disk,
+    or a model class that is not transformers' own."""
+    if source.gguf_file or trust_remote_code or type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return None
+    return checkpoint_shards(source.location)
+
+
+def _model_class(config: PreTrainedConfig) -> type[PreTrainedModel]:
+    """The class AutoModelForCausalLM builds for `config`: of several for one config type, the
+    one its `architectures` names, else the first (as transformers' auto classes choose)."""
+    found = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    if not isinstance(found, list | tuple):
+        return cast(type[PreTrainedModel], found)
+    named = {c.__name__: c for c in found if c is not None}
+    arch = next((a for a in getattr(config, "architectures", None) or [] if a in named), None)
+    return cast(type[PreTrainedModel], named[arch] if arch else found[0])
+
+
+def _from_shards(
+    model_class: type[PreTrainedModel],
+    location: str,
+    config: PreTrainedConfig,
+    shards: list[Path],
+    kwargs: dict[str, Any],
+) -> PreTrainedModel:
+    """`from_pretrained` of the model's own class over the shards read tensor by tensor
+    (`models.weight_files`: never the checkpoint's pages and the weights together)."""
+    with pread_state_dict(shards) as tensors:
+        model = model_class.from_pretrained(
+            None, **{"config": config, **kwargs}, state_dict=tensors
+        )
+    model.name_or_path = model.config.name_or_path = location  # from_pretrained(None): "None"
+    if (Path(location) / "generation_config.json").is_file():
+        # Read by from_pretrained from a folder; with a state dict there is none to read from.
+        model.generation_config = GenerationConfig.from_pretrained(location)
     return model
 
 
