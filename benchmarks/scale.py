@@ -66,7 +66,13 @@ CASES: dict[str, tuple[str, str, tuple[str, ...], bool]] = {
     "0.5b-lora": ("0.5b", "lora", (), False),
     "1.5b-lora": ("1.5b", "lora", (), False),
     "7b-qlora": ("7b", "qlora", ("train.global_batch_size=2",), False),
+    # On a GPU (--device cuda): the sizes a 24 GiB card takes with each method.
+    "1.5b-full": ("1.5b", "full", (), False),
+    "1.5b-qlora": ("1.5b", "qlora", (), False),
+    "7b-lora-bf16": ("7b", "lora", ("model.dtype=bf16", "train.global_batch_size=2"), False),
 }
+CPU_CASES = ("0.5b-full", "0.5b-lora", "1.5b-lora", "7b-qlora")
+CUDA_CASES = ("0.5b-full", "1.5b-full", "1.5b-lora", "7b-lora-bf16", "7b-qlora")
 SHARD_BYTES = 2 << 30
 
 
@@ -168,8 +174,12 @@ def run(cmd: list[str], env: dict[str, str]) -> tuple[int, int, float, str]:
     )
 
 
-def case(name: str, work: Path, tokenizer_dir: Path, data: Path) -> dict[str, Any]:
+def case(
+    name: str, work: Path, tokenizer_dir: Path, data: Path, device: str = "cpu"
+) -> dict[str, Any]:
     shape, method, extra, export = CASES[name]
+    if device != "cpu":
+        extra = (*extra, f"train.device={device}")
     model = build_model(shape, work / f"model-{shape}", tokenizer_dir)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     leantune = [sys.executable, "-m", "leantune"]
@@ -225,6 +235,21 @@ def case(name: str, work: Path, tokenizer_dir: Path, data: Path) -> dict[str, An
         row["peak_rss_gib"] = max(row["peak_rss_gib"], row.get("load_peak_gib", 0.0))
         row["allocator"] = s.get("allocator")
     peak = row["peak_rss_gib"] * 2**30  # the whole process: load or training, the higher
+    run_plan = run_dir / "memory_plan.json"
+    if run_plan.is_file() and (planned := json.loads(run_plan.read_text()).get("peak_bytes")):
+        # What train planned for the settings it chose (auto micro-batch resolved).
+        row["run_planned_peak_gib"] = round(planned / 2**30, 2)
+        trained = row.get("train_peak_gib", row["peak_rss_gib"]) * 2**30
+        if device == "cuda" and metrics.is_file():
+            rows_ = [json.loads(x) for x in metrics.read_text().splitlines()]
+            trained = max(r.get("peak_mem_reserved_bytes", 0) for r in rows_)
+        row["train_over_run_plan"] = round(trained / planned, 3)
+    if device == "cuda" and metrics.is_file():
+        # The budget is the GPU's: the caching allocator's peaks, allocated and reserved.
+        rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+        for key in ("peak_mem_bytes", "peak_mem_reserved_bytes"):
+            row[f"cuda_{key[:-6]}_gib"] = round(max(r.get(key, 0) for r in rows) / 2**30, 2)
+        peak = row["cuda_peak_mem_reserved_gib"] * 2**30
     configured = plan.get("configured", {}).get("breakdown", {})
     if configured:
         row["planned_peak_gib"] = round(configured["peak"] / 2**30, 2)
@@ -264,16 +289,21 @@ def case(name: str, work: Path, tokenizer_dir: Path, data: Path) -> dict[str, An
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated names of CASES")
+    ap.add_argument("--cases", default=None, help="comma-separated names of CASES")
     ap.add_argument("--work", default=None, help="folder for models and runs (default: a temp one)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="train.device")
+    ap.add_argument(
+        "--tokenizer", default=None, help="a tokenizer folder (default: the demo model's)"
+    )
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="leantune-scale-"))
     work.mkdir(parents=True, exist_ok=True)
-    tokenizer_dir = ensure_demo_model()
+    tokenizer_dir = Path(args.tokenizer) if args.tokenizer else ensure_demo_model()
     data = chat_file(work / "chat.jsonl")
     rows = []
-    for name in args.cases.split(","):
-        row = case(name, work, tokenizer_dir, data)
+    cases = args.cases or ",".join(CUDA_CASES if args.device == "cuda" else CPU_CASES)
+    for name in cases.split(","):
+        row = case(name, work, tokenizer_dir, data, args.device)
         rows.append(row)
         print(json.dumps(row), flush=True)
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
@@ -284,7 +314,10 @@ def main() -> int:
             f"{r['case']:12} {r['exit']:>4} {r.get('planned_peak_gib', '-'):>9} "
             f"{r['peak_rss_gib']:>9} {r.get('rss_over_plan', '-'):>6} {r.get('s_per_step', '-'):>7}"
         )
-    print(json.dumps({"benchmark": "scale", "cpu_flags": flags, "rows": rows}))
+    result: dict[str, Any] = {"benchmark": "scale", "cpu_flags": flags, "rows": rows}
+    if args.device == "cuda":
+        result["gpu"] = torch.cuda.get_device_name(0)
+    print(json.dumps(result))
     return 0
 
 

@@ -171,6 +171,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from leantune.config import load_config, parse_memory_size
     from leantune.memory.report import format_text, plan
+    from leantune.training.allocator import train_allocator
 
     if args.budget is not None:
         parse_memory_size(args.budget, "--budget")  # names the flag; plan() parses it again
@@ -179,7 +180,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     quiet_libraries()
     device = args.device or ("cpu" if cfg.train.device == "auto" else cfg.train.device)
     try:
-        result = plan(cfg, device, args.budget)
+        result = plan(cfg, device, args.budget, allocator=train_allocator())
     except (ValueError, MemoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -204,6 +205,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from leantune.data.templates import apply_chat_template
     from leantune.memory.report import format_text, plan
     from leantune.models.loading import load_tokenizer, resolve_model
+    from leantune.training.allocator import train_allocator
     from leantune.training.run_setup import FALLBACK_CONTEXT, model_context
 
     d = cfg.data
@@ -235,7 +237,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(format_inspection(ins, tokenizer, settings, args.examples, colour))
     device = "cpu" if cfg.train.device == "auto" else cfg.train.device
     try:
-        text = format_text(plan(cfg, device, None, row_stats=ins.row_stats()))
+        result = plan(cfg, device, None, ins.row_stats(), train_allocator())
+        text = format_text(result)
     except (ValueError, MemoryError, UserError) as e:
         text = f"not available: {e}"
     print(f"\nmemory plan (as `leantune plan` predicts it):\n{text}")

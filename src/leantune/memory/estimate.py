@@ -13,8 +13,8 @@ So: peak = overhead + weights + optimizer
            + max(activations + max(loss, recomputed block), gradients + step temporaries).
 
 Those are live tensors; what a run needs is more (`Breakdown.needed`): the allocator's share
-(`FIT_MARGIN`), and before training the load phase (`load_bytes`), when the checkpoint's file
-pages and the weights built from them are resident together.
+(`FIT_MARGIN`, by allocator), and before training the load phase (`load_bytes`), when the
+weights are built from the checkpoint's files.
 
 Per block and token, what autograd keeps (Llama/Qwen2/Mistral code, checked by counting saved
 tensors with `torch.autograd.graph.saved_tensors_hooks` on CPU): each RMSNorm keeps its input
@@ -57,16 +57,44 @@ QUANT_BYTES: dict[str, float] = {
 # or the CUDA context plus cuBLAS workspace on a GPU (typical 0.3-0.6 GiB; not measured here).
 RUNTIME_OVERHEAD = {"cpu": int(0.46 * GIB), "cuda": int(0.5 * GIB)}
 
-FIT_MARGIN: dict[str, float] = {"cpu": 1.7, "cuda": 1.0}
-"""Measured peak / predicted peak that a plan must leave room for before it "fits".
+FIT_MARGIN: dict[str, float] = {"glibc": 1.7, "tcmalloc": 1.2, "cuda": 1.1, "cuda-4bit": 1.6}
+"""Measured peak / predicted peak that a plan must leave room for before it "fits", by the CPU
+allocator the run has (`training.allocator`: tcmalloc where installed) or on CUDA.
 
-CPU: peak RSS ran 1.08x (0.4B full), 1.28x (0.4B LoRA), 1.36x (1.4B LoRA) and 1.65x (6.9B
-QLoRA, anonymous memory) the planner's prediction in issue 31's table (Qwen2.5 shapes,
-seq_len 512, glibc malloc), and 1.4-1.7x on benchmarks/plan_accuracy.py's grid with the default
-allocators: freed blocks stay in the heap and MKL keeps scratch buffers. A 1.4B full run planned
-at 21.67 GiB "fitting" 22 GiB was killed at 23.9 GB. 1.7 covers every ratio measured.
-CUDA: the prediction is compared with the caching allocator's allocated peak, which is what the
-trainer's budget watches; no GPU ratio has been measured here, so none is assumed."""
+glibc's malloc: peak RSS ran 1.08x (0.4B full), 1.28x (0.4B LoRA), 1.36x (1.4B LoRA) and 1.65x
+(6.9B QLoRA, anonymous memory) the prediction in issue 31's table (Qwen2.5 shapes, seq_len 512),
+and 1.4-1.7x on benchmarks/plan_accuracy.py's grid: freed blocks stay in the heap and MKL keeps
+scratch buffers. A 1.4B full run planned at 21.67 GiB "fitting" 22 GiB was killed at 23.9 GB.
+1.7 covers every ratio measured. Another allocator (jemalloc, mimalloc) is not measured and
+gets glibc's margin.
+tcmalloc: the training peak ran 1.05x (0.4B full), 1.07x (0.4B LoRA), 1.05x (1.4B LoRA) and
+1.13x (6.9B QLoRA) the prediction for the run's own micro-batch
+(benchmarks/results/scale-cpu.json, 2-core AVX512-BF16 Xeon): 1.2 covers them with room.
+CUDA: the caching allocator's reserved peak (what an out-of-memory is about) ran 1.04x (0.4B
+full) and 1.02x (1.4B LoRA) the prediction, 0.64x for LoRA on a 6.9B's bf16 weights, but 1.29x
+(1.4B) and 1.54x (6.9B) with a 4-bit base, whose bitsandbytes buffers the model does not count
+(benchmarks/results/scale-cuda.json, one H200, bf16 autocast): 1.1, and 1.6 for a 4-bit base."""
+
+MARGIN_MEASURED: dict[str, str] = {
+    "glibc": "glibc's malloc: RSS measured 1.08x-1.65x the live tensors",
+    "tcmalloc": "tcmalloc: RSS measured 1.05x-1.13x the live tensors",
+    "cuda": "CUDA: reserved memory measured 0.64x-1.04x the live tensors",
+    "cuda-4bit": "CUDA, 4-bit base: reserved memory measured 1.29x-1.54x the live tensors",
+}
+"""What the plan says about its margin, by allocator (see FIT_MARGIN)."""
+
+
+def margin_key(device: str, allocator: str, quantised: bool = False) -> str:
+    """Which `FIT_MARGIN` a run on `device` ("cpu", "cuda") has: its CPU `allocator`'s, or on
+    CUDA the one for a 4-bit (`quantised`) base or any other."""
+    if device == "cuda":
+        return "cuda-4bit" if quantised else "cuda"
+    return allocator if allocator in FIT_MARGIN else "glibc"
+
+
+def fit_margin(device: str, allocator: str, quantised: bool = False) -> float:
+    """`FIT_MARGIN` for a run on `device` with the CPU `allocator` it has (see `margin_key`)."""
+    return FIT_MARGIN[margin_key(device, allocator, quantised)]
 
 
 @dataclass(frozen=True)
@@ -87,11 +115,15 @@ class StepSettings:
     kl: bool = False
     """The KL-to-base term (train.kl_coef > 0) adds a second set of logits."""
     device: str = "cpu"
+    allocator: str = "glibc"
+    """The CPU allocator of the run's process (`training.allocator.mapped_allocator` names)."""
     checkpoint_bytes: int = 0
     """Bytes of the checkpoint's weight files (0: unknown, and the load phase is not modelled)."""
     checkpoint_itemsize: int | None = None
     """Bytes per weight in those files (None: the run's weight dtype; 0: converted on load, as
     GGUF's quantised blocks are)."""
+    checkpoint_streamed: bool = False
+    """Loading reads the files tensor by tensor (`models.weight_files`), not memory-mapped."""
 
 
 @dataclass(frozen=True)
@@ -261,18 +293,26 @@ def optimizer_bytes(facts: ModelFacts, optimizer: str) -> int:
 
 
 def load_bytes(facts: ModelFacts, st: StepSettings, weight_itemsize: int, weights: int) -> int:
-    """Peak of loading the checkpoint (models/loading.py: `from_pretrained` from safetensors).
+    """Peak of loading the checkpoint (models/loading.py).
 
-    The files are memory-mapped and every page read stays resident (RSS) while mapped. Weights
-    built at another dtype than the files', or quantised from them, are a second copy beside
-    those pages until loading ends (measured on a 0.3 GB bf16 Qwen2 loaded as fp32: RSS rose by
-    the file plus the fp32 weights); at the files' own dtype the weights are the mapped pages.
-    On CUDA the files are read into host memory, not the device memory the budget is of.
+    Read tensor by tensor (`st.checkpoint_streamed`: local safetensors, `models.weight_files`),
+    the peak is the weights plus the tensor in flight: read at the files' dtype and converted
+    (or quantised) to the run's, or for a MoE checkpoint the experts read and converted one by
+    one, then stacked into the weight; so the largest tensor once at each dtype beside the
+    weights. (A 6.9B QLoRA load, a 13 GB bf16 checkpoint: 5.99 GiB measured, 8.3 predicted;
+    memory-mapped it peaked at 18.93 GiB.) Otherwise
+    (GGUF, .bin, remote code) the files are memory-mapped, and every page read stays resident
+    while mapped: weights built at another dtype than the files', or quantised from them, are
+    a second copy beside those pages until loading ends; at the files' own dtype the weights
+    are the mapped pages. On CUDA the files are read into host memory, not the device memory
+    the budget is of.
     """
     if st.checkpoint_bytes <= 0 or st.device == "cuda":
         return 0
     overhead = RUNTIME_OVERHEAD.get(st.device, RUNTIME_OVERHEAD["cpu"])
     itemsize = weight_itemsize if st.checkpoint_itemsize is None else st.checkpoint_itemsize
+    if st.checkpoint_streamed:
+        return overhead + weights + facts.largest_tensor * (weight_itemsize + itemsize)
     if st.weight_quant is None and itemsize == weight_itemsize:
         return overhead + max(weights, st.checkpoint_bytes)
     return overhead + weights + st.checkpoint_bytes
@@ -291,7 +331,7 @@ def estimate(facts: ModelFacts, st: StepSettings, weight_itemsize: int = 4) -> B
         recompute=recompute_bytes(facts, st),
         step_temporaries=step_temporaries(facts, st.device),
         load=load_bytes(facts, st, weight_itemsize, weights),
-        margin=FIT_MARGIN.get(st.device, FIT_MARGIN["cpu"]),
+        margin=fit_margin(st.device, st.allocator, st.weight_quant is not None),
     )
 
 

@@ -70,6 +70,8 @@ class ModelFacts:
     embedding_trains: bool
     head_trains: bool
     layers: list[LayerTraining] = field(default_factory=list)
+    largest_tensor: int = 0
+    """Elements of the largest parameter (loading converts one tensor at a time)."""
 
 
 def model_shape(config: object) -> ModelShape:
@@ -200,4 +202,5 @@ def model_facts(model: nn.Module, config: object) -> ModelFacts:
         embedding_trains=any(p.requires_grad for p in emb.parameters()),
         head_trains=isinstance(head, nn.Module) and any(p.requires_grad for p in head.parameters()),
         layers=[_layer_training(layer) for layer in layers],
+        largest_tensor=max((p.numel() for p in params.values()), default=0),
     )

@@ -275,19 +275,21 @@ def plan_inputs(
     supervised_per_row: int | None = None,
     longest_row: int | None = None,
     global_batch: int | None = None,
+    allocator: str = "glibc",
 ) -> PlanInputs:
     """Build the planner's inputs from `cfg` (the model on the meta device; no weights read).
 
     `longest_row` (tokens, from the data) bounds the sequence length: a micro-batch is padded to
     its longest row, which for unpacked data is usually far below data.max_seq_len (with
     max_seq_len=auto and no data, the model's context). `global_batch` replaces the configured
-    one (a run whose data has fewer rows).
+    one (a run whose data has fewer rows). `allocator` is the CPU allocator the run has
+    (`training.allocator`), which sets the margin a plan must leave (`estimate.FIT_MARGIN`).
     """
     from transformers import AutoConfig
 
     from leantune.config import effective_pack
     from leantune.models.attention import resolve_attention
-    from leantune.models.loading import resolve_model
+    from leantune.models.loading import resolve_model, streamed_shards
     from leantune.models.paths import downloads_allowed, hub_offline_unless_allowed
 
     source = resolve_model(cfg.model.path, cfg.model.gguf_file)
@@ -325,8 +327,11 @@ def plan_inputs(
         weight_quant=METHODS[cfg.method.name].planned_weight_quant,
         kl=t.kl_coef > 0,
         device=device,
+        allocator=allocator,
         checkpoint_bytes=files,
         checkpoint_itemsize=file_itemsize,
+        checkpoint_streamed=streamed_shards(source, hf_config, cfg.model.trust_remote_code)
+        is not None,
     )
     return PlanInputs(facts, step, global_batch, DTYPE_BYTES[cfg.model.dtype], hf_config)
 
@@ -399,6 +404,7 @@ def lighter_weights(
     supervised_per_row: int | None = None,
     longest_row: int | None = None,
     global_batch: int | None = None,
+    allocator: str = "glibc",
 ) -> WeightOption | None:
     """The configured method with model.dtype=bf16, for a method that keeps fp32 base weights
     frozen (None otherwise: full fine-tuning in bf16 weights loses the updates' low bits, and a
@@ -407,7 +413,7 @@ def lighter_weights(
     if cfg.model.dtype != "fp32" or spec.trains_base_weights or spec.planned_weight_quant:
         return None
     half = replace(cfg, model=replace(cfg.model, dtype="bf16"))
-    inputs = plan_inputs(half, device, supervised_per_row, longest_row, global_batch)
+    inputs = plan_inputs(half, device, supervised_per_row, longest_row, global_batch, allocator)
     return WeightOption("bf16", inputs.facts, inputs.step, inputs.weight_itemsize)
 
 
@@ -457,7 +463,11 @@ def _budget_or_none(cfg: Config, device: str) -> int | None:
 
 
 def plan_for_run(
-    cfg: Config, device: str, labels_per_row: list[list[int]], global_batch: int | None = None
+    cfg: Config,
+    device: str,
+    labels_per_row: list[list[int]],
+    global_batch: int | None = None,
+    allocator: str = "glibc",
 ) -> tuple[TrainConfig, PlannedMemory]:
     """At the start of `train`: resolve `micro_batch_size=auto` and `gradient_checkpointing=auto`
     and describe the prediction.
@@ -482,7 +492,7 @@ def plan_for_run(
     try:
         longest = max((len(row) for row in labels_per_row), default=0) or None
         supervised = max_supervised_per_row(labels_per_row)
-        inputs = plan_inputs(cfg, device, supervised, longest, global_batch)
+        inputs = plan_inputs(cfg, device, supervised, longest, global_batch, allocator)
     except Exception as e:  # a prediction is advice: it must never stop a configured run
         if isinstance(e, MethodError):  # nor let one go wrong
             raise

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from leantune.config import Config
-from leantune.memory.estimate import GIB, estimate
+from leantune.memory.estimate import GIB, MARGIN_MEASURED, estimate, margin_key
 from leantune.memory.planner import (
     alternatives,
     available_optimizers,
@@ -26,7 +26,7 @@ COMPONENTS = (
     ("gradients", "gradients"),
     ("step_temporaries", "optimizer-step temporaries"),
 )
-LOAD_LABEL = "loading the checkpoint (pages + weights)"
+LOAD_LABEL = "loading the checkpoint"
 
 
 RowStats = tuple[int | None, int | None, int, int]
@@ -90,17 +90,19 @@ def plan(
     device: str,
     budget: str | None = None,
     row_stats: RowStats | None = None,
+    allocator: str = "glibc",
 ) -> dict[str, Any]:
     """Predict the configured run and recommend the fastest settings that fit the budget.
 
     `row_stats` is given when the caller has the rows already (`leantune inspect`); by default
     they are read from the data. The global batch is the one `train` takes on them.
+    `allocator` is the CPU allocator `train` would run with (`training.allocator`).
     """
     from leantune.training.run_setup import resolved_global_batch
 
     supervised, longest, rows, examples = row_stats or row_stats_from_data(cfg)
     batch = min(resolved_global_batch(cfg.train, rows, examples), rows) if rows else None
-    inputs = plan_inputs(cfg, device, supervised, longest, batch)
+    inputs = plan_inputs(cfg, device, supervised, longest, batch, allocator)
     limit = budget_for(cfg, device, budget)
     configured = estimate(inputs.facts, inputs.step, inputs.weight_itemsize)
     best = recommend(
@@ -111,10 +113,12 @@ def plan(
         limit,
         inputs.weight_itemsize,
         available_optimizers(device),
-        lighter_weights(cfg, device, supervised, longest, batch),
+        lighter_weights(cfg, device, supervised, longest, batch, allocator),
     )
     return {
         "device": device,
+        "allocator": allocator if device == "cpu" else None,
+        "margin_of": margin_key(device, allocator, inputs.step.weight_quant is not None),
         "budget": limit,
         "fits": configured.needed <= limit,
         "configured": {
@@ -155,7 +159,7 @@ def format_text(result: dict[str, Any]) -> str:
     if b["margin"] != 1:
         label = f"with the allocator's margin x{b['margin']:g}"
         lines.append(f"  {label:40s} {b['peak'] * b['margin'] / GIB:8.3f} GiB")
-        lines.append("  (CPU RSS measured 1.08x-1.65x the live tensors: estimate.FIT_MARGIN)")
+        lines.append(f"  ({MARGIN_MEASURED[result['margin_of']]}: estimate.FIT_MARGIN)")
     if b["load"]:
         lines.append(f"  {LOAD_LABEL:40s} {b['load'] / GIB:8.3f} GiB")
     lines.append(f"  {'needed':40s} {b['needed'] / GIB:8.3f} GiB")

@@ -174,3 +174,13 @@ def allocator_note(maps: Path = Path("/proc/self/maps")) -> str:
     if os.environ.get(ENV, "").strip().lower() == "system":
         return f"allocator: glibc's malloc ({ENV}=system)"
     return f"allocator: glibc's malloc; {INSTALL_HINT} (the leantune command preloads it)"
+
+
+def train_allocator(environ: Mapping[str, str] = os.environ) -> str:
+    """The allocator a `leantune train` started from `environ` runs with ("tcmalloc", "glibc",
+    ...): one this process already has, else the one `reexec_with_allocator` would preload.
+    What `leantune plan` sizes its margin by (`memory.estimate.FIT_MARGIN`)."""
+    name, path = mapped_allocator()
+    if path is not None:
+        return name
+    return "tcmalloc" if preload_for(environ) is not None else "glibc"

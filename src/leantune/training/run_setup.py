@@ -52,6 +52,7 @@ from leantune.data.prepare.command import engine_options, settings_from_config
 from leantune.data.prepare.pipeline import read_report
 from leantune.memory.planner import PlannedMemory, plan_for_run
 from leantune.models.loading import ModelSource
+from leantune.training.allocator import mapped_allocator
 from leantune.training.fingerprint import run_fingerprint
 from leantune.training.guard import GuardSettings
 from leantune.training.resume_policy import ResumePlan, plan_run
@@ -374,7 +375,7 @@ def set_up_run(
     # The fingerprint holds the configured micro-batch split (auto, or the numbers given).
     plan = plan_run(cfg, location, gguf_file, log)
     labels = [r.labels for r in train_data.rows]
-    t, memory = plan_for_run(cfg, device, labels, batch)
+    t, memory = plan_for_run(cfg, device, labels, batch, mapped_allocator()[0])
     log(memory.note)
     return RunSetup(dataclasses.replace(cfg, train=t), plan, train_data, eval_data, batch, memory)
 
