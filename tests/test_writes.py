@@ -29,9 +29,11 @@ import pytest
 from conftest import CliResult, chat_rows, run_cli, tiny_train_args, write_jsonl
 
 import leantune.data.dataset as dataset_module
+import leantune.training.checkpoint as ck
 import leantune.training.recipe as recipe
 from leantune import writes
 from leantune.training.metrics import MetricsLog
+from leantune.training.rundir import LOCK_FILE, lock_run_dir
 from leantune.writes import NotARegularFile, WriteRefused, append_text, write_file
 
 FILLER = "filler"
@@ -43,7 +45,10 @@ FILLER = "filler"
 
 @pytest.fixture(scope="session")
 def tmpfs_mounts(tmp_path_factory: pytest.TempPathFactory) -> bool:
-    """Whether this process can mount a tmpfs (probed once)."""
+    """Whether this process can mount a tmpfs (probed once; LEANTUNE_TESTS_NO_MOUNT=1 runs the
+    fall-back here too)."""
+    if os.environ.get("LEANTUNE_TESTS_NO_MOUNT"):
+        return False
     probe = tmp_path_factory.mktemp("tmpfs_probe")
     if _mount(probe, 64) is None:
         return False
@@ -74,10 +79,9 @@ class SmallDisk:
 
     root: Path
     real: bool
-    """A tmpfs; else the refusal is injected into `leantune.writes`."""
-    monkeypatch: pytest.MonkeyPatch
+    """A tmpfs; else the refusal is injected into `leantune.writes` and the checkpoint save."""
+    injected: pytest.MonkeyPatch = field(default_factory=pytest.MonkeyPatch)
     full: bool = False
-    patched: list[str] = field(default_factory=list)
 
     def fill(self) -> None:
         self.full = True
@@ -94,14 +98,14 @@ class SmallDisk:
                 os.close(fd)
             return
         for name in ("_fsync_file", "_install_dir", "_write_all"):
-            self.monkeypatch.setattr(writes, name, self._refusing(getattr(writes, name)))
+            self.injected.setattr(writes, name, self._refusing(getattr(writes, name)))
+        self.injected.setattr(ck, "_write_payload", self._refusing(ck._write_payload))
 
     def free(self) -> None:
         self.full = False
         if self.real:
             (self.root / FILLER).unlink()
-        else:
-            self.monkeypatch.undo()
+        self.injected.undo()
 
     def _refusing(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def refuse(where: Any, *rest: Any) -> Any:
@@ -118,23 +122,21 @@ class SmallDisk:
 
 
 @pytest.fixture()
-def small_disk(
-    tmp_path: Path, tmpfs_mounts: bool, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[Callable[[int], SmallDisk]]:
+def small_disk(tmp_path: Path, tmpfs_mounts: bool) -> Iterator[Callable[[int], SmallDisk]]:
     """`small_disk(size_kib)`: a fresh small disk under tmp_path."""
-    mounted: list[Path] = []
+    made: list[SmallDisk] = []
 
     def make(size_kib: int = 16384) -> SmallDisk:
-        root = tmp_path / f"disk{len(mounted)}"
+        root = tmp_path / f"disk{len(made)}"
         root.mkdir()
-        if tmpfs_mounts and _mount(root, size_kib) is not None:
-            mounted.append(root)
-            return SmallDisk(root, True, monkeypatch)
-        return SmallDisk(root, False, monkeypatch)
+        made.append(SmallDisk(root, tmpfs_mounts and _mount(root, size_kib) is not None))
+        return made[-1]
 
     yield make
-    for root in mounted:
-        _umount(root)
+    for disk in made:
+        disk.injected.undo()
+        if disk.real:
+            _umount(disk.root)
 
 
 # --------------------------------------------------------------------------------------------
@@ -215,6 +217,18 @@ def test_writes_refuse_what_is_not_a_regular_file(
             write()
         assert str(path) in str(info.value) and info.value.exit_code == 2
         unchanged()
+
+
+def test_the_run_dir_lock_is_never_taken_through_a_link(tmp_path: Path) -> None:
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_FILE).symlink_to(precious)
+    with pytest.raises(NotARegularFile) as info:
+        lock_run_dir(run)  # it used to write its pid into the link's target
+    assert str(run / LOCK_FILE) in str(info.value)
+    assert precious.read_text() == "keep me\n"
 
 
 # --------------------------------------------------------------------------------------------

@@ -119,9 +119,10 @@ def lock_run_dir(path: Path) -> int:
             created.
     """
     lock = path / LOCK_FILE
+    writes.check_target(lock)  # the pid is written into it: never through a link
     while True:
         try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
         except OSError as exc:
             raise RunDirError(f"run.dir={path}: cannot create {lock}: {exc.strerror}") from None
         try:
