@@ -158,7 +158,8 @@ def append_text(path: Path, text: str) -> None:
         raise _refused_or(exc, path) from exc
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            check_target(path)
+            check_target(path)  # names what it is
+            raise NotARegularFile(f"{path}: is not a regular file; give another path")
         size = os.fstat(fd).st_size
         try:
             _write_all(fd, text.encode("utf-8"))
