@@ -348,7 +348,16 @@ def test_prepare_on_a_full_disk_exits_2_and_keeps_the_earlier_output(
     assert [n for n in disk.listing() if ".tmp-" in n] == []
 
 
-@pytest.mark.parametrize("fmt", ["torchscript", "hf"])
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        "torchscript",
+        "hf",
+        "int8",  # torch.jit.save aborted here too (exit 134)
+        pytest.param("gguf", marks=pytest.mark.slow),
+        pytest.param("adapter", marks=pytest.mark.slow),
+    ],
+)
 def test_export_on_a_full_disk_exits_2_and_keeps_the_earlier_export(
     fmt: str, world: World, small_disk: Callable[[int], SmallDisk]
 ) -> None:

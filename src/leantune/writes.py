@@ -18,6 +18,12 @@ Two rules hold for every one of them:
 - A filesystem that refuses the write (full, over quota, read-only, ...) is
   :class:`WriteRefused`, exit 2, naming the path and the fix, wherever the error came from:
   Python's ``OSError``, torch's ``RuntimeError`` around it, or safetensors' Rust error text.
+  A permission or I/O error counts only when it names the file being written (reading an input
+  can meet those too, and is not this module's to explain).
+
+Checkpoints keep their own protocol (`leantune.training.checkpoint`: a marker, checksums, the
+old one put back), with the same two rules; their refusal is `CheckpointWriteError`, an
+:class:`OutputError` too.
 
 C++ writers that abort the process when the disk fills (``torch.jit.save`` to a path ends in
 ``std::terminate``, exit 134) are given bytes to write instead (:func:`write_file`).
@@ -33,6 +39,7 @@ import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 from leantune.errors import UserError
 
@@ -155,7 +162,7 @@ def append_text(path: Path, text: str) -> None:
     except OSError as exc:
         if exc.errno in _LINK_ERRORS:
             check_target(path)
-        raise _refused_or(exc, path) from exc
+        _reraise(exc, path)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             check_target(path)  # names what it is
@@ -166,7 +173,7 @@ def append_text(path: Path, text: str) -> None:
         except OSError as exc:
             with contextlib.suppress(OSError):  # shrinking needs no space
                 os.ftruncate(fd, size)
-            raise _refused_or(exc, path) from exc
+            _reraise(exc, path)
     finally:
         os.close(fd)
 
@@ -186,8 +193,13 @@ def check_target(path: Path, folder: bool = False) -> None:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         return
+    except NotADirectoryError:
+        raise NotARegularFile(
+            f"{path}: cannot be written, since a part of the path above it is a file, not a "
+            "folder. Give another path."
+        ) from None
     except OSError as exc:
-        raise _refused_or(exc, path) from exc
+        _reraise(exc, path)
     if (stat.S_ISDIR(mode) if folder else stat.S_ISREG(mode)) and not stat.S_ISLNK(mode):
         return
     wanted = "folder" if folder else "regular file"
@@ -260,9 +272,12 @@ def refused(where: Path, code: int, target: Path | None = None) -> WriteRefused:
     )
 
 
-def _refused_or(exc: OSError, path: Path) -> OSError | WriteRefused:
+def _reraise(exc: OSError, path: Path) -> NoReturn:
+    """Raise `exc` as WriteRefused when the filesystem refused a write, else as it is."""
     found = as_write_refused(exc, path)
-    return found if found is not None else exc
+    if found is None:
+        raise exc
+    raise found from exc
 
 
 def _errno_of(exc: BaseException) -> int | None:
