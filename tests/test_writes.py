@@ -82,6 +82,19 @@ class SmallDisk:
     """A tmpfs; else the refusal is injected into `leantune.writes` and the checkpoint save."""
     injected: pytest.MonkeyPatch = field(default_factory=pytest.MonkeyPatch)
     full: bool = False
+    code: int = errno.ENOSPC
+    """What the injected refusal says (a tmpfs says it itself)."""
+
+    def read_only(self) -> None:
+        """Remount it read-only: every write is refused with EROFS."""
+        self.code = errno.EROFS
+        if not self.real:
+            self.fill()
+            return
+        done = subprocess.run(
+            ["mount", "-o", "remount,ro", str(self.root)], capture_output=True, timeout=30
+        )
+        assert done.returncode == 0, done
 
     def fill(self) -> None:
         self.full = True
@@ -112,7 +125,7 @@ class SmallDisk:
             fd = isinstance(where, int)
             path = Path(os.readlink(f"/proc/self/fd/{where}")) if fd else Path(where)
             if self.full and path.is_relative_to(self.root):
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+                raise OSError(self.code, os.strerror(self.code), str(path))
             return original(where, *rest)
 
         return refuse
@@ -143,19 +156,25 @@ def small_disk(tmp_path: Path, tmpfs_mounts: bool) -> Iterator[Callable[[int], S
 # The helper itself
 
 
-def test_a_full_disk_leaves_the_old_file_and_no_temporary(
-    small_disk: Callable[[int], SmallDisk],
+@pytest.mark.parametrize(
+    ("code", "fix"), [(errno.ENOSPC, "free space"), (errno.EROFS, "remount it read-write")]
+)
+def test_a_full_or_read_only_disk_leaves_the_old_file_and_no_temporary(
+    code: int, fix: str, small_disk: Callable[[int], SmallDisk]
 ) -> None:
     disk = small_disk(256)
     target = disk.root / "summary.json"
     target.write_text("old\n")
-    disk.fill()
+    if code == errno.ENOSPC:
+        disk.fill()
+    else:
+        disk.read_only()
     with pytest.raises(WriteRefused) as info:
         write_file(target, "x" * 100_000)
     message = str(info.value)
-    assert str(target) in message and "No space left on device" in message, message
-    assert "unchanged" in message and "free space" in message
-    assert info.value.exit_code == 2
+    assert str(target) in message and os.strerror(code) in message, message
+    assert "unchanged" in message and fix in message
+    assert info.value.exit_code == 2 and info.value.errno == code
     assert target.read_text() == "old\n"
     assert disk.listing() == ["summary.json"]  # no temporary left beside it
 
