@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from leantune.bench.throughput import add_arguments as throughput_arguments
+from leantune.writes import write_file
 
 if TYPE_CHECKING:
     from leantune.config import Config
@@ -80,7 +81,7 @@ def _base_loss(cfg: Config, out: Path, reuse: bool) -> float | None:
     cmd = base_loss_command(cfg.model.path, str(cfg.data.eval), fmt, limit, width)
     loss = base_eval_loss(cmd, out / "base_loss.log")
     out.mkdir(parents=True, exist_ok=True)
-    saved.write_text(json.dumps({"loss": loss}) + "\n")
+    write_file(saved, json.dumps({"loss": loss}) + "\n")
     return loss
 
 

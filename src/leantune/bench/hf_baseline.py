@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from leantune.training.allocator import mapped_allocator
+from leantune.writes import write_file
 
 
 def _rows(path: Path, tokenizer: Any, max_seq_len: int) -> list[dict[str, list[int]]]:
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "grad_accum": args.grad_accum,
     }
     result["allocator"] = mapped_allocator()[0]
-    (out / "result.json").write_text(json.dumps(result, indent=2))
+    write_file(out / "result.json", json.dumps(result, indent=2))
     return result
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from leantune.training.metrics import read_metrics
+from leantune.writes import write_file
 
 Log = Callable[[str], None]
 
@@ -273,8 +274,8 @@ def write_outputs(
         "base_eval_loss": base_loss,
         "results": [asdict(r) for r in results],
     }
-    (out / "methods.md").write_text(markdown_table(results, base_exact_match, base_loss))
-    (out / "methods.json").write_text(json.dumps(payload, indent=2) + "\n")
+    write_file(out / "methods.md", markdown_table(results, base_exact_match, base_loss))
+    write_file(out / "methods.json", json.dumps(payload, indent=2) + "\n")
     if any(r.status == "ok" for r in results):
         plot(results, out / "methods.png")
     return payload

@@ -22,6 +22,7 @@ from typing import Any
 
 from leantune.bench.methods import Log, run_overrides
 from leantune.training.metrics import read_metrics
+from leantune.writes import write_file
 
 SWEEP_OVERRIDES = ("train.eval_exact_match=false", "train.save_every=0")
 """Appended to every sweep run: loss only (no generation), no checkpoints in between."""
@@ -207,6 +208,6 @@ def write_sweep(sweeps: list[MethodSweep], meta: dict[str, Any], out: Path) -> d
         "chosen_lr": {s.method: s.chosen_lr for s in sweeps},
         "sweeps": [asdict(s) for s in sweeps],
     }
-    (out / "sweep.md").write_text(sweep_table(sweeps))
-    (out / "sweep.json").write_text(json.dumps(payload, indent=2) + "\n")
+    write_file(out / "sweep.md", sweep_table(sweeps))
+    write_file(out / "sweep.json", json.dumps(payload, indent=2) + "\n")
     return payload

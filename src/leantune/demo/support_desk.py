@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from leantune.writes import write_file
+
 # Short on purpose: it is repeated in every example, and on CPU every token of it costs time.
 SYSTEM_PROMPT = "Reply with a JSON support ticket for the message."
 
@@ -375,9 +377,7 @@ def generate(
 
 def write_jsonl(records: Sequence[dict[str, Any]], path: Path) -> None:
     """Write one JSON object per line (UTF-8, non-ASCII kept as is)."""
-    with path.open("w", encoding="utf-8", newline="\n") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    write_file(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

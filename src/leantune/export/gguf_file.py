@@ -298,9 +298,14 @@ def check_gguf_source(config: Any, tokenizer: PreTrainedTokenizerBase) -> GgufAr
 
 
 def write_gguf(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path, gguf_type: str
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    out: Path,
+    gguf_type: str,
+    name: str | None = None,
 ) -> dict[str, Any]:
-    """Write `out/model.gguf` in `gguf_type` ("f16", "bf16" or "q8_0").
+    """Write `out/model.gguf` in `gguf_type` ("f16", "bf16" or "q8_0"), named `name` in its
+    metadata (default: the folder's name).
 
     Raises:
         ExportError: the architecture, its configuration, rope scaling or tokenizer is not
@@ -312,7 +317,7 @@ def write_gguf(
     qtype, ftype = GGUF_TYPES[gguf_type]
     path = out / MODEL_FILE
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[spec.arch])
-    _write_hparams(w, model.config, spec, out.name or "model", ftype)
+    _write_hparams(w, model.config, spec, name or out.name or "model", ftype)
     _write_tokenizer(w, tokenizer, model.config.vocab_size)
     n = _write_tensors(w, model, spec, qtype)
     w.write_header_to_file()

@@ -26,7 +26,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from leantune.export.torchscript import MODEL_FILE, load_torchscript, trace_logits
+from leantune.export.torchscript import load_torchscript, save_traced, trace_logits
 
 load_int8 = load_torchscript
 
@@ -82,8 +82,7 @@ def write_int8(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         traced = trace_logits(quantized, example)
-    torch.jit.save(traced, str(out / MODEL_FILE))
-    torch.save(example, out / "example_input.pt")
+    save_traced(traced, example, out)
     model.config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return {

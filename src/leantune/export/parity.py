@@ -21,6 +21,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.data.chat_spans import for_template
 from leantune.data.formats import FORMATS, detect_format, read_jsonl
+from leantune.writes import write_file
 
 REPORT_NAME = "export_report.json"
 
@@ -168,6 +169,7 @@ def check_and_report(
     thresholds: Thresholds,
     info: dict[str, Any],
     extra_failures: Sequence[str] = (),
+    shown: Path | None = None,
 ) -> dict[str, Any]:
     """Write `export_report.json` and raise when a metric is over its threshold.
 
@@ -178,6 +180,7 @@ def check_and_report(
         thresholds: this format's limits.
         info: what was exported (format, source, samples, per-format measurements).
         extra_failures: failures found by a format's own checks (e.g. tokenizer mismatch).
+        shown: the directory the message names, when `out_dir` is a temporary stand-in for it.
 
     Returns:
         The report as written.
@@ -205,10 +208,11 @@ def check_and_report(
         "passed": not failures,
         "failures": failures,
     }
-    (out_dir / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
+    write_file(out_dir / REPORT_NAME, json.dumps(report, indent=2) + "\n")
     if failures:
+        named = shown or out_dir
         raise ParityError(
-            f"{out_dir}: export parity check failed ({'; '.join(failures)}); "
-            f"see {out_dir / REPORT_NAME}"
+            f"{named}: export parity check failed ({'; '.join(failures)}); "
+            f"see {named / REPORT_NAME}"
         )
     return report

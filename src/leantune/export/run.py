@@ -50,6 +50,7 @@ from leantune.export.torchscript import example_input, load_torchscript, write_t
 from leantune.models.artifacts import model_config_and_tokenizer
 from leantune.models.attention import AttnImplementation
 from leantune.models.paths import check_model_path, is_adapter_dir
+from leantune.writes import check_target, replacing_dir
 
 
 @dataclass
@@ -60,6 +61,8 @@ class ExportJob:
     out: Path
     samples: Samples
     gguf_type: str
+    name: str = "model"
+    """The export's name (`--out`'s folder name; `out` may be a temporary stand-in)."""
     merge_info: dict[str, Any] = field(default_factory=dict)
     _merged: PreTrainedModel | None = None
 
@@ -101,7 +104,7 @@ FORMATS: dict[str, ExportFormat] = {
         thresholds={"": Thresholds(max_abs_logit_diff=1e-5, max_ppl_rel_change=1e-6)},
     ),
     "gguf": ExportFormat(
-        write=lambda j: write_gguf(j.merged(), j.source.tokenizer, j.out, j.gguf_type),
+        write=lambda j: write_gguf(j.merged(), j.source.tokenizer, j.out, j.gguf_type, j.name),
         load=load_gguf,
         thresholds={
             "f16": Thresholds(max_abs_logit_diff=0.25, max_ppl_rel_change=0.005),
@@ -128,9 +131,10 @@ FORMATS: dict[str, ExportFormat] = {
 
 
 def _check_out(out: Path, source: str) -> None:
-    """Refuse an --out that is a file, overlaps the source, or holds something else."""
-    if out.is_file() or (out.exists() and not out.is_dir()):
+    """Refuse an --out that is a file, a link, overlaps the source, or holds something else."""
+    if out.is_file() and not out.is_symlink():
         raise ExportError(f"--out {out}: is a file; give a directory (new, empty or an export)")
+    check_target(out, folder=True)  # it is replaced whole: never through a link
     src = Path(source).expanduser()
     if src.is_dir():
         # Writing into the model being read would replace files the loaded model may still
@@ -171,9 +175,9 @@ def _check_creatable(out: Path) -> None:
         raise ExportError(f"--out {out}: cannot be created (Not a directory): {above} is a file")
 
 
-def _make_out(out: Path) -> None:
+def _make_parent(out: Path) -> None:
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ExportError(f"--out {out}: cannot be created ({e.strerror})") from None
 
@@ -186,25 +190,28 @@ def check_export(
     source: ExportSource,
     info: dict[str, Any],
     gguf_type: str = "f16",
+    shown: Path | None = None,
 ) -> dict[str, Any]:
-    """Reload the export in `out` and compare it with the source's `reference` logits.
+    """Reload the export in `out` and compare it with the source's `reference` logits; the
+    messages name `shown` when `out` is a temporary stand-in for it.
 
     Raises:
         ParityError: over a threshold (the report is written first).
     """
     spec = FORMATS[fmt]
     variant = gguf_type if fmt == "gguf" else ""
+    limits = spec.thresholds[variant]
     try:
         loaded = spec.load(out)
     except ParityError as e:  # written, but not loadable: a failed check with its report
-        return check_and_report(out, {}, spec.thresholds[variant], info, [str(e)])
+        return check_and_report(out, {}, limits, info, [str(e)], shown=shown)
     exported = sample_logits(loaded, samples)
     metrics = compare(reference, exported, samples)
     failures: list[str] = []
     if fmt == "gguf":
         tok_info, failures = check_gguf_tokenizer(out, source.tokenizer, samples)
         info = {**info, **tok_info}
-    return check_and_report(out, metrics, spec.thresholds[variant], info, failures)
+    return check_and_report(out, metrics, limits, info, failures, shown=shown)
 
 
 def export_model(
@@ -224,7 +231,10 @@ def export_model(
         ExportError: the format cannot be made from this input, or `out`/`data` are unusable
             (before anything is written).
         ModelPathError: `path` is not a model (a run without `final/` says how to finish it).
-        ParityError: the written export does not reproduce the source.
+        ParityError: the written export does not reproduce the source (it is written, with
+            its report).
+        OutputError: `out` is a link or not a folder, or the disk refused a write; an earlier
+            export there is kept whole (each export replaces `out` whole when it is done).
     """
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r}: choose one of {sorted(FORMATS)}")
@@ -250,20 +260,28 @@ def export_model(
         samples = build_samples(source.tokenizer, data, num_samples)
     except ValueError as e:  # no valid record in --data
         raise ExportError(str(e)) from None
-    _make_out(out)
+    _make_parent(out)
     reference = sample_logits(_model_logits_fn(source.model), samples)
-    job = ExportJob(source, out, samples, gguf_type)
-    written = FORMATS[fmt].write(job)
-    info = {
-        "format": fmt,
-        "source": source.path,
-        "samples": len(samples.ids),
-        "sample_source": str(data) if data else "built-in prompts",
-        **({"gguf_type": gguf_type} if fmt == "gguf" else {}),
-        **job.merge_info,
-        **written,
-    }
-    return check_export(out, fmt, reference, samples, source, info, gguf_type)
+    failed: ParityError | None = None
+    with replacing_dir(out) as tmp:  # written and checked beside `out`, then swapped in
+        job = ExportJob(source, tmp, samples, gguf_type, name=out.name)
+        written = FORMATS[fmt].write(job)
+        info = {
+            "format": fmt,
+            "source": source.path,
+            "samples": len(samples.ids),
+            "sample_source": str(data) if data else "built-in prompts",
+            **({"gguf_type": gguf_type} if fmt == "gguf" else {}),
+            **job.merge_info,
+            **written,
+        }
+        try:
+            report = check_export(tmp, fmt, reference, samples, source, info, gguf_type, out)
+        except ParityError as e:  # the export stays, with its report, for inspection
+            failed = e
+    if failed is not None:
+        raise failed
+    return report
 
 
 def format_thresholds() -> dict[str, dict[str, dict[str, float]]]:

@@ -10,6 +10,7 @@ sizes and lengths than the example's.
 
 from __future__ import annotations
 
+import io
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.export.parity import LogitsFn
+from leantune.writes import write_file
 
 MODEL_FILE = "model.pt"
 EXAMPLE_FILE = "example_input.pt"
@@ -66,11 +68,23 @@ def write_torchscript(
 ) -> dict[str, Any]:
     """Trace and save `model.pt`, `example_input.pt`, and the tokenizer and config beside them."""
     traced = trace_logits(model, example)
-    torch.jit.save(traced, str(out / MODEL_FILE))
-    torch.save(example, out / EXAMPLE_FILE)
+    save_traced(traced, example, out)
     model.config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return {"example_input_shape": list(example.shape), "usage": _USAGE}
+
+
+def save_traced(traced: torch.jit.ScriptModule, example: torch.Tensor, out: Path) -> None:
+    """`model.pt` and `example_input.pt`, written from Python.
+
+    `torch.jit.save` to a path ends the process (std::terminate, exit 134) when the disk
+    fills; serialised to memory first, the write is Python's, and a full disk is an error
+    (`leantune.writes`). It holds the module's bytes once more while they are written.
+    """
+    write_file(out / MODEL_FILE, traced.save_to_buffer())
+    buffer = io.BytesIO()
+    torch.save(example, buffer)
+    write_file(out / EXAMPLE_FILE, buffer.getvalue())
 
 
 def load_torchscript(out: Path) -> LogitsFn:

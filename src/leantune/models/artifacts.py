@@ -17,8 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
-import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,6 +48,7 @@ from leantune.models.paths import (
 )
 from leantune.models.paths import check_model_path as check_model_path  # where export finds it
 from leantune.models.quantize import Quantization
+from leantune.writes import replacing_dir
 
 BASE_POINTER = "leantune_base.json"
 ATTN_FLAG = "--attn-implementation"
@@ -77,36 +76,28 @@ def save_final(
     rope_scaling: RopeScalingConfig | None = None,
     quantization: Quantization | None = None,
 ) -> Path:
-    """Write the trained model atomically: into a temporary sibling, then renamed into place.
+    """Write the trained model atomically: into a temporary sibling, then swapped in whole
+    (`leantune.writes.replacing_dir`; a disk that refuses a write leaves the earlier one).
 
     `base_path` is the model path as the user gave it (a demo name stays a name, so the pointer
     survives a move of the leantune cache); local paths should be absolute. An adapter's pointer
     also records `rope_scaling` and `quantization`, so the base is rebuilt as it was trained.
     """
-    tmp = out_dir.with_name(f".tmp-{out_dir.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     bottleneck = adapter_settings(model) is not None
-    if bottleneck:
-        save_adapter(model, tmp)
-    else:
-        with _offline_save():
-            model.save_pretrained(tmp)  # type: ignore[operator]
-    tokenizer.save_pretrained(tmp)
-    if isinstance(model, PeftModel) or bottleneck:
-        pointer: dict[str, object] = {"base_model": base_path, "gguf_file": base_gguf_file}
-        if rope_scaling is not None:
-            pointer["rope_scaling"] = dataclasses.asdict(rope_scaling)
-        if quantization is not None:
-            pointer["quantization"] = quantization.to_json()
-        (tmp / BASE_POINTER).write_text(json.dumps(pointer, indent=2) + "\n")
-    if out_dir.exists():
-        old = out_dir.with_name(f".old-{out_dir.name}-{os.getpid()}")
-        os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out_dir)
+    with replacing_dir(out_dir) as tmp:
+        if bottleneck:
+            save_adapter(model, tmp)
+        else:
+            with _offline_save():
+                model.save_pretrained(tmp)  # type: ignore[operator]
+        tokenizer.save_pretrained(tmp)
+        if isinstance(model, PeftModel) or bottleneck:
+            pointer: dict[str, object] = {"base_model": base_path, "gguf_file": base_gguf_file}
+            if rope_scaling is not None:
+                pointer["rope_scaling"] = dataclasses.asdict(rope_scaling)
+            if quantization is not None:
+                pointer["quantization"] = quantization.to_json()
+            (tmp / BASE_POINTER).write_text(json.dumps(pointer, indent=2) + "\n")
     return out_dir
 
 

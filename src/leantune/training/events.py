@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from leantune.writes import append_text
+
 EVENTS_FILE = "events.jsonl"
 PAUSED_MARKER = "PAUSED"
 
@@ -74,8 +76,7 @@ class EventLog:
         """
         event = {"time": round(time.time(), 3), "step": step, "kind": kind, "message": message}
         event.update(fields)
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(event) + "\n")
+        append_text(self.path, json.dumps(event) + "\n")
         self.log(f"[{kind}] step {step}: {message}")
         for listener in self.listeners:
             listener(event)

@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from leantune.config import Config, configured_global_batch
 from leantune.data.prepare.pipeline import file_digest, read_report
 from leantune.methods.registry import DEFAULT_LR
 from leantune.models.demo_model import leantune_home
+from leantune.writes import OutputError, write_file
 
 DATA_FIELDS = (
     "format",
@@ -260,9 +260,7 @@ def cached_file_digest(path: Path) -> str:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     digest = file_digest(path)
-    with contextlib.suppress(OSError):  # a cache that cannot be written only costs time
+    with contextlib.suppress(OSError, OutputError):  # a cache that cannot be written costs time
         entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = entry.with_name(f".{entry.name}.{os.getpid()}")
-        tmp.write_text(json.dumps({"path": str(path.resolve()), "sha256": digest}) + "\n")
-        os.replace(tmp, entry)
+        write_file(entry, json.dumps({"path": str(path.resolve()), "sha256": digest}) + "\n")
     return digest

@@ -13,6 +13,7 @@ from leantune.data.dataset import PreparedData
 from leantune.training.divergence import WeightsDiverged
 from leantune.training.events import PAUSED_MARKER, TrainingPaused, TrainingStopped
 from leantune.training.trainer import StepResult, Trainer
+from leantune.writes import write_file
 
 
 def act_on_guard(tr: Trainer, result: StepResult) -> bool:
@@ -58,7 +59,7 @@ def _halt(tr: Trainer, step: int, action: str, kind: str, reason: str) -> None:
     if action == "pause":
         marker = {"reason": reason, "detector": kind, "step": step, "checkpoint": str(path)}
         if tr.strategy.is_main_process:
-            (files.run_dir / PAUSED_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+            write_file(files.run_dir / PAUSED_MARKER, json.dumps(marker, indent=2) + "\n")
         tr.events.emit("pause", step, f"paused; checkpoint {path}", checkpoint=str(path))
         raise TrainingPaused(
             f"training paused at step {step}: {reason}. Checkpoint {path}; the offending window "

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from leantune.writes import append_text, write_file
+
 
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory so far: CUDA allocator peak on GPU, process peak RSS on CPU."""
@@ -94,11 +96,10 @@ class MetricsLog:
                         kept.append(line)
                 except json.JSONDecodeError:
                     break  # a torn last line from a kill
-        path.write_text("".join(x + "\n" for x in kept))
+        write_file(path, "".join(x + "\n" for x in kept))
 
     def write(self, record: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_text(self.path, json.dumps(record) + "\n")
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -31,6 +31,7 @@ from typing import Literal, cast
 import torch
 
 from leantune.errors import UserError
+from leantune.writes import OutputError, write_file
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 Resolved = Literal["fp32", "bf16", "fp16"]
@@ -182,10 +183,8 @@ def bf16_speed_on_cpu(probe: Callable[[], float] | None = None) -> Bf16Speed:
     entries[key] = {"bf16_slowdown": float(slowdown), "measured": measured}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(entries, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:
+        write_file(path, json.dumps(entries, indent=2, sort_keys=True) + "\n")
+    except (OSError, OutputError):
         return Bf16Speed(float(slowdown), measured, None, from_cache=False)
     return Bf16Speed(float(slowdown), measured, path, from_cache=False)
 

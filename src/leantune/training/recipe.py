@@ -107,6 +107,7 @@ from leantune.training.precision import (
     resolve_precision,
 )
 from leantune.training.progress import RunProgress
+from leantune.training.refused_writes import keep_trained_steps, refused_write, with_resume_point
 from leantune.training.resume_policy import (
     ResumePlan,
     apply_force,
@@ -195,17 +196,28 @@ def _lifecycle(
 ) -> dict[str, Any]:
     """Set up, loop, finish: `train` inside its claimed run directory."""
     signal_at_start()
-    session = set_up(cfg, source, stop=stop, inputs=inputs, log=log, strategy=strategy)
+    try:
+        session = set_up(cfg, source, stop=stop, inputs=inputs, log=log, strategy=strategy)
+    except Exception as exc:  # a full disk while preparing data, writing the record, ...
+        refused = refused_write(exc, cfg.run_dir)
+        if refused is None:
+            raise
+        raise with_resume_point(refused, cfg.run_dir / "checkpoints") from None
     if session.trainer.device.type == "cpu":  # the metrics' peaks are training's from here
         session.load_peak_bytes = start_training_memory()
     run.started = True  # from here on, a failure leaves the run directory as it is
     try:
         run_loop(session.trainer, session.loop, session.evaluator)
+        return finish(session, log=log, started=started)
     except TrainingHalted:  # paused or stopped: the report shows why
         if session.cfg.monitor.report and strategy.is_main_process:
             report_at_end(cfg.run_dir, log)
         raise
-    return finish(session, log=log, started=started)
+    except Exception as exc:  # a full disk between saves: the trained steps are kept if they can
+        refused = refused_write(exc, cfg.run_dir)
+        if refused is None:
+            raise
+        raise keep_trained_steps(session.trainer, refused) from None
 
 
 def _quiet(_: str) -> None:

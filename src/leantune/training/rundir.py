@@ -9,7 +9,8 @@
   deletes or writes anything; the kernel drops the lock when its process dies (even by SIGKILL),
   so the next start takes a stale lock over.
 - ``run.resume=never`` on a directory that holds a run moves that run aside to
-  ``<run dir>.old-<YYYYmmdd-HHMMSS>`` (and says so) instead of mixing the two.
+  ``<run dir>.old-<YYYYmmdd-HHMMSS>`` (and says so) instead of mixing the two. A run.dir that
+  is a symbolic link keeps it: the folder it points at is moved aside and made anew.
 - A start that fails before its first checkpoint removes what it created: the directory (and
   the parents it made) when it made it, else only the entries that were not there before; an
   old run it had moved aside is moved back.
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from leantune import writes
 from leantune.errors import UserError
 from leantune.training.checkpoint import list_complete_checkpoints
 
@@ -95,7 +97,8 @@ def claim_run_dir(path: Path, start_over: bool, log: Callable[[str], None]) -> I
         if start_over and is_run(path):
             run.moved_aside = _move_aside(path)
             log(f"run.resume=never: moved the run that was in {path} to {run.moved_aside}")
-            _make_dirs(path)
+            # Where it was: a run.dir that is a link keeps pointing at a folder.
+            _make_dirs(path.resolve())
             fd, old = lock_run_dir(path), fd
             os.close(old)
             before = set()
@@ -116,9 +119,10 @@ def lock_run_dir(path: Path) -> int:
             created.
     """
     lock = path / LOCK_FILE
+    writes.check_target(lock)  # the pid is written into it: never through a link
     while True:
         try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
         except OSError as exc:
             raise RunDirError(f"run.dir={path}: cannot create {lock}: {exc.strerror}") from None
         try:
@@ -135,8 +139,12 @@ def lock_run_dir(path: Path) -> int:
             if os.path.samestat(os.fstat(fd), os.stat(lock)):
                 break
         os.close(fd)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as exc:
+        os.close(fd)
+        raise writes.as_write_refused(exc, lock) or exc from None
     return fd
 
 
@@ -163,17 +171,16 @@ def write_record(path: Path, fingerprint: Fingerprint, split: tuple[int | str, i
 
 
 def write_file(path: Path, text: str) -> None:
-    """Replace a file of the run directory atomically.
+    """Replace a file of the run directory atomically (`leantune.writes.write_file`).
 
     Raises:
-        RunDirError: it cannot be written (read-only file system, disk full, ...).
+        OutputError: it is not a regular file, or the filesystem refused the write (full,
+            read-only, ...); what it held is unchanged.
+        RunDirError: any other reason it cannot be written.
     """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        writes.write_file(path, text)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise RunDirError(f"{path}: cannot write it: {exc.strerror}") from None
 
 
@@ -256,11 +263,14 @@ def _move_aside(path: Path) -> Path:
 
 def _undo(path: Path, created: list[Path], before: set[str], aside: Path | None) -> None:
     """Leave `path` as this start found it, unless it has already written a checkpoint."""
-    if not path.is_dir() or list_complete_checkpoints(path / "checkpoints"):
+    if path.is_dir() and list_complete_checkpoints(path / "checkpoints"):
         return
-    if aside is not None:
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(aside, path)
+    if aside is not None:  # back where `_move_aside` took it from, a link's target included
+        real = path.resolve()
+        shutil.rmtree(real, ignore_errors=True)
+        os.replace(aside, real)
+        return
+    if not path.is_dir():
         return
     if created:
         _remove_made(created)

@@ -9,6 +9,7 @@ from typing import Any
 
 from leantune.training.checkpoint import TrainingState
 from leantune.training.progress import RunProgress
+from leantune.writes import write_file
 
 
 def write_summary(
@@ -34,7 +35,7 @@ def write_summary(
         **results,
     }
     written = summary | ({"adapted": adapted} if adapted is not None else {})
-    (run_dir / "summary.json").write_text(json.dumps(written, indent=2) + "\n")
+    write_file(run_dir / "summary.json", json.dumps(written, indent=2) + "\n")
     parts = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()]
     log("summary: " + ", ".join(parts))
     if summary.get("base_exact_match") is not None and "eval_exact_match" in summary:

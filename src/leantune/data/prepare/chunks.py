@@ -11,7 +11,6 @@ is 296 MB, where pickled chunk results took 4.8 GB.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pyarrow.parquet as pq
 
 from leantune.data.prepare.records import ChunkResult, Kept, Rejection
 from leantune.data.tokenize import IGNORE_INDEX
+from leantune.writes import replacing
 
 _META = b"leantune_chunk"
 
@@ -145,9 +145,8 @@ class ChunkStore:
         path = self._path(index)
         if path.is_file():
             return
-        tmp = path.with_suffix(".tmp")
-        pq.write_table(_table(result), tmp, compression="zstd", compression_level=1)
-        os.replace(tmp, path)
+        with replacing(path) as tmp:
+            pq.write_table(_table(result), tmp, compression="zstd", compression_level=1)
 
     def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -33,6 +33,7 @@ from leantune.data.prepare.records import ChunkResult, Kept, PrepareSettings, Re
 from leantune.data.prepare.shards import SHARD_TOKENS, ShardBuffer, write_shard
 from leantune.data.tokenize import IGNORE_INDEX
 from leantune.errors import UserError
+from leantune.writes import check_target, replacing_dir, write_file
 
 # Bump when the output for the same key changes (4: answers found by walking one render, and
 # the tokenizer digest recorded).
@@ -193,16 +194,14 @@ def _remove_stale_tmp(out: Path) -> None:
             pass
 
 
-def _replace_dir(tmp: Path, out: Path) -> None:
-    if out.exists():
-        if any(out.iterdir()) and read_report(out) is None:
-            shutil.rmtree(tmp)
-            raise OutputExistsError(
-                f"{out}: exists and is not a prepared directory (no {REPORT}); "
-                "choose another --out or remove it"
-            )
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+def _check_out(out: Path) -> None:
+    """Refuse an `out` that holds something else than a prepared directory, before any work."""
+    check_target(out, folder=True)
+    if out.is_dir() and any(out.iterdir()) and read_report(out) is None:
+        raise OutputExistsError(
+            f"{out}: exists and is not a prepared directory (no {REPORT}); "
+            "choose another --out or remove it"
+        )
 
 
 def prepare_dataset(
@@ -229,6 +228,8 @@ def prepare_dataset(
         DataError: an input that cannot be read as its kind (a directory, an unsupported
             suffix, a damaged archive, ...): nothing is written.
         FileExistsError: `out` holds something else.
+        OutputError: `out` is a link, or the disk refused a write; an earlier `out` is kept
+            whole (`leantune.writes.replacing_dir`).
     """
     _check_inputs(files, engine)
     started = time.perf_counter()
@@ -237,37 +238,36 @@ def prepare_dataset(
     previous = read_report(out)
     if previous is not None and previous.get("cache_key") == key and not force:
         previous["cache_hit"] = True
-        (out / REPORT).write_text(json.dumps(previous, indent=2), encoding="utf-8")
+        write_file(out / REPORT, json.dumps(previous, indent=2))
         if log:
             log(f"prepare: cache hit, {out} is up to date (key {key[:12]})")
         return previous
+    _check_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(out)
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    writer = _Writer(tmp, settings, shard_tokens)
     info: dict[str, Any] = {}
     dask_options = {"scheduler": scheduler, "workers": workers}
     mb = partition_mb or (4.0 if engine == "local" else 64.0)
-    partial = ChunkStore(out, key, mb)
-    try:
-        for result in _engine_results(
-            engine, files, settings, tokenizer, dask_options, info, partial, mb
-        ):
-            writer.add_chunk(result)
-        writer.close()
-    except BaseException as e:
-        writer.rejected.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, DataError):  # an input refused whole: its chunks are of no use
-            partial.remove()
-        raise
-    info["chunks_reused"] = partial.reused
-    info["resume_data_bytes"] = partial.disk_bytes()  # its peak: removed once `out` is complete
-    report = _report(writer, files, settings, tokenizer, key, engine, info, started)
-    (tmp / REPORT).write_text(json.dumps(report, indent=2), encoding="utf-8")
-    _replace_dir(tmp, out)
+    # Built under a temporary name and swapped in whole: a failure (a full disk included)
+    # leaves an earlier `out` as it was; the finished chunks stay for the next attempt.
+    with replacing_dir(out, out.with_name(f"{out.name}.tmp-{os.getpid()}")) as tmp:
+        partial = ChunkStore(out, key, mb)
+        writer = _Writer(tmp, settings, shard_tokens)
+        try:
+            for result in _engine_results(
+                engine, files, settings, tokenizer, dask_options, info, partial, mb
+            ):
+                writer.add_chunk(result)
+            writer.close()
+        except BaseException as e:
+            writer.rejected.close()
+            if isinstance(e, DataError):  # an input refused whole: its chunks are of no use
+                partial.remove()
+            raise
+        info["chunks_reused"] = partial.reused
+        info["resume_data_bytes"] = partial.disk_bytes()  # its peak: gone once `out` is whole
+        report = _report(writer, files, settings, tokenizer, key, engine, info, started)
+        write_file(tmp / REPORT, json.dumps(report, indent=2))
     partial.remove()
     if log:
         log(_summary_line(report, settings.pack, out))
