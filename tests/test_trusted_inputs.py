@@ -1,6 +1,6 @@
-"""The inputs a run reads are identified by their contents, however they change: a chat
-template file edited between a run and its resume, a large data file edited in place with its
-size and modification time put back."""
+"""The inputs a run or an adapter reads are identified by their contents, however they change:
+a chat template file edited between a run and its resume, a large data file edited in place
+with its size and modification time put back, an adapter's base model replaced."""
 
 from __future__ import annotations
 
@@ -12,15 +12,22 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CHATML_TEMPLATE, chat_rows, make_config, write_jsonl
+import torch
+from conftest import CHATML_TEMPLATE, chat_rows, make_config, run_cli, save_tiny_model, write_jsonl
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
 
 from leantune import digests
 from leantune.data.prepare.pipeline import cache_key
 from leantune.data.prepare.records import PrepareSettings
+from leantune.errors import UserError
+from leantune.models.artifacts import BASE_POINTER, load_for_inference, save_final
 from leantune.training import fingerprint, recipe
 from leantune.training.fingerprint import data_digest
 from leantune.training.resume_policy import RunMismatch
 from leantune.training.rundir import RUN_FILE
+
+IDS = torch.tensor([[5, 17, 42, 7, 99, 3]])
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
@@ -132,3 +139,63 @@ def test_a_file_changed_a_moment_ago_is_hashed_again_until_it_settles(
     monkeypatch.setattr(digests, "RECENT_SECONDS", 0.0)
     assert data_digest(path) == f"sha256:{hashlib.sha256(path.read_bytes()).hexdigest()}"
     assert len(list((tmp_path / "home" / "hashes").iterdir())) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# An adapter and its base
+
+
+def _lora_final(base: Path, tokenizer, out: Path) -> tuple[Path, torch.Tensor]:
+    """A LoRA adapter on `base` with moved weights, saved as `train` saves it; its logits."""
+    torch.manual_seed(0)
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base),
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_alpha=8),
+    ).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.5)
+        expected = model(input_ids=IDS).logits
+    return save_final(model, tokenizer, out, str(base)), expected
+
+
+def test_an_adapter_refuses_a_base_whose_files_were_replaced(
+    tokenizer, tokenizer_dir: Path, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    base = tmp_path / "base"
+    shutil.copytree(tiny_llama_dir, base)
+    final, expected = _lora_final(base, tokenizer, tmp_path / "final")
+    reloaded, _ = load_for_inference(str(final))
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=IDS).logits, expected)
+
+    recorded = hashlib.sha256((base / "model.safetensors").read_bytes()).hexdigest()
+    other = save_tiny_model(tmp_path / "other", "llama", tokenizer_dir, seed=1)
+    shutil.copy(other / "model.safetensors", base / "model.safetensors")  # same names, shapes
+    now = hashlib.sha256((base / "model.safetensors").read_bytes()).hexdigest()
+    with pytest.raises(UserError) as refused:
+        load_for_inference(str(final))
+    message = str(refused.value)
+    assert str(final / BASE_POINTER) in message and str(base) in message, message
+    assert f"model.safetensors (sha256 {recorded[:12]} -> {now[:12]})" in message, message
+
+    data = write_jsonl(tmp_path / "eval.jsonl", chat_rows(2))
+    result = run_cli(["eval", "--model", str(final), "--data", str(data)])
+    assert result.code == 2 and "model.safetensors" in result.err and result.out == ""
+
+
+def test_an_adapter_saved_without_its_base_digest_loads_with_one_warning(
+    tokenizer, tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    final, expected = _lora_final(tiny_llama_dir, tokenizer, tmp_path / "final")
+    pointer = final / BASE_POINTER
+    info = json.loads(pointer.read_text())
+    info.pop("base_files", None)  # as a leantune before the digest was recorded wrote it
+    pointer.write_text(json.dumps(info))
+    capsys.readouterr()
+    reloaded, _ = load_for_inference(str(final))
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=IDS).logits, expected)
+    warned = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln.lower()]
+    assert len(warned) == 1 and warned[0].startswith("warning: ") and str(pointer) in warned[0]
