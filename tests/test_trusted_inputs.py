@@ -181,8 +181,14 @@ def test_an_adapter_refuses_a_base_whose_files_were_replaced(
     assert f"model.safetensors (sha256 {recorded[:12]} -> {now[:12]})" in message, message
 
     data = write_jsonl(tmp_path / "eval.jsonl", chat_rows(2))
-    result = run_cli(["eval", "--model", str(final), "--data", str(data)])
-    assert result.code == 2 and "model.safetensors" in result.err and result.out == ""
+    for command in (
+        ["eval", "--model", str(final), "--data", str(data)],
+        ["generate", "--model", str(final), "--prompt", "hi"],
+        ["export", str(final), "--format", "hf", "--out", str(tmp_path / "out")],
+    ):
+        result = run_cli(command)
+        assert result.code == 2 and "model.safetensors (sha256" in result.err, result
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_adapter_saved_without_its_base_digest_loads_with_one_warning(
