@@ -48,6 +48,7 @@ def content_digest(path: str | Path) -> str:
     """
     path = Path(path)
     st = path.stat()
+    settled = time.time_ns() - st.st_ctime_ns >= RECENT_SECONDS * 1e9  # before reading it
     if st.st_size < HASH_CACHE_MIN_BYTES:
         return sha256_file(path)
     stat_key = f"{path.resolve()}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}"
@@ -60,8 +61,8 @@ def content_digest(path: str | Path) -> str:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     digest = sha256_file(path)
-    if time.time_ns() - st.st_ctime_ns < RECENT_SECONDS * 1e9 or _changed(path, st):
-        return digest  # may still change within the same clock tick, or changed meanwhile
+    if not settled or _changed(path, st):
+        return digest  # it may have changed within the same clock tick, or did meanwhile
     with contextlib.suppress(OSError):  # a cache that cannot be written only costs time
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = entry.with_name(f".{entry.name}.{os.getpid()}")
