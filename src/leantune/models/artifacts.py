@@ -138,7 +138,7 @@ def _base_digests(base_path: str, gguf_file: str | None) -> dict[str, str] | Non
 
 def check_base(adapter_dir: Path, base: ModelSource, info: dict) -> None:
     """Refuse `base` unless its weights and config are those the adapter at `adapter_dir` was
-    trained on (`info`: its pointer file); warn once when it recorded none.
+    trained on (`info`: its pointer file); print a one-line warning when it recorded none.
 
     Raises:
         BaseModelChanged: naming the pointer file, the base, each changed file with both
