@@ -426,27 +426,28 @@ def test_an_unset_lr_is_the_methods_default() -> None:
     assert compare(_settings("train.lr=null"), _settings(f"train.lr={DEFAULT_LR['lora']}")) == []
 
 
-def test_large_files_are_hashed_once_per_size_and_mtime(
+def test_large_files_are_hashed_once_until_they_change(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from leantune.training import fingerprint
+    from leantune import digests
 
     monkeypatch.setenv("LEANTUNE_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(fingerprint, "HASH_CACHE_MIN_BYTES", 4)
+    monkeypatch.setattr(digests, "HASH_CACHE_MIN_BYTES", 4)
+    monkeypatch.setattr(digests, "RECENT_SECONDS", 0.0)  # files written a moment ago
     hashed: list[Path] = []
-    real = fingerprint.file_digest
-    monkeypatch.setattr(fingerprint, "file_digest", lambda p: hashed.append(p) or real(p))
+    real = digests.sha256_file
+    monkeypatch.setattr(digests, "sha256_file", lambda p: hashed.append(p) or real(p))
     weights = tmp_path / "model" / "model.safetensors"
     weights.parent.mkdir()
     weights.write_bytes(b"0123456789")
     (weights.parent / "c.json").write_text("{}")  # below the threshold: always hashed
-    first = fingerprint.model_digest(weights.parent)
-    assert fingerprint.model_digest(weights.parent) == first
+    first = digests.model_digest(weights.parent)
+    assert digests.model_digest(weights.parent) == first
     assert [p.name for p in hashed] == ["c.json", "model.safetensors", "c.json"]
     assert len(list((tmp_path / "home" / "hashes").iterdir())) == 1
     weights.write_bytes(b"0123456780")  # same size, new mtime
     os.utime(weights, ns=(1, 1))
-    assert fingerprint.model_digest(weights.parent) != first
+    assert digests.model_digest(weights.parent) != first
     assert [p.name for p in hashed[3:]] == ["c.json", "model.safetensors"]
 
 

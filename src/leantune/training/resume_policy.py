@@ -62,6 +62,8 @@ FORCE_MEANINGS: dict[str, str] = {
     "train.seed": "the data order from the next step on is the new seed's shuffle at the same "
     "position (samples of the current pass may repeat or be missed); the weights and the RNG "
     "state come from the checkpoint",
+    "data.chat_template_text": "the remaining steps render conversations with the template as "
+    "it is now (the tokenise-once cache is rebuilt with it)",
     "data.": "the remaining steps read the new data, from the same position (samples seen so "
     "far) in its shuffled order; the steps done are not replayed",
     "model.files": "the checkpoint's trainable weights go on training on this base model",

@@ -32,6 +32,7 @@ from leantune.data.prepare.readers import ReaderError, file_kind
 from leantune.data.prepare.records import ChunkResult, Kept, PrepareSettings, Rejection
 from leantune.data.prepare.shards import SHARD_TOKENS, ShardBuffer, write_shard
 from leantune.data.tokenize import IGNORE_INDEX
+from leantune.digests import content_digest
 from leantune.errors import UserError
 from leantune.writes import check_target, replacing_dir, write_file
 
@@ -47,19 +48,16 @@ class OutputExistsError(FileExistsError, UserError):
     """The output directory holds something that is not a prepared directory."""
 
 
-def file_digest(path: str | Path) -> str:
-    """sha256 of a file's bytes, streamed."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def cache_key(
     files: list[str], settings: PrepareSettings, tokenizer: PreTrainedTokenizerBase
 ) -> str:
-    """The key of a prepared directory: input contents, tokenizer, template and settings."""
+    """The key of a prepared directory: input contents, tokenizer, template and settings.
+
+    The contents are `content_digest`'s, as in a run's fingerprint: one definition of the same
+    data for `prepare`, the tokenise-once cache and resume."""
     parts = {
         "version": PIPELINE_VERSION,
-        "files": [file_digest(f) for f in files],
+        "files": [content_digest(f) for f in files],
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "settings": settings.as_dict(),
     }
