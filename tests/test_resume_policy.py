@@ -21,9 +21,11 @@ from conftest import run_cli, save_tiny_model, tiny_train_args, write_jsonl
 from safetensors.torch import load_file
 
 from leantune.config import load_config
-from leantune.training.fingerprint import compare, trajectory_settings
+from leantune.training.fingerprint import Fingerprint, compare, trajectory_settings
 from leantune.training.metrics import read_metrics
 from leantune.training.recipe import train
+from leantune.training.resume_policy import ResumePlan, RunMismatch, plan_resume
+from leantune.training.rundir import RUN_FILE, RunRecord
 from leantune.training.signals import Interrupted
 
 SIGNAL_ENV = "LEANTUNE_SIGNAL_AT_MICRO_BATCH"
@@ -319,6 +321,31 @@ def test_resume_never_moves_the_old_run_aside_and_never_mixes_them(
     assert snapshot(run / "final") == new_final
 
 
+def test_a_finished_run_whose_checkpoints_were_deleted_is_never_overwritten(
+    tiny_llama_dir: Path, chat_file: Path, tmp_path: Path
+) -> None:
+    """The run record alone says whose directory it is: with checkpoints/ deleted to free
+    space, another config is refused naming the changes, and the same config does not train
+    again over final/; run.resume=never moves the finished run aside, whole."""
+    run = tmp_path / "run"
+    _base_run(tiny_llama_dir, chat_file, run)
+    shutil.rmtree(run / "checkpoints")
+    before = snapshot(run)
+    other = run_cli(args(tiny_llama_dir, chat_file, run, "train.lr=5e-3"))
+    assert other.code == 2, other
+    assert "train.lr: 0.01 -> 0.005" in other.err
+    assert "run.dir" in other.err and "run.resume=never" in other.err
+    assert snapshot(run) == before
+    same = run_cli(args(tiny_llama_dir, chat_file, run))
+    assert same.code == 2, same
+    assert str(run / "final") in same.err and "run.resume=never" in same.err
+    assert snapshot(run) == before
+    never = run_cli(args(tiny_llama_dir, chat_file, run, "train.lr=5e-3", "run.resume=never"))
+    assert never.code == 0, never.err
+    (aside,) = tmp_path.glob("run.old-*")
+    assert snapshot(aside) == before
+
+
 def test_a_run_written_without_a_fingerprint_needs_force(
     tiny_llama_dir: Path, chat_file: Path, tmp_path: Path
 ) -> None:
@@ -346,6 +373,37 @@ def test_a_run_written_without_a_fingerprint_needs_force(
 def _settings(*overrides: str) -> dict:
     """The config-only fingerprint of the built-in demo config with `overrides`."""
     return trajectory_settings(load_config(None, list(overrides)))
+
+
+@pytest.mark.parametrize("mode", ["auto", "force"])
+def test_without_a_checkpoint_the_run_record_alone_decides(mode: str, tmp_path: Path) -> None:
+    """No checkpoint is no licence: a record of other settings, or one that cannot be read,
+    is refused with either mode (force has nothing to continue), and so is a finished run of
+    the same settings; only never (which has moved the run aside) and a record of the same
+    settings without final/ start afresh."""
+    recorded = _settings()
+    record = RunRecord(recorded, {}, (1, 8))
+
+    def plan(record: RunRecord | None, fields: dict, mode: str = mode) -> ResumePlan:
+        new = Fingerprint(fields, {})
+        return plan_resume(mode, tmp_path, None, record, new, (1, 8), print)
+
+    with pytest.raises(RunMismatch) as other:
+        plan(record, _settings("train.lr=1e-3", "train.seed=1"))
+    assert "train.lr: 0.002 -> 0.001" in str(other.value)
+    assert "train.seed: 42 -> 1" in str(other.value)
+    assert "run.dir" in str(other.value) and "run.resume=never" in str(other.value)
+    assert plan(record, recorded).action == "fresh"  # started, killed before a checkpoint
+    (tmp_path / "final").mkdir()
+    with pytest.raises(RunMismatch) as finished:
+        plan(record, recorded)
+    assert str(tmp_path / "final") in str(finished.value)
+    assert "run.resume=never" in str(finished.value)
+    (tmp_path / RUN_FILE).write_text("{truncated")
+    with pytest.raises(RunMismatch) as unreadable:
+        plan(None, recorded)
+    assert "cannot be read" in str(unreadable.value)
+    assert plan(None, recorded, "never").action == "fresh"
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,21 @@ print("locked", flush=True)
 time.sleep(600)
 """
 
+# Claims a new run directory the way `leantune train` does and writes what train has written
+# while it prepares its data (before its run record exists), then waits to be killed.
+PREPARING = """
+import sys, time
+from pathlib import Path
+from leantune.training.rundir import claim_run_dir
+run = Path(sys.argv[1])
+with claim_run_dir(run, False, print):
+    (run / "checkpoints").mkdir()
+    (run / "prepared" / "0123abcd").mkdir(parents=True)
+    (run / "events.jsonl").write_text("")
+    print("preparing", flush=True)
+    time.sleep(600)
+"""
+
 
 def chat_rows(n: int) -> list[dict]:
     return [
@@ -76,6 +91,33 @@ def test_a_second_process_exits_2_naming_the_holder_and_a_killed_holder_is_taken
     third = run_cli(args(tiny_llama_dir, chat_file, run))
     assert third.code == 0, third.err
     assert "resumed from" in third.out
+
+
+def test_a_second_start_while_the_first_prepares_its_data_names_the_holder(
+    tiny_llama_dir: Path, chat_file: Path, tmp_path: Path
+) -> None:
+    """The lock is asked before the folder is judged: a run directory whose first start has
+    not written its run record yet is that start's, not a foreign folder; killed, its lock and
+    leftovers are taken over by the next start."""
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", PREPARING, str(run)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "preparing"
+        before = sorted(p.name for p in run.rglob("*"))
+        second = run_cli(args(tiny_llama_dir, chat_file, run))
+        assert second.code == 2, second
+        assert f"pid {holder.pid}" in second.err and str(run) in second.err, second.err
+        assert "not a leantune run" not in second.err
+        assert sorted(p.name for p in run.rglob("*")) == before
+    finally:
+        holder.kill()  # SIGKILL mid-preparation: no record, the lock and the leftovers stay
+        holder.wait()
+    third = run_cli(args(tiny_llama_dir, chat_file, run))
+    assert third.code == 0, third.err
+    assert (run / "final").is_dir()
 
 
 def test_a_run_killed_with_sigkill_leaves_a_lock_the_next_start_takes_over(

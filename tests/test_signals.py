@@ -1,4 +1,5 @@
-"""SIGTERM and SIGINT: a checkpoint of the last applied step, exit 143 / 130, exact resume.
+"""SIGTERM, SIGINT and SIGHUP: a checkpoint of the last applied step, exit 143 / 130 / 129,
+exact resume.
 
 The signals are real: the fault hook LEANTUNE_SIGNAL_AT_MICRO_BATCH=k:SIG makes the training
 process send SIG to itself right after the backward of global micro-batch k, so the test knows
@@ -7,11 +8,17 @@ which step is in flight without timing anything.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import pty
+import select
 import signal
 import subprocess
 import sys
+import termios
+import time
 from pathlib import Path
 
 import pytest
@@ -125,6 +132,63 @@ def test_a_signal_during_start_up_exits_130_with_one_line_and_no_run_dir(
     assert not (tmp_path / "fresh").exists()
 
 
+def _on_a_terminal() -> None:
+    """In the child: a session of its own whose controlling terminal is its stdin (the pty),
+    with SIGHUP's default action, as a login shell's job has."""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+def test_a_dropped_terminal_saves_a_checkpoint_and_exits_129(
+    tiny_llama_dir: Path, data_file: Path, tmp_path: Path
+) -> None:
+    """The ssh session drops: train's terminal is hung up (its pty's other end closed), the
+    kernel sends SIGHUP, and every later write to the terminal fails. The run stops at the
+    next micro-batch boundary with a checkpoint, says so in events.jsonl and exits 129."""
+    run = tmp_path / "run"
+    args = [*common(tiny_llama_dir, data_file), f"run.dir={run}"]
+    # Long enough never to finish first; the progress bar writes to the terminal as it goes.
+    args += ["train.max_steps=5000", "train.save_every=2", "run.progress=true"]
+    master, slave = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if k not in (SIGNAL_ENV, START_ENV)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "leantune", "train", *args],
+        env={**env, "PYTHONPATH": str(SRC)},
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        start_new_session=True,
+        preexec_fn=_on_a_terminal,
+    )
+    os.close(slave)
+    seen: list[bytes] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not any((run / "checkpoints").glob("step-*")):  # training is under way
+            assert proc.poll() is None and time.monotonic() < deadline, b"".join(seen)
+            _drain(master, seen)
+    finally:
+        # The terminal hangs up when its last reference closes: no read may be pending.
+        os.close(master)
+    code = proc.wait(timeout=120)
+    assert code == 129, b"".join(seen).decode(errors="replace")[-3000:]
+    assert not (run / "final").exists()
+    ckpt = sorted((run / "checkpoints").glob("step-*"))[-1]
+    step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
+    assert 2 <= step < 5000
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    (stop,) = [e for e in events if e["kind"] == "signal"]
+    assert stop["message"].startswith(f"SIGHUP: stopped before step {step + 1}; checkpoint")
+    assert stop["checkpoint"] == str(ckpt)
+
+
+def _drain(fd: int, into: list[bytes]) -> None:
+    """Read what the terminal has (waiting 50 ms at most): a full pty would block the writer."""
+    if select.select([fd], [], [], 0.05)[0]:
+        with contextlib.suppress(OSError):  # EIO: the child has closed its side
+            into.append(os.read(fd, 4096))
+
+
 def test_the_first_signal_is_deferred_and_a_second_one_stops_at_once() -> None:
     before = signal.getsignal(signal.SIGTERM)
     with StopSignals() as stop:
@@ -143,13 +207,33 @@ def test_the_first_signal_is_deferred_and_a_second_one_stops_at_once() -> None:
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_sighup_stops_like_sigterm_with_129_and_nohup_keeps_it_ignored() -> None:
+    before = signal.getsignal(signal.SIGHUP)
+    try:
+        with StopSignals() as stop, stop.deferred():
+            # Checked first: with SIGHUP's default action the kill below would end pytest.
+            assert signal.getsignal(signal.SIGHUP) not in (signal.SIG_DFL, signal.SIG_IGN)
+            os.kill(os.getpid(), signal.SIGHUP)
+            with pytest.raises(Interrupted) as hup:
+                stop.check()
+        assert hup.value.at_boundary and hup.value.exit_code == 129
+        assert str(hup.value) == "SIGHUP: stopped"
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as `nohup leantune train` starts
+        with StopSignals():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
 def test_train_restores_the_previous_handlers(
     tiny_llama_dir: Path, data_file: Path, tmp_path: Path
 ) -> None:
-    before = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    handlers = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    before = [signal.getsignal(s) for s in handlers]
     result = run_cli(["train", *common(tiny_llama_dir, data_file), f"run.dir={tmp_path / 'r'}"])
     assert result.code == 0, result.err
-    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    assert [signal.getsignal(s) for s in handlers] == before
 
 
 def test_ctrl_c_in_any_command_is_one_line_and_130(monkeypatch, capsys) -> None:

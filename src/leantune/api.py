@@ -58,7 +58,7 @@ def train(
         UserError: bad data, or a run directory that is not this run's (exit code 2 in the CLI).
         TrainingHalted: the stability guard paused or stopped the run (`exit_code` 3 or 4), or
             one sequence does not fit in memory (5).
-        Interrupted: SIGINT or SIGTERM, after a checkpoint.
+        Interrupted: SIGINT, SIGTERM or SIGHUP, after a checkpoint.
     """
     if isinstance(config, Config):
         if overrides:

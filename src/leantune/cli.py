@@ -18,8 +18,8 @@ not this run's (another process holds it, it is not a leantune run, or it holds 
 settings: the message lists them); 3 paused by the stability guard (a PAUSED marker in the run
 dir; run the same command again to resume); 4 stopped by the guard (too many consecutive skipped
 steps or rollbacks; a checkpoint was saved); 5 out of memory even at micro-batch size 1 (the
-message names the next levers); 130 SIGINT, 143 SIGTERM (during training after a checkpoint of
-the last applied step: the same command resumes).
+message names the next levers); 130 SIGINT, 143 SIGTERM, 129 SIGHUP (during training after a
+checkpoint of the last applied step: the same command resumes).
 """
 
 from __future__ import annotations

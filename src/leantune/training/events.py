@@ -29,6 +29,8 @@ EXIT_SIGINT = 130
 """SIGINT (Ctrl-C); during training after a checkpoint of the last applied step."""
 EXIT_SIGTERM = 143
 """SIGTERM; during training after a checkpoint of the last applied step."""
+EXIT_SIGHUP = 129
+"""SIGHUP (the terminal hung up, e.g. a dropped ssh session); as SIGTERM."""
 
 
 class TrainingHalted(RuntimeError):

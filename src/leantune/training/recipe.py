@@ -19,8 +19,8 @@ decision is an event in `events.jsonl`.
 
 The run directory is claimed first (`training.rundir`: a lock, no foreign folder) and its
 record decides whether the checkpoint there may be continued (`training.resume_policy`). A
-SIGTERM or SIGINT stops at the next micro-batch boundary with a checkpoint of the last applied
-step (`training.signals`, checked in `trainer.accumulate` only).
+SIGTERM, SIGINT or SIGHUP stops at the next micro-batch boundary with a checkpoint of the last
+applied step (`training.signals`, checked in `trainer.accumulate` only).
 """
 
 from __future__ import annotations
@@ -163,8 +163,8 @@ def train(cfg: Config, log: Log = print, config_file: Path | None = None) -> dic
             run that this config does not describe (`RunMismatch`); exit code 2.
         TrainingHalted: the guard paused or stopped the run, or one sequence does not fit in
             memory; its `exit_code` is what the CLI returns.
-        Interrupted: SIGTERM or SIGINT; during training after a checkpoint of the last applied
-            step. Exit code 143 or 130.
+        Interrupted: SIGTERM, SIGINT or SIGHUP; during training after a checkpoint of the last
+            applied step. Exit code 143, 130 or 129.
     """
     started = time.perf_counter()
     warnings = validate(cfg)
@@ -624,7 +624,8 @@ def run_loop(tr: Trainer, loop: LoopSettings, evaluator: PeriodicEval | None = N
     A stop signal ends it with a checkpoint of the last applied step.
 
     Raises:
-        Interrupted: SIGTERM or SIGINT arrived (the message says where the checkpoint is).
+        Interrupted: SIGTERM, SIGINT or SIGHUP arrived (the message says where the checkpoint
+            is).
     """
     tr.sinks.start(tr.state.step)
     tr.model.train()

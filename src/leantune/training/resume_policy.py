@@ -11,6 +11,11 @@
 
 A directory whose checkpoints predate the record (no ``leantune_run.json``) cannot be checked:
 ``auto`` refuses it with that reason, ``force`` continues it.
+
+The record alone says whose directory it is: without checkpoints (never written, or deleted to
+free space) a record of other settings, or one that cannot be read, is refused with ``auto``
+and ``force`` alike (there is nothing to continue), and so is a finished run (``final/``) of
+the same settings; ``never`` moves either aside.
 """
 
 from __future__ import annotations
@@ -146,9 +151,13 @@ def plan_resume(
 
     Raises:
         RunMismatch: ``auto`` with any change, ``force`` with a refused change or a
-            ``train.max_steps`` below the checkpoint's step.
+            ``train.max_steps`` below the checkpoint's step; without a checkpoint, either
+            mode when the record differs or cannot be read, or the run finished.
     """
-    if checkpoint is None or mode == "never":
+    if mode == "never":
+        return ResumePlan("fresh", new, split=split)
+    if checkpoint is None:
+        _check_no_checkpoint(run_dir, record, new)
         return ResumePlan("fresh", new, split=split)
     match = _STEP_DIR.search(checkpoint.name)
     step = int(match.group(1)) if match else 0
@@ -200,6 +209,41 @@ def plan_resume(
     return _check_max_steps(
         ResumePlan("force", new, checkpoint, step, tuple(changes)), new, run_dir
     )
+
+
+def _check_no_checkpoint(run_dir: Path, record: RunRecord | None, new: Fingerprint) -> None:
+    """A directory without checkpoints (never written, or deleted to free space) is still the
+    run its record describes: start afresh in it only for that run, and never over its final/.
+
+    Raises:
+        RunMismatch: the record cannot be read, describes other settings, or the run finished
+            (final/ is there). ``force`` is no way on: there is no checkpoint to continue.
+    """
+    levers = (
+        "Start a separate run with another run.name or run.dir, or move this one aside and "
+        "start over in its place with run.resume=never."
+    )
+    where = f"{run_dir} (no checkpoints)"
+    if record is None:
+        if (run_dir / RUN_FILE).exists():
+            raise RunMismatch(
+                f"{where} has a run record {run_dir / RUN_FILE} that cannot be read, so this "
+                f"config cannot be checked against it. {levers}"
+            )
+        return
+    changes = compare(record.fingerprint, new.fields)
+    if changes:
+        lines = "\n".join(f"  {c.describe(record.sources, new.sources)}" for c in changes)
+        raise RunMismatch(
+            f"{where} holds a run with other settings than this config:\n{lines}\n"
+            f"Training here would replace that run's record and results. {levers}"
+        )
+    final = run_dir / "final"
+    if final.exists():
+        raise RunMismatch(
+            f"{where} holds this config's run, finished: {final} is its result and there is "
+            f"no checkpoint to resume, so training again would replace it. {levers}"
+        )
 
 
 def _check_max_steps(plan: ResumePlan, new: Fingerprint, run_dir: Path) -> ResumePlan:

@@ -7,7 +7,10 @@
 - ``.leantune.lock``: an ``fcntl.flock`` held for the whole ``train`` call, with the holder's
   pid inside. A second process on the same directory exits 2 naming that pid, before it
   deletes or writes anything; the kernel drops the lock when its process dies (even by SIGKILL),
-  so the next start takes a stale lock over.
+  so the next start takes a stale lock over. leantune creates the lock file only in a new or
+  empty folder or a run, so a folder that holds one is leantune's: its lock is asked before
+  the folder is judged, and a start that is still preparing its data (no record yet) is named
+  as the holder, or, killed then, taken over.
 - ``run.resume=never`` on a directory that holds a run moves that run aside to
   ``<run dir>.old-<YYYYmmdd-HHMMSS>`` (and says so) instead of mixing the two. A run.dir that
   is a symbolic link keeps it: the folder it points at is moved aside and made anew.
@@ -88,10 +91,17 @@ def claim_run_dir(path: Path, start_over: bool, log: Callable[[str], None]) -> I
         RunDirError: `path` is a file, a non-empty folder that is not a leantune run, locked by
             another process, or cannot be created.
     """
-    _refuse_foreign(path)
-    created = _make_dirs(path)
-    before = set() if created else set(os.listdir(path))
-    fd = lock_run_dir(path)
+    # A folder with leantune's lock file was claimed before: its lock comes first, so a start
+    # that has not written its run record yet (it is preparing its data) is named as the
+    # holder, and one that was killed then is taken over.
+    fd = _take_lock(path, create=False) if path.is_dir() else None
+    if fd is None:
+        _refuse_foreign(path)
+        created = _make_dirs(path)
+        before = set() if created else set(os.listdir(path))
+        fd = lock_run_dir(path)
+    else:
+        created, before = [], set(os.listdir(path))
     run = RunDir(path)
     try:
         if start_over and is_run(path):
@@ -118,12 +128,22 @@ def lock_run_dir(path: Path) -> int:
         RunDirError: another process holds it (the message names its pid), or it cannot be
             created.
     """
+    fd = _take_lock(path, create=True)
+    assert fd is not None, "created"
+    return fd
+
+
+def _take_lock(path: Path, create: bool) -> int | None:
+    """`lock_run_dir`; without `create`, None when the lock file does not exist."""
     lock = path / LOCK_FILE
     writes.check_target(lock)  # the pid is written into it: never through a link
     while True:
         try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+            flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | (os.O_CREAT if create else 0)
+            fd = os.open(lock, flags, 0o644)
         except OSError as exc:
+            if not create and isinstance(exc, FileNotFoundError):
+                return None
             raise RunDirError(f"run.dir={path}: cannot create {lock}: {exc.strerror}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

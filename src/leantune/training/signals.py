@@ -1,12 +1,18 @@
-"""SIGTERM and SIGINT during `train`: stop at a micro-batch boundary with a checkpoint.
+"""SIGTERM, SIGINT and SIGHUP during `train`: stop at a micro-batch boundary with a checkpoint.
 
-:class:`StopSignals` installs one handler for both signals while `train` runs and puts the
-previous handlers back when it returns. Inside the training loop (:meth:`StopSignals.deferred`)
+:class:`StopSignals` installs one handler for the three signals while `train` runs and puts
+the previous handlers back when it returns. Inside the training loop (:meth:`StopSignals.deferred`)
 the first signal only sets a flag; the loop calls :meth:`StopSignals.check` at each micro-batch
 boundary, which raises :class:`Interrupted` there, with the step state consistent, so the loop
 abandons the window in flight and saves a checkpoint of the last applied step. Everywhere else
 (loading, data preparation, the final evaluation), and for a second signal while the first is
-handled, the handler raises :class:`Interrupted` at once.
+handled, the handler raises :class:`Interrupted` at once. The exit code is 128 + the signal's
+number: 130, 143, 129.
+
+SIGHUP is what a dropped ssh session sends: its terminal is gone, and every later write to it
+fails (EIO), so the handler first points stdout and stderr that were on that terminal at
+/dev/null; the stop is recorded in ``events.jsonl``. A SIGHUP ignored when `train` starts
+(``nohup leantune train ...``) stays ignored.
 
 The bound: after the signal, at most one micro-batch's forward and backward (or a periodic
 evaluation that is already running) plus one checkpoint save.
@@ -15,13 +21,16 @@ evaluation that is already running) plus one checkpoint save.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_OUTPUTS = (1, 2)
+"""stdout and stderr, as file descriptors: what a hung-up terminal breaks."""
 
 
 class Interrupted(BaseException):
@@ -40,12 +49,12 @@ class Interrupted(BaseException):
 
     @property
     def name(self) -> str:
-        """SIGINT or SIGTERM."""
+        """SIGINT, SIGTERM or SIGHUP."""
         return signal.Signals(self.signum).name
 
     @property
     def exit_code(self) -> int:
-        """130 for SIGINT, 143 for SIGTERM (the shell's 128 + signal number)."""
+        """130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP (the shell's 128 + signal number)."""
         return 128 + self.signum
 
     def __str__(self) -> str:
@@ -53,19 +62,25 @@ class Interrupted(BaseException):
 
 
 class StopSignals:
-    """The SIGINT/SIGTERM handler of one `train` call, used as a context manager."""
+    """The SIGINT/SIGTERM/SIGHUP handler of one `train` call, used as a context manager."""
 
     def __init__(self) -> None:
         self.requested: int | None = None
         """The first signal received while deferring (None: none yet)."""
         self.deferring = False
         self._previous: dict[int, Any] = {}
+        self._terminals: list[int] = []
+        """The output descriptors that were on a terminal when `train` started."""
 
     def __enter__(self) -> StopSignals:
         # Handlers can only be installed from the main thread; elsewhere the defaults stay.
-        if threading.current_thread() is threading.main_thread():
-            for signum in SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        self._terminals = [fd for fd in _OUTPUTS if os.isatty(fd)]
+        for signum in SIGNALS:
+            if signum == signal.SIGHUP and signal.getsignal(signum) == signal.SIG_IGN:
+                continue  # nohup: the caller asked to outlive the terminal
+            self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -74,11 +89,28 @@ class StopSignals:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGHUP:
+            self._leave_hung_up_terminal()
         if self.deferring and self.requested is None:
             self.requested = signum
             return
         self.deferring = False
         raise Interrupted(signum, at_boundary=False)
+
+    def _leave_hung_up_terminal(self) -> None:
+        """Point stdout and stderr at /dev/null where their terminal has hung up (it no longer
+        answers as a terminal), so that the progress bar and the closing lines do not fail
+        with EIO before the checkpoint is saved. A live terminal (``kill -HUP``) is kept."""
+        gone = [fd for fd in self._terminals if not os.isatty(fd)]
+        if not gone:
+            return
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            for fd in gone:
+                os.dup2(null, fd)
+        finally:
+            os.close(null)
+        self._terminals = [fd for fd in self._terminals if fd not in gone]
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:

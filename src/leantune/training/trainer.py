@@ -106,7 +106,7 @@ class Trainer:
     levers: str = ""
     """What to try when one sequence does not fit (the OOM-at-minimum message)."""
     stop: StopSignals = field(default_factory=StopSignals)
-    """SIGTERM/SIGINT: `accumulate` checks it at every micro-batch boundary."""
+    """SIGTERM/SIGINT/SIGHUP: `accumulate` checks it at every micro-batch boundary."""
     stats: StepStats = field(default_factory=StepStats)
     """The record's padding, MFU, data-wait, ETA, CPU and GPU fields (`monitor.step_stats`)."""
 
@@ -272,7 +272,7 @@ def accumulate(tr: Trainer, window: list[int]) -> tuple[float, list[dict[str, to
 
     Raises:
         OutOfMemoryAtMinimum: one sequence per micro-batch still does not fit.
-        Interrupted: SIGTERM or SIGINT arrived (`at_boundary`; the state is the last step's).
+        Interrupted: a stop signal arrived (`at_boundary`; the state is the last step's).
     """
     step = tr.state.step + 1
     tr.stop.check()
