@@ -121,7 +121,7 @@ def parse_record(obj: Any, fmt: str, system_prompt: str | None = None) -> dict[s
         "sharegpt": parse_sharegpt,
     }
     parsed: dict[str, Any] = {"messages": parsers[fmt](obj, system_prompt)}
-    tools = parse_tools(obj.get("tools")) if fmt == "chat" else None
+    tools = parse_tools(obj.get("tools"), obj.get("functions")) if fmt == "chat" else None
     if tools:
         parsed["tools"] = tools
     return parsed

@@ -35,8 +35,9 @@ from leantune.data.tokenize import IGNORE_INDEX
 from leantune.errors import UserError
 
 # Bump when the output for the same key changes (4: answers found by walking one render, and
-# the tokenizer digest recorded).
-PIPELINE_VERSION = 4
+# the tokenizer digest recorded; 5: OpenAI's message weights, function calls and string
+# arguments read).
+PIPELINE_VERSION = 5
 REPORT = "prepare_report.json"
 REJECTED = "rejected.jsonl"
 Log = Callable[[str], None]
