@@ -132,6 +132,38 @@ def _prompt_check(cfg: MethodConfig) -> str | None:
     return None
 
 
+def _targets_check(cfg: MethodConfig) -> str | None:
+    """`method.target_modules` that can only adapt nothing, or not what it says."""
+    names = cfg.target_modules
+    if names is None:
+        return None
+    if not names:
+        return (
+            "method.target_modules: an empty list adapts nothing: name the layers to adapt "
+            "(e.g. [q_proj, v_proj]), or leave it unset for the method's default"
+        )
+    if any(not isinstance(n, str) or not n.strip() for n in names):
+        return "method.target_modules: an empty name matches no layer; name the layers to adapt"
+    if "all-linear" in names and (len(names) > 1 or cfg.name == "ia3"):
+        return (
+            "method.target_modules: all-linear stands alone (every linear layer of the blocks) "
+            "and is LoRA's; to adapt other layers too, or with method.name=ia3, name each layer"
+        )
+    return None
+
+
+def _lora_check(cfg: MethodConfig) -> str | None:
+    """LoRA's scaling alpha / r: alpha 0 makes every update 0 (every gradient 0: the run trains
+    nothing and "succeeds"), a negative one negates it."""
+    if cfg.alpha is not None and cfg.alpha < 1:
+        return (
+            f"method.alpha: must be >= 1 (LoRA scales its update by alpha / r, so {cfg.alpha} "
+            "trains nothing or the opposite way); leave it unset for the preset's 32, or use "
+            "2 x method.r"
+        )
+    return _targets_check(cfg)
+
+
 def _qlora_quantization(cfg: MethodConfig, precision: str) -> Quantization:
     from leantune.models.quantize import Quantization
 
@@ -177,6 +209,7 @@ METHODS: dict[str, MethodSpec] = {
             default_lr=2e-3,  # best: support desk 6e-3 (2e-3 within 3%), instructions 2e-3
             mergeable=True,
             lora_settings=True,
+            check=_lora_check,
             lighter_fallback=True,
         ),
         MethodSpec(
@@ -186,6 +219,7 @@ METHODS: dict[str, MethodSpec] = {
             default_lr=2e-3,  # best: support desk 2e-3, instructions 6e-4 (2e-3 within 2%)
             mergeable=True,
             lora_settings=True,
+            check=_lora_check,
         ),
         MethodSpec(
             "qlora",
@@ -195,6 +229,7 @@ METHODS: dict[str, MethodSpec] = {
             base_quantization=_qlora_quantization,
             mergeable=True,  # into the dequantised base (export/source.py)
             lora_settings=True,
+            check=_lora_check,
             # The same adapters as LoRA: the meta model cannot be quantised, `weight_quant` is.
             planned_as="lora",
             planned_weight_quant="nf4-dq",
@@ -208,6 +243,7 @@ METHODS: dict[str, MethodSpec] = {
             # the scales moved 5% / 11% / 31% from 1 at 1e-2 / 3e-2 / 1e-1 on the support desk).
             default_lr=1e-2,
             mergeable=True,
+            check=_targets_check,
             lighter_than_fallbacks=True,
         ),
         MethodSpec(
