@@ -37,6 +37,7 @@ INERT = [
     ("prefix", "method.prefix_hidden_size=0", "method.prefix_hidden_size: must be >= 1"),
     ("adapter", "method.adapter_reduction=0", "method.adapter_reduction: must be >= 1"),
     ("freeze", "method.last_blocks=0|method.norms=false", "method.name=freeze trains nothing"),
+    ("prompt", "method.prompt_init_text=' '", "method.prompt_init_text: empty"),  # new
 ]
 
 
@@ -110,3 +111,24 @@ def test_every_lora_method_takes_the_same_checks() -> None:
         if spec.lora_settings:
             assert spec.check is not None, name
             assert "method.alpha" in (spec.check(MethodConfig(name=name, alpha=0)) or ""), name  # type: ignore[arg-type]
+
+
+def test_ia3_takes_layer_names_not_all_linear(tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", [])
+    with pytest.raises(ConfigError, match=r"all-linear stands alone .* and is LoRA's"):
+        load_config(
+            None, [f"data.train={data}", "method.name=ia3", "method.target_modules=[all-linear]"]
+        )
+
+
+def test_a_method_that_leaves_nothing_to_train_on_the_model_is_refused() -> None:
+    """What only the model can tell: freeze with only the norms on a model whose norms have no
+    weights (non-parametric, as OLMo's first version) trained nothing and "succeeded"."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_llama_config())
+    for name in [n for n, _ in model.named_modules() if n.endswith("norm")]:
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, torch.nn.Identity())
+    cfg = MethodConfig(name="freeze", last_blocks=0, norms=True)
+    with pytest.raises(MethodError, match=r"method\.name=freeze leaves nothing to train on this"):
+        apply_method(model, cfg)
