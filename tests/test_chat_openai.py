@@ -239,3 +239,38 @@ def test_a_sharegpt_turn_takes_the_same_weights() -> None:
     bad = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a", "weight": 0.5}]
     with pytest.raises(BadRecordError, match=r"conversations\[1\]\.weight: must be 0"):
         parse_record({"conversations": bad}, "sharegpt")
+
+
+# --- LLaMA-Factory's alpaca fields ------------------------------------------------------------
+
+
+def test_alpaca_system_and_history_are_trained_as_they_say() -> None:
+    """LLaMA-Factory's alpaca `system` and `history` were dropped: the model learned the last
+    answer without the conversation before it."""
+    record = {
+        "instruction": "And the cactus?",
+        "output": "Water it monthly.",
+        "system": "You are a careful gardener.",
+        "history": [["My fern is yellow.", "Let the soil dry out."]],
+    }
+    messages = parse_record(record, "alpaca")["messages"]
+    chat = [{"role": "system", "content": "You are a careful gardener."}, *TURNS]
+    assert messages == chat
+    assert encode_chat(tok("qwen2.5"), messages) == encode_chat(tok("qwen2.5"), chat)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("history", [["only one"]], r"history\[0\] must be a pair"),
+        ("history", "earlier", "field 'history' must be a list"),
+        ("system", 3, "field 'system' must be a string"),
+        ("tools", [CALL], "field 'tools': tool descriptions are not supported"),
+        ("images", ["a.png"], "field 'images': images"),
+    ],
+)
+def test_alpaca_fields_leantune_cannot_honour_are_refused(
+    field: str, value: Any, needle: str
+) -> None:
+    with pytest.raises(BadRecordError, match=needle):
+        parse_record({"instruction": "i", "output": "o", field: value}, "alpaca")
