@@ -32,7 +32,7 @@ from typing import Any, Literal
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from leantune.data.errors import DataError
-from leantune.data.record_checks import Message
+from leantune.data.record_checks import UNWEIGHTED, Message
 
 log = logging.getLogger(__name__)
 
@@ -365,8 +365,10 @@ def spans_by_tags(tokenizer: Any, messages: list[Message], full: str) -> list[Sp
 def answer_spans(
     tokenizer: Any, messages: list[Message], full: str, supervise_from: int = 0
 ) -> list[Span]:
-    """The character spans of the assistant turns in `full`, the rendered `messages`, from
-    message `supervise_from` on (the ones before it are context, not learned).
+    """The character spans of the assistant turns in `full`, the rendered `messages`, that are
+    learned: from message `supervise_from` on (the ones before it are context), and not those
+    of `weight` 0 (`record_checks.UNWEIGHTED`). Every answer is located all the same, so the
+    others' spans are where they would be without weights.
 
     Raises:
         TemplateError: the answers cannot be located (see the module docstring).
@@ -376,7 +378,9 @@ def answer_spans(
         spans = spans_by_tags(tokenizer, messages, full)
     else:
         spans = spans_by_walk(facts, messages, full)
-    if supervise_from <= 0:
-        return spans
     answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    return [s for i, s in zip(answers, spans, strict=True) if i >= supervise_from]
+    return [
+        s
+        for i, s in zip(answers, spans, strict=True)
+        if i >= supervise_from and messages[i].get("weight") != UNWEIGHTED
+    ]

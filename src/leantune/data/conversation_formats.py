@@ -20,11 +20,14 @@ from __future__ import annotations
 from typing import Any
 
 from leantune.data.record_checks import (
+    UNWEIGHTED,
     BadRecordError,
     Message,
     check_text,
     describe,
+    is_empty_answer,
     parse_messages,
+    parse_weight,
     refuse_unsupported,
     with_system_prompt,
 )
@@ -62,7 +65,10 @@ def _turn(turn: Any, i: int) -> Message:
     value = turn.get(content_key)
     if not isinstance(value, str):
         raise BadRecordError(f"{where}.{content_key} must be a string, got {describe(value)}")
-    return {"role": role, "content": check_text(value, f"{where}.{content_key}")}
+    msg: Message = {"role": role, "content": check_text(value, f"{where}.{content_key}")}
+    if parse_weight(turn.get("weight"), role, where) == UNWEIGHTED and role == "assistant":
+        msg["weight"] = UNWEIGHTED
+    return msg
 
 
 def parse_sharegpt(obj: dict[str, Any], system_prompt: str | None) -> list[Message]:
@@ -126,7 +132,7 @@ def parse_prompt_completion(obj: dict[str, Any], system_prompt: str | None) -> d
                 f"completion[{i}].role must be assistant (the completion is what the model "
                 f"learns to write), got {describe(msg['role'])}"
             )
-        if not msg["content"].strip():
+        if is_empty_answer(msg):
             raise BadRecordError(f"completion[{i}].content: empty answer")
     messages = with_system_prompt([*prompt, *completion], system_prompt)
     start = len(messages) - len(completion)

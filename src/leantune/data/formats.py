@@ -27,6 +27,7 @@ from leantune.data.record_checks import (
     is_empty_answer,
     parse_messages,
     parse_tools,
+    refuse_unsupported,
     require_str,
     with_system_prompt,
 )
@@ -74,7 +75,10 @@ class BadLine:
 
 
 def parse_alpaca(obj: dict[str, Any], system_prompt: str | None) -> list[dict[str, str]]:
-    """`instruction`, optional `input`, `output` -> system?/user/assistant messages."""
+    """`instruction`, optional `input`, `output` -> system?/user/assistant messages; with
+    LLaMA-Factory's optional `system` (the system message) and `history` (earlier
+    `[instruction, answer]` pairs, learned like the last answer, as LLaMA-Factory does)."""
+    refuse_unsupported(obj)
     instruction = require_str(obj, "instruction")
     extra = obj.get("input", "")
     if extra is None:
@@ -84,8 +88,34 @@ def parse_alpaca(obj: dict[str, Any], system_prompt: str | None) -> list[dict[st
     check_text(extra, "field 'input'")
     output = require_str(obj, "output")
     user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+    system = obj.get("system")
+    if system not in (None, ""):
+        system_prompt = require_str(obj, "system")
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return [*messages, {"role": "user", "content": user}, {"role": "assistant", "content": output}]
+    return [
+        *messages,
+        *_alpaca_history(obj.get("history")),
+        {"role": "user", "content": user},
+        {"role": "assistant", "content": output},
+    ]
+
+
+def _alpaca_history(value: Any) -> list[dict[str, str]]:
+    """LLaMA-Factory's `history`: `[[instruction, answer], ...]` before the record's own turn."""
+    if value in (None, "", "[]", []):
+        return []
+    if not isinstance(value, list):
+        raise BadRecordError("field 'history' must be a list of [instruction, answer] pairs")
+    out = []
+    for i, pair in enumerate(value):
+        texts = pair if isinstance(pair, list | tuple) and len(pair) == 2 else None
+        if texts is None or not all(isinstance(t, str) and t.strip() for t in texts):
+            raise BadRecordError(
+                f"history[{i}] must be a pair of non-empty strings [instruction, answer]"
+            )
+        out.append({"role": "user", "content": check_text(texts[0], f"history[{i}][0]")})
+        out.append({"role": "assistant", "content": check_text(texts[1], f"history[{i}][1]")})
+    return out
 
 
 def parse_chat(obj: dict[str, Any], system_prompt: str | None) -> list[dict[str, Any]]:
@@ -121,7 +151,7 @@ def parse_record(obj: Any, fmt: str, system_prompt: str | None = None) -> dict[s
         "sharegpt": parse_sharegpt,
     }
     parsed: dict[str, Any] = {"messages": parsers[fmt](obj, system_prompt)}
-    tools = parse_tools(obj.get("tools")) if fmt == "chat" else None
+    tools = parse_tools(obj.get("tools"), obj.get("functions")) if fmt == "chat" else None
     if tools:
         parsed["tools"] = tools
     return parsed

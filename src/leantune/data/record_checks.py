@@ -6,13 +6,19 @@ a bad line with the file and line number.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool")
 Message = dict[str, Any]
 """`role` and `content` (a string), and for assistant messages optionally `tool_calls` (OpenAI's
-list of function calls) and `reasoning_content`; for tool results optionally `tool_call_id`."""
+list of function calls, their arguments an object), `reasoning_content` and `weight` (present
+only as 0: a turn not to learn); for tool results optionally `tool_call_id` and `name`."""
+
+UNWEIGHTED = 0
+"""The `weight` of an assistant turn that is rendered but not learned (OpenAI's fine-tuning
+format and Axolotl's); 1, the default, learns it, and is not kept."""
 
 
 class BadRecordError(ValueError):
@@ -56,35 +62,85 @@ def require_str(obj: dict[str, Any], key: str, allow_empty: bool = False) -> str
 def parse_messages(value: Any, key: str) -> list[Message]:
     """An OpenAI-shaped message list: objects with a `role` in ROLES and a `content` that is a
     string or a list of `{"type": "text", "text": ...}` parts (joined into one string). Assistant
-    messages may carry `tool_calls` (then `content` may be empty or null) and `reasoning_content`;
-    tool results a `tool_call_id`. Other fields are not kept."""
+    messages may carry `tool_calls` (then `content` may be empty or null), `reasoning_content`
+    and a `weight` of 0 or 1; tool results a `tool_call_id` and `name`. OpenAI's older form is
+    read as the newer one: an assistant's `function_call` as one tool call, a `function`
+    message as a tool result. Other fields are not kept."""
     if not isinstance(value, list) or not value:
         raise BadRecordError(f"field '{key}' must be a non-empty list")
-    out: list[Message] = []
-    for i, msg in enumerate(value):
-        where = f"{key}[{i}]"
-        if not isinstance(msg, dict):
-            raise BadRecordError(f"{where} must be an object")
-        role = msg.get("role")
-        if role not in ROLES:
-            raise BadRecordError(
-                f"{where}.role must be one of {'/'.join(ROLES)}, got {describe(role)}"
-            )
-        calls = _tool_calls(msg.get("tool_calls"), where) if role == "assistant" else None
-        content = msg.get("content")
-        if content is None and calls:
-            content = ""
-        parsed: Message = {"role": role, "content": _content(content, f"{where}.content")}
-        if calls:
-            parsed["tool_calls"] = calls
-        extra = (("reasoning_content",) if role == "assistant" else ()) + (
-            ("tool_call_id", "name") if role == "tool" else ()
+    return [_message(msg, f"{key}[{i}]") for i, msg in enumerate(value)]
+
+
+def _message(msg: Any, where: str) -> Message:
+    if not isinstance(msg, dict):
+        raise BadRecordError(f"{where} must be an object")
+    role = "tool" if msg.get("role") == "function" else msg.get("role")
+    if role not in ROLES:
+        raise BadRecordError(
+            f"{where}.role must be one of {'/'.join(ROLES)}, got {describe(msg.get('role'))}"
         )
-        for field in extra:
-            if msg.get(field) is not None:
-                parsed[field] = check_text(_string(msg[field], f"{where}.{field}"), where)
-        out.append(parsed)
-    return out
+    calls = _calls_of(msg, role, where)
+    content = msg.get("content")
+    if content is None and calls:
+        content = ""
+    parsed: Message = {"role": role, "content": _content(content, f"{where}.content")}
+    if calls:
+        parsed["tool_calls"] = calls
+    extra = (("reasoning_content",) if role == "assistant" else ()) + (
+        ("tool_call_id", "name") if role == "tool" else ()
+    )
+    for field in extra:
+        if msg.get(field) is not None:
+            parsed[field] = check_text(_string(msg[field], f"{where}.{field}"), where)
+    if parse_weight(msg.get("weight"), role, where) == UNWEIGHTED and role == "assistant":
+        parsed["weight"] = UNWEIGHTED
+    return parsed
+
+
+def _number(value: Any) -> str:
+    """A short form of a value that should have been a number."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 10**9:
+        return str(value)
+    return describe(value)
+
+
+def _calls_of(msg: dict[str, Any], role: str, where: str) -> list[dict[str, Any]] | None:
+    """The message's tool calls, from `tool_calls` or OpenAI's older `function_call`."""
+    legacy = msg.get("function_call")
+    if legacy is not None and msg.get("tool_calls") not in (None, []):
+        raise BadRecordError(f"{where}: both 'tool_calls' and 'function_call': keep one of them")
+    value = (
+        [{"type": "function", "function": legacy}] if legacy is not None else msg.get("tool_calls")
+    )
+    if role != "assistant":
+        if value not in (None, []):
+            field = "function_call" if legacy is not None else "tool_calls"
+            raise BadRecordError(
+                f"{where}.{field}: only an assistant message makes tool calls, not a {role} message"
+            )
+        return None
+    return _tool_calls(value, where)
+
+
+def parse_weight(value: Any, role: str, where: str) -> int:
+    """A message's `weight`: 0 (rendered, not learned) or 1 (learned, the default for an
+    assistant turn). Any other value, or 1 on a turn leantune never learns, is refused: the
+    record would train differently from what it says."""
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int | float) or value not in (0, 1):
+        raise BadRecordError(
+            f"{where}.weight: must be 0 (do not learn this turn) or 1 (learn it), "
+            f"got {_number(value)}"
+        )
+    if value == 1 and role != "assistant":
+        raise BadRecordError(
+            f"{where}.weight: 1 on a {role} message, but only assistant turns are learned; "
+            "drop the weight"
+        )
+    return int(value)
 
 
 def _string(value: Any, where: str) -> str:
@@ -128,24 +184,44 @@ def _tool_calls(value: Any, where: str) -> list[dict[str, Any]] | None:
                 f'{{"name": ..., "arguments": ...}}}}'
             )
         assert isinstance(fn, dict)
-        args = fn.get("arguments", {})
-        if not isinstance(args, dict | str):
-            raise BadRecordError(
-                f"{where}.tool_calls[{j}].function.arguments must be an object or a string"
-            )
-        kept = {"name": name, "arguments": args}
+        kept = {"name": name, "arguments": _arguments(fn.get("arguments", {}), where, j)}
         calls.append({"type": "function", "function": kept, **_call_id(call)})
     return calls
+
+
+def _arguments(value: Any, where: str, j: int) -> dict[str, Any]:
+    """A call's arguments as an object. OpenAI writes them as a JSON string; chat templates
+    expect the object (Qwen2.5's and Llama 3.1's pass it through `tojson`, which would write
+    the string JSON-escaped, and teach the model to call with a string)."""
+    field = f"{where}.tool_calls[{j}].function.arguments"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            raise BadRecordError(f"{field}: a string that is not JSON") from None
+    if not isinstance(value, dict):
+        raise BadRecordError(f"{field} must be a JSON object (or a string of one)")
+    return value
 
 
 def _call_id(call: dict[str, Any]) -> dict[str, str]:
     return {"id": call["id"]} if isinstance(call.get("id"), str) else {}
 
 
-def parse_tools(value: Any) -> list[dict[str, Any]] | None:
+def parse_tools(value: Any, functions: Any = None) -> list[dict[str, Any]] | None:
     """A chat record's `tools`: OpenAI function descriptions (`{"type": "function",
     "function": {"name", "description", "parameters"}}`), which the chat template writes
-    where the model reads them; None when there are none."""
+    where the model reads them; or OpenAI's older `functions` (the inner descriptions), read
+    as tools. None when there are none."""
+    if functions not in (None, []):
+        if value not in (None, []):
+            raise BadRecordError("both 'tools' and 'functions': keep one of them")
+        if not isinstance(functions, list):
+            raise BadRecordError("field 'functions' must be a list of function descriptions")
+        for j, fn in enumerate(functions):
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise BadRecordError(f'functions[{j}] must be {{"name": ..., "parameters": ...}}')
+        return [{"type": "function", "function": fn} for fn in functions]
     if value in (None, []):
         return None
     if not isinstance(value, list):
@@ -185,6 +261,8 @@ _REFUSED = {
     "audios": "images, videos and audio are not supported (leantune trains text-only models)",
     "tools": "tool descriptions are not supported in this format (the chat format takes them: "
     "'tools' beside 'messages')",
+    "functions": "tool descriptions are not supported in this format (the chat format takes "
+    "them: 'tools' or 'functions' beside 'messages')",
 }
 UNSUPPORTED = "not supported"
 """Every refusal's reason says this, so a reader can count them as their own kind."""

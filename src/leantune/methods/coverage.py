@@ -127,6 +127,24 @@ class Coverage:
         }
 
 
+def unmatched_target(model: nn.Module, name: str, takes: str, linear: list[str]) -> str:
+    """Why `method.target_modules` entry `name` adapts nothing, with what the model has: the
+    module it names when that is not one the method takes (`mlp`, a norm), and the leaf names
+    of the blocks' linear layers (`linear`: their full names, or fused expert weights too)."""
+    leaves = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in linear})) or "none"
+    found = next((m for n, m in model.named_modules() if n == name or n.endswith(f".{name}")), None)
+    if found is not None:
+        kind = type(found).__name__
+        article = "an" if kind[:1].lower() in "aeiou" else "a"
+        why = f"is {article} {kind}, not a {takes}"
+    else:
+        why = f"matches no {takes} of this model"
+    return (
+        f"method.target_modules: {name!r} {why}; the linear layers of its blocks are {leaves} "
+        "(or leave method.target_modules unset for the method's default)"
+    )
+
+
 def unwrapped_name(name: str) -> str:
     """A name in the base model's terms: no peft prefix, no `base_layer` hops."""
     name = name.removeprefix(_PEFT_PREFIX)

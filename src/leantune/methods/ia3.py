@@ -18,8 +18,9 @@ from peft import IA3Config, get_peft_model
 from torch import nn
 
 from leantune.methods.counting import HELD_ATTR
-from leantune.methods.coverage import SCALED_ATTR, unwrapped_name
+from leantune.methods.coverage import SCALED_ATTR, unmatched_target, unwrapped_name
 from leantune.methods.errors import MethodError
+from leantune.methods.freeze import decoder_layers
 from leantune.methods.lora import quiet_peft
 
 # What IA3 scales in Llama/Qwen2/Mistral-style blocks (peft's own default for them).
@@ -35,6 +36,11 @@ def _matching(model: nn.Module, name: str) -> list[str]:
         for n, m in model.named_modules()
         if isinstance(m, nn.Linear) and (n == name or n.endswith(f".{name}"))
     ]
+
+
+def _block_linear(model: nn.Module) -> list[str]:
+    layers = decoder_layers(model)
+    return [n for n, m in layers.named_modules() if isinstance(m, nn.Linear)]
 
 
 def resolve_ia3_targets(model: nn.Module, names: tuple[str, ...]) -> list[str]:
@@ -59,7 +65,7 @@ def resolve_ia3_targets(model: nn.Module, names: tuple[str, ...]) -> list[str]:
     for name in names:
         hits = _matching(model, name)
         if not hits:
-            raise MethodError(f"method.target_modules: {name!r} matches no linear layer")
+            raise MethodError(unmatched_target(model, name, "linear layer", _block_linear(model)))
         targets += [n for n in hits if n not in targets]
     return targets
 

@@ -11,7 +11,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from leantune.methods.coverage import adapted_sites, is_router
+from leantune.methods.coverage import adapted_sites, is_router, unmatched_target
 from leantune.methods.errors import MethodError
 from leantune.methods.freeze import decoder_layers
 
@@ -116,11 +116,8 @@ def resolve_targets(model: nn.Module, names: tuple[str, ...]) -> tuple[list[str]
             w for w in router_weights if w.endswith((f".{name}.weight", f".{name}"))
         ]
         if not hit_modules and not hit_params:
-            leaves = sorted({n.rsplit(".", 1)[-1] for n in linear + fused})
-            raise MethodError(
-                f"method.target_modules: {name!r} matches no linear or embedding layer or expert "
-                f"weight of this model; its blocks have {', '.join(leaves)} (or use all-linear)"
-            )
+            takes = "linear or embedding layer or expert weight"
+            raise MethodError(unmatched_target(model, name, takes, linear + fused))
         modules += [n for n in hit_modules if n not in modules]
         parameters += [n for n in hit_params if n not in parameters]
     return modules, parameters

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 # Re-exported: the recipe, planner and tests count parameters through the registry.
 from leantune.methods.counting import count_parameters as count_parameters
+from leantune.methods.errors import MethodError
 from leantune.methods.spec import LrAdvice, MethodSpec
 
 if TYPE_CHECKING:
@@ -124,12 +125,54 @@ def _prompt(model: nn.Module, cfg: MethodConfig) -> nn.Module:
 
 
 def _prompt_check(cfg: MethodConfig) -> str | None:
+    if cfg.prompt_init_text is not None and not cfg.prompt_init_text.strip():
+        return (
+            "method.prompt_init_text: empty, so there are no tokens to start the virtual tokens "
+            "from; give a text, or leave it unset to sample word-like vocabulary tokens"
+        )
     if cfg.prompt_init == "random" and cfg.prompt_init_text is not None:
         return (
             "method.prompt_init_text is ignored with method.prompt_init=random: "
             "set prompt_init=tokens or drop the text"
         )
     return None
+
+
+def _targets_check(cfg: MethodConfig, all_linear: bool = True) -> str | None:
+    """`method.target_modules` that can only adapt nothing, or not what it says; `all_linear`:
+    the method takes LoRA's ["all-linear"]."""
+    names = cfg.target_modules
+    if names is None:
+        return None
+    if not names:
+        return (
+            "method.target_modules: an empty list adapts nothing: name the layers to adapt "
+            "(e.g. [q_proj, v_proj]), or leave it unset for the method's default"
+        )
+    if any(not isinstance(n, str) or not n.strip() for n in names):
+        return "method.target_modules: an empty name matches no layer; name the layers to adapt"
+    if "all-linear" in names and (len(names) > 1 or not all_linear):
+        return (
+            "method.target_modules: all-linear stands alone (every linear layer of the blocks) "
+            "and is LoRA's; to adapt other layers too, or with method.name=ia3, name each layer"
+        )
+    return None
+
+
+def _ia3_check(cfg: MethodConfig) -> str | None:
+    return _targets_check(cfg, all_linear=False)
+
+
+def _lora_check(cfg: MethodConfig) -> str | None:
+    """LoRA's scaling alpha / r: alpha 0 makes every update 0 (every gradient 0: the run trains
+    nothing and "succeeds"), a negative one negates it."""
+    if cfg.alpha is not None and cfg.alpha < 1:
+        return (
+            f"method.alpha: must be >= 1 (LoRA scales its update by alpha / r, so {cfg.alpha} "
+            "trains nothing or the opposite way); leave it unset for the preset's 32, or use "
+            "2 x method.r"
+        )
+    return _targets_check(cfg)
 
 
 def _qlora_quantization(cfg: MethodConfig, precision: str) -> Quantization:
@@ -177,6 +220,7 @@ METHODS: dict[str, MethodSpec] = {
             default_lr=2e-3,  # best: support desk 6e-3 (2e-3 within 3%), instructions 2e-3
             mergeable=True,
             lora_settings=True,
+            check=_lora_check,
             lighter_fallback=True,
         ),
         MethodSpec(
@@ -186,6 +230,7 @@ METHODS: dict[str, MethodSpec] = {
             default_lr=2e-3,  # best: support desk 2e-3, instructions 6e-4 (2e-3 within 2%)
             mergeable=True,
             lora_settings=True,
+            check=_lora_check,
         ),
         MethodSpec(
             "qlora",
@@ -195,6 +240,7 @@ METHODS: dict[str, MethodSpec] = {
             base_quantization=_qlora_quantization,
             mergeable=True,  # into the dequantised base (export/source.py)
             lora_settings=True,
+            check=_lora_check,
             # The same adapters as LoRA: the meta model cannot be quantised, `weight_quant` is.
             planned_as="lora",
             planned_weight_quant="nf4-dq",
@@ -208,6 +254,7 @@ METHODS: dict[str, MethodSpec] = {
             # the scales moved 5% / 11% / 31% from 1 at 1e-2 / 3e-2 / 1e-1 on the support desk).
             default_lr=1e-2,
             mergeable=True,
+            check=_ia3_check,
             lighter_than_fallbacks=True,
         ),
         MethodSpec(
@@ -281,10 +328,22 @@ def compute_dtype(cfg: MethodConfig) -> str:
 
 
 def apply_method(model: nn.Module, cfg: MethodConfig) -> nn.Module:
-    """Freeze the base and wrap `model` with the configured method."""
+    """Freeze the base and wrap `model` with the configured method.
+
+    Raises:
+        MethodError: the method's settings do not fit the model, or leave nothing to train on
+            it (a run that trains nothing would "succeed" with every gradient 0).
+    """
     for p in model.parameters():
         p.requires_grad_(False)
-    return METHODS[cfg.name].apply(model, cfg)
+    wrapped = METHODS[cfg.name].apply(model, cfg)
+    if not any(p.requires_grad for p in wrapped.parameters()):
+        raise MethodError(
+            f"method.name={cfg.name} leaves nothing to train on this model: check the method.* "
+            "settings against the model's layers (the log's coverage line lists what a method "
+            "adapts), or use another method"
+        )
+    return wrapped
 
 
 def trainable_named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

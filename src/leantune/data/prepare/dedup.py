@@ -34,12 +34,21 @@ def content_hash(parsed: dict[str, Any]) -> int:
 
 
 def record_text(parsed: dict[str, Any]) -> str:
-    """The text MinHash compares: every message content (or the text), case and spacing folded."""
+    """The text MinHash compares: every message content and tool call (or the text), case and
+    spacing folded. A tool call is part of what the model learns to write: two records that
+    differ only in a call's arguments are not the same example."""
     if "text" in parsed:
         raw = parsed["text"]
     else:
-        raw = "\n".join(m["content"] for m in parsed["messages"])
+        raw = "\n".join(_message_text(m) for m in parsed["messages"])
     return " ".join(str(raw).lower().split())
+
+
+def _message_text(msg: dict[str, Any]) -> str:
+    calls = msg.get("tool_calls")
+    if not calls:
+        return str(msg["content"])
+    return " ".join([msg["content"], *(json.dumps(c["function"], sort_keys=True) for c in calls)])
 
 
 def shingles(text: str) -> np.ndarray:

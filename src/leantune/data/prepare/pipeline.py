@@ -37,8 +37,9 @@ from leantune.errors import UserError
 from leantune.writes import check_target, replacing_dir, write_file
 
 # Bump when the output for the same key changes (4: answers found by walking one render, and
-# the tokenizer digest recorded).
-PIPELINE_VERSION = 4
+# the tokenizer digest recorded; 5: OpenAI's message weights, function calls and string
+# arguments read).
+PIPELINE_VERSION = 5
 REPORT = "prepare_report.json"
 REJECTED = "rejected.jsonl"
 Log = Callable[[str], None]
