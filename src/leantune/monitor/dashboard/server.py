@@ -16,6 +16,8 @@ runs folder is served: the static files are read from the package at start and l
 exact name, and a run is looked up among the runs `RunsFolder` lists, never joined to a path.
 Bound to a loopback address, requests must name it in their Host header, so that a web page
 whose domain was re-pointed to 127.0.0.1 (DNS rebinding) cannot read the runs.
+One run's damaged files show in its own row (`RunsFolder.overview`); a request that fails in
+another way is a 500 with one log line per distinct error, never a traceback per poll.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from __future__ import annotations
 import ipaddress
 import json
 import socket
+import sys
+import threading
 import time
 from collections.abc import Callable
 from http import HTTPStatus
@@ -32,7 +36,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from leantune.monitor.dashboard.runs import EVAL_FILE, METRICS_FILE, RunsFolder
+from leantune.monitor.dashboard.runs import EVAL_FILE, METRICS_FILE, Log, RunsFolder
 from leantune.monitor.dashboard.series import line_sig
 from leantune.training.signals import Interrupted, StopSignals
 
@@ -92,8 +96,18 @@ class DashboardServer(ThreadingHTTPServer):
             self.address_family = socket.AF_INET6
         self.folder = folder
         self.static = load_static()
+        self._errors: set[str] = set()
+        self._errors_lock = threading.Lock()
         super().__init__((host, port), DashboardHandler)
         self.hosts = allowed_hosts(host, int(self.server_address[1]))
+
+    def log_once(self, message: str) -> None:
+        """Log `message` the first time it occurs: a page polls every two seconds."""
+        with self._errors_lock:
+            if message in self._errors or len(self._errors) >= 1000:
+                return
+            self._errors.add(message)
+        self.folder.log(message)
 
     @property
     def url(self) -> str:
@@ -137,6 +151,12 @@ class DashboardHandler(BaseHTTPRequestHandler):
         except OSError:  # a run directory moved or removed while it was read: the next poll
             body = b"the run directory changed while it was read; try again\n"
             self._send(HTTPStatus.SERVICE_UNAVAILABLE, body, "text/plain", with_body)
+            return
+        except Exception as exc:  # a run's files in a shape nothing expected: that request only
+            message = f"dashboard: {self.path.split('?')[0]}: {type(exc).__name__}: {exc}"
+            self.server.log_once(message[:500])
+            body = f"{message}\n".encode()
+            self._send(HTTPStatus.INTERNAL_SERVER_ERROR, body, "text/plain", with_body)
             return
         if found is None:
             self._send(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain", with_body)
@@ -241,13 +261,25 @@ def _int_param(query: dict[str, list[str]], key: str) -> int | None:
         raise BadRequest(f"{key} must be an integer") from None
 
 
-def make_server(root: Path, host: str = "127.0.0.1", port: int = 0) -> DashboardServer:
+def make_server(
+    root: Path, host: str = "127.0.0.1", port: int = 0, log: Log | None = None
+) -> DashboardServer:
     """A dashboard server for the runs under `root`, bound but not yet serving.
+
+    Args:
+        root: The runs folder.
+        host: The address to bind.
+        port: The port (0: any free one).
+        log: Where problems found in runs go, one line each (default: stderr).
 
     Raises:
         OSError: the address cannot be bound (the port is in use, the host is not local).
     """
-    return DashboardServer(RunsFolder(root), host, port)
+    return DashboardServer(RunsFolder(root, log or _stderr), host, port)
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def serve(server: DashboardServer, log: Callable[[str], None] = print) -> None:
