@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from leantune.errors import UserError
+from leantune.training.signals import Interrupted
 
 DEFAULT_PORT = 8470
 
@@ -35,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve the dashboard until Ctrl-C.
+    """Serve the dashboard until SIGINT (Ctrl-C) or SIGTERM: exit 130 / 143, as every command.
 
     Raises:
         UserError: RUNS_DIR is not a folder, or the address cannot be bound.
@@ -59,7 +60,11 @@ def run(args: argparse.Namespace) -> int:
             "can read every run's config, metrics and events (there is no login)",
             file=sys.stderr,
         )
-    serve(server)
+    try:
+        serve(server)
+    except Interrupted as stop:
+        print(f"dashboard: stopped ({stop.name})", file=sys.stderr)
+        return stop.exit_code
     return 0
 
 

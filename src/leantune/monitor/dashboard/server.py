@@ -38,7 +38,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from leantune.monitor.dashboard.runs import EVAL_FILE, METRICS_FILE, Log, RunsFolder
 from leantune.monitor.dashboard.series import line_sig
-from leantune.training.signals import Interrupted, StopSignals
+from leantune.training.signals import StopSignals
 
 CONTENT_TYPES = {
     ".html": "text/html; charset=utf-8",
@@ -283,19 +283,20 @@ def _stderr(message: str) -> None:
 
 
 def serve(server: DashboardServer, log: Callable[[str], None] = print) -> None:
-    """Serve until Ctrl-C (SIGINT) or SIGTERM, then close the socket and return.
+    """Serve until Ctrl-C (SIGINT) or SIGTERM, then close the socket and re-raise.
 
     Both signals get `train`'s handler (`StopSignals`) while it serves, whatever the process
     inherited: a dashboard started by `nohup` or a script's `&` starts with SIGINT ignored, and
     `docker stop` or systemd send SIGTERM. Off the main thread (a test's server) signals are left
     as they are.
+
+    Raises:
+        Interrupted: SIGINT or SIGTERM arrived; the command exits 130 / 143 (`exit_code`).
     """
     try:
         with StopSignals():
             # Said only once the handlers are in: whoever waits for this line may signal at once.
             log(f"dashboard: {server.url} (runs in {server.folder.root}); Ctrl-C stops it")
             server.serve_forever(poll_interval=0.5)
-    except (KeyboardInterrupt, Interrupted):
-        pass
     finally:
         server.server_close()
