@@ -14,21 +14,21 @@ that row is no longer in the file (a resume or rollback rewrote it), the answer 
 and `"reset": true`. Only GET and HEAD are served (anything else: 405). Nothing outside the
 runs folder is served: the static files are read from the package at start and looked up by
 exact name, and a run is looked up among the runs `RunsFolder` lists, never joined to a path.
-Bound to a loopback address, requests must name it in their Host header, so that a web page
-whose domain was re-pointed to 127.0.0.1 (DNS rebinding) cannot read the runs.
+Requests must name this machine in their Host header (`monitor.hosts`: on a loopback bind a
+loopback name; beyond it also an address, the host name or an `--allow-host` name), so that a
+web page whose domain was re-pointed at this machine (DNS rebinding) cannot read the runs.
 One run's damaged files show in its own row (`RunsFolder.overview`); a request that fails in
 another way is a 500 with one log line per distinct error, never a traceback per poll.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
@@ -38,6 +38,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from leantune.monitor.dashboard.runs import EVAL_FILE, METRICS_FILE, Log, RunsFolder
 from leantune.monitor.dashboard.series import line_sig
+from leantune.monitor.hosts import REFUSED, HostCheck
 from leantune.training.signals import StopSignals
 
 CONTENT_TYPES = {
@@ -74,32 +75,20 @@ def load_static() -> dict[str, tuple[bytes, str]]:
     return out
 
 
-def allowed_hosts(host: str, port: int) -> set[str] | None:
-    """The Host headers a loopback-bound server accepts; None (any) for another address."""
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
-        return None
-    names = {"localhost", "127.0.0.1", "[::1]", f"[{host}]" if ":" in host else host}
-    return names | {f"{n}:{port}" for n in names}
-
-
 class DashboardServer(ThreadingHTTPServer):
     """The HTTP server: one thread per request, the runs folder and the static files."""
 
     daemon_threads = True
 
-    def __init__(self, folder: RunsFolder, host: str, port: int):
+    def __init__(self, folder: RunsFolder, host: str, port: int, allow_hosts: Iterable[str] = ()):
         if ":" in host:
             self.address_family = socket.AF_INET6
         self.folder = folder
         self.static = load_static()
+        self.hosts = HostCheck.for_bind(host, allow_hosts)
         self._errors: set[str] = set()
         self._errors_lock = threading.Lock()
         super().__init__((host, port), DashboardHandler)
-        self.hosts = allowed_hosts(host, int(self.server_address[1]))
 
     def log_once(self, message: str) -> None:
         """Log `message` the first time it occurs: a page polls every two seconds."""
@@ -140,8 +129,8 @@ class DashboardHandler(BaseHTTPRequestHandler):
         pass  # a poll every two seconds per open page would flood the terminal
 
     def _answer(self, with_body: bool) -> None:
-        if self.server.hosts is not None and self.headers.get("Host") not in self.server.hosts:
-            self._send(HTTPStatus.FORBIDDEN, b"unexpected Host header\n", "text/plain", with_body)
+        if not self.server.hosts.allows(self.headers.get("Host")):
+            self._send(HTTPStatus.FORBIDDEN, REFUSED, "text/plain", with_body)
             return
         try:
             found = self._route()
@@ -262,7 +251,11 @@ def _int_param(query: dict[str, list[str]], key: str) -> int | None:
 
 
 def make_server(
-    root: Path, host: str = "127.0.0.1", port: int = 0, log: Log | None = None
+    root: Path,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    allow_hosts: Iterable[str] = (),
+    log: Log | None = None,
 ) -> DashboardServer:
     """A dashboard server for the runs under `root`, bound but not yet serving.
 
@@ -270,12 +263,13 @@ def make_server(
         root: The runs folder.
         host: The address to bind.
         port: The port (0: any free one).
+        allow_hosts: Host names requests may name besides this machine's own (`monitor.hosts`).
         log: Where problems found in runs go, one line each (default: stderr).
 
     Raises:
         OSError: the address cannot be bound (the port is in use, the host is not local).
     """
-    return DashboardServer(RunsFolder(root, log or _stderr), host, port)
+    return DashboardServer(RunsFolder(root, log or _stderr), host, port, allow_hosts)
 
 
 def _stderr(message: str) -> None:
