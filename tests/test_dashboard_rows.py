@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import write_jsonl
+from conftest import run_cli, write_jsonl
 
 from leantune.config import load_config
 from leantune.config_parse import ConfigError, ParseError, load_yaml
@@ -103,6 +103,18 @@ def test_train_refuses_an_alias_bomb_naming_the_file(tmp_path: Path) -> None:
     config.write_text(f"method:\n  target_modules: [[{', '.join(levels)}]]\n", encoding="utf-8")
     with pytest.raises(ConfigError, match=rf"{config.name}: .*alias"):
         load_config(config)
+
+
+def test_report_reads_a_run_whose_config_is_an_alias_bomb(tmp_path: Path) -> None:
+    # `leantune report` read config.yaml with yaml.safe_load and str()-ed a setting: MemoryError.
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "leantune_run.json").write_text("{}")
+    (run / "config.yaml").write_text(BOMB + "train:\n  memory_budget: *i\n")
+    write_jsonl(run / "metrics.jsonl", [{"step": 1, "loss": 2.0}])
+    done = run_cli(["report", str(run)])
+    assert done.code == 0 and (run / "report.html").is_file(), done
+    assert "memory_budget: *i" in (run / "report.html").read_text()  # the text is still shown
 
 
 # --------------------------------------------------------------------------------------------
