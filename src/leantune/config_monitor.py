@@ -6,7 +6,7 @@ section changes a run's trajectory, so it is free to change on resume.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from leantune.config_parse import ConfigError
@@ -48,6 +48,9 @@ class MonitorConfig:
     off when unset, 0 picks a free port (logged). Only rank 0 serves in a distributed run."""
     metrics_host: str = "127.0.0.1"
     """Address the metrics endpoint binds to (127.0.0.1: this machine only; 0.0.0.0: all)."""
+    metrics_allowed_hosts: list[str] = field(default_factory=list)
+    """Host names a scrape may name besides localhost, IP addresses and this machine's host name
+    (e.g. [metrics.example.org]); other names are refused (403) against DNS rebinding."""
     tensorboard: bool = False
     """Write TensorBoard event files under <run dir>/tensorboard (needs the tensorboard extra)."""
     wandb: WandbConfig | None = None
@@ -78,6 +81,12 @@ def check_monitor(m: MonitorConfig) -> None:
         )
     if not m.metrics_host.strip():
         raise ConfigError("monitor.metrics_host: must be an address, e.g. 127.0.0.1 or 0.0.0.0")
+    for name in m.metrics_allowed_hosts:
+        if not name or not all(c.isalnum() or c in "-._" for c in name):
+            raise ConfigError(
+                f"monitor.metrics_allowed_hosts: {name!r} is not a host name; give names only "
+                "(metrics.example.org), without scheme, port or path"
+            )
     if m.wandb is not None and not m.wandb.project:
         raise ConfigError("monitor.wandb.project: required; the W&B project to log to")
     if m.mlflow is not None and not m.mlflow.uri:

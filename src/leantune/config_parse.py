@@ -1,8 +1,11 @@
 """The config parser's generic half: YAML text to data, and values checked against annotations.
 
 `load_yaml` reads one document with the line of every key. Plain `yaml.safe_load` lets a key
-given twice silently keep its last value and a document nested deeper than Python's recursion
-limit raise `RecursionError`; here a duplicated key is refused with both of its lines.
+given twice silently keep its last value, a document nested deeper than Python's recursion
+limit raise `RecursionError`, and a few hundred bytes of aliases ("billion laughs") stand for
+hundreds of millions of values that whatever walks the result (a check, a message, JSON) walks
+one by one; here a duplicated key is refused with both of its lines, and a document whose
+aliases expand past a bound is refused before anything is built from it.
 `check_value` coerces a value to a dataclass field's annotated type (numbers must be finite,
 integers fit 64 bits). Every failure is a :class:`ParseError` whose message names where it is
 (file, line, field); `leantune.config`, which knows the config sections, turns it into a
@@ -23,6 +26,10 @@ import yaml
 from leantune.errors import UserError
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+ALIAS_EXPANSION = 1 << 20
+"""Nodes plus scalar characters that aliases (`*name`, `<<: *name`) may add to a document
+written out in full: a config that reuses a block a few times adds kilobytes; an alias bomb
+adds billions."""
 
 
 class ConfigError(ValueError, UserError):
@@ -49,6 +56,7 @@ def load_yaml(text: str, where: str) -> tuple[Any, dict[str, int]]:
         node = loader.get_single_node()
         lines: dict[str, int] = {}
         if node is not None:
+            _check_expansion(node, len(text), where)
             _check_keys(node, "", lines, where, set())
         return (loader.construct_document(node) if node is not None else None), lines
     except ParseError:
@@ -62,6 +70,37 @@ def load_yaml(text: str, where: str) -> tuple[Any, dict[str, int]]:
     finally:
         if loader is not None:
             loader.dispose()
+
+
+def _check_expansion(node: yaml.Node, text_size: int, where: str) -> None:
+    """Refuse a document that, its aliases written out, is far larger than its text."""
+    # Without aliases the count stays under twice the text's length (each node and character
+    # comes from the text), so only what aliases add can reach the bound.
+    limit = 2 * text_size + ALIAS_EXPANSION
+    if _expanded_size(node, {}) > limit:
+        raise ParseError(
+            f"{where}: its aliases (*name, <<: *name) expand it to more than {limit:,} values "
+            "and characters (an alias bomb?); write the repeated values out, or repeat fewer"
+        )
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """Nodes plus scalar characters of `node` with every alias written out, each distinct node
+    counted once (`sizes`, by id): time linear in the text, however far it expands."""
+    known = sizes.get(id(node))
+    if known is not None:
+        if known < 0:
+            raise ValueError("an alias inside its own anchor repeats without end")
+        return known
+    sizes[id(node)] = -1
+    if isinstance(node, yaml.ScalarNode):
+        size = 1 + len(node.value)
+    elif isinstance(node, yaml.SequenceNode):
+        size = 1 + sum(_expanded_size(item, sizes) for item in node.value)
+    else:
+        size = 1 + sum(_expanded_size(k, sizes) + _expanded_size(v, sizes) for k, v in node.value)
+    sizes[id(node)] = size
+    return size
 
 
 def _check_keys(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Info, ProcessCo
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from leantune.monitor.hosts import exposure_warning
 from leantune.monitor.server import MetricsServer, check_port
 
 PREFIX = "leantune_"
@@ -133,9 +134,11 @@ class PrometheusSink:
         facts: RunFacts,
         ckpt_dir: Path,
         log: Callable[[str], None],
+        allowed_hosts: Iterable[str] = (),
     ):
         check_port(host, port)
         self.host, self.port, self.log = host, port, log
+        self.allowed_hosts = tuple(allowed_hosts)
         self.registry = CollectorRegistry()
         self.lock = threading.Lock()
         """Held while one record's values are written, and by each scrape (`server`)."""
@@ -230,8 +233,19 @@ class PrometheusSink:
             self.gauges["leantune_step"].set(step)
             self.last_step_time.set(self._last_time)
         if self.server is None:
-            self.server = MetricsServer(self.registry, self.health, self.lock, self.host, self.port)
+            self.server = MetricsServer(
+                self.registry, self.health, self.lock, self.host, self.port, self.allowed_hosts
+            )
             self.log(f"metrics: {self.server.url}/metrics (Prometheus), {self.server.url}/health")
+            warning = exposure_warning(
+                self.host,
+                self.server.port,
+                "the run's name, model path and metrics",
+                "monitor.metrics_host",
+                "monitor.metrics_allowed_hosts",
+            )
+            if warning is not None:
+                self.log(warning)
 
     def metrics(self, record: dict[str, Any]) -> None:
         with self.lock:

@@ -12,9 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from leantune.config_parse import ParseError, memory_size
+from leantune.config_parse import ParseError, load_yaml, memory_size
 from leantune.errors import UserError
 
 # The run directory's files (training.rundir, training.events, data.prepare.pipeline): named
@@ -88,7 +86,10 @@ def read_run(run_dir: Path) -> RunData:
     config_file = run_dir / "config.yaml"
     if config_file.is_file():
         data.config_text = config_file.read_text(encoding="utf-8")
-        loaded = yaml.safe_load(data.config_text)
+        try:  # the loader train uses: aliases that expand past a bound are refused
+            loaded, _ = load_yaml(data.config_text, str(config_file))
+        except ParseError:
+            loaded = None  # the report still shows the text; no setting is read from it
         data.config = loaded if isinstance(loaded, dict) else {}
     data.record = _json(run_dir / RUN_FILE) or {}
     data.summary = _json(run_dir / "summary.json")

@@ -4,7 +4,9 @@ A small threaded WSGI server on a daemon thread, so a scrape never waits on the 
 A scrape reads the registry under the sink's lock, which the sink holds while it writes one
 record's values: a scrape sees all of one step or all of the next, never a step's number with
 the previous step's loss. `stop()` shuts it down and closes its
-socket, so the next run can bind the same port at once.
+socket, so the next run can bind the same port at once. A request whose Host header names
+another server is refused (403), so that a web page re-pointed at this machine (DNS rebinding)
+cannot read the run's name and model (`hosts`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from leantune.errors import UserError
+from leantune.monitor.hosts import REFUSED, HostCheck
 
 Health = Callable[[], dict[str, Any]]
 StartResponse = Callable[..., Any]
@@ -67,13 +70,16 @@ def _in_use(host: str, port: int, error: OSError) -> MetricsPortInUse:
 
 
 def wsgi_app(
-    registry: CollectorRegistry, health: Health, lock: threading.Lock
+    registry: CollectorRegistry, health: Health, lock: threading.Lock, hosts: HostCheck
 ) -> Callable[..., Iterable[bytes]]:
-    """/metrics: the registry in the text format; /health: `health()` as JSON; else 404."""
+    """/metrics: the registry in the text format; /health: `health()` as JSON; else 404; 403
+    for a Host header that `hosts` does not allow."""
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
-        if path == "/metrics":
+        if not hosts.allows(environ.get("HTTP_HOST")):
+            body, kind, status = REFUSED, "text/plain", "403 Forbidden"
+        elif path == "/metrics":
             with lock:
                 body = generate_latest(registry)
             kind, status = CONTENT_TYPE_LATEST, "200 OK"
@@ -94,7 +100,8 @@ def wsgi_app(
 
 
 class MetricsServer:
-    """Serves a registry on `host:port` from a daemon thread until `stop()`."""
+    """Serves a registry on `host:port` from a daemon thread until `stop()`, to requests whose
+    Host header names this machine or one of `allowed_hosts`."""
 
     def __init__(
         self,
@@ -103,9 +110,10 @@ class MetricsServer:
         lock: threading.Lock,
         host: str,
         port: int,
+        allowed_hosts: Iterable[str] = (),
     ):
         server_class = _Server6 if ":" in host else _Server
-        app = wsgi_app(registry, health, lock)
+        app = wsgi_app(registry, health, lock, HostCheck.for_bind(host, allowed_hosts))
         try:
             self._server = make_server(host, port, app, server_class, _QuietHandler)
         except OSError as e:

@@ -91,7 +91,11 @@ def sinks_for(
         ]
     m = cfg.monitor
     if m.metrics_port is not None and facts is not None and main:
-        sinks.append(PrometheusSink(m.metrics_host, m.metrics_port, facts, files.ckpt_dir, log))
+        sinks.append(
+            PrometheusSink(
+                m.metrics_host, m.metrics_port, facts, files.ckpt_dir, log, m.metrics_allowed_hosts
+            )
+        )
     name = cfg.run.name if cfg.run.name != AUTO_RUN_NAME else files.run_dir.name  # run.dir set
     sinks.extend(optional_sinks(m, RunInfo(files.run_dir, name, to_dict(cfg))) if main else [])
     return Sinks(sinks)

@@ -5,6 +5,10 @@ under the runs folder or one level deeper (`runs/<group>/<run>`). Nothing outsid
 folder is ever read: a run is found only by listing the folder, never by joining a requested
 name to a path, and a run directory or run file whose real path (symbolic links resolved)
 leaves the folder is skipped. Hidden entries (a leading dot) are never runs.
+
+Whatever is wrong with one run (a config that does not parse or expands past its bound, files
+in shapes nothing expected) shows in that run's row as the status "error" with the reason, and
+is logged once when it appears, changes or clears; every other run is listed as before.
 """
 
 from __future__ import annotations
@@ -12,13 +16,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from leantune.monitor.dashboard.series import JsonlCache, finite_json
+from leantune.monitor.dashboard.parsed import Parsed, ParsedFiles, parse_config, parse_json
+from leantune.monitor.dashboard.series import JsonlCache
 from leantune.monitor.dashboard.status import run_status
 from leantune.training.events import EVENTS_FILE, PAUSED_MARKER
 
@@ -29,13 +34,10 @@ METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
 SUMMARY_FILE = "summary.json"
 MARKS = (RUN_FILE, CONFIG_FILE, METRICS_FILE)
-MAX_TEXT = 1 << 20
-"""Largest config.yaml/summary.json read (a run writes a few kB)."""
 PLAN_FILE = "memory_plan.json"
 """The planner's prediction, written by `train` at set-up
 (`training.run_monitoring.MEMORY_PLAN_FILE`)."""
-"""The metrics-row field that holds the memory planner's predicted peak, when a run records
-it; the memory chart draws it as a line."""
+Log = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -49,9 +51,14 @@ class Run:
 class RunsFolder:
     """The runs folder being served, and the cached reads of its runs' files."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, log: Log):
         self.root = root.resolve()
+        self.log = log
+        """Where a run's problems go, one line when one appears, changes or clears."""
         self.cache = JsonlCache()
+        self.files = ParsedFiles()
+        self._problems: dict[str, str] = {}
+        self._problems_lock = threading.Lock()
 
     # --- finding runs ----------------------------------------------------------------------
 
@@ -108,57 +115,79 @@ class RunsFolder:
         return [json.loads(x) for x in self.jsonl(run, EVENTS_FILE).lines]
 
     def overview(self, run: Run) -> dict[str, Any]:
-        """One row of the run list: name, method, model, steps, last loss, status."""
-        cfg = _config(self._text(run, CONFIG_FILE)) or {}
-        record = _json(self._text(run, RUN_FILE)) or {}
+        """One row of the run list: name, method, model, steps, last loss, status; the status
+        "error" with its reason when the run's files cannot be read as a run's."""
+        try:
+            row = self._overview(run)
+        except Exception as exc:  # one run's damage must never hide the others
+            row = _broken(run.name, f"cannot read this run: {type(exc).__name__}: {exc}")
+        self._note(run.name, row["reason"] if row["status"] == "error" else None)
+        return row
+
+    def _overview(self, run: Run) -> dict[str, Any]:
+        config = self._parsed(run, CONFIG_FILE, parse_config)
+        cfg = config.value or {}
+        record = self._parsed(run, RUN_FILE, parse_json).value
         metrics = self.jsonl(run, METRICS_FILE)
         last = json.loads(metrics.lines[-1]) if metrics.lines else {}
+        # The last step that is an integer (a damaged row's step reads as -1).
+        last_step = next((s for s in reversed(metrics.steps) if s >= 0), None)
         evals = self.jsonl(run, EVAL_FILE).lines
         last_eval = json.loads(evals[-1]) if evals else {}
-        summary = _json(self._text(run, SUMMARY_FILE))
-        status = run_status(run.path, self.events(run), last.get("step"), summary)
-        fingerprint = record.get("fingerprint", {}) if isinstance(record, dict) else {}
+        summary = self._parsed(run, SUMMARY_FILE, parse_json).value
+        summary = summary if isinstance(summary, dict) else None
+        status = run_status(run.path, self.events(run), last_step, summary)
+        fingerprint = record.get("fingerprint") if isinstance(record, dict) else None
+        fingerprint = fingerprint if isinstance(fingerprint, dict) else {}
+        state, reason = status.state, status.reason
+        if config.error is not None:
+            state, reason = "error", config.error
         return {
             "name": run.name,
             "method": _get(cfg, "method", "name") or fingerprint.get("method.name"),
             "model": _model_name(_get(cfg, "model", "path")),
-            "steps_done": last.get("step", 0),
+            "steps_done": last_step or 0,
             "max_steps": _get(cfg, "train", "max_steps"),
             "last_loss": last.get("loss"),
             "last_eval_loss": last_eval.get("eval_loss"),
             "tokens_per_s": last.get("tokens_per_s"),
-            "status": status.state,
-            "reason": status.reason,
+            "status": state,
+            "reason": reason,
             "pid": status.pid,
             "updated": self._updated(run),
         }
 
     def detail(self, run: Run) -> dict[str, Any]:
         """Everything of `run` but its series: the overview, config, summary, checkpoints."""
-        config_text = self._text(run, CONFIG_FILE)
-        plan = _json(self._text(run, PLAN_FILE)) or {}
+        config = self._parsed(run, CONFIG_FILE, parse_config)
+        plan = self._parsed(run, PLAN_FILE, parse_json).value
         value = plan.get("peak_bytes") if isinstance(plan, dict) else None
         planned = value if isinstance(value, int | float) else None
         return {
             **self.overview(run),
-            "config": _config(config_text),
-            "config_text": config_text,
-            "summary": _json(self._text(run, SUMMARY_FILE)),
-            "paused": _json(self._text(run, PAUSED_MARKER)),
+            "config": config.value,
+            "config_text": config.text,
+            "config_error": config.error,
+            "summary": self._parsed(run, SUMMARY_FILE, parse_json).value,
+            "paused": self._parsed(run, PAUSED_MARKER, parse_json).value,
             "checkpoints": self._checkpoints(run),
             "has_final": self._is_dir(run, "final"),
             "planned_peak_bytes": planned,
         }
 
-    def _text(self, run: Run, name: str) -> str | None:
-        path = self.file(run, name)
-        if path is None:
-            return None
-        try:
-            with path.open("r", encoding="utf-8", errors="replace") as f:
-                return f.read(MAX_TEXT)
-        except OSError:
-            return None
+    def _parsed(self, run: Run, name: str, parse: Callable[[str, str], Any]) -> Parsed:
+        return self.files.read(self.file(run, name), parse)
+
+    def _note(self, name: str, problem: str | None) -> None:
+        """Log a run's problem when it appears or changes, and when it clears: not per poll."""
+        with self._problems_lock:
+            if self._problems.get(name) == problem:
+                return
+            if problem is None:
+                del self._problems[name]
+            else:
+                self._problems[name] = problem
+        self.log(f"dashboard: run {name}: {problem or 'readable again'}")
 
     def _is_dir(self, run: Run, name: str) -> bool:
         path = run.path / name
@@ -190,23 +219,13 @@ def _is_run(path: Path) -> bool:
     return any((path / mark).is_file() for mark in MARKS)
 
 
-def _json(text: str | None) -> Any:
-    if text is None:
-        return None
-    try:
-        return finite_json(json.loads(text))
-    except (ValueError, RecursionError):
-        return None
-
-
-def _config(text: str | None) -> dict[str, Any] | None:
-    if text is None:
-        return None
-    try:
-        cfg = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return None
-    return finite_json(cfg) if isinstance(cfg, dict) else None
+def _broken(name: str, reason: str) -> dict[str, Any]:
+    """The row of a run whose files could not be read."""
+    row: dict[str, Any] = dict.fromkeys(
+        ("method", "model", "max_steps", "last_loss", "last_eval_loss", "tokens_per_s", "pid",
+         "updated")
+    )  # fmt: skip
+    return {**row, "name": name, "steps_done": 0, "status": "error", "reason": reason}
 
 
 def _get(cfg: dict[str, Any], section: str, key: str) -> Any:

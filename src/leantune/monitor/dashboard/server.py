@@ -14,17 +14,21 @@ that row is no longer in the file (a resume or rollback rewrote it), the answer 
 and `"reset": true`. Only GET and HEAD are served (anything else: 405). Nothing outside the
 runs folder is served: the static files are read from the package at start and looked up by
 exact name, and a run is looked up among the runs `RunsFolder` lists, never joined to a path.
-Bound to a loopback address, requests must name it in their Host header, so that a web page
-whose domain was re-pointed to 127.0.0.1 (DNS rebinding) cannot read the runs.
+Requests must name this machine in their Host header (`monitor.hosts`: on a loopback bind a
+loopback name; beyond it also an address, the host name or an `--allow-host` name), so that a
+web page whose domain was re-pointed at this machine (DNS rebinding) cannot read the runs.
+One run's damaged files show in its own row (`RunsFolder.overview`); a request that fails in
+another way is a 500 with one log line per distinct error, never a traceback per poll.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import socket
+import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
@@ -32,9 +36,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from leantune.monitor.dashboard.runs import EVAL_FILE, METRICS_FILE, RunsFolder
+from leantune.monitor.dashboard.runs import EVAL_FILE, METRICS_FILE, Log, RunsFolder
 from leantune.monitor.dashboard.series import line_sig
-from leantune.training.signals import Interrupted, StopSignals
+from leantune.monitor.hosts import REFUSED, HostCheck
+from leantune.training.signals import StopSignals
 
 CONTENT_TYPES = {
     ".html": "text/html; charset=utf-8",
@@ -70,30 +75,28 @@ def load_static() -> dict[str, tuple[bytes, str]]:
     return out
 
 
-def allowed_hosts(host: str, port: int) -> set[str] | None:
-    """The Host headers a loopback-bound server accepts; None (any) for another address."""
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
-        return None
-    names = {"localhost", "127.0.0.1", "[::1]", f"[{host}]" if ":" in host else host}
-    return names | {f"{n}:{port}" for n in names}
-
-
 class DashboardServer(ThreadingHTTPServer):
     """The HTTP server: one thread per request, the runs folder and the static files."""
 
     daemon_threads = True
 
-    def __init__(self, folder: RunsFolder, host: str, port: int):
+    def __init__(self, folder: RunsFolder, host: str, port: int, allow_hosts: Iterable[str] = ()):
         if ":" in host:
             self.address_family = socket.AF_INET6
         self.folder = folder
         self.static = load_static()
+        self.hosts = HostCheck.for_bind(host, allow_hosts)
+        self._errors: set[str] = set()
+        self._errors_lock = threading.Lock()
         super().__init__((host, port), DashboardHandler)
-        self.hosts = allowed_hosts(host, int(self.server_address[1]))
+
+    def log_once(self, message: str) -> None:
+        """Log `message` the first time it occurs: a page polls every two seconds."""
+        with self._errors_lock:
+            if message in self._errors or len(self._errors) >= 1000:
+                return
+            self._errors.add(message)
+        self.folder.log(message)
 
     @property
     def url(self) -> str:
@@ -126,8 +129,8 @@ class DashboardHandler(BaseHTTPRequestHandler):
         pass  # a poll every two seconds per open page would flood the terminal
 
     def _answer(self, with_body: bool) -> None:
-        if self.server.hosts is not None and self.headers.get("Host") not in self.server.hosts:
-            self._send(HTTPStatus.FORBIDDEN, b"unexpected Host header\n", "text/plain", with_body)
+        if not self.server.hosts.allows(self.headers.get("Host")):
+            self._send(HTTPStatus.FORBIDDEN, REFUSED, "text/plain", with_body)
             return
         try:
             found = self._route()
@@ -137,6 +140,12 @@ class DashboardHandler(BaseHTTPRequestHandler):
         except OSError:  # a run directory moved or removed while it was read: the next poll
             body = b"the run directory changed while it was read; try again\n"
             self._send(HTTPStatus.SERVICE_UNAVAILABLE, body, "text/plain", with_body)
+            return
+        except Exception as exc:  # a run's files in a shape nothing expected: that request only
+            message = f"dashboard: {self.path.split('?')[0]}: {type(exc).__name__}: {exc}"
+            self.server.log_once(message[:500])
+            body = f"{message}\n".encode()
+            self._send(HTTPStatus.INTERNAL_SERVER_ERROR, body, "text/plain", with_body)
             return
         if found is None:
             self._send(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain", with_body)
@@ -241,29 +250,47 @@ def _int_param(query: dict[str, list[str]], key: str) -> int | None:
         raise BadRequest(f"{key} must be an integer") from None
 
 
-def make_server(root: Path, host: str = "127.0.0.1", port: int = 0) -> DashboardServer:
+def make_server(
+    root: Path,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    allow_hosts: Iterable[str] = (),
+    log: Log | None = None,
+) -> DashboardServer:
     """A dashboard server for the runs under `root`, bound but not yet serving.
+
+    Args:
+        root: The runs folder.
+        host: The address to bind.
+        port: The port (0: any free one).
+        allow_hosts: Host names requests may name besides this machine's own (`monitor.hosts`).
+        log: Where problems found in runs go, one line each (default: stderr).
 
     Raises:
         OSError: the address cannot be bound (the port is in use, the host is not local).
     """
-    return DashboardServer(RunsFolder(root), host, port)
+    return DashboardServer(RunsFolder(root, log or _stderr), host, port, allow_hosts)
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def serve(server: DashboardServer, log: Callable[[str], None] = print) -> None:
-    """Serve until Ctrl-C (SIGINT) or SIGTERM, then close the socket and return.
+    """Serve until Ctrl-C (SIGINT) or SIGTERM, then close the socket and re-raise.
 
     Both signals get `train`'s handler (`StopSignals`) while it serves, whatever the process
     inherited: a dashboard started by `nohup` or a script's `&` starts with SIGINT ignored, and
     `docker stop` or systemd send SIGTERM. Off the main thread (a test's server) signals are left
     as they are.
+
+    Raises:
+        Interrupted: SIGINT or SIGTERM arrived; the command exits 130 / 143 (`exit_code`).
     """
     try:
         with StopSignals():
             # Said only once the handlers are in: whoever waits for this line may signal at once.
             log(f"dashboard: {server.url} (runs in {server.folder.root}); Ctrl-C stops it")
             server.serve_forever(poll_interval=0.5)
-    except (KeyboardInterrupt, Interrupted):
-        pass
     finally:
         server.server_close()

@@ -139,6 +139,8 @@ def _last_ending(events: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The last event that ended the process, unless a `resume` event follows it."""
     for event in reversed(events):
         kind = event.get("kind")
+        if not isinstance(kind, str):  # a damaged row (events.jsonl is not the user's file)
+            continue
         if kind == "resume":
             return None
         if kind in ENDING_KINDS and not (kind == "oom" and "micro_batch_size" in event):
