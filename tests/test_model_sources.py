@@ -189,7 +189,7 @@ def test_a_cached_hub_id_loads_from_the_cache_without_the_network(
 def test_downloads_are_opt_in(
     hub_cache: Path, tiny_qwen2_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
     seen: list[bool] = []
 
@@ -198,6 +198,8 @@ def test_downloads_are_opt_in(
         raise OSError("stop here")
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", record)
+    # A local safetensors folder is read by the model's own class (models/weight_files.py).
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", record)
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", record)
     for value, allowed in [(None, False), ("1", False), ("", False), ("0", True), ("false", True)]:
         if value is None:

@@ -134,6 +134,7 @@ def _check_out(out: Path, source: str) -> None:
     """Refuse an --out that is a file, a link, overlaps the source, or holds something else."""
     if out.is_file() and not out.is_symlink():
         raise ExportError(f"--out {out}: is a file; give a directory (new, empty or an export)")
+    _check_creatable(out)  # names the flag, before check_target's own words for the same case
     check_target(out, folder=True)  # it is replaced whole: never through a link
     src = Path(source).expanduser()
     if src.is_dir():

@@ -300,6 +300,7 @@ def _load_model(
     device: torch.device | str,
 ) -> PreTrainedModel:
     kwargs: dict[str, Any] = {
+        "local_files_only": not downloads_allowed(),
         "dtype": DTYPES[dtype],
         "trust_remote_code": trust_remote_code,
         "attn_implementation": transformers_name(attn_implementation),
@@ -317,7 +318,6 @@ def _load_model(
         model = AutoModelForCausalLM.from_pretrained(
             source.location,
             gguf_file=source.gguf_file,
-            local_files_only=not downloads_allowed(),
             **kwargs,
         )
     check_supported(model, attn_implementation)

@@ -58,9 +58,10 @@ class OutOfMemoryAtMinimum(TrainingHalted):
 
 
 class EventLog:
-    """Appends events to ``events.jsonl`` and echoes them to the console."""
+    """Appends events to ``events.jsonl`` and echoes them to the console (`path` None: echoes
+    only, as on the ranks of a distributed run other than the main one, which owns the file)."""
 
-    def __init__(self, path: Path, log: Callable[[str], None]):
+    def __init__(self, path: Path | None, log: Callable[[str], None]):
         self.path = path
         self.log = log
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
@@ -78,7 +79,8 @@ class EventLog:
         """
         event = {"time": round(time.time(), 3), "step": step, "kind": kind, "message": message}
         event.update(fields)
-        append_text(self.path, json.dumps(event) + "\n")
+        if self.path is not None:
+            append_text(self.path, json.dumps(event) + "\n")
         self.log(f"[{kind}] step {step}: {message}")
         for listener in self.listeners:
             listener(event)

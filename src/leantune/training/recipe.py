@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -297,7 +296,7 @@ def set_up(
     for note in notes:
         log(note)  # once the run directory's run is known to be this one
     files = _run_files(cfg, inputs, main)
-    events = EventLog(files.run_dir / EVENTS_FILE if main else Path(os.devnull), log)
+    events = EventLog(files.run_dir / EVENTS_FILE if main else None, log)
     faults = FaultHooks()
     seed_everything(cfg.train.seed)
     # Tokenizer -> data: the data resolves the lengths, the steps and the micro-batch.
