@@ -47,6 +47,7 @@ from leantune.models.paths import (
     is_adapter_dir,
     is_bottleneck_adapter_dir,
     model_of_run,
+    refuse_pickled_weights,
 )
 from leantune.models.paths import check_model_path as check_model_path  # where export finds it
 from leantune.models.quantize import Quantization
@@ -210,6 +211,7 @@ def _load_for_inference(
         if is_bottleneck_adapter_dir(p):
             adapted = load_adapter(model, p)  # type: ignore[assignment]
         else:
+            refuse_pickled_weights(p)  # peft would load adapter_model.bin
             with quiet_peft():
                 adapted = with_virtual_tokens(PeftModel.from_pretrained(model, p))
         adapted.eval()

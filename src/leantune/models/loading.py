@@ -45,6 +45,7 @@ from leantune.models.paths import (
     hub_snapshot,
     looks_like_hub_id,
     missing_path_message,
+    refuse_pickled_weights,
 )
 from leantune.models.quantize import Quantization, bnb_config, keep_training_layout
 from leantune.models.rope import apply_rope_scaling
@@ -298,6 +299,11 @@ def _load_model(
 ) -> PreTrainedModel:
     local_only = not downloads_allowed()
     kwargs: dict[str, Any] = {}
+    if source.gguf_file is None:  # never a pickle: refused by name, and never loaded at all
+        local = _local_dir(source)
+        if local is not None:
+            refuse_pickled_weights(local)
+        kwargs["use_safetensors"] = True
     if rope_scaling is not None:
         apply_rope_scaling(config, rope_scaling)
         kwargs["config"] = config
