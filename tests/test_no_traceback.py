@@ -248,7 +248,7 @@ def test_report_on_a_damaged_config_names_it(
 def test_report_leaves_out_metrics_rows_of_the_wrong_types(run_dir: Path, tmp_path: Path) -> None:
     run = shutil.copytree(run_dir, tmp_path / "run")
     with (run / "metrics.jsonl").open("a") as f:
-        f.write('{"step": 2, "loss": [1]}\n{"step": true}\n{"step": "x", "loss": 1}\n')
+        f.write('{"step": 1, "loss": [1]}\n{"step": true}\n{"step": "x", "loss": 1}\n')
     done = run_cli(["report", str(run)])
     assert done.code == 0, done
     assert "1 of 1" in (run / "report.html").read_text()  # the last good step, of max_steps

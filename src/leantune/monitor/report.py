@@ -17,12 +17,19 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from leantune.errors import UserError
 from leantune.monitor.report_data import RunData, read_run, status
 
 if TYPE_CHECKING:
     from leantune.monitor.report_plots import Plot
 
 REPORT_FILE = "report.html"
+
+
+class ReportNotWritten(UserError):
+    """The report cannot be written where it goes (a read-only run, a full disk)."""
+
+
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 64em; color: #222; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.2em; border-bottom: 1px solid #ccc; }
@@ -43,6 +50,8 @@ def write_report(
 
     Raises:
         NotARun: `run_dir` is not a leantune run directory (exit 2).
+        DamagedRun: its config.yaml is damaged (exit 2).
+        ReportNotWritten: the report cannot be written where it goes (exit 2).
     """
     from leantune.monitor.report_plots import plots  # matplotlib: only when a report is made
 
@@ -50,8 +59,14 @@ def write_report(
     text = render(data, plots(data), generated or dt.datetime.now(dt.UTC))
     path = out if out is not None else run_dir / REPORT_FILE
     tmp = path.with_name(f".{REPORT_FILE}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except OSError as e:  # a read-only copy of a run, a full disk, a folder that is gone
+        tmp.unlink(missing_ok=True)
+        raise ReportNotWritten(
+            f"{path}: cannot be written ({e.strerror or e}); give --out FILE in a writable folder"
+        ) from None
     return path
 
 

@@ -34,6 +34,16 @@ class NotARun(UserError):
     """The directory is not a leantune run directory."""
 
 
+class DamagedRun(UserError):
+    """A run file the report needs is damaged (its config)."""
+
+
+_RESTORE = (
+    "the run's config.yaml is damaged: restore it (`leantune train` wrote it from the config and "
+    "overrides it was given) or remove it to report without the settings"
+)
+
+
 @dataclass
 class DataReport:
     """One data file's preparation: its prepare_report.json and first rejected lines."""
@@ -87,12 +97,12 @@ def read_run(run_dir: Path) -> RunData:
     data = RunData(run_dir)
     config_file = run_dir / "config.yaml"
     if config_file.is_file():
-        data.config_text = config_file.read_text(encoding="utf-8")
-        loaded = yaml.safe_load(data.config_text)
-        data.config = loaded if isinstance(loaded, dict) else {}
+        data.config_text, data.config = _config(config_file)
     data.record = _json(run_dir / RUN_FILE) or {}
     data.summary = _json(run_dir / "summary.json")
-    data.metrics = _jsonl(run_dir / "metrics.jsonl")
+    # A row is a step only with an integer step (a hand-edited or foreign row is left out).
+    metrics = _jsonl(run_dir / "metrics.jsonl")
+    data.metrics = [m for m in metrics if type(m.get("step")) is int]
     data.evals = _jsonl(run_dir / "eval.jsonl")
     data.events = _jsonl(run_dir / EVENTS_FILE)
     data.paused = _json(run_dir / PAUSED_MARKER) if (run_dir / PAUSED_MARKER).exists() else None
@@ -129,6 +139,27 @@ def status(data: RunData) -> str:
         if kind == "oom" and "Checkpoint" in str(last.get("message")):
             return f"out of memory at step {last.get('step')} (micro-batch 1)"
     return "in progress, or ended without a summary"
+
+
+def _config(path: Path) -> tuple[str, dict[str, Any]]:
+    """The run's resolved config (text, mapping).
+
+    Raises:
+        DamagedRun: it cannot be read, or is not a YAML mapping of sections.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+        loaded = yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as e:  # unreadable, not UTF-8, not YAML
+        raise DamagedRun(f"{path}: {_RESTORE} ({' '.join(str(e).split())})") from None
+    if not isinstance(loaded, dict) or not all(isinstance(v, dict) for v in loaded.values()):
+        raise DamagedRun(f"{path}: not a mapping of config sections; {_RESTORE}")
+    for key in ("data.train", "data.eval", "data.cache_dir"):
+        section, name = key.split(".")
+        value = loaded.get(section, {}).get(name)
+        if value is not None and not isinstance(value, str):
+            raise DamagedRun(f"{path}: {key} is {value!r}, not a path; {_RESTORE}")
+    return text, loaded
 
 
 def _json(path: Path) -> dict[str, Any] | None:
