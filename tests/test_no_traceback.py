@@ -152,10 +152,9 @@ def test_export_with_data_the_template_refuses_names_the_file_line_and_role(
         [{"messages": [{"role": r, "content": c} for r, c in turns]}],
     )
     out = tmp_path / "out"
-    done = run_cli(["export", str(gemma2_dir), "--format", "hf", "--out", str(out)] + [
-        "--data",
-        str(data),
-    ])
+    done = run_cli(
+        ["export", str(gemma2_dir), "--format", "hf", "--out", str(out), "--data", str(data)]
+    )
     assert done.code == 2
     assert f"{data}:1" in done.err and "message 2 (user)" in done.err
     assert "roles must alternate" in done.err and str(gemma2_dir) in done.err
@@ -235,9 +234,7 @@ def test_a_pickled_model_is_refused_with_how_to_convert_it(
     [b"a: [\n", b"\xff\xfe\x00binary", b"data: {train: [1], cache_dir: 5}\n"],
     ids=["bad-yaml", "binary", "wrong-types"],
 )
-def test_report_on_a_damaged_config_names_it(
-    run_dir: Path, tmp_path: Path, content: bytes
-) -> None:
+def test_report_on_a_damaged_config_names_it(run_dir: Path, tmp_path: Path, content: bytes) -> None:
     run = shutil.copytree(run_dir, tmp_path / "run")
     (run / "config.yaml").write_bytes(content)
     done = run_cli(["report", str(run)])
@@ -286,8 +283,10 @@ def test_lm_eval_offline_says_it_needs_the_network_or_the_datasets_cached(
         "doc_to_target: 0\n"
     )
     done = run_cli(
-        ["eval", "--model", str(tiny_qwen2_dir), "--lm-eval", "leantune_hub_task"]
-        + ["--lm-eval-include", str(tasks), "--lm-eval-limit", "1"]
+        [
+            *("eval", "--model", str(tiny_qwen2_dir), "--lm-eval", "leantune_hub_task"),
+            *("--lm-eval-include", str(tasks), "--lm-eval-limit", "1"),
+        ]
     )
     assert done.code == 2, done
     assert "leantune_hub_task" in done.err and "network" in done.err
