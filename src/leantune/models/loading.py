@@ -70,8 +70,9 @@ class ModelNotFoundError(FileNotFoundError, UserError):
 
 
 # What the loaders raise for files that are missing, unreadable or not what they claim (a broken
-# config.json is an OSError, an empty directory a ValueError, a truncated GGUF a struct.error).
-LOAD_ERRORS = (OSError, ValueError, struct.error, SafetensorError)
+# config.json is an OSError, an empty directory a ValueError, a truncated GGUF a struct.error, a
+# config.json nested thousands deep a RecursionError from json).
+LOAD_ERRORS = (OSError, ValueError, struct.error, SafetensorError, RecursionError)
 
 
 @contextmanager

@@ -150,7 +150,7 @@ def _config(path: Path) -> tuple[str, dict[str, Any]]:
     try:
         text = path.read_text(encoding="utf-8")
         loaded = yaml.safe_load(text)
-    except (OSError, ValueError, yaml.YAMLError) as e:  # unreadable, not UTF-8, not YAML
+    except (OSError, ValueError, yaml.YAMLError, RecursionError) as e:  # not UTF-8, not YAML
         raise DamagedRun(f"{path}: {_RESTORE} ({' '.join(str(e).split())})") from None
     if not isinstance(loaded, dict) or not all(isinstance(v, dict) for v in loaded.values()):
         raise DamagedRun(f"{path}: not a mapping of config sections; {_RESTORE}")
@@ -165,7 +165,7 @@ def _config(path: Path) -> tuple[str, dict[str, Any]]:
 def _json(path: Path) -> dict[str, Any] | None:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested thousands deep
         return None
     return value if isinstance(value, dict) else None
 
@@ -173,14 +173,15 @@ def _json(path: Path) -> dict[str, Any] | None:
 def _jsonl(path: Path) -> list[dict[str, Any]]:
     """The objects of a JSONL file; a torn last line (a kill mid-write) is left out."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # Bytes that are not UTF-8 spoil their own line only (it no longer parses as JSON).
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
         return []
     rows = []
     for line in lines:
         try:
             row = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(row, dict):
             rows.append(row)
