@@ -85,8 +85,9 @@ def content(kind: str, valid: bytes) -> bytes | str | None:
     }[kind]
 
 
-FILE = st.sampled_from(KINDS)
-"""The kind of one input file (its valid content is `VALID[slot]`)."""
+FILE = st.one_of(st.just("valid"), st.sampled_from(KINDS[1:]))
+"""The kind of one input file (its valid content is `VALID[slot]`): valid half the time, so that
+the other inputs are reached too."""
 
 
 MODEL_PARTS = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -395,7 +396,7 @@ def _settings(examples: int) -> settings:
     )
 
 
-QUICK = {"train": 3, "export": 3, "bench methods": 2, "inspect": 4, "validate": 5}
+QUICK = {"train": 3, "export": 3, "bench methods": 2, "inspect": 4, "validate": 5, "report": 4}
 """Examples per command in the default suite (6 for the others); `-m slow` runs 60 of each."""
 
 
