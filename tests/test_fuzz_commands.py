@@ -33,11 +33,12 @@ CHATML = (
     b"{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 CONFIG = (
-    "model: {{path: '{model}'}}\n"
-    "data: {{train: '{data}', eval: null, format: chat, max_seq_len: 64, pack: false}}\n"
-    "train: {{max_steps: 1, micro_batch_size: 2, eval_exact_match: false}}\n"
-    "run: {{dir: '{run}', progress: false}}\n"
+    "model: {path: '{model}'}\n"
+    "data: {train: '{data}', eval: null, format: chat, max_seq_len: 64, pack: false}\n"
+    "train: {max_steps: 1, micro_batch_size: 2, eval_exact_match: false}\n"
+    "run: {dir: '{run}', progress: false}\n"
 )
+"""A valid config of the tiny model (its `{placeholders}` are filled in by `materialise`)."""
 RUN_FILES = {
     "leantune_run.json": b'{"fingerprint": {"train.global_batch": 2}}',
     "config.yaml": b"model: {path: m}\ndata: {train: d.jsonl}\ntrain: {max_steps: 2}\n",
@@ -343,8 +344,9 @@ COMMANDS: dict[str, Callable[[], st.SearchStrategy[Case]]] = {
     "bench methods": lambda: case(
         args(
             st.just(["bench", "methods", "{config}", "--out", "{out}"]),
-            flag("--methods", ("nope", "", "lora,lora", ",", "prompt")),
-            flag("--steps", ("0", "-1", "x")),
+            # Each method trains: one at a time, one step (every method is bench's own tests').
+            st.sampled_from([["--methods", m] for m in ("lora", "ia3", "nope", "", ",", "lora,x")]),
+            st.sampled_from([["--steps", s] for s in ("1", "0", "-1", "x")]),
             flag("--lr", ("lora=x", "x", "lora=-1", "=")),
             flag("--grid", ("ia3=x", "x:y")),
         ),
@@ -366,6 +368,7 @@ COMMANDS: dict[str, Callable[[], st.SearchStrategy[Case]]] = {
 
 
 REPORT = ["report", "{tmp}/run"]
+MODEL_BOM = ModelKind("config.json", "bom_crlf")
 FOUND: dict[str, list[Case]] = {
     "train": [
         Case(_TRAIN, {"data": "valid", "template": "valid"}, ModelKind("config.json", "deep"))
@@ -377,10 +380,15 @@ FOUND: dict[str, list[Case]] = {
         Case(REPORT, {**dict.fromkeys(RUN_FILES, "valid"), "metrics.jsonl": "binary"}),
     ],
     "bench throughput": [
+        Case(["bench", "throughput", "--model", "{model}", "--conversations", "-1"])
+    ],
+    "bench methods": [
         Case(
-            ["bench", "throughput", "--out", "{out}", "--model", "{model}", "--conversations", "-1"]
+            ["bench", "methods", "{config}", "--out", "{out}", "--methods", "lora,lora"],
+            {"config": "valid", "data": "empty"},
         )
     ],
+    "plan": [Case(["plan", "{config}"], {"config": "valid", "data": "valid"}, MODEL_BOM)],
 }
 """Examples the fuzzing found (tracebacks before issue 32): run first, in every variant."""
 
@@ -400,22 +408,39 @@ QUICK = {"train": 3, "export": 3, "bench methods": 2, "inspect": 4, "validate": 
 """Examples per command in the default suite (6 for the others); `-m slow` runs 60 of each."""
 
 
+def _move_run_files(command: str, where: Path) -> None:
+    """For `report`: the run's own files (each fuzzed) into the run directory."""
+    if command != "report":
+        return
+    for name in RUN_FILES:
+        moved = where / f"{name}.{_suffix(name)}"
+        if moved.exists():
+            moved.rename(where / "run" / name)
+
+
+def _train_in_process(cmd: list[str], log_file: Path) -> tuple[int, str | None]:
+    """`bench.methods.run_logged` without the subprocess (4 s of imports per method): the
+    fuzzing is of bench's own inputs; train's are fuzzed on their own."""
+    done = run_cli(cmd[cmd.index("train") :])
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    log_file.write_text(done.out + done.err)
+    lines = [x for x in done.err.splitlines() if x.strip()]
+    return done.code, None if done.code == 0 else (lines[-1] if lines else str(done.code))
+
+
 def _fuzz(command: str, examples: int, tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The dashboard serves until Ctrl-C: what is fuzzed is everything before it serves.
     monkeypatch.setattr(
         "leantune.monitor.dashboard.server.serve", lambda server: server.server_close()
     )
+    monkeypatch.setattr("leantune.bench.methods.run_logged", _train_in_process)
 
     def one(c: Case) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             where = Path(tmp)
             (where / "run").mkdir()
             argv = materialise(c, tiny, where)
-            if command == "report":  # the run's own files, each fuzzed
-                for name in RUN_FILES:
-                    moved = where / f"{name}.{_suffix(name)}"
-                    if moved.exists():
-                        moved.rename(where / "run" / name)
+            _move_run_files(command, where)
             with monkeypatch.context() as m:
                 m.setattr("sys.stdin", io.StringIO(c.stdin or ""))
                 done = run_cli(argv)  # fails on an escaping exception or a traceback
@@ -436,6 +461,61 @@ def test_every_command_is_fuzzed() -> None:
     bench_sub = next(a for a in bench._actions if a.dest and a.choices)
     names |= {f"bench {n}" for n in bench_sub.choices}  # type: ignore[union-attr]
     assert names == set(COMMANDS)
+
+
+def _valid(argv: list[str], *slots: str) -> Case:
+    return Case(argv, dict.fromkeys(slots, "valid"))
+
+
+BASELINE: dict[str, Case] = {
+    "train": _valid(_TRAIN, "data"),
+    "validate": _valid(["validate", "{config}"], "config", "data"),
+    "prepare": _valid(
+        ["prepare", "--data", "{data}", "--model", "{model}", "--out", "{out}", "--format", "chat"],
+        "data",
+    ),
+    "plan": _valid(["plan", "{config}"], "config", "data"),
+    "inspect": _valid(["inspect", "{config}"], "config", "data"),
+    "eval": _valid(
+        ["eval", "--model", "{model}", "--data", "{data}", "--max-new-tokens", "2"], "data"
+    ),
+    "generate": _valid(
+        ["generate", "--model", "{model}", "--prompt", "hi", "--max-new-tokens", "2"]
+    ),
+    "export": _valid(["export", "{model}", "--out", "{out}", "--format", "hf"]),
+    "report": _valid(REPORT, *RUN_FILES),
+    "dashboard": _valid(["dashboard", "{tmp}", "--port", "0"]),
+    "bench methods": _valid(
+        ["bench", "methods", "{config}", "--out", "{out}", "--methods", "lora", "--steps", "1"],
+        "config",
+        "data",
+    ),
+}
+"""One call per command with every input valid: it succeeds, so the fuzzing reaches the
+command itself (bench methods, 8 s, only with -m slow; bench throughput, which trains HF Trainer
+as well, not here)."""
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        pytest.param(c, marks=[pytest.mark.slow] if c == "bench methods" else [])
+        for c in sorted(BASELINE)
+    ],
+)
+def test_the_fuzzed_command_succeeds_on_valid_inputs(
+    command: str, tiny_qwen2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        "leantune.monitor.dashboard.server.serve", lambda server: server.server_close()
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        where = Path(tmp)
+        (where / "run").mkdir()
+        argv = materialise(BASELINE[command], tiny_qwen2_dir, where)
+        _move_run_files(command, where)
+        done = run_cli(argv)
+        assert done.code == 0, (argv, done)
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
