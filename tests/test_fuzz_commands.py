@@ -404,7 +404,7 @@ def _settings(examples: int) -> settings:
     )
 
 
-QUICK = {"train": 3, "export": 3, "bench methods": 2, "inspect": 4, "validate": 5, "report": 4}
+QUICK = {"train": 3, "export": 3, "bench methods": 1, "inspect": 4, "validate": 5, "report": 4}
 """Examples per command in the default suite (6 for the others); `-m slow` runs 60 of each."""
 
 
