@@ -105,16 +105,17 @@ def test_train_refuses_an_alias_bomb_naming_the_file(tmp_path: Path) -> None:
         load_config(config)
 
 
-def test_report_reads_a_run_whose_config_is_an_alias_bomb(tmp_path: Path) -> None:
+def test_report_refuses_a_run_whose_config_is_an_alias_bomb(tmp_path: Path) -> None:
     # `leantune report` read config.yaml with yaml.safe_load and str()-ed a setting: MemoryError.
+    # Now the bounded loader refuses it: a damaged config.yaml, named (exit 2), as any other.
     run = tmp_path / "run"
     run.mkdir()
     (run / "leantune_run.json").write_text("{}")
     (run / "config.yaml").write_text(BOMB + "train:\n  memory_budget: *i\n")
     write_jsonl(run / "metrics.jsonl", [{"step": 1, "loss": 2.0}])
     done = run_cli(["report", str(run)])
-    assert done.code == 0 and (run / "report.html").is_file(), done
-    assert "memory_budget: *i" in (run / "report.html").read_text()  # the text is still shown
+    assert done.code == 2 and not (run / "report.html").exists(), done
+    assert str(run / "config.yaml") in done.err and "alias" in done.err, done.err
 
 
 # --------------------------------------------------------------------------------------------

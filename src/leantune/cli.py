@@ -19,7 +19,8 @@ settings: the message lists them); 3 paused by the stability guard (a PAUSED mar
 dir; run the same command again to resume); 4 stopped by the guard (too many consecutive skipped
 steps or rollbacks; a checkpoint was saved); 5 out of memory even at micro-batch size 1 (the
 message names the next levers); 130 SIGINT, 143 SIGTERM, 129 SIGHUP (during training after a
-checkpoint of the last applied step: the same command resumes).
+checkpoint of the last applied step: the same command resumes). Every command: 70 an internal
+error (a bug: one line names the log file that holds the traceback; `leantune.crash`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from leantune.cli_inference import (
     add_export_parser,
     add_generate_parser,
 )
+from leantune.crash import report_internal_error
 
 
 class _CpuAcceleratorNotice(logging.Filter):
@@ -87,7 +89,7 @@ def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from leantune.config import describe_base, load_config
+    from leantune.config import AUTO_RUN_NAME, describe_base, load_config
     from leantune.methods.registry import METHODS
     from leantune.models import bnb_import
     from leantune.training.distributed.launch import exec_torchrun, rank_tag
@@ -98,6 +100,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:  # after the config's own overrides: the flag wins
         overrides.append(f"monitor.metrics_port={args.metrics_port}")
     cfg = load_config(config, overrides)  # validated before torchrun starts anything
+    # Where an internal error's log goes (`crash`); run.name=auto names it only at the start.
+    args.run_dir = cfg.run.dir or (None if cfg.run.name == AUTO_RUN_NAME else cfg.run_dir)
     if args.nproc is not None:
         port = [] if args.metrics_port is None else [f"--metrics-port={args.metrics_port}"]
         exec_torchrun(args.nproc, args.max_restarts, ["train", *args.args, *port])
@@ -118,10 +122,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     except Interrupted as e:
         print(f"{tag}{e}", file=sys.stderr)
         return e.exit_code
-    except Exception as e:  # a traceback follows; it says which rank raised it
-        if tag:
-            e.add_note(f"leantune: raised on {tag.rstrip(': ')}")
-        raise
     return 0
 
 
@@ -427,6 +427,12 @@ def main(argv: list[str] | None = None) -> int:
         # Python would report the pipe again when it flushes stdout at exit.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except Exception as e:  # leantune's bug: one labelled line, the traceback in a log file
+        from leantune.training.distributed.launch import rank_tag
+
+        run_dir = getattr(args, "run_dir", None)
+        where = Path(run_dir) if run_dir else None
+        return report_internal_error(e, sys.argv[1:] if argv is None else argv, where, rank_tag())
 
 
 if __name__ == "__main__":

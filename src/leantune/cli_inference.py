@@ -171,7 +171,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 continue
         if has_template and not args.raw:
             history.append({"role": "user", "content": prompt})
-            text = render_prompt(tokenizer, history)
+            text = render_prompt(tokenizer, history, args.chat_template)
         else:
             text = prompt
         (reply,) = generate_texts(model, tokenizer, [text], settings, batch_size=1, seed=args.seed)

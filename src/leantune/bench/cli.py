@@ -146,7 +146,9 @@ def cmd_bench(args: argparse.Namespace, split_args: SplitArgs) -> int:
     print((out / "methods.md").read_text())
     print(f"wrote {out / 'methods.md'}, {out / 'methods.json'}, {out / 'methods.png'}")
     print(json.dumps(payload))
-    return 0 if all(r.status == "ok" for r in results) else 1
+    # A method that failed: its run's exit code (2 when train refused its settings or data).
+    failed = [r.exit_code or 1 for r in results if r.status != "ok"]
+    return failed[0] if failed else 0
 
 
 def _sweep(

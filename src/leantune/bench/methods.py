@@ -48,6 +48,8 @@ class MethodResult:
     """The held-out loss reduction from the base model as a share of full fine-tuning's:
     (base - method) / (base - full)."""
     error: str | None = None
+    exit_code: int | None = None
+    """A failed run's `leantune train` exit code (2: refused, the user's to fix)."""
 
 
 def base_loss_command(
@@ -102,17 +104,17 @@ def train_command(
     return [*cmd, *run_overrides(method, lr, run_dir, overrides, base)]
 
 
-def run_logged(cmd: list[str], log_file: Path) -> str | None:
-    """Run one `leantune train` subprocess, its output into `log_file`; None when it succeeded,
-    else the reason (its last stderr line)."""
+def run_logged(cmd: list[str], log_file: Path) -> tuple[int, str | None]:
+    """Run one `leantune train` subprocess, its output into `log_file`; its exit code, and
+    None when it succeeded, else the reason (its last stderr line)."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     log_file.parent.mkdir(parents=True, exist_ok=True)
     log_file.write_text(proc.stdout + proc.stderr)
     if proc.returncode == 0:
-        return None
+        return 0, None
     lines = [x for x in proc.stderr.strip().splitlines() if x.strip()]
-    return lines[-1] if lines else f"exit code {proc.returncode}"
+    return proc.returncode, lines[-1] if lines else f"exit code {proc.returncode}"
 
 
 def read_run(method: str, lr: float, run_dir: Path) -> MethodResult:
@@ -169,10 +171,11 @@ def run_methods(
         cmd = train_command(config, method, lrs[method], run_dir, overrides, base=i == 0)
         log(f"[{i + 1}/{len(methods)}] {method} (lr {lrs[method]:g}) -> {run_dir}")
         t0 = time.perf_counter()
-        reason = run_logged(cmd, out_dir / f"{method}.log")
+        code, reason = run_logged(cmd, out_dir / f"{method}.log")
         if reason is not None:
             log(f"    failed: {reason}")
-            results.append(MethodResult(method, lrs[method], "failed", error=reason))
+            failed = MethodResult(method, lrs[method], "failed", error=reason, exit_code=code)
+            results.append(failed)
             continue
         row = read_run(method, lrs[method], run_dir)
         if i == 0:

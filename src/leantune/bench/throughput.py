@@ -34,6 +34,8 @@ from leantune.training.allocator import without_leantune_preload
 
 Log = Callable[[str], None]
 SYSTEMS = ("hf_trainer_peft", "leantune")
+METHODS = ("lora", "full")
+"""What both systems can train the same way."""
 
 
 def matmul_peak(dtype: str, threads: int, size: int = 1024, seconds: float = 1.0) -> float:
@@ -320,16 +322,14 @@ def _cpu_name() -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The benchmark's options (on `leantune bench throughput` and `benchmarks/vs_hf.py`)."""
     p.add_argument("--model", default="smollm2-135m-instruct", help="model both systems train")
-    p.add_argument("--conversations", type=int, default=128, help="training conversations")
-    p.add_argument("--heldout", type=int, default=32, help="held-out conversations (the judge)")
-    p.add_argument("--min-tokens", type=int, default=40, help="shortest conversation (target)")
-    p.add_argument("--max-tokens", type=int, default=1200, help="longest conversation (target)")
-    p.add_argument("--reps", type=int, default=3, help="repetitions, alternating who goes first")
-    p.add_argument(
-        "--methods", type=lambda s: s.split(","), default=["lora", "full"], help="lora,full"
-    )
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="intra-op threads")
-    p.add_argument("--max-seq-len", type=int, default=2048, help="longest example kept")
+    p.add_argument("--conversations", type=_count, default=128, help="training conversations")
+    p.add_argument("--heldout", type=_count, default=32, help="held-out conversations (the judge)")
+    p.add_argument("--min-tokens", type=_count, default=40, help="shortest conversation (target)")
+    p.add_argument("--max-tokens", type=_count, default=1200, help="longest conversation (target)")
+    p.add_argument("--reps", type=_count, default=3, help="repetitions, alternating who goes first")
+    p.add_argument("--methods", type=_methods, default=list(METHODS), help=",".join(METHODS))
+    p.add_argument("--threads", type=_count, default=os.cpu_count() or 1, help="intra-op threads")
+    p.add_argument("--max-seq-len", type=_count, default=2048, help="longest example kept")
     p.add_argument("--out", default="runs/bench-throughput", help="working folder")
     p.add_argument(
         "--precision",
@@ -348,8 +348,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _count(text: str) -> int:
+    """A whole number >= 1 (0 conversations or repetitions leave nothing to measure)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def _methods(text: str) -> list[str]:
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    if not names or not set(names) <= set(METHODS):
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(METHODS)}, got {text!r}")
+    return list(dict.fromkeys(names))
+
+
 def _micro_batch(text: str) -> int:
-    n = int(text)
+    n = _count(text)
     if n < 1 or HF_BATCH % n:
         raise argparse.ArgumentTypeError(f"must divide {HF_BATCH} (1, 2, 4 or 8), not {n}")
     return n

@@ -33,6 +33,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from leantune.data.errors import DataError
 from leantune.data.record_checks import UNWEIGHTED, Message
+from leantune.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +244,65 @@ def for_template(
     name = str(getattr(tokenizer, "name_or_path", ""))
     resolved = resolve_system_policy(template_facts(tokenizer), policy, name)
     return apply_system_policy(messages, resolved, supervise_from)
+
+
+class ConversationRefused(UserError):
+    """The chat template refuses a conversation given to `generate` or `export` (a data record
+    it refuses is dropped and counted instead, as the data path does with every bad record)."""
+
+
+def render_conversation(
+    tokenizer: Any,
+    messages: list[Message],
+    *,
+    add_generation_prompt: bool = False,
+    policy: str = "auto",
+    template: str | None = None,
+    where: str = "",
+) -> str:
+    """`messages` rendered with the tokenizer's chat template under data.system_message=`policy`.
+
+    Args:
+        template: how to name the template (--chat-template's value); default: the model's.
+        where: what the conversation is, to start the message with (`--data FILE:LINE: `).
+
+    Raises:
+        NoChatTemplateError: the tokenizer has none.
+        ConversationRefused: the template refuses it: names the template, the first message
+            (number and role) it refuses and the template's own words.
+    """
+    render = renderer(tokenizer)
+    try:
+        conversation, _ = for_template(tokenizer, messages, policy)
+        return render(conversation, add_generation_prompt)
+    except TemplateError as e:
+        name = template or f"of {getattr(tokenizer, 'name_or_path', '') or 'this model'}"
+        cause = e.__cause__ or e
+        raise ConversationRefused(
+            f"{where}the chat template {name} refuses {_refused_at(render, messages)}the "
+            f"conversation: {' '.join(str(cause).split())}{_system_hint(render, messages)}"
+        ) from None
+
+
+def _refused_at(render: Render, messages: list[Message]) -> str:
+    """`message N (role) of ` for the first message whose conversation so far the template
+    refuses; "" when each part renders and only the whole does not."""
+    for i, msg in enumerate(messages):
+        if _attempt(render, messages[: i + 1], False) is None:
+            return f"message {i + 1} ({msg.get('role')}) of "
+    return ""
+
+
+def _system_hint(render: Render, messages: list[Message]) -> str:
+    """The way out when the template takes no system turn (Gemma's)."""
+    if not any(m.get("role") == "system" for m in messages):
+        return ""
+    if _attempt(render, [_msg("system", _S), _msg("user", _A)], False) is not None:
+        return ""
+    return (
+        "; the template takes no system turn: fold it into the next user turn with "
+        "data.system_message=fold (the default, auto, does so), or leave it out"
+    )
 
 
 # --- locating the answers ---------------------------------------------------------------------

@@ -21,7 +21,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 from leantune.data.chat_spans import (
     NoChatTemplateError,
     TemplateError,
-    for_template,
+    render_conversation,
     template_facts,
 )
 from leantune.methods.prompt import prompt_learning_generate_inputs
@@ -189,22 +189,24 @@ def stop_token_ids(
     return list(dict.fromkeys(ids))
 
 
-def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
+def render_prompt(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], template: str | None = None
+) -> str:
     """Render chat messages with the tokenizer's chat template, ending with the assistant cue.
 
     Args:
         tokenizer: Tokenizer with a chat template.
         messages: `{"role": ..., "content": ...}` dicts, oldest first.
+        template: how a refusal names the template (--chat-template); default: the model's.
 
     Returns:
         The prompt text, special tokens included, ready for `generate_texts`.
+
+    Raises:
+        ConversationRefused: the template refuses the conversation (exit 2).
     """
     # A system message the template refuses (Gemma 2) is folded as training folded it.
-    messages, _ = for_template(tokenizer, messages)
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    if not isinstance(rendered, str):
-        raise TypeError(f"apply_chat_template returned {type(rendered).__name__}, expected str")
-    return rendered
+    return render_conversation(tokenizer, messages, add_generation_prompt=True, template=template)
 
 
 def _decoding_kwargs(settings: SamplingSettings) -> dict[str, Any]:

@@ -8,11 +8,36 @@ whose data is a JSONL file (`dataset_path: json`, `dataset_kwargs: {data_files: 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from peft import PeftModel
 from torch import nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from leantune.errors import UserError
+from leantune.models.paths import downloads_allowed, hub_offline_unless_allowed
+
+
+class TaskDataUnavailable(UserError):
+    """A task's dataset is neither in the cache nor downloadable (offline)."""
+
+
+@contextmanager
+def _datasets_offline_unless_allowed() -> Iterator[None]:
+    """The hub offline for the harness's dataset loads too, unless the user opted in: datasets
+    reads its own copy of HF_HUB_OFFLINE at import, and would otherwise retry the network for
+    half a minute before it fails."""
+    import datasets.config
+
+    saved = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = saved or not downloads_allowed()
+    try:
+        with hub_offline_unless_allowed():
+            yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE = saved
 
 
 def run_lm_eval(
@@ -41,6 +66,7 @@ def run_lm_eval(
 
     Raises:
         ImportError: lm-eval is not installed, with the command that installs it.
+        TaskDataUnavailable: a task's dataset is not cached and downloads are off (exit 2).
     """
     try:
         from lm_eval import simple_evaluate
@@ -56,9 +82,19 @@ def run_lm_eval(
             TaskManager(include_path=include_path, include_defaults=False).all_tasks
         )
     manager = TaskManager(include_path=include_path, include_defaults=include_defaults)
-    out = simple_evaluate(
-        model=lm, tasks=tasks, limit=limit, task_manager=manager, log_samples=log_samples
-    )
+    try:
+        with _datasets_offline_unless_allowed():
+            out = simple_evaluate(
+                model=lm, tasks=tasks, limit=limit, task_manager=manager, log_samples=log_samples
+            )
+    except (ConnectionError, FileNotFoundError) as e:  # offline, and not in the cache
+        raise TaskDataUnavailable(
+            f"--lm-eval {','.join(tasks)}: a task's dataset cannot be loaded "
+            f"({' '.join(str(e).split())}); lm-eval reads its datasets from the Hugging Face "
+            "Hub, so it needs the network (leantune stays offline unless HF_HUB_OFFLINE=0 is "
+            "set) or the datasets already in the cache (HF_DATASETS_CACHE; a run with "
+            "HF_HUB_OFFLINE=0 fills it)"
+        ) from None
     if out is None:
         raise RuntimeError("lm-eval returned no results")
     return dict(out)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from leantune.data.chat_spans import for_template
+from leantune.data.chat_spans import render_conversation
 from leantune.data.formats import FORMATS, detect_format, read_jsonl
 from leantune.writes import write_file
 
@@ -67,12 +67,13 @@ class Samples:
     ids: list[list[int]]
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]) -> str:
+def _render(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]], where: str = ""
+) -> str:
+    """The conversation as the template writes it (a refusal names `where`: `--data F:L: `);
+    its texts one per line for a model without a template."""
     if getattr(tokenizer, "chat_template", None):
-        conversation, _ = for_template(tokenizer, list(messages))
-        text = tokenizer.apply_chat_template(conversation, tokenize=False)
-        if isinstance(text, str):
-            return text
+        return render_conversation(tokenizer, list(messages), where=where)
     return "\n".join(m["content"] for m in messages)
 
 
@@ -87,6 +88,7 @@ def build_samples(
     Raises:
         FileNotFoundError: `data` does not exist.
         ValueError: `data` holds no valid record.
+        ConversationRefused: the chat template refuses one of the records (exit 2).
     """
     if data is not None:
         if not data.is_file():
@@ -95,7 +97,9 @@ def build_samples(
         assert fmt in FORMATS
         records, _ = read_jsonl(data, fmt)
         texts = [
-            _render(tokenizer, r.messages) if r.messages is not None else str(r.text)
+            _render(tokenizer, r.messages, f"--data {r.source}:{r.line}: ")
+            if r.messages is not None
+            else str(r.text)
             for r in records[:count]
         ]
         if not texts:

@@ -285,21 +285,13 @@ def plan_inputs(
     one (a run whose data has fewer rows). `allocator` is the CPU allocator the run has
     (`training.allocator`), which sets the margin a plan must leave (`estimate.FIT_MARGIN`).
     """
-    from transformers import AutoConfig
-
     from leantune.config import effective_pack
     from leantune.models.attention import resolve_attention
-    from leantune.models.loading import resolve_model, streamed_shards
-    from leantune.models.paths import downloads_allowed, hub_offline_unless_allowed
+    from leantune.models.loading import load_model_config, resolve_model, streamed_shards
 
     source = resolve_model(cfg.model.path, cfg.model.gguf_file)
-    with hub_offline_unless_allowed():
-        hf_config = AutoConfig.from_pretrained(
-            source.location,
-            gguf_file=source.gguf_file,
-            trust_remote_code=cfg.model.trust_remote_code,
-            local_files_only=not downloads_allowed(),
-        )
+    # A damaged config.json is the user's to fix: load_model_config names it (exit 2).
+    hf_config = load_model_config(source, cfg.model.trust_remote_code)
     attention = resolve_attention(
         cfg.model.attn_implementation,
         packed=effective_pack(cfg.data.pack, cfg.method.name),

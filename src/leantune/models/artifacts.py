@@ -51,6 +51,7 @@ from leantune.models.paths import (
     is_adapter_dir,
     is_bottleneck_adapter_dir,
     model_of_run,
+    refuse_pickled_weights,
 )
 from leantune.models.paths import check_model_path as check_model_path  # where export finds it
 from leantune.models.quantize import Quantization
@@ -267,6 +268,7 @@ def _load_for_inference(
         if is_bottleneck_adapter_dir(p):
             adapted = load_adapter(model, p)  # type: ignore[assignment]
         else:
+            refuse_pickled_weights(p)  # peft would load adapter_model.bin
             with quiet_peft():
                 adapted = with_virtual_tokens(PeftModel.from_pretrained(model, p))
         adapted.eval()

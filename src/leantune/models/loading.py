@@ -47,6 +47,7 @@ from leantune.models.paths import (
     hub_snapshot,
     looks_like_hub_id,
     missing_path_message,
+    refuse_pickled_weights,
 )
 from leantune.models.quantize import Quantization, bnb_config, keep_training_layout
 from leantune.models.rope import apply_rope_scaling
@@ -72,8 +73,9 @@ class ModelNotFoundError(FileNotFoundError, UserError):
 
 
 # What the loaders raise for files that are missing, unreadable or not what they claim (a broken
-# config.json is an OSError, an empty directory a ValueError, a truncated GGUF a struct.error).
-LOAD_ERRORS = (OSError, ValueError, struct.error, SafetensorError)
+# config.json is an OSError, an empty directory a ValueError, a truncated GGUF a struct.error, a
+# config.json nested thousands deep a RecursionError from json).
+LOAD_ERRORS = (OSError, ValueError, struct.error, SafetensorError, RecursionError)
 
 
 @contextmanager
@@ -305,6 +307,10 @@ def _load_model(
         "trust_remote_code": trust_remote_code,
         "attn_implementation": transformers_name(attn_implementation),
     }
+    if source.gguf_file is None:  # never a pickle: refused by name, and never loaded at all
+        local = _local_dir(source)
+        if local is not None:
+            refuse_pickled_weights(local)
     if rope_scaling is not None:
         apply_rope_scaling(config, rope_scaling)
         kwargs["config"] = config
@@ -314,10 +320,12 @@ def _load_model(
     shards = streamed_shards(source, config, trust_remote_code)
     if shards is not None:
         model = _from_shards(_model_class(config), source.location, config, shards, kwargs)
-    else:  # a hub id, a GGUF file, .bin weights or remote code: transformers reads the files
+    else:  # a hub id, a GGUF file or remote code: transformers reads the files
         model = AutoModelForCausalLM.from_pretrained(
             source.location,
             gguf_file=source.gguf_file,
+            # never a pickle (refused above by name where the folder is local)
+            use_safetensors=None if source.gguf_file else True,
             **kwargs,
         )
     check_supported(model, attn_implementation)

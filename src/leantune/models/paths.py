@@ -135,6 +135,50 @@ def hub_id_problem(path: str, where: str, filename: str = "config.json") -> str 
     )
 
 
+# Weights in torch's pickle format: loading one runs whatever code it holds, so leantune never
+# does (torch.load(weights_only=True) narrows that, and then advises weights_only=False).
+PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+CONVERT_MODEL = (
+    'python -c "import sys, transformers as t; d, o = sys.argv[1:]; '
+    "t.AutoModelForCausalLM.from_pretrained(d).save_pretrained(o); "
+    't.AutoTokenizer.from_pretrained(d).save_pretrained(o)" {src} {out}'
+)
+CONVERT_ADAPTER = (
+    'python -c "import torch; from safetensors.torch import save_file; '
+    "save_file(torch.load('{src}', weights_only=True), '{out}')\""
+)
+
+
+class PickledWeights(ModelPathError):
+    """A model or adapter directory whose weights are pickles only (no .safetensors)."""
+
+
+def refuse_pickled_weights(directory: Path) -> None:
+    """Refuse a model or adapter directory that holds pickled weights and no safetensors.
+
+    Raises:
+        PickledWeights: naming the file, why it is not loaded and the command that converts it.
+    """
+    try:
+        if not directory.is_dir() or any(directory.glob("*.safetensors")):
+            return
+        pickles = sorted(f for pattern in PICKLED_WEIGHTS for f in directory.glob(pattern))
+    except OSError:  # an unreadable folder: the loader says so
+        return
+    if not pickles:
+        return
+    found = pickles[0]
+    if is_adapter_dir(directory):
+        convert = CONVERT_ADAPTER.format(src=found, out=directory / "adapter_model.safetensors")
+    else:
+        convert = CONVERT_MODEL.format(src=directory, out=f"{directory}-safetensors")
+    raise PickledWeights(
+        f"{directory}: {found.name}: weights in torch's pickle format, and leantune loads only "
+        "safetensors: unpickling a file runs any code it holds, so leantune never does. "
+        f"Convert it once, on a machine where you trust the file, then use the result: {convert}"
+    )
+
+
 def is_adapter_dir(path: Path) -> bool:
     """True for a peft adapter directory."""
     return (path / "adapter_config.json").is_file()

@@ -16,13 +16,20 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from leantune.errors import UserError
 from leantune.monitor.report_data import RunData, read_run, status
-from leantune.writes import check_target, write_file
+from leantune.writes import WriteRefused, check_target, write_file
 
 if TYPE_CHECKING:
     from leantune.monitor.report_plots import Plot
 
 REPORT_FILE = "report.html"
+
+
+class ReportNotWritten(UserError):
+    """The report cannot be written where it goes (a read-only run, a full disk)."""
+
+
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 64em; color: #222; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.2em; border-bottom: 1px solid #ccc; }
@@ -43,8 +50,10 @@ def write_report(
 
     Raises:
         NotARun: `run_dir` is not a leantune run directory (exit 2).
+        DamagedRun: its config.yaml is damaged (exit 2).
         OutputError: the path is not a regular file (a link, FIFO, device: never written
-            through or replaced), or the disk refused the write; an earlier report is kept.
+            through or replaced); ReportNotWritten: the disk refused the write. An earlier
+            report is kept.
     """
     from leantune.monitor.report_plots import plots  # matplotlib: only when a report is made
 
@@ -52,7 +61,10 @@ def write_report(
     check_target(path)  # before the work of rendering
     data = read_run(run_dir)
     text = render(data, plots(data), generated or dt.datetime.now(dt.UTC))
-    write_file(path, text)
+    try:
+        write_file(path, text)
+    except WriteRefused as e:  # a read-only copy of a run, a full disk
+        raise ReportNotWritten(f"{e}; or give --out FILE in a writable folder") from None
     return path
 
 

@@ -32,6 +32,16 @@ class NotARun(UserError):
     """The directory is not a leantune run directory."""
 
 
+class DamagedRun(UserError):
+    """A run file the report needs is damaged (its config)."""
+
+
+_RESTORE = (
+    "the run's config.yaml is damaged: restore it (`leantune train` wrote it from the config and "
+    "overrides it was given) or remove it to report without the settings"
+)
+
+
 @dataclass
 class DataReport:
     """One data file's preparation: its prepare_report.json and first rejected lines."""
@@ -85,15 +95,12 @@ def read_run(run_dir: Path) -> RunData:
     data = RunData(run_dir)
     config_file = run_dir / "config.yaml"
     if config_file.is_file():
-        data.config_text = config_file.read_text(encoding="utf-8")
-        try:  # the loader train uses: aliases that expand past a bound are refused
-            loaded, _ = load_yaml(data.config_text, str(config_file))
-        except ParseError:
-            loaded = None  # the report still shows the text; no setting is read from it
-        data.config = loaded if isinstance(loaded, dict) else {}
+        data.config_text, data.config = _config(config_file)
     data.record = _json(run_dir / RUN_FILE) or {}
     data.summary = _json(run_dir / "summary.json")
-    data.metrics = _jsonl(run_dir / "metrics.jsonl")
+    # A row is a step only with an integer step (a hand-edited or foreign row is left out).
+    metrics = _jsonl(run_dir / "metrics.jsonl")
+    data.metrics = [m for m in metrics if type(m.get("step")) is int]
     data.evals = _jsonl(run_dir / "eval.jsonl")
     data.events = _jsonl(run_dir / EVENTS_FILE)
     data.paused = _json(run_dir / PAUSED_MARKER) if (run_dir / PAUSED_MARKER).exists() else None
@@ -132,10 +139,32 @@ def status(data: RunData) -> str:
     return "in progress, or ended without a summary"
 
 
+def _config(path: Path) -> tuple[str, dict[str, Any]]:
+    """The run's resolved config (text, mapping).
+
+    Raises:
+        DamagedRun: it cannot be read, or is not a YAML mapping of sections.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+        # The loader train uses: aliases that expand past a bound are refused, not expanded.
+        loaded, _ = load_yaml(text, str(path))
+    except (OSError, ValueError, ParseError, RecursionError) as e:  # not UTF-8, not YAML
+        raise DamagedRun(f"{path}: {_RESTORE} ({' '.join(str(e).split())})") from None
+    if not isinstance(loaded, dict) or not all(isinstance(v, dict) for v in loaded.values()):
+        raise DamagedRun(f"{path}: not a mapping of config sections; {_RESTORE}")
+    for key in ("data.train", "data.eval", "data.cache_dir"):
+        section, name = key.split(".")
+        value = loaded.get(section, {}).get(name)
+        if value is not None and not isinstance(value, str):
+            raise DamagedRun(f"{path}: {key} is {value!r}, not a path; {_RESTORE}")
+    return text, loaded
+
+
 def _json(path: Path) -> dict[str, Any] | None:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested thousands deep
         return None
     return value if isinstance(value, dict) else None
 
@@ -143,14 +172,15 @@ def _json(path: Path) -> dict[str, Any] | None:
 def _jsonl(path: Path) -> list[dict[str, Any]]:
     """The objects of a JSONL file; a torn last line (a kill mid-write) is left out."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # Bytes that are not UTF-8 spoil their own line only (it no longer parses as JSON).
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
         return []
     rows = []
     for line in lines:
         try:
             row = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(row, dict):
             rows.append(row)
