@@ -26,7 +26,7 @@ from torch import nn
 
 from leantune.data.tokenize import IGNORE_INDEX
 from leantune.models.output_head import output_head
-from leantune.training.chunked_ce import linear_cross_entropy_sum
+from leantune.training.chunked_ce import linear_cross_entropy_sum, linear_token_logps
 
 VIRTUAL_TOKENS_HOOK = "leantune_virtual_tokens"
 """The model attribute that holds its `VirtualTokens` forward, when it has one (methods/prompt.py
@@ -173,6 +173,29 @@ def token_loss_sum(
     if kl_coef > 0:
         loss = loss + kl_coef * kl_to_base(model, batch, logits)
     return loss
+
+
+def supervised_token_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """log p(label) at each supervised position of `batch` (labels already shifted), shape
+    (n_supervised,), fp32, in the row-major order of `labels != -100`: what a preference
+    objective sums per sequence (`objectives.logps.sequence_logps`).
+
+    The same path as `token_loss_sum`: the decoder's hidden states at the supervised positions
+    through the output projection, a chunk at a time (`chunked_ce.linear_token_logps`), with the
+    model's output transform; a model whose forward does something else (or whose head has a
+    bias) gets its own forward's logits at those positions.
+    """
+    targets = batch["labels"][batch["labels"] != IGNORE_INDEX]
+    decided = output_head(model)
+    if not decided.own_forward:
+        found = supervised_hidden(model, batch)
+        if found is not None and found[1].bias is None:
+            hidden, head = found
+            return linear_token_logps(
+                hidden, head.weight, targets, scale=decided.scale, softcap=decided.softcap
+            )
+    logits = supervised_logits(model, batch).float()
+    return logits.gather(1, targets.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=-1)
 
 
 def kl_to_base(
