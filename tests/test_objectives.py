@@ -15,8 +15,9 @@ from conftest import tiny_llama_config, tiny_qwen2_config
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from leantune.config import ConfigError, TrainConfig, load_config
+from leantune.config import ConfigError, MethodConfig, TrainConfig, load_config
 from leantune.config_preference import PreferenceConfig
+from leantune.methods.registry import apply_method
 from leantune.models.output_head import decide_output_head
 from leantune.objectives.logps import (
     SequenceLogps,
@@ -37,7 +38,7 @@ from leantune.objectives.registry import OBJECTIVES, SFT, settings_for
 from leantune.objectives.spec import ObjectiveSettings
 from leantune.training import chunked_ce
 from leantune.training.chunked_ce import linear_token_logps
-from leantune.training.token_loss import supervised_token_logps
+from leantune.training.token_loss import reference_token_logps, supervised_token_logps
 
 
 def settings(objective: str, **fields: typing.Any) -> ObjectiveSettings:
@@ -191,6 +192,43 @@ def test_the_chunked_path_never_builds_the_full_logits(monkeypatch: pytest.Monke
     assert head_calls == [] and got.shape == (n_supervised,)
     assert shapes == [(n_supervised, vocab)] * 2  # forward, and backward's recomputation
     assert n_supervised < 4 * 16
+
+
+def test_the_reference_is_the_model_with_its_adapters_off() -> None:
+    base = _tiny()
+    batch = _batch(2, 10, seed=2)
+    with torch.no_grad():
+        expected = supervised_token_logps(base, batch)
+    model = apply_method(base, MethodConfig(name="lora"))
+    for name, p in model.named_parameters():  # a trained adapter: the policy moves away
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    policy = supervised_token_logps(model, batch)
+    got = reference_token_logps(model, batch)
+    torch.testing.assert_close(got, expected)
+    assert not got.requires_grad and (policy - expected).abs().max() > 1e-2
+    with pytest.raises(ValueError, match="needs an adapter method"):
+        reference_token_logps(_tiny(), batch)
+
+
+def test_a_trained_head_under_bf16_autocast_stays_close_to_autograd() -> None:
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(40, 32, generator=g, requires_grad=True)
+    w = torch.randn(300, 32, generator=g, requires_grad=True)
+    t = torch.randint(0, 300, (40,), generator=g)
+    upstream = torch.randn(40, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = torch.log_softmax(F.linear(h, w).float(), -1).gather(1, t.unsqueeze(1)).squeeze(1)
+    (ref * upstream).sum().backward()
+    ref_h, ref_w = h.grad.clone(), w.grad.clone()  # type: ignore[union-attr]
+    h.grad, w.grad = None, None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear_token_logps(h, w, t, chunk=16)
+    (got * upstream).sum().backward()
+    assert got.dtype == torch.float32 and w.grad.dtype == torch.float32  # type: ignore[union-attr]
+    torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-2)
+    torch.testing.assert_close(h.grad, ref_h, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(w.grad, ref_w, rtol=2e-2, atol=2e-2)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ forward's logits.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Protocol
 
 import torch
@@ -198,6 +199,27 @@ def supervised_token_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> 
     return logits.gather(1, targets.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=-1)
 
 
+def reference_token_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`supervised_token_logps` of the reference model, without gradient: the same model with
+    its adapters disabled for this one forward, so there is no second copy of the weights.
+
+    Raises:
+        ValueError: the model has no adapters to disable (full fine-tuning, freeze: their
+            reference is the model before training, whose log-probs are computed up front).
+    """
+    with torch.no_grad(), _adapters_disabled(model, "the reference of a preference objective"):
+        return supervised_token_logps(model, batch)
+
+
+def _adapters_disabled(model: nn.Module, what: str) -> contextlib.AbstractContextManager[Any]:
+    """peft's context in which the model is its base (adapters off)."""
+    disable = getattr(model, "disable_adapter", None)
+    if not callable(disable):
+        raise ValueError(f"{what} needs an adapter method (the base is the adapter-free model)")
+    context: contextlib.AbstractContextManager[Any] = disable()
+    return context
+
+
 def kl_to_base(
     model: nn.Module, batch: dict[str, torch.Tensor], logits: torch.Tensor
 ) -> torch.Tensor:
@@ -206,12 +228,7 @@ def kl_to_base(
     Raises:
         ValueError: the model has no adapters to disable (e.g. full fine-tuning).
     """
-    disable = getattr(model, "disable_adapter", None)
-    if not callable(disable):
-        raise ValueError(
-            "train.kl_coef needs an adapter method (the base is the adapter-free model)"
-        )
-    with torch.no_grad(), disable():
+    with torch.no_grad(), _adapters_disabled(model, "train.kl_coef"):
         base = supervised_logits(model, batch)
     log_p = F.log_softmax(logits.float(), dim=-1)
     log_q = F.log_softmax(base.float(), dim=-1)
