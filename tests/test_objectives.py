@@ -277,7 +277,7 @@ def test_losses_at_known_points() -> None:
 
 def test_length_normalisation_sees_means_and_dpo_sees_sums() -> None:
     # Doubling the rejected answer's length at the same per-token log-prob changes DPO's loss
-    # (its sum halves... doubles) but not SimPO's or IPO's (per-token means).
+    # (it sees the doubled sum) but not SimPO's or IPO's (they see per-token means).
     short = PreferenceBatch(
         _logps([-4.0], [4]), _logps([-6.0], [3]), torch.tensor([-4.0]), torch.tensor([-4.0])
     )
