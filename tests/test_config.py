@@ -188,6 +188,13 @@ FLOAT_FIELDS = [
     "guard.grad_min_ratio",
     "guard.lr_factor",
     "dist.timeout_s",
+    "preference.beta",
+    "preference.label_smoothing",
+    "preference.sft_weight",
+    "preference.simpo_gamma",
+    "preference.orpo_lambda",
+    "preference.desirable_weight",
+    "preference.undesirable_weight",
 ]
 
 

@@ -35,6 +35,7 @@ from leantune.config_parse import (
     shorten,
     show,
 )
+from leantune.config_preference import PreferenceConfig, check_preference
 from leantune.methods.registry import METHODS
 
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
@@ -233,6 +234,10 @@ class TrainConfig:
     """Write a checkpoint every N optimizer steps (0 = only at the end)."""
     keep_last: int = 2
     """Complete checkpoints to keep."""
+    objective: Literal["sft", "dpo", "simpo", "orpo", "kto"] = "sft"
+    """sft: learn the answers (demonstrations); dpo, simpo, orpo: prefer each pair's chosen
+    answer over its rejected one; kto: completions labelled desirable or not. Their settings
+    are the preference.* fields."""
     kl_coef: float = 0.0
     """Weight of KL(model || base model) added to the loss (adapter methods only; 0 = off)."""
     gradient_checkpointing: bool | Literal["auto"] = "auto"
@@ -335,6 +340,7 @@ class Config:
     guard: GuardConfig = field(default_factory=GuardConfig)
     run: RunConfig = field(default_factory=RunConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     dist: DistConfig = field(default_factory=DistConfig)
 
     @property
@@ -567,6 +573,12 @@ def validate(cfg: Config) -> list[str]:
     quantized = METHODS[m.name].base_quantization is not None
     check_deepspeed(cfg.dist, t.precision, t.optimizer, m.name, quantized)
     warnings: list[str] = check_libraries(cfg)
+    warnings += check_preference(cfg.preference, t.objective)
+    if t.objective != "sft" and t.kl_coef:
+        raise ConfigError(
+            f"train.kl_coef: applies to train.objective=sft; {t.objective} keeps near the "
+            "reference through preference.beta (set train.kl_coef=0)"
+        )
     lr, advice = t.lr, METHODS[m.name].lr_advice
     if advice is not None and lr is not None and lr >= advice.high:
         warnings.append(

@@ -48,13 +48,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             lse = torch.logsumexp(logits, dim=-1)
             at = rows[: t.shape[0]]
             total += (lse - logits[at, t]).sum()
-            # d(sum CE)/d logits = softmax - one_hot, formed in the logits' own memory.
-            grad = logits.sub_(lse.unsqueeze(1)).exp_()
-            grad[at, t] -= 1
-            if tanh is not None:  # d(cap * tanh(x / cap))/dx = 1 - tanh^2
-                grad.mul_(tanh.square_().neg_().add_(1))
-            if scale != 1.0:
-                grad.mul_(scale)
+            grad = _ce_grad(logits, lse, at, t, tanh, scale)
             # In the weight's dtype (bf16 frozen weights without autocast), or bf16 under
             # autocast: as autograd's backward of the head would compute them.
             g = grad if grad.dtype == weight.dtype else grad.to(weight.dtype)
@@ -71,6 +65,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gw = None if ctx.weight_dtype is None else (grad_w * grad_out).to(ctx.weight_dtype)
         return grad_h * grad_out.to(grad_h.dtype), gw, None, None, None, None
+
+
+def _ce_grad(
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    at: torch.Tensor,
+    t: torch.Tensor,
+    tanh: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """d(sum CE)/dz of a chunk (z: the projection's output; the logits are its transform):
+    softmax - one_hot, times the transform's derivative, formed in the logits' own memory (they
+    are consumed, and so is `tanh`)."""
+    grad = logits.sub_(lse.unsqueeze(1)).exp_()
+    grad[at, t] -= 1
+    if tanh is not None:  # d(cap * tanh(x / cap))/dx = 1 - tanh^2
+        grad.mul_(tanh.square_().neg_().add_(1))
+    if scale != 1.0:
+        grad.mul_(scale)
+    return grad
 
 
 def _transformed(
@@ -108,3 +122,99 @@ def linear_cross_entropy_sum(
         logits, _ = _transformed(z, scale, softcap)
         total += F.cross_entropy(logits, targets[start : start + chunk], reduction="sum")
     return total
+
+
+class _LinearTokenLogps(torch.autograd.Function):
+    """log p(target) of each row, a chunk of rows at a time. Its gradient with respect to a
+    row's hidden state is that row's upstream gradient times a fixed vector, so with a frozen
+    head (adapters) the forward keeps those vectors (the size of the hidden states) and the
+    backward only scales them; a trained head needs the upstream gradient inside each row's
+    outer product, so then the backward recomputes each chunk's logits (one more matmul)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        chunk: int,
+        scale: float,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        frozen = not weight.requires_grad
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        d_hidden = torch.empty_like(hidden) if frozen else None
+        rows = torch.arange(chunk, device=targets.device)
+        mm_dtype = weight.dtype
+        for start in range(0, hidden.shape[0], chunk):
+            t = targets[start : start + chunk]
+            z = F.linear(hidden[start : start + chunk], weight)
+            mm_dtype = z.dtype  # bf16 under autocast: the backward recomputes in it
+            logits, tanh = _transformed(z.float(), scale, softcap)
+            lse = torch.logsumexp(logits, dim=-1)
+            at = rows[: t.shape[0]]
+            out[start : start + chunk] = logits[at, t] - lse
+            if d_hidden is not None:  # d log p / dz = -(d CE / dz)
+                g = _ce_grad(logits, lse, at, t, tanh, scale).neg_()
+                d_hidden[start : start + chunk] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+        if d_hidden is not None:
+            ctx.save_for_backward(d_hidden)
+        else:
+            ctx.save_for_backward(hidden, weight, targets)
+        ctx.frozen, ctx.chunk, ctx.scale, ctx.softcap, ctx.mm_dtype = (
+            frozen,
+            chunk,
+            scale,
+            softcap,
+            mm_dtype,
+        )
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
+        if ctx.frozen:
+            (d_hidden,) = ctx.saved_tensors
+            return d_hidden * grad_out.unsqueeze(1).to(d_hidden.dtype), None, None, None, None, None
+        hidden, weight, targets = ctx.saved_tensors
+        w = weight.to(ctx.mm_dtype)
+        grad_h = torch.empty_like(hidden)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        rows = torch.arange(ctx.chunk, device=targets.device)
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            h = hidden[start : start + ctx.chunk].to(ctx.mm_dtype)
+            t = targets[start : start + ctx.chunk]
+            logits, tanh = _transformed(F.linear(h, w).float(), ctx.scale, ctx.softcap)
+            lse = torch.logsumexp(logits, dim=-1)
+            g = _ce_grad(logits, lse, rows[: t.shape[0]], t, tanh, ctx.scale)
+            g = g.mul_(grad_out[start : start + ctx.chunk].float().neg().unsqueeze(1)).to(w.dtype)
+            grad_h[start : start + ctx.chunk] = (g @ w).to(hidden.dtype)
+            grad_w += (g.t() @ h).float()
+        return grad_h, grad_w.to(weight.dtype), None, None, None, None
+
+
+def linear_token_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk: int = CHUNK,
+    *,
+    scale: float = 1.0,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """`log_softmax(f(hidden @ weight.T))[i, targets[i]]` for each row i, in fp32, `chunk` rows
+    at a time: the per-token log-probs a preference loss sums per sequence, with the same values
+    and gradients (to float rounding) as the plain computation, without the n x V logits.
+
+    `f` is the model's output transform, as for `linear_cross_entropy_sum`."""
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        out: torch.Tensor = _LinearTokenLogps.apply(hidden, weight, targets, chunk, scale, softcap)
+        return out
+    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk):  # the reference pass: values only
+        z = F.linear(hidden[start : start + chunk], weight).float()
+        logits, _ = _transformed(z, scale, softcap)
+        t = targets[start : start + chunk]
+        out[start : start + chunk] = logits.gather(1, t.unsqueeze(1)).squeeze(1) - torch.logsumexp(
+            logits, dim=-1
+        )
+    return out

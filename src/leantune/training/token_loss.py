@@ -18,6 +18,7 @@ forward's logits.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Protocol
 
 import torch
@@ -26,7 +27,7 @@ from torch import nn
 
 from leantune.data.tokenize import IGNORE_INDEX
 from leantune.models.output_head import output_head
-from leantune.training.chunked_ce import linear_cross_entropy_sum
+from leantune.training.chunked_ce import linear_cross_entropy_sum, linear_token_logps
 
 VIRTUAL_TOKENS_HOOK = "leantune_virtual_tokens"
 """The model attribute that holds its `VirtualTokens` forward, when it has one (methods/prompt.py
@@ -175,6 +176,50 @@ def token_loss_sum(
     return loss
 
 
+def supervised_token_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """log p(label) at each supervised position of `batch` (labels already shifted), shape
+    (n_supervised,), fp32, in the row-major order of `labels != -100`: what a preference
+    objective sums per sequence (`objectives.logps.sequence_logps`).
+
+    The same path as `token_loss_sum`: the decoder's hidden states at the supervised positions
+    through the output projection, a chunk at a time (`chunked_ce.linear_token_logps`), with the
+    model's output transform; a model whose forward does something else (or whose head has a
+    bias) gets its own forward's logits at those positions.
+    """
+    targets = batch["labels"][batch["labels"] != IGNORE_INDEX]
+    decided = output_head(model)
+    if not decided.own_forward:
+        found = supervised_hidden(model, batch)
+        if found is not None and found[1].bias is None:
+            hidden, head = found
+            return linear_token_logps(
+                hidden, head.weight, targets, scale=decided.scale, softcap=decided.softcap
+            )
+    logits = supervised_logits(model, batch).float()
+    return logits.gather(1, targets.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=-1)
+
+
+def reference_token_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`supervised_token_logps` of the reference model, without gradient: the same model with
+    its adapters disabled for this one forward, so there is no second copy of the weights.
+
+    Raises:
+        ValueError: the model has no adapters to disable (full fine-tuning, freeze: their
+            reference is the model before training, whose log-probs are computed up front).
+    """
+    with torch.no_grad(), _adapters_disabled(model, "the reference of a preference objective"):
+        return supervised_token_logps(model, batch)
+
+
+def _adapters_disabled(model: nn.Module, what: str) -> contextlib.AbstractContextManager[Any]:
+    """peft's context in which the model is its base (adapters off)."""
+    disable = getattr(model, "disable_adapter", None)
+    if not callable(disable):
+        raise ValueError(f"{what} needs an adapter method (the base is the adapter-free model)")
+    context: contextlib.AbstractContextManager[Any] = disable()
+    return context
+
+
 def kl_to_base(
     model: nn.Module, batch: dict[str, torch.Tensor], logits: torch.Tensor
 ) -> torch.Tensor:
@@ -183,12 +228,7 @@ def kl_to_base(
     Raises:
         ValueError: the model has no adapters to disable (e.g. full fine-tuning).
     """
-    disable = getattr(model, "disable_adapter", None)
-    if not callable(disable):
-        raise ValueError(
-            "train.kl_coef needs an adapter method (the base is the adapter-free model)"
-        )
-    with torch.no_grad(), disable():
+    with torch.no_grad(), _adapters_disabled(model, "train.kl_coef"):
         base = supervised_logits(model, batch)
     log_p = F.log_softmax(logits.float(), dim=-1)
     log_q = F.log_softmax(base.float(), dim=-1)

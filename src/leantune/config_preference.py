@@ -1,0 +1,77 @@
+"""The `preference:` section of a config: the settings of `train.objective`'s preference losses
+(`objectives.registry.OBJECTIVES`). Unused by `train.objective=sft`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from leantune.config_parse import ConfigError
+from leantune.objectives.registry import OBJECTIVES, SFT
+
+
+@dataclass
+class PreferenceConfig:
+    """Settings of the preference objectives (train.objective=dpo, simpo, orpo, kto)."""
+
+    beta: float | None = None
+    """Strength of the implicit reward: dpo/kto the deviation allowed from the reference
+    (smaller: further), simpo the scale of the length-normalised log-probs; unset = the
+    objective's default (dpo 0.1, kto 0.1, simpo 2.0). With loss_type=ipo, 1/(2 beta) is the
+    target margin."""
+    label_smoothing: float = 0.0
+    """dpo (sigmoid), simpo: probability in [0, 0.5) that a pair's preference is flipped
+    (conservative DPO); 0 = off."""
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """dpo: sigmoid (DPO) or ipo (squared loss on per-token mean log-ratios)."""
+    sft_weight: float = 0.0
+    """dpo, simpo: weight of the chosen answers' per-token NLL added to the loss (RPO); 0 = off."""
+    simpo_gamma: float = 1.0
+    """simpo: target reward margin (the SimPO paper's gamma/beta of about 0.5 at beta 2)."""
+    orpo_lambda: float = 0.1
+    """orpo: weight of the odds-ratio term next to the SFT loss (the ORPO paper's 0.1)."""
+    desirable_weight: float = 1.0
+    """kto: weight of the desirable completions' losses."""
+    undesirable_weight: float = 1.0
+    """kto: weight of the undesirable completions' losses (raise it when there are fewer
+    undesirable ones: KTO's paper keeps weight x count about equal, or up to 4:3)."""
+
+
+def check_preference(p: PreferenceConfig, objective: str) -> list[str]:
+    """Ranges of the `preference:` fields and `train.objective` itself; returns warnings for
+    fields set away from their defaults that the objective does not read.
+
+    Raises:
+        ConfigError: naming the field and its valid range.
+    """
+    if objective != SFT and objective not in OBJECTIVES:
+        raise ConfigError(
+            f"train.objective: unknown objective {objective!r}; valid: "
+            f"{', '.join([SFT, *OBJECTIVES])}"
+        )
+    if p.beta is not None and not p.beta > 0:
+        raise ConfigError(f"preference.beta: must be > 0, got {p.beta}")
+    if not 0 <= p.label_smoothing < 0.5:
+        raise ConfigError(
+            f"preference.label_smoothing: must be in [0, 0.5), got {p.label_smoothing}"
+        )
+    if p.loss_type == "ipo" and p.label_smoothing:
+        raise ConfigError(
+            "preference.label_smoothing: the ipo loss has no label smoothing; "
+            "set preference.label_smoothing=0 or preference.loss_type=sigmoid"
+        )
+    for key in ("sft_weight", "simpo_gamma", "orpo_lambda"):
+        if getattr(p, key) < 0:
+            raise ConfigError(f"preference.{key}: must be >= 0, got {getattr(p, key)}")
+    for key in ("desirable_weight", "undesirable_weight"):
+        if not getattr(p, key) > 0:
+            raise ConfigError(f"preference.{key}: must be > 0, got {getattr(p, key)}")
+    default = PreferenceConfig()
+    changed = [f.name for f in fields(p) if getattr(p, f.name) != getattr(default, f.name)]
+    reads = OBJECTIVES[objective].settings if objective in OBJECTIVES else ()
+    return [
+        f"preference.{name} is set but train.objective={objective} does not use it"
+        for name in changed
+        if name not in reads
+    ]

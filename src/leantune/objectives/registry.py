@@ -1,0 +1,105 @@
+"""The one place that maps `train.objective` to its `ObjectiveSpec`.
+
+The specs are declared here, in one table; each `loss` is a plain function that imports the
+torch module of the losses when it is called, so the config validates against this table before
+torch loads (as `methods.registry` does for the methods).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from leantune.objectives.spec import ObjectiveSettings, ObjectiveSpec
+
+if TYPE_CHECKING:
+    from leantune.config_preference import PreferenceConfig
+    from leantune.objectives.preference import ObjectiveOutput, PreferenceBatch
+
+SFT = "sft"
+"""`train.objective` of supervised fine-tuning: the token loss, no spec here."""
+
+
+def _dpo(batch: PreferenceBatch, s: ObjectiveSettings) -> ObjectiveOutput:
+    from leantune.objectives.preference import dpo_loss
+
+    return dpo_loss(batch, s)
+
+
+def _simpo(batch: PreferenceBatch, s: ObjectiveSettings) -> ObjectiveOutput:
+    from leantune.objectives.preference import simpo_loss
+
+    return simpo_loss(batch, s)
+
+
+def _orpo(batch: PreferenceBatch, s: ObjectiveSettings) -> ObjectiveOutput:
+    from leantune.objectives.preference import orpo_loss
+
+    return orpo_loss(batch, s)
+
+
+def _kto(batch: PreferenceBatch, s: ObjectiveSettings) -> ObjectiveOutput:
+    from leantune.objectives.preference import kto_loss
+
+    return kto_loss(batch, s)
+
+
+OBJECTIVES: dict[str, ObjectiveSpec] = {
+    spec.name: spec
+    for spec in (
+        ObjectiveSpec(
+            name="dpo",
+            description="the chosen answer over the rejected one, relative to the reference",
+            loss=_dpo,
+            data="paired",
+            needs_reference=True,
+            default_beta=0.1,
+            settings=("beta", "label_smoothing", "loss_type", "sft_weight"),
+        ),
+        ObjectiveSpec(
+            name="simpo",
+            description="length-normalised log-probs with a target margin, no reference",
+            loss=_simpo,
+            data="paired",
+            needs_reference=False,
+            default_beta=2.0,
+            settings=("beta", "label_smoothing", "simpo_gamma", "sft_weight"),
+            length_normalised=True,
+        ),
+        ObjectiveSpec(
+            name="orpo",
+            description="SFT on the chosen answers plus an odds-ratio term, no reference",
+            loss=_orpo,
+            data="paired",
+            needs_reference=False,
+            default_beta=None,
+            settings=("orpo_lambda",),
+            length_normalised=True,
+        ),
+        ObjectiveSpec(
+            name="kto",
+            description="unpaired answers labelled desirable or not, relative to the reference",
+            loss=_kto,
+            data="unpaired",
+            needs_reference=True,
+            default_beta=0.1,
+            settings=("beta", "desirable_weight", "undesirable_weight"),
+            needs_kl_pairs=True,
+        ),
+    )
+}
+
+
+def settings_for(spec: ObjectiveSpec, cfg: PreferenceConfig) -> ObjectiveSettings:
+    """The settings `spec.loss` reads: the `preference:` section with beta resolved to the
+    objective's default when unset."""
+    beta = cfg.beta if cfg.beta is not None else spec.default_beta
+    return ObjectiveSettings(
+        beta=1.0 if beta is None else beta,  # unread by an objective without a beta
+        label_smoothing=cfg.label_smoothing,
+        loss_type=cfg.loss_type,
+        sft_weight=cfg.sft_weight,
+        simpo_gamma=cfg.simpo_gamma,
+        orpo_lambda=cfg.orpo_lambda,
+        desirable_weight=cfg.desirable_weight,
+        undesirable_weight=cfg.undesirable_weight,
+    )
