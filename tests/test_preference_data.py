@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from leantune.config import load_config
 from leantune.config_parse import ConfigError
 from leantune.data.chat_spans import for_template
+from leantune.data.inspection import render_pair
 from leantune.data.preference_formats import (
     PreferenceRecord,
     UnpairedRecord,
@@ -384,3 +385,20 @@ def test_preference_formats_are_config_values_refused_until_a_loop_trains_them(
     data = write_jsonl(tmp_path / "d.jsonl", [STANDARD])
     with pytest.raises(ConfigError, match=f"data.format={fmt}: preference data needs"):
         load_config(None, [f"data.train={data}", f"data.format={fmt}"])
+
+
+def test_inspect_shows_the_prompt_once_and_each_answers_supervised_span() -> None:
+    t = tok("qwen2.5")
+    [p], _, _ = encode_pairs(t, [pair([user("Ivy?")], "Shade.", "Sun.")])
+    prompt = t.decode(p.prompt_ids)
+    assert render_pair(t, p) == "\n".join(
+        [
+            f"prompt ({len(p.prompt_ids)} tokens):",
+            prompt,
+            f"chosen ({len(p.chosen_ids)} tokens, {len(p.chosen_ids)} supervised):",
+            "[[Shade.<|im_end|>\n]]",
+            f"rejected ({len(p.rejected_ids)} tokens, {len(p.rejected_ids)} supervised):",
+            "[[Sun.<|im_end|>\n]]",
+        ]
+    )
+    assert prompt.endswith("<|im_start|>user\nIvy?<|im_end|>\n<|im_start|>assistant\n")
