@@ -402,3 +402,25 @@ def test_inspect_shows_the_prompt_once_and_each_answers_supervised_span() -> Non
         ]
     )
     assert prompt.endswith("<|im_start|>user\nIvy?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_pair_the_template_cannot_share_a_prompt_for_is_a_bad_line() -> None:
+    """A template that writes the prompt depending on the answer (here: the last message's
+    length first) gives two prompts, and one that refuses an answer refuses the pair."""
+    t = family_tokenizer(FAMILIES["qwen2.5"])
+    t.chat_template = (
+        "{%- if messages[-1]['content'] == 'Boom.' %}{{ raise_exception('boom') }}{%- endif %}"
+        "{{ messages[-1]['content'] | length }}" + FAMILIES["qwen2.5"].template
+    )
+    records = [
+        pair([user("Ivy?")], "Shade.", "Sun.", line=1),
+        pair([user("Ivy?")], "Shady.", "Sunny.", line=2),
+        pair([user("Ivy?")], "Shade.", "Boom.", line=3),
+    ]
+    pairs, bad, _ = encode_pairs(t, records)
+    assert [p.line for p in pairs] == [2]
+    assert [str(b) for b in bad] == [
+        "p.jsonl:1: the prompt renders to other tokens before chosen than before rejected (the "
+        "chat template writes the prompt depending on the answer)",
+        "p.jsonl:3: rejected: the chat template refused the conversation: boom",
+    ]

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import numpy as np
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from leantune.data.chat_spans import Span
 from leantune.data.formats import BadLine
 from leantune.data.preference_formats import PreferenceRecord, UnpairedRecord
 from leantune.data.record_checks import Message
@@ -38,9 +39,8 @@ __all__ = [
     "Lengths",
     "PreferencePair",
     "UnpairedExample",
-    "encode_pair",
     "encode_pairs",
-    "encode_unpaired",
+    "encode_sides",
     "encode_unpaired_records",
     "resolve_lengths",
 ]
@@ -48,6 +48,8 @@ __all__ = [
 Truncation = Literal["keep_end", "keep_start", "none"]
 TRUNCATIONS: tuple[Truncation, ...] = ("keep_end", "keep_start", "none")
 Answer = Literal["chosen", "rejected"]
+BATCH = 512
+"""Records rendered and tokenised per tokenizer call (bounds the memory of one call)."""
 
 
 def _sequence(prompt: Sequence[int], ids: Sequence[int], labels: Sequence[int]) -> Example:
@@ -106,14 +108,18 @@ Side = tuple[list[int], list[int], list[int]]
 """(prompt ids, answer ids, answer labels aligned) of one side, untruncated."""
 
 
-def _encode_side(
+class _TooLong(ValueError):
+    """A record certainly over the length limit, known before tokenising it."""
+
+
+def _render_side(
     tokenizer: PreTrainedTokenizerBase,
     prompt: Sequence[Message],
     answer: Sequence[Message],
     system_message: str,
     limit: int | None,
-) -> Side:
-    """Render prompt + answer and cut it where the answer's first supervised token is.
+) -> tuple[str, list[Span]]:
+    """prompt + answer rendered, and the character spans of the answer's assistant turns.
 
     Raises:
         TemplateError: the template refuses it or its answer cannot be located.
@@ -123,19 +129,53 @@ def _encode_side(
     rejected = too_long(tokenizer, full, limit)
     if rejected is not None:
         raise _TooLong(str(rejected))
-    enc: Any = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids = np.asarray(enc["input_ids"], dtype=np.int64)
-    mask = supervised_mask(enc["offset_mapping"], spans)
+    return full, spans
+
+
+def _cut(ids: np.ndarray, offsets: Any, spans: list[Span]) -> Side:
+    """A tokenised side cut where its answer's first supervised token is; what follows its last
+    one (a template's trailing text) is not kept.
+
+    Raises:
+        TemplateError: no token of the answer is left after tokenisation.
+    """
+    mask = supervised_mask(offsets, spans)
     where = np.flatnonzero(mask)
     if where.size == 0:
         raise TemplateError("the answer has no token of its own after tokenisation")
-    first, last = int(where[0]), int(where[-1]) + 1  # what follows the last answer is not kept
+    first, last = int(where[0]), int(where[-1]) + 1
     labels = np.where(mask[first:last], ids[first:last], IGNORE_INDEX)
     return ids[:first].tolist(), ids[first:last].tolist(), labels.tolist()
 
 
-class _TooLong(ValueError):
-    """A record certainly over the length limit, known before tokenising it."""
+def encode_sides(
+    tokenizer: PreTrainedTokenizerBase,
+    sides: Sequence[tuple[Sequence[Message], Sequence[Message]]],
+    system_message: str = "auto",
+    limit: int | None = None,
+) -> list[Side | str]:
+    """Each (prompt, answer) rendered and tokenised untruncated, in one tokenizer call; a
+    string where it cannot be (the reason: the template refuses it, its answer cannot be
+    located, or it is certainly longer than `limit` tokens)."""
+    out: list[Side | str] = ["" for _ in sides]
+    rendered: list[tuple[int, str, list[Span]]] = []
+    for i, (prompt, answer) in enumerate(sides):
+        try:
+            rendered.append((i, *_render_side(tokenizer, prompt, answer, system_message, limit)))
+        except (TemplateError, _TooLong) as e:
+            out[i] = str(e)
+    if not rendered:
+        return out
+    enc: Any = tokenizer(
+        [full for _, full, _ in rendered], add_special_tokens=False, return_offsets_mapping=True
+    )
+    for j, (i, _, spans) in enumerate(rendered):
+        ids = np.asarray(enc["input_ids"][j], dtype=np.int64)
+        try:
+            out[i] = _cut(ids, enc["offset_mapping"][j], spans)
+        except TemplateError as e:
+            out[i] = str(e)
+    return out
 
 
 def _fit(
@@ -149,41 +189,6 @@ def _fit(
     if what == "prompt":
         return ids[-limit:] if truncation == "keep_end" else ids[:limit]
     return ids[:limit]  # an answer keeps its start, as TRL cuts completions
-
-
-def encode_pair(
-    tokenizer: PreTrainedTokenizerBase,
-    record: PreferenceRecord,
-    system_message: str = "auto",
-    limit: int | None = None,
-) -> tuple[Side, Side]:
-    """The untruncated (chosen side, rejected side) of a pair, their prompt ids equal.
-
-    Raises:
-        TemplateError: either side cannot be rendered or located, or the two prompts differ.
-    """
-    chosen = _encode_side(tokenizer, record.prompt, record.chosen, system_message, limit)
-    rejected = _encode_side(tokenizer, record.prompt, record.rejected, system_message, limit)
-    if chosen[0] != rejected[0]:
-        raise TemplateError(
-            "the prompt renders to other tokens before chosen than before rejected (the chat "
-            "template writes the prompt depending on the answer)"
-        )
-    return chosen, rejected
-
-
-def encode_unpaired(
-    tokenizer: PreTrainedTokenizerBase,
-    record: UnpairedRecord,
-    system_message: str = "auto",
-    limit: int | None = None,
-) -> Side:
-    """The untruncated side of an unpaired example.
-
-    Raises:
-        TemplateError: it cannot be rendered or its answer located.
-    """
-    return _encode_side(tokenizer, record.prompt, record.completion, system_message, limit)
 
 
 @dataclass(frozen=True)
@@ -268,6 +273,20 @@ def _fit_record(
     return cut, fitted
 
 
+def _pair_problem(chosen: Side | str, rejected: Side | str) -> str | None:
+    """Why a pair's two encoded sides cannot be trained on, or None."""
+    if isinstance(chosen, str):
+        return f"chosen: {chosen}"
+    if isinstance(rejected, str):
+        return f"rejected: {rejected}"
+    if chosen[0] != rejected[0]:
+        return (
+            "the prompt renders to other tokens before chosen than before rejected (the chat "
+            "template writes the prompt depending on the answer)"
+        )
+    return None
+
+
 def _precheck_limit(lengths: Lengths, max_seq_len: int | None) -> int | None:
     # With truncation a long record is cut, not dropped, so it must be tokenised (as SFT).
     return max_seq_len if lengths.truncation == "none" else None
@@ -286,15 +305,24 @@ def encode_pairs(
     bad: list[BadLine] = []
     encoded: list[tuple[PreferenceRecord, Side, Side]] = []
     limit = _precheck_limit(lengths, max_seq_len)
-    for r in records:
-        try:
-            chosen, rejected = encode_pair(tokenizer, r, system_message, limit)
-        except (TemplateError, _TooLong) as e:
-            bad.append(BadLine(r.source, r.line, str(e)))
-            continue
-        encoded.append((r, chosen, rejected))
-    sides = [(f"{r.source}:{r.line}", s) for r, c, j in encoded for s in (c, j)]
-    longest = _longest(sides)
+    for start in range(0, len(records), BATCH):
+        batch = records[start : start + BATCH]
+        sides = encode_sides(
+            tokenizer,
+            [(r.prompt, answer) for r in batch for answer in (r.chosen, r.rejected)],
+            system_message,
+            limit,
+        )
+        for k, r in enumerate(batch):
+            chosen, rejected = sides[2 * k], sides[2 * k + 1]
+            why = _pair_problem(chosen, rejected)
+            if why is not None:
+                bad.append(BadLine(r.source, r.line, why))
+                continue
+            assert not isinstance(chosen, str) and not isinstance(rejected, str)
+            encoded.append((r, chosen, rejected))
+    named = [(f"{r.source}:{r.line}", s) for r, c, j in encoded for s in (c, j)]
+    longest = _longest(named)
     resolved = resolve_lengths(lengths, longest.prompt, longest.answer, max_seq_len)
     if log is not None:
         log(_said(lengths, resolved, longest, max_seq_len))
@@ -322,11 +350,16 @@ def encode_unpaired_records(
     bad: list[BadLine] = []
     encoded: list[tuple[UnpairedRecord, Side]] = []
     limit = _precheck_limit(lengths, max_seq_len)
-    for r in records:
-        try:
-            encoded.append((r, encode_unpaired(tokenizer, r, system_message, limit)))
-        except (TemplateError, _TooLong) as e:
-            bad.append(BadLine(r.source, r.line, str(e)))
+    for start in range(0, len(records), BATCH):
+        batch = records[start : start + BATCH]
+        sides = encode_sides(
+            tokenizer, [(r.prompt, r.completion) for r in batch], system_message, limit
+        )
+        for r, side in zip(batch, sides, strict=True):
+            if isinstance(side, str):
+                bad.append(BadLine(r.source, r.line, side))
+            else:
+                encoded.append((r, side))
     longest = _longest([(f"{r.source}:{r.line}", s) for r, s in encoded])
     resolved = resolve_lengths(lengths, longest.prompt, longest.answer, max_seq_len)
     if log is not None:
