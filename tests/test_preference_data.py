@@ -16,7 +16,9 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from leantune.config import load_config
 from leantune.config_parse import ConfigError
 from leantune.data.chat_spans import for_template
+from leantune.data.errors import DataError
 from leantune.data.inspection import render_pair
+from leantune.data.preference_dataset import preference_data
 from leantune.data.preference_formats import (
     PreferenceRecord,
     UnpairedRecord,
@@ -424,3 +426,35 @@ def test_a_pair_the_template_cannot_share_a_prompt_for_is_a_bad_line() -> None:
         "chat template writes the prompt depending on the answer)",
         "p.jsonl:3: rejected: the chat template refused the conversation: boom",
     ]
+
+
+def test_preference_data_is_tokenised_once_and_refuses_mostly_bad_files(tmp_path: Path) -> None:
+    t = tok("qwen2.5")
+    path = write_jsonl(tmp_path / "pairs.jsonl", [STANDARD, CONVERSATIONAL, IMPLICIT, "{bad"])
+    said: list[str] = []
+    kw: dict[str, Any] = {"fmt": "preference", "tokenizer": t, "max_bad_fraction": 0.5}
+    data = preference_data(path, cache_dir=tmp_path / "cache", log=said.append, **kw)
+    assert (len(data.pairs), data.total_lines, [b.line for b in data.bad]) == (3, 4, [4])
+    assert len(said) == 2 and said[0].endswith("(prompt, chosen, rejected strings)")
+    [cached] = (tmp_path / "cache").iterdir()
+    again: list[str] = []
+    # From the cache (no tokenizer call), said again, equal.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(t), "__call__", lambda *a, **k: pytest.fail("tokenised again"))
+        second = preference_data(path, cache_dir=tmp_path / "cache", log=again.append, **kw)
+    assert second == data and again == said and list((tmp_path / "cache").iterdir()) == [cached]
+    with pytest.raises(DataError, match=r"1 of 4 lines are bad .*\n  .*pairs.jsonl:4: invalid"):
+        preference_data(path, fmt="preference", tokenizer=t)
+    kto = write_jsonl(tmp_path / "kto.jsonl", [KTO, KTO])
+    with pytest.raises(DataError, match=r"this looks like data.format=kto; use data.format=kto"):
+        preference_data(kto, fmt="preference", tokenizer=t)
+
+
+def test_a_damaged_cache_entry_is_tokenised_again(tmp_path: Path) -> None:
+    t = tok("llama3")
+    path = write_jsonl(tmp_path / "pairs.jsonl", [STANDARD])
+    first = preference_data(path, fmt="preference", tokenizer=t, cache_dir=tmp_path / "c")
+    [entry] = (tmp_path / "c").iterdir()
+    entry.write_text('{"format": "preference", "pairs": [{"prompt_ids": 1}]}', encoding="utf-8")
+    assert preference_data(path, fmt="preference", tokenizer=t, cache_dir=tmp_path / "c") == first
+    assert '"pairs": [{"prompt_ids": [' in entry.read_text(encoding="utf-8")

@@ -35,6 +35,7 @@ from leantune.data.tokenize import (
 )
 
 __all__ = [
+    "AUTO",
     "TRUNCATIONS",
     "Lengths",
     "PreferencePair",
@@ -72,6 +73,11 @@ class PreferencePair:
     source: str = ""
     line: int = 0
 
+    @property
+    def num_supervised(self) -> int:
+        """Supervised tokens of both answers."""
+        return sum(t != IGNORE_INDEX for t in (*self.chosen_labels, *self.rejected_labels))
+
     def sequence(self, answer: Answer) -> Example:
         """prompt + `answer`, labels shifted: what SFT would train on for that answer."""
         if answer == "chosen":
@@ -90,6 +96,10 @@ class UnpairedExample:
     source: str = ""
     line: int = 0
 
+    @property
+    def num_supervised(self) -> int:
+        return sum(t != IGNORE_INDEX for t in self.completion_labels)
+
     def sequence(self) -> Example:
         """prompt + completion, labels shifted."""
         return _sequence(self.prompt_ids, self.completion_ids, self.completion_labels)
@@ -103,6 +113,9 @@ class Lengths:
     max_completion_len: int | Literal["auto"] = "auto"
     truncation: Truncation = "keep_end"
 
+
+AUTO = Lengths()
+"""The default rules: both lengths from the data, prompts keeping their end."""
 
 Side = tuple[list[int], list[int], list[int]]
 """(prompt ids, answer ids, answer labels aligned) of one side, untruncated."""
@@ -295,7 +308,7 @@ def _precheck_limit(lengths: Lengths, max_seq_len: int | None) -> int | None:
 def encode_pairs(
     tokenizer: PreTrainedTokenizerBase,
     records: Sequence[PreferenceRecord],
-    lengths: Lengths = Lengths(),
+    lengths: Lengths = AUTO,
     max_seq_len: int | None = None,
     system_message: str = "auto",
     log: Callable[[str], None] | None = None,
@@ -341,7 +354,7 @@ def encode_pairs(
 def encode_unpaired_records(
     tokenizer: PreTrainedTokenizerBase,
     records: Sequence[UnpairedRecord],
-    lengths: Lengths = Lengths(),
+    lengths: Lengths = AUTO,
     max_seq_len: int | None = None,
     system_message: str = "auto",
     log: Callable[[str], None] | None = None,
