@@ -187,15 +187,21 @@ PLANT_PAIRS = [
 ]
 
 
-@pytest.mark.parametrize("name", ["qwen2.5", "llama3", "gemma2", "mistral"])
+BEFORE_ANSWER = {"qwen3": "<think>\n\n</think>\n\n", "qwen3-moe": "<think>\n\n</think>\n\n"}
+"""What a template writes between the generation prompt and a final answer (not supervised)."""
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_each_answer_is_supervised_as_sft_supervises_it_after_one_shared_prompt(name: str) -> None:
     """With the real templates (Llama 3.1's date lines, Qwen2.5's default system prompt, Gemma
     2 folding the system message, Mistral's answer after "[/INST]" with its space): the
     supervised tokens of each answer decode to exactly the answer and its end of turn; the
-    prompt is what the template writes before the answer at inference (the generation prompt);
-    prompt + answer is token for token the SFT encoding of that conversation."""
+    prompt is what the template writes before the answer at inference (the generation prompt,
+    and Qwen3's empty think block, which SFT does not supervise either); prompt + answer is
+    token for token the SFT encoding of that conversation, less what a template writes after
+    the last answer (Phi-3's EOS), which is never supervised."""
     t, fam = tok(name), FAMILIES[name]
-    lead = " " if name == "mistral" else ""
+    lead = " " if name in ("mistral", "mixtral") else ""
     records = [pair(p, c, r, i + 1) for i, (p, c, r) in enumerate(PLANT_PAIRS)]
     pairs, bad, _ = encode_pairs(t, records)
     assert bad == [] and len(pairs) == len(records)
@@ -205,10 +211,14 @@ def test_each_answer_is_supervised_as_sft_supervises_it_after_one_shared_prompt(
         assert supervised(t, p.rejected_labels) == lead + answers[1] + fam.end_of_turn
         prompt, _ = for_template(t, list(rec.prompt))
         at_inference = t.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        assert t.decode(p.prompt_ids) == at_inference
+        assert t.decode(p.prompt_ids) == at_inference + BEFORE_ANSWER.get(name, "")
         for answer, messages in (("chosen", rec.chosen), ("rejected", rec.rejected)):
             sft = encode_chat(t, [*rec.prompt, *messages], supervise_from=len(rec.prompt))
-            assert p.sequence(answer) == sft
+            seq = p.sequence(answer)
+            n = len(seq.input_ids)
+            assert (sft.input_ids[:n], sft.labels[:n]) == (seq.input_ids, seq.labels)
+            assert set(sft.labels[n - 1 :]) == {IGNORE_INDEX}
+            assert len(sft.input_ids) - n == (1 if name == "phi3" else 0)
 
 
 def test_an_implicit_pair_that_differs_early_supervises_only_its_answers() -> None:
