@@ -82,9 +82,13 @@ class DataConfig:
     """Training JSONL file, or a directory written by `leantune prepare`."""
     eval: str | None = None
     """Held-out JSONL file (loss, perplexity and, for chat/alpaca, exact match)."""
-    format: Literal["alpaca", "chat", "text", "sharegpt", "prompt_completion"] = "chat"
+    format: Literal[
+        "alpaca", "chat", "text", "sharegpt", "prompt_completion", "preference", "kto"
+    ] = "chat"
     """Record format: alpaca (instruction/input/output), chat (messages), text (text), sharegpt
-    (conversations of from/value turns), prompt_completion (TRL's prompt and completion)."""
+    (conversations of from/value turns), prompt_completion (TRL's prompt and completion),
+    preference (TRL's prompt/chosen/rejected pairs, or chosen/rejected conversations), kto
+    (TRL's prompt/completion/label)."""
     max_seq_len: int | Literal["auto"] = "auto"
     """Longest tokenised example (at most 1,048,576); longer ones are reported as bad lines.
     auto = the longest example of data.train, up to the model's context (max_position_embeddings,
@@ -614,6 +618,12 @@ def _validate_data(cfg: Config) -> None:
         raise ConfigError(f"data.near_dup_threshold: must be in (0, 1], got {d.near_dup_threshold}")
     if d.min_tokens < 0 or (d.partition_mb is not None and d.partition_mb <= 0):
         raise ConfigError("data.min_tokens must be >= 0 and data.partition_mb > 0")
+    if d.format in ("preference", "kto"):
+        # Read and tokenised by leantune.data.preference_*; no training loop consumes them yet.
+        raise ConfigError(
+            f"data.format={d.format}: preference data needs a preference objective, which "
+            "this version's training loop does not run yet; use an SFT format (chat, ...)"
+        )
     if t.eval_exact_match and (d.eval is None or d.format == "text"):
         raise ConfigError(
             "train.eval_exact_match: needs data.eval and a chat or alpaca data.format"

@@ -22,6 +22,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.data.dataset import NOT_BAD
 from leantune.data.packing import best_fit_decreasing
+from leantune.data.preference_tokenize import PreferencePair
 from leantune.data.prepare.dedup import DedupIndex
 from leantune.data.prepare.engines import run_local
 from leantune.data.prepare.records import PrepareSettings, Rejection
@@ -141,6 +142,13 @@ def render_example(
     """
     supervised = np.zeros(ids.size, dtype=bool)
     supervised[1:] = labels[:-1] != IGNORE_INDEX
+    return _marked(tokenizer, ids, supervised, colour)
+
+
+def _marked(
+    tokenizer: PreTrainedTokenizerBase, ids: np.ndarray, supervised: np.ndarray, colour: bool
+) -> str:
+    """The text of `ids` with the tokens flagged in `supervised` marked."""
     opening, closing = (COLOUR_ON, COLOUR_OFF) if colour else (OPEN, CLOSE)
     pieces: list[str] = []
     start = 0
@@ -157,6 +165,36 @@ def render_example(
         pieces.append(f"{opening}{text}{closing}" if supervised[start] else text)
         start = int(end)
     return "".join(pieces)
+
+
+def render_pair(
+    tokenizer: PreTrainedTokenizerBase, pair: PreferencePair, colour: bool = False
+) -> str:
+    """A tokenised pair as `inspect` shows it: the shared prompt once, then each answer with
+    its supervised tokens marked (colour, or `[[` `]]`)."""
+    lines = [
+        f"prompt ({len(pair.prompt_ids)} tokens):",
+        _marked_answer(tokenizer, pair.prompt_ids, [], colour),
+    ]
+    for name, ids, labels in (
+        ("chosen", pair.chosen_ids, pair.chosen_labels),
+        ("rejected", pair.rejected_ids, pair.rejected_labels),
+    ):
+        n = sum(t != IGNORE_INDEX for t in labels)
+        lines += [
+            f"{name} ({len(ids)} tokens, {n} supervised):",
+            _marked_answer(tokenizer, ids, labels, colour),
+        ]
+    return "\n".join(lines)
+
+
+def _marked_answer(
+    tokenizer: PreTrainedTokenizerBase, ids: list[int], labels: list[int], colour: bool
+) -> str:
+    """Labels aligned with `ids` (not shifted): a token is supervised where its label is set."""
+    flags = np.zeros(len(ids), dtype=bool)
+    flags[: len(labels)] = np.asarray(labels, dtype=np.int64) != IGNORE_INDEX
+    return _marked(tokenizer, np.asarray(ids, dtype=np.int64), flags, colour) if ids else ""
 
 
 def histogram(lengths: list[int], bins: int = 8, width: int = 40) -> list[str]:
