@@ -11,6 +11,7 @@ install-test` installs it), so nothing here skips without it. Default-suite cost
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -237,3 +238,30 @@ def test_a_rollback_reloads_the_checkpoint_into_the_partitions(
     assert kinds == [(e["kind"], e["step"]) for e in read_events(one / "events.jsonl")]
     assert any(kind == "rollback" for kind, _ in kinds), kinds
     _assert_same_run(one, two)
+
+
+def test_deepspeed_gets_a_local_rank_only_for_its_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed insists on a launcher's LOCAL_RANK, which a world of one has not: it is set for
+    `deepspeed.initialize` and taken back, so later code in the process (accelerate, which then
+    tries to join a process group that does not exist) does not think a launcher started it."""
+    import types
+
+    import deepspeed
+    import torch
+
+    from leantune.training.distributed.world import World
+    from leantune.training.distributed.zero import ZeroStrategy
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    seen: list[str | None] = []
+
+    def initialize(**_: object) -> tuple[object, None, None, None]:
+        seen.append(os.environ.get("LOCAL_RANK"))
+        return types.SimpleNamespace(dp_world_size=1), None, None, None
+
+    monkeypatch.setattr(deepspeed, "initialize", initialize)
+    world = World(0, 1, 0, torch.device("cpu"), None, 1.0)  # type: ignore[arg-type]
+    strategy = ZeroStrategy(world, zero_stage=2, max_grad_norm=1.0)
+    strategy.wrap_model(torch.nn.Linear(2, 2))
+    strategy.prepare_optimizer(torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()))
+    assert seen == ["0"] and "LOCAL_RANK" not in os.environ

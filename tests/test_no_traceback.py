@@ -19,6 +19,8 @@ from conftest import run_cli, tiny_train_args, write_jsonl
 from model_zoo import save_family_model
 from safetensors.torch import load_file
 
+from leantune import writes
+
 INTERNAL = re.compile(
     r"^(?P<rank>rank \d+ of \d+: )?internal error: RuntimeError: boom; full traceback in "
     r"(?P<log>\S+); please report$"
@@ -256,10 +258,12 @@ def test_report_into_a_read_only_run_names_the_file_and_the_way_out(
 ) -> None:
     run = shutil.copytree(run_dir, tmp_path / "run")
 
-    def read_only(self: Path, *args: object, **kwargs: object) -> int:
-        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+    def read_only(where: Path, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(where))
 
-    monkeypatch.setattr(Path, "write_text", read_only)
+    # Every file leantune writes goes through the write helper (leantune.writes), which makes
+    # each one durable before it is renamed into place: refuse there, as a read-only disk does.
+    monkeypatch.setattr(writes, "_fsync_file", read_only)
     done = run_cli(["report", str(run)])
     assert done.code == 2, done
     assert str(run / "report.html") in done.err and "Read-only file system" in done.err

@@ -177,9 +177,13 @@ class ZeroStrategy(c.OverWorld):
         index = {id(p): i for i, p in enumerate(self.order)}
         self.groups = [[index[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         config = engine_config(self.zero_stage, self.max_grad_norm)
-        # DeepSpeed insists on a launcher's LOCAL_RANK; a world of one has none.
-        os.environ.setdefault("LOCAL_RANK", str(self.world.local_rank))
-        with c.named(self.world, "deepspeed.initialize"):
+        # DeepSpeed insists on a launcher's LOCAL_RANK; a world of one has none. Set only for
+        # the call: left behind, it tells later code in the process (accelerate, a caller's
+        # own) that a launcher started it.
+        with (
+            _launcher_local_rank(self.world.local_rank),
+            c.named(self.world, "deepspeed.initialize"),
+        ):
             engine, _, _, _ = deepspeed.initialize(
                 model=self.slot.loss_module,
                 optimizer=optimizer,
@@ -386,3 +390,16 @@ def _copy_masters_to_model(
         for name, p in params.items():
             if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE:
                 p.data.copy_(weights[name])
+
+
+@contextlib.contextmanager
+def _launcher_local_rank(local_rank: int) -> Iterator[None]:
+    """LOCAL_RANK as a launcher sets it, for the duration of the block, where none is set."""
+    if "LOCAL_RANK" in os.environ:
+        yield
+        return
+    os.environ["LOCAL_RANK"] = str(local_rank)
+    try:
+        yield
+    finally:
+        os.environ.pop("LOCAL_RANK", None)
