@@ -37,6 +37,7 @@ from leantune.config_parse import (
 )
 from leantune.config_preference import PreferenceConfig, check_preference
 from leantune.methods.registry import METHODS
+from leantune.objectives.registry import OBJECTIVES
 
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 AUTO_RUN_NAME = "auto"
@@ -583,6 +584,7 @@ def validate(cfg: Config) -> list[str]:
             f"train.kl_coef: applies to train.objective=sft; {t.objective} keeps near the "
             "reference through preference.beta (set train.kl_coef=0)"
         )
+    _validate_objective(cfg)
     lr, advice = t.lr, METHODS[m.name].lr_advice
     if advice is not None and lr is not None and lr >= advice.high:
         warnings.append(
@@ -593,6 +595,60 @@ def validate(cfg: Config) -> list[str]:
     if (t.max_steps or 0) >= 30 and 0 < t.warmup_ratio < 0.03:
         warnings.append(f"train.warmup_ratio={t.warmup_ratio:g} is short; 0.03..0.1 is usual")
     return warnings
+
+
+def preference_format(objective: str) -> Literal["preference", "kto"]:
+    """The data.format a preference objective reads: kto (unpaired) or preference (pairs)."""
+    return "kto" if OBJECTIVES[objective].data == "unpaired" else "preference"
+
+
+def with_objective_format(cfg: Config) -> Config:
+    """`cfg` with data.format=chat (the default) replaced by the format its preference
+    objective reads, so `train.objective=dpo` alone reads pairs; as is for sft."""
+    objective = cfg.train.objective
+    if objective == "sft" or cfg.data.format != "chat":
+        return cfg
+    data = dataclasses.replace(cfg.data, format=preference_format(objective))
+    return dataclasses.replace(cfg, data=data)
+
+
+def _validate_objective(cfg: Config) -> None:
+    """train.objective against the data format and the method: a preference objective reads
+    its own data format, and (in this version) needs an adapter method for its reference."""
+    objective, d, m = cfg.train.objective, cfg.data, cfg.method
+    if objective == "sft":
+        if d.format in ("preference", "kto"):
+            raise ConfigError(
+                f"data.format={d.format}: preference data trains a preference objective; set "
+                f"train.objective={'kto' if d.format == 'kto' else 'dpo'} (or simpo, orpo), or "
+                "use an SFT format (chat, ...)"
+            )
+        return
+    needed = preference_format(objective)
+    if d.format not in (needed, "chat"):  # chat, the default, is read as `needed`
+        raise ConfigError(
+            f"data.format={d.format}: train.objective={objective} reads data.format={needed} "
+            f"({'prompt, completion, label' if needed == 'kto' else 'prompt, chosen, rejected'}); "
+            f"set data.format={needed}"
+        )
+    spec = METHODS[m.name]
+    if OBJECTIVES[objective].needs_reference and spec.trains_base_weights:
+        raise ConfigError(
+            f"method.name={m.name}: train.objective={objective} compares against the reference "
+            "model; with an adapter method (lora, dora, ...) that is the model with its adapters "
+            "off. Full and freeze are not yet: they need the cached reference pass; use "
+            "method.name=lora"
+        )
+    if spec.needs_unpacked_data:
+        raise ConfigError(
+            f"method.name={m.name}: train.objective={objective} puts a pair's two answers in one "
+            "row, which this method's virtual tokens cannot keep apart; use method.name=lora"
+        )
+    if d.eval is not None:
+        raise ConfigError(
+            f"data.eval: train.objective={objective} does not evaluate held-out data during "
+            "training yet; set data.eval=null"
+        )
 
 
 def _check_finite(obj: Any, prefix: str = "") -> None:
@@ -618,12 +674,6 @@ def _validate_data(cfg: Config) -> None:
         raise ConfigError(f"data.near_dup_threshold: must be in (0, 1], got {d.near_dup_threshold}")
     if d.min_tokens < 0 or (d.partition_mb is not None and d.partition_mb <= 0):
         raise ConfigError("data.min_tokens must be >= 0 and data.partition_mb > 0")
-    if d.format in ("preference", "kto"):
-        # Read and tokenised by leantune.data.preference_*; no training loop consumes them yet.
-        raise ConfigError(
-            f"data.format={d.format}: preference data needs a preference objective, which "
-            "this version's training loop does not run yet; use an SFT format (chat, ...)"
-        )
     if t.eval_exact_match and (d.eval is None or d.format == "text"):
         raise ConfigError(
             "train.eval_exact_match: needs data.eval and a chat or alpaca data.format"

@@ -45,6 +45,7 @@ from leantune.config import (
     parse_memory_size,
     to_dict,
     validate,
+    with_objective_format,
 )
 from leantune.config_parse import ConfigError
 from leantune.data.dataset import PreparedData
@@ -168,6 +169,7 @@ def train(cfg: Config, log: Log = print, config_file: Path | None = None) -> dic
     started = time.perf_counter()
     warnings = validate(cfg)
     cfg = copy.deepcopy(cfg)  # what the run resolves (its name, lengths, steps) stays its own
+    cfg = with_objective_format(cfg)  # in the run's name and record as the format it reads
     source = resolve_model(cfg.model.path, cfg.model.gguf_file)
     cfg = named_run(cfg, source.location, source.gguf_file)
     strategy = parallel_strategy(cfg)  # run.dir known: a resumed run keeps its precision
@@ -337,6 +339,13 @@ def set_up(
         strategy=strategy,
         stats=stats,
     )
+    if run.preference is not None:
+        if not isinstance(strategy, SingleProcess):
+            raise ConfigError(
+                f"train.objective={cfg.train.objective}: not yet under torchrun (one process "
+                "only in this version); run it without torchrun"
+            )
+        trainer.objective = run.preference.step(cfg)
     strategy.agree(0)  # every rank has read the run directory before rank 0 writes to it
     start_state(trainer, cfg, run.plan, log)
     if base_exact_match is not None and trainer.progress.base_exact_match is None:

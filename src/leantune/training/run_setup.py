@@ -55,6 +55,7 @@ from leantune.models.loading import ModelSource
 from leantune.training.allocator import mapped_allocator
 from leantune.training.fingerprint import run_fingerprint
 from leantune.training.guard import GuardSettings
+from leantune.training.preference_setup import PreferenceRun, load_preference_data
 from leantune.training.resume_policy import ResumePlan, plan_run
 from leantune.training.rundir import read_record
 
@@ -79,6 +80,9 @@ class RunSetup:
     """Rows per optimizer step: the configured global batch, or all rows when fewer."""
     memory: PlannedMemory | None = None
     """The memory planner's prediction and budget (shown against the measured memory)."""
+    preference: PreferenceRun | None = None
+    """train.objective other than sft: the preference data and its packed rows (`train_data`
+    holds the same rows as the loop reads them)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,7 +367,12 @@ def set_up_run(
         log(note)
     location, gguf_file = source.location, source.gguf_file
     context = model_context(location, gguf_file, cfg.model) if d.max_seq_len == "auto" else None
-    train_data, eval_data, max_seq_len = load_datasets(cfg, tokenizer, context, log)
+    preference = None
+    if cfg.train.objective == "sft":
+        train_data, eval_data, max_seq_len = load_datasets(cfg, tokenizer, context, log)
+    else:  # config validation refuses data.eval for these (not evaluated yet)
+        train_data, preference, max_seq_len = load_preference_data(cfg, tokenizer, context, log)
+        eval_data = None
     configured, batch, steps = _batch_and_steps(cfg.train, train_data, processes, log)
     data = dataclasses.replace(
         d, max_seq_len=max_seq_len, pack=effective_pack(d.pack, cfg.method.name)
@@ -377,7 +386,8 @@ def set_up_run(
     labels = [r.labels for r in train_data.rows]
     t, memory = plan_for_run(cfg, device, labels, batch, mapped_allocator()[0])
     log(memory.note)
-    return RunSetup(dataclasses.replace(cfg, train=t), plan, train_data, eval_data, batch, memory)
+    cfg = dataclasses.replace(cfg, train=t)
+    return RunSetup(cfg, plan, train_data, eval_data, batch, memory, preference)
 
 
 def check_ids_fit(model: nn.Module, run: RunSetup) -> None:

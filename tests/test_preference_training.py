@@ -1,0 +1,235 @@
+"""Preference objectives through the one training loop (issue 34): a DPO run on a tiny llama
+starts at log 2 and logs the reward metrics, its step's loss is `dpo_loss` of the model's own
+log-probs, a stopped run resumes bit-exactly, and simpo, orpo and kto train."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_config, run_cli, tiny_train_args, write_jsonl
+from safetensors.torch import load_file
+
+from leantune.config import validate
+from leantune.config_parse import ConfigError
+from leantune.models.loading import resolve_model
+from leantune.objectives.logps import SequenceLogps, logits_token_logps, sequence_logps
+from leantune.objectives.preference import PreferenceBatch, dpo_loss
+from leantune.objectives.registry import OBJECTIVES, settings_for
+from leantune.training.fingerprint import trajectory_settings
+from leantune.training.metrics import read_metrics
+from leantune.training.preference_step import PreferenceStep
+from leantune.training.recipe import named_run, set_up, train
+from leantune.training.signals import StopSignals
+
+SIGNAL_ENV = "LEANTUNE_SIGNAL_AT_MICRO_BATCH"
+PAIRS = [
+    {"prompt": f"What is {i} plus {i}?", "chosen": f"It is {2 * i}.", "rejected": f"Maybe {i}."}
+    for i in range(8)
+]
+UNPAIRED = [
+    {"prompt": f"What is {i} plus {i}?", "completion": f"It is {2 * i}.", "label": True}
+    for i in range(4)
+] + [
+    {"prompt": f"What is {i} plus {i}?", "completion": f"Maybe {i}.", "label": False}
+    for i in range(4)
+]
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+
+
+def _args(model: Path, data: Path, run: Path, objective: str, *extra: str) -> list[str]:
+    """`leantune train` with train.objective: data.format=chat (tiny_train_args's, the
+    default) is read as the objective's format (preference, kto)."""
+    return tiny_train_args(
+        model,
+        data,
+        run,
+        f"train.objective={objective}",
+        "data.max_seq_len=auto",
+        "train.precision=fp32",
+        "method.dropout=0",
+        *extra,
+    )
+
+
+def test_a_dpo_run_starts_at_log_2_and_logs_the_rewards(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """LoRA's B starts at 0, so the policy is its reference at step 1: every pair's log-ratio
+    is 0 and the DPO loss is exactly log 2; the reward metrics reach metrics.jsonl."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    run = tmp_path / "run"
+    done = run_cli(_args(tiny_llama_dir, data, run, "dpo", "train.max_steps=3"))
+    assert done.code == 0, done
+    steps = read_metrics(run / "metrics.jsonl")
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert steps[0]["rewards/chosen"] == 0 and steps[0]["rewards/margins"] == 0
+    assert all(key in m for m in steps for key in (*REWARDS, "logps/chosen", "logps/rejected"))
+    assert steps[-1]["loss"] < math.log(2)  # trained: lr 1e-2 moves it within 2 updates
+    assert steps[-1]["rewards/margins"] > 0
+    assert (run / "final" / "adapter_model.safetensors").exists()
+
+
+def test_the_step_loss_is_dpo_of_the_models_own_log_probs(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """Two packed pairs in one row, after one update (so policy and reference differ): the
+    loop's objective output equals `dpo_loss` of log-probs from the model's own forward (full
+    logits) on each sequence alone, with the adapter on and off."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS[:4])
+    cfg = make_config(
+        tiny_llama_dir,
+        data,
+        tmp_path / "run",
+        "data.format=preference",
+        "train.objective=dpo",
+        "train.max_steps=1",
+        "train.micro_batch_size=4",
+        "train.precision=fp32",
+        "method.dropout=0",
+    )
+    train(cfg, log=lambda _: None)
+    source = resolve_model(cfg.model.path, None)
+    cfg = named_run(cfg, source.location, None)
+    # The set-up of the same command again: the model as the run left it (resumed at step 1).
+    session = set_up(cfg, source, stop=StopSignals(), inputs=[], log=lambda _: None)
+    assert session.trainer.state.step == 1
+    step = session.trainer.objective
+    assert isinstance(step, PreferenceStep)
+    model = session.model
+    model.eval()
+    rows = [i for i, r in enumerate(step.rows) if len(r.segments) >= 4][:1]
+    assert rows, "two pairs packed in one row"
+    mb = step.collate(rows, session.trainer.pad_id)
+    with torch.no_grad():
+        out = step.output(model, mb)
+    chosen, rejected, ref_c, ref_r = [], [], [], []
+    for i in rows:
+        for s in step.rows[i].segments:
+            ids = torch.tensor([step.rows[i].input_ids[s.start : s.end]])
+            labels = torch.tensor([step.rows[i].labels[s.start : s.end]])
+            with torch.no_grad():
+                own = model(input_ids=ids).logits
+                with model.disable_adapter():
+                    ref = model(input_ids=ids).logits
+            pol = sequence_logps(logits_token_logps(own, labels), labels)
+            base = sequence_logps(logits_token_logps(ref, labels), labels)
+            (chosen if s.answer == "chosen" else rejected).append(pol)
+            (ref_c if s.answer == "chosen" else ref_r).append(base.sums)
+
+    def cat(xs: list[SequenceLogps]) -> SequenceLogps:
+        return SequenceLogps(torch.cat([x.sums for x in xs]), torch.cat([x.counts for x in xs]))
+
+    spec = OBJECTIVES["dpo"]
+    expected = dpo_loss(
+        PreferenceBatch(cat(chosen), cat(rejected), torch.cat(ref_c), torch.cat(ref_r)),
+        settings_for(spec, cfg.preference),
+    )
+    assert out.examples == expected.examples >= 2
+    assert float(out.loss()) == pytest.approx(float(expected.loss()), abs=1e-5)
+    assert float(out.loss()) != pytest.approx(math.log(2), abs=1e-4)  # the update moved it
+    got, want = out.metrics(), expected.metrics()
+    for key in (*REWARDS, "logps/chosen", "logps/rejected"):
+        assert got[key] == pytest.approx(want[key], abs=1e-5), key
+
+
+def test_a_stopped_dpo_run_resumes_bit_exactly(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM in step 3 (checkpoint of step 2), then the same command: the metrics and the
+    final adapter equal the uninterrupted run's exactly (CPU fp32)."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    extra = (
+        "train.max_steps=4",
+        "train.micro_batch_size=1",
+        "train.grad_accum=2",
+        "data.pack=false",
+        "train.save_every=0",
+    )
+    straight = tmp_path / "straight"
+    assert run_cli(_args(tiny_llama_dir, data, straight, "dpo", *extra)).code == 0
+    run = tmp_path / "run"
+    args = _args(tiny_llama_dir, data, run, "dpo", *extra)
+    monkeypatch.setenv(SIGNAL_ENV, "4:TERM")  # micro-batch 4: the first of step 3
+    stopped = run_cli(args)
+    monkeypatch.delenv(SIGNAL_ENV)
+    assert stopped.code == 143, stopped
+    resumed = run_cli(args)
+    assert resumed.code == 0 and "resumed from" in resumed.out, resumed
+    a, b = read_metrics(straight / "metrics.jsonl"), read_metrics(run / "metrics.jsonl")
+    assert [m["step"] for m in b] == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm", "lr", *REWARDS):
+        assert [m[key] for m in a] == [m[key] for m in b], key
+    wa = load_file(straight / "final" / "adapter_model.safetensors")
+    wb = load_file(run / "final" / "adapter_model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.parametrize(
+    ("objective", "metric"),
+    [("simpo", "rewards/margins"), ("orpo", "log_odds_ratio"), ("kto", "kl")],
+)
+def test_simpo_orpo_and_kto_train(
+    tiny_llama_dir: Path, tmp_path: Path, objective: str, metric: str
+) -> None:
+    rows = UNPAIRED if objective == "kto" else PAIRS
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    run = tmp_path / "run"
+    done = run_cli(_args(tiny_llama_dir, data, run, objective, "train.max_steps=2"))
+    assert done.code == 0, done
+    steps = read_metrics(run / "metrics.jsonl")
+    assert len(steps) == 2 and all(math.isfinite(m["loss"]) and metric in m for m in steps)
+    if objective == "kto":  # policy == reference at step 1: every loss is 1 - sigmoid(0)
+        assert steps[0]["loss"] == pytest.approx(0.5, abs=1e-6)
+        assert steps[0]["kl"] == 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        (("data.format=preference",), "train.objective=dpo"),
+        (("train.objective=dpo", "data.format=alpaca"), "data.format=preference"),
+        (("train.objective=kto", "data.format=preference"), "data.format=kto"),
+        (("train.objective=dpo", "data.format=preference", "method.name=full"), "not yet"),
+        (("train.objective=orpo", "data.format=preference", "method.name=prompt"), "row"),
+    ],
+)
+def test_the_objective_and_the_data_format_are_checked_together(
+    tiny_llama_dir: Path, tmp_path: Path, overrides: tuple[str, ...], says: str
+) -> None:
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    with pytest.raises(ConfigError, match=says.replace(".", r"\.")):
+        validate(make_config(tiny_llama_dir, data, tmp_path / "run", *overrides))
+
+
+def test_full_fine_tuning_needs_no_reference_for_simpo(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    cfg = make_config(
+        tiny_llama_dir,
+        data,
+        tmp_path / "run",
+        "train.objective=simpo",
+        "data.format=preference",
+        "method.name=full",
+    )
+    validate(cfg)
+
+
+def test_the_fingerprint_holds_the_objective_only_for_preference_runs(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """An SFT run's fingerprint is as before (its run name and resume do not change); a
+    preference run's holds the objective and its settings, so another beta is another run."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    sft = trajectory_settings(make_config(tiny_llama_dir, data, tmp_path / "a"))
+    assert not any(k == "train.objective" or k.startswith("preference.") for k in sft)
+    pref = ("train.objective=dpo", "data.format=preference")
+    dpo = trajectory_settings(make_config(tiny_llama_dir, data, tmp_path / "b", *pref))
+    assert dpo["train.objective"] == "dpo" and dpo["preference.beta"] is None
+    other = make_config(tiny_llama_dir, data, tmp_path / "b", *pref, "preference.beta=0.5")
+    assert trajectory_settings(other)["preference.beta"] == 0.5
