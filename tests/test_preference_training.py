@@ -5,6 +5,7 @@ log-probs, a stopped run resumes bit-exactly, and simpo, orpo and kto train."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,15 +15,18 @@ from safetensors.torch import load_file
 
 from leantune.config import validate
 from leantune.config_parse import ConfigError
+from leantune.data.preference_packing import pack_pairs
 from leantune.models.loading import resolve_model
 from leantune.objectives.logps import SequenceLogps, logits_token_logps, sequence_logps
 from leantune.objectives.preference import PreferenceBatch, dpo_loss
 from leantune.objectives.registry import OBJECTIVES, settings_for
 from leantune.training.fingerprint import trajectory_settings
 from leantune.training.metrics import read_metrics
+from leantune.training.preference_setup import load_preference_data
 from leantune.training.preference_step import PreferenceStep
-from leantune.training.recipe import named_run, set_up, train
+from leantune.training.recipe import Session, named_run, set_up, train
 from leantune.training.signals import StopSignals
+from leantune.training.trainer import preference_window
 
 SIGNAL_ENV = "LEANTUNE_SIGNAL_AT_MICRO_BATCH"
 PAIRS = [
@@ -73,17 +77,16 @@ def test_a_dpo_run_starts_at_log_2_and_logs_the_rewards(
     assert (run / "final" / "adapter_model.safetensors").exists()
 
 
-def test_the_step_loss_is_dpo_of_the_models_own_log_probs(
-    tiny_llama_dir: Path, tmp_path: Path
-) -> None:
-    """Two packed pairs in one row, after one update (so policy and reference differ): the
-    loop's objective output equals `dpo_loss` of log-probs from the model's own forward (full
-    logits) on each sequence alone, with the adapter on and off."""
-    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS[:4])
+@pytest.fixture(scope="module")
+def dpo_session(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Session:
+    """A 1-step DPO run on 4 pairs (packed in one row), set up again as the same command does:
+    the trainer as the run left it (policy and reference differ after the update)."""
+    tmp = tmp_path_factory.mktemp("dpo")
+    data = write_jsonl(tmp / "pairs.jsonl", PAIRS[:4])
     cfg = make_config(
         tiny_llama_dir,
         data,
-        tmp_path / "run",
+        tmp / "run",
         "data.format=preference",
         "train.objective=dpo",
         "train.max_steps=1",
@@ -94,9 +97,16 @@ def test_the_step_loss_is_dpo_of_the_models_own_log_probs(
     train(cfg, log=lambda _: None)
     source = resolve_model(cfg.model.path, None)
     cfg = named_run(cfg, source.location, None)
-    # The set-up of the same command again: the model as the run left it (resumed at step 1).
     session = set_up(cfg, source, stop=StopSignals(), inputs=[], log=lambda _: None)
     assert session.trainer.state.step == 1
+    return session
+
+
+def test_the_step_loss_is_dpo_of_the_models_own_log_probs(dpo_session: Session) -> None:
+    """Two packed pairs in one row, after one update: the loop's objective output equals
+    `dpo_loss` of log-probs from the model's own forward (full logits) on each sequence alone,
+    with the adapter on and off (a row whose sequences saw each other would differ)."""
+    session, cfg = dpo_session, dpo_session.cfg
     step = session.trainer.objective
     assert isinstance(step, PreferenceStep)
     model = session.model
@@ -134,6 +144,35 @@ def test_the_step_loss_is_dpo_of_the_models_own_log_probs(
     got, want = out.metrics(), expected.metrics()
     for key in (*REWARDS, "logps/chosen", "logps/rejected"):
         assert got[key] == pytest.approx(want[key], abs=1e-5), key
+
+
+def test_two_micro_batches_give_the_gradient_of_one_twice_as_large(dpo_session: Session) -> None:
+    """The window's arithmetic: each micro-batch's loss is over the window's pairs, so 4 pairs
+    in micro-batches of 2 give the loss, gradients and metrics of one micro-batch of 4."""
+    run = load_preference_data(dpo_session.cfg, dpo_session.tokenizer, None, lambda _: None)[1]
+    packed = dpo_session.trainer.objective
+    assert isinstance(packed, PreferenceStep)
+    step = replace(packed, rows=pack_pairs(run.data.pairs, None))  # one pair per row
+    assert len(step.rows) == 4
+    params = dpo_session.trainer.params
+
+    def window(split: list[list[int]]) -> tuple[float, dict[str, float], list[torch.Tensor]]:
+        for p in params.values():
+            p.grad = None
+        batches = [step.collate(m, dpo_session.trainer.pad_id) for m in split]
+        model = dpo_session.trainer.model
+        loss, metrics = preference_window(step, model, batches, torch.device("cpu"), "fp32")
+        return loss, metrics, [p.grad.clone() for p in params.values() if p.grad is not None]
+
+    one_loss, one_metrics, one_grads = window([[0, 1, 2, 3]])
+    two_loss, two_metrics, two_grads = window([[0, 1], [2, 3]])
+    assert two_loss == pytest.approx(one_loss, abs=1e-6)
+    assert two_metrics.keys() == one_metrics.keys() and set(REWARDS) <= set(one_metrics)
+    for key, value in one_metrics.items():
+        assert two_metrics[key] == pytest.approx(value, abs=1e-5), key
+    assert len(one_grads) == len(two_grads) == len(params)
+    for a, b in zip(one_grads, two_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_a_stopped_dpo_run_resumes_bit_exactly(
