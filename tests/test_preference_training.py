@@ -4,6 +4,7 @@ log-probs, a stopped run resumes bit-exactly, and simpo, orpo and kto train."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -75,6 +76,16 @@ def test_a_dpo_run_starts_at_log_2_and_logs_the_rewards(
     assert steps[-1]["loss"] < math.log(2)  # trained: lr 1e-2 moves it within 2 updates
     assert steps[-1]["rewards/margins"] > 0
     assert (run / "final" / "adapter_model.safetensors").exists()
+    # eval on pairs: the tuned model prefers the chosen answers by more than its base does.
+    scores = {}
+    for model in (tiny_llama_dir, run / "final"):
+        done = run_cli(["eval", "--model", str(model), "--data", str(data)])
+        assert done.code == 0, done
+        scores[model] = json.loads(done.out[done.out.index("{") :])
+    base, tuned = scores[tiny_llama_dir], scores[run / "final"]
+    assert tuned["pairs"] == 8 and tuned["format"] == "preference"
+    assert tuned["mean_margin"] > base["mean_margin"]
+    assert 0 <= base["preference_accuracy"] <= tuned["preference_accuracy"] <= 1
 
 
 @pytest.fixture(scope="module")
