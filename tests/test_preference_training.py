@@ -21,6 +21,8 @@ from leantune.models.loading import resolve_model
 from leantune.objectives.logps import SequenceLogps, logits_token_logps, sequence_logps
 from leantune.objectives.preference import PreferenceBatch, dpo_loss
 from leantune.objectives.registry import OBJECTIVES, settings_for
+from leantune.training.events import read_events
+from leantune.training.faults import OOM_STEP_ENV
 from leantune.training.fingerprint import trajectory_settings
 from leantune.training.metrics import read_metrics
 from leantune.training.preference_setup import load_preference_data
@@ -216,6 +218,27 @@ def test_a_stopped_dpo_run_resumes_bit_exactly(
     wa = load_file(straight / "final" / "adapter_model.safetensors")
     wb = load_file(run / "final" / "adapter_model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_an_oom_in_a_dpo_step_replays_it_with_half_the_micro_batch(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A simulated OOM in step 2 halves the micro-batch and replays the same pairs: every step
+    equals a run with micro-batch 1 from the start (global batch 4 kept), up to rounding."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    fixed = ("train.max_steps=3", "data.pack=false", "train.global_batch_size=4")
+    small = tmp_path / "small"
+    one = ("train.micro_batch_size=1", "train.grad_accum=4")
+    assert run_cli(_args(tiny_llama_dir, data, small, "dpo", *fixed, *one)).code == 0
+    run = tmp_path / "run"
+    monkeypatch.setenv(OOM_STEP_ENV, "2")
+    two = ("train.micro_batch_size=2", "train.grad_accum=2")
+    assert run_cli(_args(tiny_llama_dir, data, run, "dpo", *fixed, *two)).code == 0
+    a, b = read_metrics(small / "metrics.jsonl"), read_metrics(run / "metrics.jsonl")
+    assert [m["micro_batch_size"] for m in b] == [2, 1, 1]
+    assert [e["kind"] for e in read_events(run / "events.jsonl")].count("oom") == 1
+    for key in ("loss", "grad_norm", *REWARDS):
+        assert [m[key] for m in b] == pytest.approx([m[key] for m in a], abs=1e-5), key
 
 
 @pytest.mark.parametrize(
