@@ -632,12 +632,11 @@ def _validate_objective(cfg: Config) -> None:
             f"set data.format={needed}"
         )
     spec = METHODS[m.name]
-    if OBJECTIVES[objective].needs_reference and spec.trains_base_weights:
+    if OBJECTIVES[objective].needs_kl_pairs and spec.trains_base_weights:
         raise ConfigError(
-            f"method.name={m.name}: train.objective={objective} compares against the reference "
-            "model; with an adapter method (lora, dora, ...) that is the model with its adapters "
-            "off. Full and freeze are not yet: they need the cached reference pass; use "
-            "method.name=lora"
+            f"method.name={m.name}: train.objective={objective} is not yet trained with full "
+            "or freeze: its KL term needs the reference on pairs made per batch, which only an "
+            "adapter method (the model with its adapters off) gives; use method.name=lora"
         )
     if spec.needs_unpacked_data:
         raise ConfigError(

@@ -14,7 +14,7 @@ window) is `trainer.preference_window`, next to the token loss's.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -26,6 +26,7 @@ from leantune.data.preference_tokenize import UnpairedExample
 from leantune.objectives.logps import sequence_logps
 from leantune.objectives.preference import ObjectiveOutput, PreferenceBatch, kto_kl
 from leantune.objectives.spec import ObjectiveSettings, ObjectiveSpec
+from leantune.training.precision import autocast
 from leantune.training.token_loss import reference_token_logps, supervised_token_logps
 
 MODEL_INPUTS = ("input_ids", "labels", "position_ids")
@@ -48,17 +49,18 @@ class PreferenceMicroBatch:
     """Supervised tokens of the chosen answers (the SFT part of RPO, ORPO)."""
     kl: dict[str, torch.Tensor] | None = None
     """KTO: the mismatched (prompt, completion) sequences that estimate the KL term."""
+    reference: torch.Tensor | None = None
+    """(num_sequences,) the reference's summed log-probs, when computed before training."""
 
     def to(self, device: torch.device) -> PreferenceMicroBatch:
         kl = None if self.kl is None else {k: v.to(device) for k, v in self.kl.items()}
-        return PreferenceMicroBatch(
-            {k: v.to(device) for k, v in self.tensors.items()},
-            self.chosen.to(device),
-            self.rejected.to(device),
-            self.num_sequences,
-            self.examples,
-            self.nll_tokens,
-            kl,
+        return replace(
+            self,
+            tensors={k: v.to(device) for k, v in self.tensors.items()},
+            chosen=self.chosen.to(device),
+            rejected=self.rejected.to(device),
+            kl=kl,
+            reference=None if self.reference is None else self.reference.to(device),
         )
 
 
@@ -77,6 +79,10 @@ class PreferenceStep:
     rows: Sequence[PreferenceRow]
     unpaired: Sequence[UnpairedExample] = ()
     """KTO: the examples the rows' segments index (their labels; the KL sequences)."""
+    reference: Sequence[torch.Tensor] | None = None
+    """Per row, the reference's summed log-probs of its sequences, computed once before
+    training (`with_reference`: full and freeze, whose reference is the model before its first
+    update); None: each step's forward with the adapters off."""
 
     def collate(self, indices: list[int], pad_id: int) -> PreferenceMicroBatch:
         """The rows at `indices`, right-padded, with their sequences numbered in order."""
@@ -101,6 +107,7 @@ class PreferenceStep:
         segments[segments < 0] = n
         tensors["segments"] = segments
         paired = self.spec.data == "paired"
+        reference = self.reference
         return PreferenceMicroBatch(
             tensors,
             torch.tensor(chosen, dtype=torch.long),
@@ -109,6 +116,7 @@ class PreferenceStep:
             len(chosen) if paired else n,
             nll_tokens,
             self._kl_sequences(rows, pad_id) if self.spec.needs_kl_pairs else None,
+            torch.cat([reference[i] for i in indices]) if reference is not None else None,
         )
 
     def _kl_sequences(self, rows: list[PreferenceRow], pad_id: int) -> dict[str, torch.Tensor]:
@@ -131,8 +139,11 @@ class PreferenceStep:
         policy = sequence_logps(supervised_token_logps(model, batch), labels, segments, count)
         ref_chosen = ref_rejected = kl = None
         if self.spec.needs_reference:
-            ref = sequence_logps(reference_token_logps(model, batch), labels, segments, count)
-            ref_chosen, ref_rejected = ref.sums[mb.chosen], ref.sums[mb.rejected]
+            ref = mb.reference
+            if ref is None:
+                off = reference_token_logps(model, batch)
+                ref = sequence_logps(off, labels, segments, count).sums
+            ref_chosen, ref_rejected = ref[mb.chosen], ref[mb.rejected]
         if mb.kl is not None:
             kl = _kl_estimate(model, mb.kl)
         return self.spec.loss(
@@ -141,6 +152,37 @@ class PreferenceStep:
             ),
             self.settings,
         )
+
+
+def with_reference(
+    step: PreferenceStep,
+    model: nn.Module,
+    device: torch.device,
+    precision: str,
+    pad_id: int,
+    batch_size: int = 8,
+) -> PreferenceStep:
+    """`step` with the reference's log-probs of every sequence, computed now by `model` (the
+    model before training: full fine-tuning and freeze have no adapters to switch off, and
+    keeping them spares a second copy of the weights). Call it before a resume restores the
+    trained weights; it runs again, the same way, on every start."""
+    sums: list[torch.Tensor] = []
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(step.rows), batch_size):
+            indices = list(range(start, min(start + batch_size, len(step.rows))))
+            mb = step.collate(indices, pad_id).to(device)
+            batch = {k: mb.tensors[k] for k in MODEL_INPUTS}
+            with autocast(device.type, precision):
+                token_logps = supervised_token_logps(model, batch)
+            logps = sequence_logps(
+                token_logps, batch["labels"], mb.tensors["segments"], mb.num_sequences + 1
+            )
+            counts = [len(step.rows[i].segments) for i in indices]
+            sums += [t.cpu() for t in torch.split(logps.sums[: mb.num_sequences], counts)]
+    model.train(was_training)
+    return replace(step, reference=tuple(sums))
 
 
 def _kl_estimate(model: nn.Module, kl: dict[str, torch.Tensor]) -> torch.Tensor:

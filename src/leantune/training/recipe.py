@@ -54,6 +54,7 @@ from leantune.data.templates import apply_chat_template
 from leantune.methods.coverage import Coverage, coverage_of
 from leantune.methods.registry import (
     DEFAULT_LR,
+    METHODS,
     apply_method,
     base_quantization,
     compute_dtype,
@@ -106,6 +107,7 @@ from leantune.training.precision import (
     recorded_setting,
     resolve_precision,
 )
+from leantune.training.preference_step import with_reference
 from leantune.training.progress import RunProgress
 from leantune.training.refused_writes import keep_trained_steps, refused_write, with_resume_point
 from leantune.training.resume_policy import (
@@ -346,6 +348,16 @@ def set_up(
                 "only in this version); run it without torchrun"
             )
         trainer.objective = run.preference.step(cfg)
+        if trainer.objective.spec.needs_reference and METHODS[cfg.method.name].trains_base_weights:
+            # Before start_state: a resume's restore has not yet put the trained weights in.
+            trainer.objective = with_reference(
+                trainer.objective, trained, device, t.precision, pad_id
+            )
+            log(
+                f"reference: the log-probs of {len(run.train_data.examples)} sequences, "
+                f"computed once by the model before training (method.name={cfg.method.name} "
+                "keeps no second copy)"
+            )
     strategy.agree(0)  # every rank has read the run directory before rank 0 writes to it
     start_state(trainer, cfg, run.plan, log)
     if base_exact_match is not None and trainer.progress.base_exact_match is None:
