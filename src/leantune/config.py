@@ -35,9 +35,12 @@ from leantune.config_parse import (
     shorten,
     show,
 )
-from leantune.config_preference import PreferenceConfig, check_preference
+from leantune.config_preference import (
+    PreferenceConfig,
+    check_objective,
+    check_preference,
+)
 from leantune.methods.registry import METHODS
-from leantune.objectives.registry import OBJECTIVES
 
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 AUTO_RUN_NAME = "auto"
@@ -597,57 +600,16 @@ def validate(cfg: Config) -> list[str]:
     return warnings
 
 
-def preference_format(objective: str) -> Literal["preference", "kto"]:
-    """The data.format a preference objective reads: kto (unpaired) or preference (pairs)."""
-    return "kto" if OBJECTIVES[objective].data == "unpaired" else "preference"
-
-
-def with_objective_format(cfg: Config) -> Config:
-    """`cfg` with data.format=chat (the default) replaced by the format its preference
-    objective reads, so `train.objective=dpo` alone reads pairs; as is for sft."""
-    objective = cfg.train.objective
-    if objective == "sft" or cfg.data.format != "chat":
-        return cfg
-    data = dataclasses.replace(cfg.data, format=preference_format(objective))
-    return dataclasses.replace(cfg, data=data)
-
-
 def _validate_objective(cfg: Config) -> None:
-    """train.objective against the data format and the method: a preference objective reads
-    its own data format, and (in this version) needs an adapter method for its reference."""
-    objective, d, m = cfg.train.objective, cfg.data, cfg.method
-    if objective == "sft":
-        if d.format in ("preference", "kto"):
-            raise ConfigError(
-                f"data.format={d.format}: preference data trains a preference objective; set "
-                f"train.objective={'kto' if d.format == 'kto' else 'dpo'} (or simpo, orpo), or "
-                "use an SFT format (chat, ...)"
-            )
-        return
-    needed = preference_format(objective)
-    if d.format not in (needed, "chat"):  # chat, the default, is read as `needed`
-        raise ConfigError(
-            f"data.format={d.format}: train.objective={objective} reads data.format={needed} "
-            f"({'prompt, completion, label' if needed == 'kto' else 'prompt, chosen, rejected'}); "
-            f"set data.format={needed}"
-        )
-    spec = METHODS[m.name]
-    if OBJECTIVES[objective].needs_kl_pairs and spec.trains_base_weights:
-        raise ConfigError(
-            f"method.name={m.name}: train.objective={objective} is not yet trained with full "
-            "or freeze: its KL term needs the reference on pairs made per batch, which only an "
-            "adapter method (the model with its adapters off) gives; use method.name=lora"
-        )
-    if spec.needs_unpacked_data:
-        raise ConfigError(
-            f"method.name={m.name}: train.objective={objective} puts a pair's two answers in one "
-            "row, which this method's virtual tokens cannot keep apart; use method.name=lora"
-        )
-    if d.eval is not None:
-        raise ConfigError(
-            f"data.eval: train.objective={objective} does not evaluate held-out data during "
-            "training yet; set data.eval=null"
-        )
+    spec = METHODS[cfg.method.name]
+    check_objective(
+        cfg.train.objective,
+        cfg.data.format,
+        cfg.method.name,
+        trains_base_weights=spec.trains_base_weights,
+        needs_unpacked_data=spec.needs_unpacked_data,
+        eval_file=cfg.data.eval,
+    )
 
 
 def _check_finite(obj: Any, prefix: str = "") -> None:

@@ -1,4 +1,4 @@
-"""The supervised fine-tuning recipe: one lifecycle for every method, in the order it runs.
+"""The training recipe: one lifecycle for every method and objective, in the order it runs.
 
     train(cfg)                      claim the run directory, handle stop signals
       set_up(...) -> Session        build every component, in dependency order:
@@ -10,7 +10,9 @@
 
 The method only decides how the model is wrapped and which parameters train; the loop never
 branches on it, nor on the parallel strategy or the sinks (`training.trainer`,
-`training.strategy`, `training.sinks`).
+`training.strategy`, `training.sinks`). The objective forks the data (SFT rows, or packed
+preference pairs: `training.preference_setup`) and the window's loss (`trainer.accumulate`:
+the token loss, or the preference objective through its spec: `training.preference_step`).
 
 Two things can interrupt a step. An out-of-memory error halves the micro-batch and replays the
 same window of samples (`trainer.accumulate`). The stability guard may skip the update, pause
@@ -45,7 +47,6 @@ from leantune.config import (
     parse_memory_size,
     to_dict,
     validate,
-    with_objective_format,
 )
 from leantune.config_parse import ConfigError
 from leantune.data.dataset import PreparedData
@@ -125,6 +126,7 @@ from leantune.training.run_setup import (
     named_run,
     seed_everything,
     set_up_run,
+    with_objective_format,
 )
 from leantune.training.rundir import (
     RunDir,

@@ -46,6 +46,7 @@ from leantune.config import (
     effective_pack,
 )
 from leantune.config_checks import MAX_SEQ_LEN
+from leantune.config_preference import objective_data_format
 from leantune.data.dataset import PreparedData, check_token_range, prepared_data
 from leantune.data.packing import longest_example, rows_for
 from leantune.data.prepare.command import engine_options, settings_from_config
@@ -113,6 +114,15 @@ def named_run(cfg: Config, model_location: str, gguf_file: str | None) -> Config
         return cfg
     name = default_run_name(cfg, model_location, gguf_file)
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=name))
+
+
+def with_objective_format(cfg: Config) -> Config:
+    """`cfg` with data.format=chat (the default) replaced by the format its preference
+    objective reads, so `train.objective=dpo` alone reads pairs; as is for sft."""
+    fmt = objective_data_format(cfg.train.objective, cfg.data.format)
+    if fmt == cfg.data.format:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, format=fmt))
 
 
 def check_resumable(cfg: Config, location: str, gguf_file: str | None) -> None:

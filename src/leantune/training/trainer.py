@@ -4,7 +4,9 @@
 the norm) -> guard -> step or skip. `accumulate` is its forward/backward over the window's
 micro-batches: an out-of-memory error halves the micro-batch and replays the same samples, and
 a stop signal is acted on at a micro-batch boundary, only here. `backward_window` is the
-arithmetic (each micro-batch's token loss over the window's supervised tokens).
+arithmetic (each micro-batch's token loss over the window's supervised tokens);
+`preference_window` is a preference objective's (each micro-batch's loss over the window's
+pairs), the one place the step forks, per objective.
 
 The `Trainer` holds every part the step needs, built once by the recipe's set-up, and the
 step's own settings (`StepSettings`), so nothing is passed along the call chain. Its
