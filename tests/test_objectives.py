@@ -409,8 +409,10 @@ def test_bad_preference_settings_name_the_field(overrides: list[str], needle: st
 def test_a_setting_the_objective_does_not_read_gets_a_warning() -> None:
     from leantune.config import validate
 
-    cfg = load_config(None, ["train.objective=dpo", "preference.beta=0.2"])
+    # The demo config's data, read as pairs without its held-out SFT file.
+    pairs = ["data.format=preference", "data.eval=null", "train.eval_exact_match=false"]
+    cfg = load_config(None, ["train.objective=dpo", "preference.beta=0.2", *pairs])
     assert cfg.train.objective == "dpo" and cfg.preference.beta == 0.2
     assert not [w for w in validate(cfg) if "preference." in w]
-    cfg = load_config(None, ["train.objective=orpo", "preference.beta=0.2"])
+    cfg = load_config(None, ["train.objective=orpo", "preference.beta=0.2", *pairs])
     assert "preference.beta is set but train.objective=orpo does not use it" in validate(cfg)

@@ -13,7 +13,7 @@ from conftest import write_jsonl
 from model_zoo import FAMILIES, family_config, family_tokenizer
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from leantune.config import load_config
+from leantune.config import load_config, validate
 from leantune.config_parse import ConfigError
 from leantune.data.chat_spans import for_template
 from leantune.data.errors import DataError
@@ -389,14 +389,15 @@ def test_per_sequence_log_probs_of_a_packed_row_equal_the_unpacked_ones() -> Non
 
 
 @pytest.mark.parametrize("fmt", ["preference", "kto"])
-def test_preference_formats_are_config_values_refused_until_a_loop_trains_them(
+def test_preference_formats_with_the_sft_objective_are_refused_naming_the_objective(
     tmp_path: Path, fmt: str
 ) -> None:
-    """Accepted by the schema (not "must be one of"), then refused by name until the loop runs
-    a preference objective (the loop integration replaces this check)."""
+    """Accepted by the schema (not "must be one of"), then refused by name with
+    train.objective=sft: preference data trains a preference objective."""
     data = write_jsonl(tmp_path / "d.jsonl", [STANDARD])
-    with pytest.raises(ConfigError, match=f"data.format={fmt}: preference data needs"):
-        load_config(None, [f"data.train={data}", f"data.format={fmt}"])
+    objective = "kto" if fmt == "kto" else "dpo"
+    with pytest.raises(ConfigError, match=f"data.format={fmt}: .* train.objective={objective}"):
+        validate(load_config(None, [f"data.train={data}", f"data.format={fmt}"]))
 
 
 def test_inspect_shows_the_prompt_once_and_each_answers_supervised_span() -> None:

@@ -213,7 +213,11 @@ def add_eval_parser(sub: Any) -> None:
     from leantune.config_checks import MAX_SEQ_LEN
     from leantune.data.formats import FORMATS
 
-    e = sub.add_parser("eval", help="loss, perplexity and exact match of a model on a JSONL file")
+    e = sub.add_parser(
+        "eval",
+        help="loss, perplexity and exact match of a model on a JSONL file (preference pairs: "
+        "accuracy and margin)",
+    )
     e.add_argument("--model", required=True, help=MODEL_HELP)
     e.add_argument("--data", default=None, help=f"data file ({', '.join(FORMATS)})")
     e.add_argument("--format", choices=FORMATS, help="default: detected")

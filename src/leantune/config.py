@@ -35,7 +35,11 @@ from leantune.config_parse import (
     shorten,
     show,
 )
-from leantune.config_preference import PreferenceConfig, check_preference
+from leantune.config_preference import (
+    PreferenceConfig,
+    check_objective,
+    check_preference,
+)
 from leantune.methods.registry import METHODS
 
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
@@ -583,6 +587,7 @@ def validate(cfg: Config) -> list[str]:
             f"train.kl_coef: applies to train.objective=sft; {t.objective} keeps near the "
             "reference through preference.beta (set train.kl_coef=0)"
         )
+    _validate_objective(cfg)
     lr, advice = t.lr, METHODS[m.name].lr_advice
     if advice is not None and lr is not None and lr >= advice.high:
         warnings.append(
@@ -593,6 +598,18 @@ def validate(cfg: Config) -> list[str]:
     if (t.max_steps or 0) >= 30 and 0 < t.warmup_ratio < 0.03:
         warnings.append(f"train.warmup_ratio={t.warmup_ratio:g} is short; 0.03..0.1 is usual")
     return warnings
+
+
+def _validate_objective(cfg: Config) -> None:
+    spec = METHODS[cfg.method.name]
+    check_objective(
+        cfg.train.objective,
+        cfg.data.format,
+        cfg.method.name,
+        trains_base_weights=spec.trains_base_weights,
+        needs_unpacked_data=spec.needs_unpacked_data,
+        eval_file=cfg.data.eval,
+    )
 
 
 def _check_finite(obj: Any, prefix: str = "") -> None:
@@ -618,12 +635,6 @@ def _validate_data(cfg: Config) -> None:
         raise ConfigError(f"data.near_dup_threshold: must be in (0, 1], got {d.near_dup_threshold}")
     if d.min_tokens < 0 or (d.partition_mb is not None and d.partition_mb <= 0):
         raise ConfigError("data.min_tokens must be >= 0 and data.partition_mb > 0")
-    if d.format in ("preference", "kto"):
-        # Read and tokenised by leantune.data.preference_*; no training loop consumes them yet.
-        raise ConfigError(
-            f"data.format={d.format}: preference data needs a preference objective, which "
-            "this version's training loop does not run yet; use an SFT format (chat, ...)"
-        )
     if t.eval_exact_match and (d.eval is None or d.format == "text"):
         raise ConfigError(
             "train.eval_exact_match: needs data.eval and a chat or alpaca data.format"

@@ -75,3 +75,67 @@ def check_preference(p: PreferenceConfig, objective: str) -> list[str]:
         for name in changed
         if name not in reads
     ]
+
+
+DataFormat = Literal["alpaca", "chat", "text", "sharegpt", "prompt_completion", "preference", "kto"]
+
+
+def preference_format(objective: str) -> Literal["preference", "kto"]:
+    """The data.format a preference objective reads: kto (unpaired) or preference (pairs)."""
+    return "kto" if OBJECTIVES[objective].data == "unpaired" else "preference"
+
+
+def objective_data_format(objective: str, fmt: DataFormat) -> DataFormat:
+    """data.format as a run with `objective` reads it: chat (the default) is the preference
+    objective's own format (chat data cannot train one); any other value as given."""
+    if objective == SFT or fmt != "chat":
+        return fmt
+    return preference_format(objective)
+
+
+def check_objective(
+    objective: str,
+    fmt: str,
+    method: str,
+    *,
+    trains_base_weights: bool,
+    needs_unpacked_data: bool,
+    eval_file: str | None,
+) -> None:
+    """train.objective against data.format, the method's facts and data.eval: a preference
+    objective reads its own data format, and this version trains it with what it supports.
+
+    Raises:
+        ConfigError: naming the field and the fix.
+    """
+    if objective == SFT:
+        if fmt in ("preference", "kto"):
+            raise ConfigError(
+                f"data.format={fmt}: preference data trains a preference objective; set "
+                f"train.objective={'kto' if fmt == 'kto' else 'dpo'} (or simpo, orpo), or "
+                "use an SFT format (chat, ...)"
+            )
+        return
+    needed = preference_format(objective)
+    if fmt not in (needed, "chat"):  # chat, the default, is read as `needed`
+        fields = "prompt, completion, label" if needed == "kto" else "prompt, chosen, rejected"
+        raise ConfigError(
+            f"data.format={fmt}: train.objective={objective} reads data.format={needed} "
+            f"({fields}); set data.format={needed}"
+        )
+    if OBJECTIVES[objective].needs_kl_pairs and trains_base_weights:
+        raise ConfigError(
+            f"method.name={method}: train.objective={objective} is not yet trained with full "
+            "or freeze: its KL term needs the reference on pairs made per batch, which only an "
+            "adapter method (the model with its adapters off) gives; use method.name=lora"
+        )
+    if needs_unpacked_data:
+        raise ConfigError(
+            f"method.name={method}: train.objective={objective} puts a pair's two answers in "
+            "one row, which this method's virtual tokens cannot keep apart; use method.name=lora"
+        )
+    if eval_file is not None:
+        raise ConfigError(
+            f"data.eval: train.objective={objective} does not evaluate held-out data during "
+            "training yet; set data.eval=null (leantune eval --data scores pairs afterwards)"
+        )

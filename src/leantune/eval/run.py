@@ -15,10 +15,13 @@ from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.data.dataset import check_token_range, prepared_data
+from leantune.data.errors import DataError
 from leantune.data.formats import detect_format
+from leantune.data.preference_formats import detect_preference_format
 from leantune.data.prepare.records import PrepareSettings
 from leantune.eval.exact_match import evaluate_exact_match
 from leantune.eval.perplexity import evaluate_loss
+from leantune.eval.preference import evaluate_preference
 
 
 def evaluate_file(
@@ -47,8 +50,23 @@ def evaluate_file(
 
     Returns:
         `data`, `format`, the loss and perplexity keys of `evaluate_loss`, `examples`,
-        `bad_lines`, and `exact_match` (greedy) for records with conversations.
+        `bad_lines`, and `exact_match` (greedy) for records with conversations. Preference
+        pairs (detected) instead: `pairs`, `preference_accuracy`, `mean_margin`, `bad_lines`.
+
+    Raises:
+        DataError: unpaired (KTO) data, which has no preference accuracy.
     """
+    found = detect_preference_format(path) if fmt is None else None
+    if found == "preference":
+        return evaluate_preference(
+            model, tokenizer, path, limit, batch_size, max_seq_len, on_bad_line
+        )
+    if found == "kto":
+        raise DataError(
+            f"{path}: unpaired (KTO) records (prompt, completion, label) have no preference "
+            "accuracy; eval scores pairs (prompt, chosen, rejected), or give --format "
+            "prompt_completion for the completions' loss"
+        )
     fmt = fmt or detect_format(path)
     # Every line is scored or reported, none refused; one example per row, uncleaned.
     data = prepared_data(

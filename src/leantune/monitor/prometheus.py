@@ -52,6 +52,14 @@ RECORD_GAUGES: dict[str, tuple[str, str]] = {
     "leantune_memory_peak_bytes": ("peak_mem_bytes", "Peak memory: CUDA allocated or CPU RSS"),
     "leantune_memory_reserved_bytes": ("mem_reserved_bytes", "CUDA memory reserved by torch"),
     "leantune_micro_batch_size": ("micro_batch_size", "Micro-batch size (an OOM halves it)"),
+    # Preference objectives (train.objective=dpo, ...); NaN in an SFT run.
+    "leantune_rewards_chosen": ("rewards/chosen", "Mean implicit reward of the chosen answers"),
+    "leantune_rewards_rejected": ("rewards/rejected", "Mean implicit reward of the rejected"),
+    "leantune_rewards_accuracy_ratio": (
+        "rewards/accuracies",
+        "Share of pairs whose chosen reward exceeds the rejected one, last step",
+    ),
+    "leantune_rewards_margin": ("rewards/margins", "Mean chosen minus rejected reward"),
 }
 
 

@@ -9,6 +9,8 @@ changes the split itself). ``train.lr`` is resolved to the method's default when
 ``data.max_seq_len``, ``data.pack`` and ``train.max_steps`` are the values the run resolved from
 its data and method (``training.run_setup``), next to the ``train.epochs`` they came from.
 ``train.precision`` is the one the run trains in (``auto`` resolved by ``training.precision``).
+A preference run adds ``train.objective`` and the ``preference.*`` settings (an SFT run's
+fingerprint has neither, as before they existed).
 
 Not in the fingerprint, so free to change between a run and its resume: ``run.*``, evaluation
 (``data.eval``, ``train.eval_*``, ``max_new_tokens``), ``save_every``, ``keep_last``, the guard
@@ -141,6 +143,10 @@ def trajectory_settings(cfg: Config) -> dict[str, Any]:
         fields[f"train.{name}"] = _plain(getattr(t, name))
     fields["train.lr"] = t.lr if t.lr is not None else DEFAULT_LR[cfg.method.name]
     fields["train.global_batch"] = configured_global_batch(t)
+    if t.objective != "sft":  # absent for sft, so the runs recorded before keep their names
+        fields["train.objective"] = t.objective
+        for f in dataclasses.fields(cfg.preference):
+            fields[f"preference.{f.name}"] = _plain(getattr(cfg.preference, f.name))
     return fields
 
 

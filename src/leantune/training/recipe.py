@@ -1,4 +1,4 @@
-"""The supervised fine-tuning recipe: one lifecycle for every method, in the order it runs.
+"""The training recipe: one lifecycle for every method and objective, in the order it runs.
 
     train(cfg)                      claim the run directory, handle stop signals
       set_up(...) -> Session        build every component, in dependency order:
@@ -10,7 +10,9 @@
 
 The method only decides how the model is wrapped and which parameters train; the loop never
 branches on it, nor on the parallel strategy or the sinks (`training.trainer`,
-`training.strategy`, `training.sinks`).
+`training.strategy`, `training.sinks`). The objective forks the data (SFT rows, or packed
+preference pairs: `training.preference_setup`) and the window's loss (`trainer.accumulate`:
+the token loss, or the preference objective through its spec: `training.preference_step`).
 
 Two things can interrupt a step. An out-of-memory error halves the micro-batch and replays the
 same window of samples (`trainer.accumulate`). The stability guard may skip the update, pause
@@ -53,6 +55,7 @@ from leantune.data.templates import apply_chat_template
 from leantune.methods.coverage import Coverage, coverage_of
 from leantune.methods.registry import (
     DEFAULT_LR,
+    METHODS,
     apply_method,
     base_quantization,
     compute_dtype,
@@ -105,6 +108,7 @@ from leantune.training.precision import (
     recorded_setting,
     resolve_precision,
 )
+from leantune.training.preference_step import with_reference
 from leantune.training.progress import RunProgress
 from leantune.training.refused_writes import keep_trained_steps, refused_write, with_resume_point
 from leantune.training.resume_policy import (
@@ -122,6 +126,7 @@ from leantune.training.run_setup import (
     named_run,
     seed_everything,
     set_up_run,
+    with_objective_format,
 )
 from leantune.training.rundir import (
     RunDir,
@@ -168,6 +173,7 @@ def train(cfg: Config, log: Log = print, config_file: Path | None = None) -> dic
     started = time.perf_counter()
     warnings = validate(cfg)
     cfg = copy.deepcopy(cfg)  # what the run resolves (its name, lengths, steps) stays its own
+    cfg = with_objective_format(cfg)  # in the run's name and record as the format it reads
     source = resolve_model(cfg.model.path, cfg.model.gguf_file)
     cfg = named_run(cfg, source.location, source.gguf_file)
     strategy = parallel_strategy(cfg)  # run.dir known: a resumed run keeps its precision
@@ -337,6 +343,23 @@ def set_up(
         strategy=strategy,
         stats=stats,
     )
+    if run.preference is not None:
+        if not isinstance(strategy, SingleProcess):
+            raise ConfigError(
+                f"train.objective={cfg.train.objective}: not yet under torchrun (one process "
+                "only in this version); run it without torchrun"
+            )
+        trainer.objective = run.preference.step(cfg)
+        if trainer.objective.spec.needs_reference and METHODS[cfg.method.name].trains_base_weights:
+            # Before start_state: a resume's restore has not yet put the trained weights in.
+            trainer.objective = with_reference(
+                trainer.objective, trained, device, t.precision, pad_id
+            )
+            log(
+                f"reference: the log-probs of {len(run.train_data.examples)} sequences, "
+                f"computed once by the model before training (method.name={cfg.method.name} "
+                "keeps no second copy)"
+            )
     strategy.agree(0)  # every rank has read the run directory before rank 0 writes to it
     start_state(trainer, cfg, run.plan, log)
     if base_exact_match is not None and trainer.progress.base_exact_match is None:

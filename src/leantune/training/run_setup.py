@@ -46,6 +46,7 @@ from leantune.config import (
     effective_pack,
 )
 from leantune.config_checks import MAX_SEQ_LEN
+from leantune.config_preference import objective_data_format
 from leantune.data.dataset import PreparedData, check_token_range, prepared_data
 from leantune.data.packing import longest_example, rows_for
 from leantune.data.prepare.command import engine_options, settings_from_config
@@ -55,6 +56,7 @@ from leantune.models.loading import ModelSource
 from leantune.training.allocator import mapped_allocator
 from leantune.training.fingerprint import run_fingerprint
 from leantune.training.guard import GuardSettings
+from leantune.training.preference_setup import PreferenceRun, load_preference_data
 from leantune.training.resume_policy import ResumePlan, plan_run
 from leantune.training.rundir import read_record
 
@@ -79,6 +81,9 @@ class RunSetup:
     """Rows per optimizer step: the configured global batch, or all rows when fewer."""
     memory: PlannedMemory | None = None
     """The memory planner's prediction and budget (shown against the measured memory)."""
+    preference: PreferenceRun | None = None
+    """train.objective other than sft: the preference data and its packed rows (`train_data`
+    holds the same rows as the loop reads them)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,6 +114,15 @@ def named_run(cfg: Config, model_location: str, gguf_file: str | None) -> Config
         return cfg
     name = default_run_name(cfg, model_location, gguf_file)
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=name))
+
+
+def with_objective_format(cfg: Config) -> Config:
+    """`cfg` with data.format=chat (the default) replaced by the format its preference
+    objective reads, so `train.objective=dpo` alone reads pairs; as is for sft."""
+    fmt = objective_data_format(cfg.train.objective, cfg.data.format)
+    if fmt == cfg.data.format:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, format=fmt))
 
 
 def check_resumable(cfg: Config, location: str, gguf_file: str | None) -> None:
@@ -363,7 +377,12 @@ def set_up_run(
         log(note)
     location, gguf_file = source.location, source.gguf_file
     context = model_context(location, gguf_file, cfg.model) if d.max_seq_len == "auto" else None
-    train_data, eval_data, max_seq_len = load_datasets(cfg, tokenizer, context, log)
+    preference = None
+    if cfg.train.objective == "sft":
+        train_data, eval_data, max_seq_len = load_datasets(cfg, tokenizer, context, log)
+    else:  # config validation refuses data.eval for these (not evaluated yet)
+        train_data, preference, max_seq_len = load_preference_data(cfg, tokenizer, context, log)
+        eval_data = None
     configured, batch, steps = _batch_and_steps(cfg.train, train_data, processes, log)
     data = dataclasses.replace(
         d, max_seq_len=max_seq_len, pack=effective_pack(d.pack, cfg.method.name)
@@ -377,7 +396,8 @@ def set_up_run(
     labels = [r.labels for r in train_data.rows]
     t, memory = plan_for_run(cfg, device, labels, batch, mapped_allocator()[0])
     log(memory.note)
-    return RunSetup(dataclasses.replace(cfg, train=t), plan, train_data, eval_data, batch, memory)
+    cfg = dataclasses.replace(cfg, train=t)
+    return RunSetup(cfg, plan, train_data, eval_data, batch, memory, preference)
 
 
 def check_ids_fit(model: nn.Module, run: RunSetup) -> None:

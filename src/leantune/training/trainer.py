@@ -4,7 +4,9 @@
 the norm) -> guard -> step or skip. `accumulate` is its forward/backward over the window's
 micro-batches: an out-of-memory error halves the micro-batch and replays the same samples, and
 a stop signal is acted on at a micro-batch boundary, only here. `backward_window` is the
-arithmetic (each micro-batch's token loss over the window's supervised tokens).
+arithmetic (each micro-batch's token loss over the window's supervised tokens);
+`preference_window` is a preference objective's (each micro-batch's loss over the window's
+pairs), the one place the step forks, per objective.
 
 The `Trainer` holds every part the step needs, built once by the recipe's set-up, and the
 step's own settings (`StepSettings`), so nothing is passed along the call chain. Its
@@ -28,6 +30,7 @@ from torch import nn
 from leantune.data.dataset import PreparedData
 from leantune.data.loader import SampleStream, collate, split_window
 from leantune.monitor.step_stats import StepStats
+from leantune.objectives.preference import ObjectiveOutput
 from leantune.training.checkpoint import (
     Checkpoint,
     TrainingState,
@@ -40,6 +43,7 @@ from leantune.training.guard import Decision, GuardHistory, GuardSettings, decid
 from leantune.training.metrics import memory_stats
 from leantune.training.oom import MemoryBudget, free_memory, halved, is_out_of_memory
 from leantune.training.precision import autocast
+from leantune.training.preference_step import PreferenceMicroBatch, PreferenceStep
 from leantune.training.progress import Batching, RunProgress
 from leantune.training.signals import Interrupted, StopSignals
 from leantune.training.sinks import Sinks
@@ -109,6 +113,9 @@ class Trainer:
     """SIGTERM/SIGINT/SIGHUP: `accumulate` checks it at every micro-batch boundary."""
     stats: StepStats = field(default_factory=StepStats)
     """The record's padding, MFU, data-wait, ETA, CPU and GPU fields (`monitor.step_stats`)."""
+    objective: PreferenceStep | None = None
+    """train.objective other than sft: the preference objective and its packed rows (the
+    window's loss is `preference_window`); None: the token loss (`backward_window`)."""
 
     @property
     def grad_accum(self) -> int:
@@ -191,7 +198,7 @@ def train_step(tr: Trainer) -> StepResult:
     with tr.stats.data:
         window = tr.stream.window(tr.samples_seen, tr.global_batch)
         shard = tr.strategy.shard_window(window)
-    loss, batches = accumulate(tr, shard)
+    loss, batches, objective_metrics = accumulate(tr, shard)
     loss = tr.faults.spike(step, loss, tr.params.values())
     if tr.scaler is not None:
         tr.scaler.unscale_(tr.optimizer)
@@ -233,6 +240,7 @@ def train_step(tr: Trainer) -> StepResult:
         "micro_batch_size": tr.micro_batch_size,
         "grad_accum": tr.grad_accum,
         **tr.stats.fields(step, local, elements, elapsed),
+        **objective_metrics,
     }
     return StepResult(record, decision, window, tr.samples_seen)
 
@@ -260,8 +268,12 @@ def _skip_update(tr: Trainer) -> bool:
     return False
 
 
-def accumulate(tr: Trainer, window: list[int]) -> tuple[float, list[dict[str, torch.Tensor]]]:
+def accumulate(
+    tr: Trainer, window: list[int]
+) -> tuple[float, list[dict[str, torch.Tensor]], dict[str, float]]:
     """Forward and backward over `window`; on OOM halve the micro-batch and replay it.
+    Returns the window's loss, its micro-batches' tensors and the objective's metrics (none
+    for the token loss).
 
     The replay sees the same samples in the same order with zeroed gradients and the RNG as it
     was before the failed attempt, so it equals a run that used the smaller micro-batch from
@@ -277,10 +289,15 @@ def accumulate(tr: Trainer, window: list[int]) -> tuple[float, list[dict[str, to
     step = tr.state.step + 1
     tr.stop.check()
     rng = capture_rng_state()
+    pref: list[PreferenceMicroBatch] = []
     while True:
         with tr.stats.data:
             micro = split_window(window, tr.micro_batch_size)
-            batches = [collate([tr.data.rows[i] for i in m], tr.pad_id) for m in micro]
+            if tr.objective is None:
+                batches = [collate([tr.data.rows[i] for i in m], tr.pad_id) for m in micro]
+            else:
+                pref = [tr.objective.collate(m, tr.pad_id) for m in micro]
+                batches = [mb.tensors for mb in pref]
 
         def check(k: int, count: int = len(batches)) -> None:
             tr.stop.check()
@@ -288,19 +305,27 @@ def accumulate(tr: Trainer, window: list[int]) -> tuple[float, list[dict[str, to
             tr.faults.train_oom(step, k, count)
 
         error = ""
+        common: dict[str, Any] = {
+            "scaler": tr.scaler,
+            "first_micro_batch": tr.state.micro_batches_seen,
+            "memory_check": check,
+            "strategy": tr.strategy,
+        }
         try:
-            loss = backward_window(
-                tr.model,
-                batches,
-                tr.device,
-                tr.settings.precision,
-                scaler=tr.scaler,
-                first_micro_batch=tr.state.micro_batches_seen,
-                kl_coef=tr.settings.kl_coef,
-                memory_check=check,
-                strategy=tr.strategy,
+            if tr.objective is None:  # the one fork: per objective, never per method
+                loss = backward_window(
+                    tr.model,
+                    batches,
+                    tr.device,
+                    tr.settings.precision,
+                    kl_coef=tr.settings.kl_coef,
+                    **common,
+                )
+                return loss, batches, {}
+            loss, metrics = preference_window(
+                tr.objective, tr.model, pref, tr.device, tr.settings.precision, **common
             )
-            return loss, batches
+            return loss, batches, metrics
         except Interrupted:
             tr.optimizer.zero_grad(set_to_none=True)
             restore_rng_state(rng)
@@ -311,6 +336,7 @@ def accumulate(tr: Trainer, window: list[int]) -> tuple[float, list[dict[str, to
             error = str(exc).splitlines()[0]
         # Outside the except block, so the traceback no longer pins the attempt's activations.
         del batches
+        pref = []
         tr.optimizer.zero_grad(set_to_none=True)
         free_memory(tr.device)
         _halve_after_oom(tr, step, error)
@@ -378,6 +404,65 @@ def backward_window(
         kill_after(first_micro_batch + k)
         signal_after(first_micro_batch + k)
     return strategy.reduce_sum(float(loss_sum))
+
+
+def preference_window(
+    objective: PreferenceStep,
+    model: nn.Module,
+    batches: list[PreferenceMicroBatch],
+    device: torch.device,
+    precision: str,
+    *,
+    scaler: torch.amp.GradScaler | None = None,
+    first_micro_batch: int = 0,
+    memory_check: Callable[[int], None] | None = None,
+    strategy: ParallelStrategy | None = None,
+) -> tuple[float, dict[str, float]]:
+    """`backward_window` for a preference objective; returns the window's loss and metrics.
+
+    Each micro-batch's summed per-example loss is divided by the examples (pairs; KTO:
+    completions) of the whole window, and its chosen answers' NLL (RPO, ORPO) by the window's
+    chosen tokens, so k micro-batches give the gradient of one k-times larger batch. The
+    metrics are the window's means: sums and counts added over micro-batches and processes.
+    """
+    strategy = strategy if strategy is not None else SingleProcess()
+    examples = max(1, strategy.reduce_count(sum(b.examples for b in batches)))
+    nll_tokens = max(1, strategy.reduce_count(sum(b.nll_tokens for b in batches)))
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for k, mb in enumerate(batches):
+        mb = mb.to(device)
+        outputs: list[ObjectiveOutput] = []  # the forward's, for the metrics
+
+        with strategy.gradient_sync(model, enabled=k == len(batches) - 1) as scope:
+
+            def forward(
+                mb: PreferenceMicroBatch = mb, outputs: list[ObjectiveOutput] = outputs
+            ) -> torch.Tensor:
+                with autocast(device.type, precision):
+                    outputs.append(objective.output(model, mb))
+                    scope.loss = outputs[-1].loss(examples, nll_tokens)
+                return scope.loss
+
+            loss = agreed(strategy, forward, memory_check, k)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            scope.loss = None
+            agreed(strategy, loss.detach, memory_check, k)
+        loss_sum += loss.detach().double().cpu()
+        for name, value in outputs[-1].metric_sums.items():
+            sums[name] = sums.get(name, 0.0) + float(value)
+            counts[name] = counts.get(name, 0) + outputs[-1].metric_counts[name]
+        kill_after(first_micro_batch + k)
+        signal_after(first_micro_batch + k)
+    metrics = {
+        name: strategy.reduce_sum(sums[name]) / n
+        for name in sorted(sums)
+        if (n := strategy.reduce_count(counts[name])) > 0
+    }
+    if "rewards/chosen" in metrics and "rewards/rejected" in metrics:
+        metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+    return strategy.reduce_sum(float(loss_sum)), metrics
 
 
 _OOM, _STOP = 1, 2
