@@ -581,12 +581,7 @@ def validate(cfg: Config) -> list[str]:
     quantized = METHODS[m.name].base_quantization is not None
     check_deepspeed(cfg.dist, t.precision, t.optimizer, m.name, quantized)
     warnings: list[str] = check_libraries(cfg)
-    warnings += check_preference(cfg.preference, t.objective)
-    if t.objective != "sft" and t.kl_coef:
-        raise ConfigError(
-            f"train.kl_coef: applies to train.objective=sft; {t.objective} keeps near the "
-            "reference through preference.beta (set train.kl_coef=0)"
-        )
+    warnings += check_preference(cfg.preference, t.objective, t.kl_coef)
     _validate_objective(cfg)
     lr, advice = t.lr, METHODS[m.name].lr_advice
     if advice is not None and lr is not None and lr >= advice.high:

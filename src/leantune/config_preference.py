@@ -38,9 +38,10 @@ class PreferenceConfig:
     undesirable ones: KTO's paper keeps weight x count about equal, or up to 4:3)."""
 
 
-def check_preference(p: PreferenceConfig, objective: str) -> list[str]:
-    """Ranges of the `preference:` fields and `train.objective` itself; returns warnings for
-    fields set away from their defaults that the objective does not read.
+def check_preference(p: PreferenceConfig, objective: str, kl_coef: float = 0.0) -> list[str]:
+    """Ranges of the `preference:` fields and `train.objective` itself (with `train.kl_coef`,
+    which only SFT takes); returns warnings for fields set away from their defaults that the
+    objective does not read.
 
     Raises:
         ConfigError: naming the field and its valid range.
@@ -49,6 +50,11 @@ def check_preference(p: PreferenceConfig, objective: str) -> list[str]:
         raise ConfigError(
             f"train.objective: unknown objective {objective!r}; valid: "
             f"{', '.join([SFT, *OBJECTIVES])}"
+        )
+    if objective != SFT and kl_coef:
+        raise ConfigError(
+            f"train.kl_coef: applies to train.objective=sft; {objective} keeps near the "
+            "reference through preference.beta (set train.kl_coef=0)"
         )
     if p.beta is not None and not p.beta > 0:
         raise ConfigError(f"preference.beta: must be > 0, got {p.beta}")

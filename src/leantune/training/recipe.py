@@ -299,8 +299,8 @@ def set_up(
     cfg, attention_note = _resolve_attention(cfg, source)  # refuses one the model cannot use
     notes += [attention_note] if attention_note else []
     check_resumable(cfg, source.location, source.gguf_file)  # before anything is written
-    for note in notes:
-        log(note)  # once the run directory's run is known to be this one
+    for note in notes:  # once the run directory's run is known to be this one
+        log(note)
     files = _run_files(cfg, inputs, main)
     events = EventLog(files.run_dir / EVENTS_FILE if main else None, log)
     faults = FaultHooks()
@@ -311,9 +311,8 @@ def set_up(
     world = launched_world_size()
     run = _in_turn(strategy, lambda: set_up_run(cfg, source, tokenizer, device.type, log, world))
     cfg, t = run.cfg, run.cfg.train
-    pad_id = int(tokenizer.pad_token_id)
+    pad_id, held_out = int(tokenizer.pad_token_id), run.eval_data
     settings = EvalSettings(t.precision, t.eval_batch_size, t.max_new_tokens)
-    held_out = run.eval_data
     eval_inputs = EvalInputs(tokenizer, held_out, pad_id, events, faults) if held_out else None
     # Base model -> its exact match -> the method's wrapping -> the trainer around it.
     quantization = base_quantization(cfg.method, t.precision)
@@ -344,22 +343,7 @@ def set_up(
         stats=stats,
     )
     if run.preference is not None:
-        if not isinstance(strategy, SingleProcess):
-            raise ConfigError(
-                f"train.objective={cfg.train.objective}: not yet under torchrun (one process "
-                "only in this version); run it without torchrun"
-            )
-        trainer.objective = run.preference.step(cfg)
-        if trainer.objective.spec.needs_reference and METHODS[cfg.method.name].trains_base_weights:
-            # Before start_state: a resume's restore has not yet put the trained weights in.
-            trainer.objective = with_reference(
-                trainer.objective, trained, device, t.precision, pad_id
-            )
-            log(
-                f"reference: the log-probs of {len(run.train_data.examples)} sequences, "
-                f"computed once by the model before training (method.name={cfg.method.name} "
-                "keeps no second copy)"
-            )
+        _preference_objective(cfg, run, trainer, trained, strategy, device, pad_id, log)
     strategy.agree(0)  # every rank has read the run directory before rank 0 writes to it
     start_state(trainer, cfg, run.plan, log)
     if base_exact_match is not None and trainer.progress.base_exact_match is None:
@@ -377,6 +361,36 @@ def set_up(
         evaluator=evaluator,
         coverage=coverage,
     )
+
+
+def _preference_objective(
+    cfg: Config,
+    run: RunSetup,
+    trainer: Trainer,
+    trained: nn.Module,
+    strategy: ParallelStrategy,
+    device: torch.device,
+    pad_id: int,
+    log: Log,
+) -> None:
+    """Give the trainer its preference objective's step (and the reference it needs)."""
+    assert run.preference is not None
+    if not isinstance(strategy, SingleProcess):
+        raise ConfigError(
+            f"train.objective={cfg.train.objective}: not yet under torchrun (one process "
+            "only in this version); run it without torchrun"
+        )
+    trainer.objective = run.preference.step(cfg)
+    if trainer.objective.spec.needs_reference and METHODS[cfg.method.name].trains_base_weights:
+        # Before start_state: a resume's restore has not yet put the trained weights in.
+        trainer.objective = with_reference(
+            trainer.objective, trained, device, cfg.train.precision, pad_id
+        )
+        log(
+            f"reference: the log-probs of {len(run.train_data.examples)} sequences, "
+            f"computed once by the model before training (method.name={cfg.method.name} "
+            "keeps no second copy)"
+        )
 
 
 def _tokenizer(cfg: Config, source: ModelSource, log: Log) -> PreTrainedTokenizerBase:
