@@ -10,16 +10,18 @@ data.format needs, `format_hint` names the format the file is really in.
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from leantune.data.conversation_formats import parse_prompt_completion, parse_sharegpt
 from leantune.data.errors import DataError
-from leantune.data.prepare.readers import DecodeError, RawItem, decode_item, read_items
+from leantune.data.prepare.readers import (
+    DecodeError,
+    decoded_items,
+)
 from leantune.data.record_checks import (
     ROLES,
     BadRecordError,
@@ -157,17 +159,6 @@ def parse_record(obj: Any, fmt: str, system_prompt: str | None = None) -> dict[s
     return parsed
 
 
-def _items(path: str | Path) -> Iterator[tuple[RawItem, Any]]:
-    """(item, decoded value or DecodeError) for every record of a file; blank lines skipped."""
-    with contextlib.closing(read_items(path)) as items:
-        for item in items:
-            try:
-                yield item, decode_item(item)
-            except DecodeError as e:
-                if e.kind != "empty_line":
-                    yield item, e
-
-
 def read_records(
     path: str | Path, fmt: str, system_prompt: str | None = None
 ) -> tuple[list[Record], list[BadLine]]:
@@ -181,7 +172,7 @@ def read_records(
         raise ValueError(f"data.format: {fmt!r} is not one of {' | '.join(FORMATS)}")
     records: list[Record] = []
     bad: list[BadLine] = []
-    for item, obj in _items(path):
+    for item, obj in decoded_items(path):
         if isinstance(obj, DecodeError):
             bad.append(BadLine(item.source, item.line, str(obj)))
             continue
@@ -234,7 +225,7 @@ def formats_of(obj: dict[str, Any]) -> list[str]:
 def detect_format(path: str | Path) -> str:
     """The format of a data file from its first record (`messages`: chat, `conversations`:
     sharegpt, `prompt` + `completion`: prompt_completion, `instruction`: alpaca), else text."""
-    for _, obj in _items(path):
+    for _, obj in decoded_items(path):
         if isinstance(obj, dict):
             found = formats_of(obj)
             if found:
@@ -250,7 +241,7 @@ def format_hint(path: str | Path, fmt: str) -> str | None:
     other: Counter[str] = Counter()
     lacking: dict[str, str] = {}
     try:
-        for _, obj in _items(path):
+        for _, obj in decoded_items(path):
             if seen >= HINT_SCAN:
                 break
             seen += 1

@@ -21,14 +21,13 @@ record is a `BadLine` with its file, line and reason, as for SFT data (`leantune
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from leantune.data.formats import BadLine
-from leantune.data.prepare.readers import DecodeError, RawItem, decode_item, read_items
+from leantune.data.prepare.readers import DecodeError, RawItem, decoded_items
 from leantune.data.record_checks import (
     BadRecordError,
     Message,
@@ -204,15 +203,23 @@ def parse_unpaired(
     return with_system_prompt(prompt, system_prompt), completion, label
 
 
-def _items(path: str | Path) -> Iterator[tuple[RawItem, Any]]:
-    """(item, decoded value or DecodeError) for every record of a file; blank lines skipped."""
-    with contextlib.closing(read_items(path)) as items:
-        for item in items:
-            try:
-                yield item, decode_item(item)
-            except DecodeError as e:
-                if e.kind != "empty_line":
-                    yield item, e
+Record = TypeVar("Record")
+
+
+def _read(
+    path: str | Path, parse: Callable[[RawItem, Any], Record]
+) -> tuple[list[Record], list[BadLine]]:
+    """Every record `parse` accepts, and a bad line for each it refuses or that is not JSON."""
+    records: list[Record] = []
+    bad: list[BadLine] = []
+    for item, obj in decoded_items(path):
+        try:
+            if isinstance(obj, DecodeError):
+                raise obj
+            records.append(parse(item, obj))
+        except (DecodeError, BadRecordError) as e:
+            bad.append(BadLine(item.source, item.line, str(e)))
+    return records, bad
 
 
 def _say_kind(path: str | Path, kind: str, log: Callable[[str], None] | None) -> None:
@@ -229,24 +236,16 @@ def read_pairs(
     Raises:
         FileNotFoundError: missing file. DataError: a file that cannot be read as its kind.
     """
-    records: list[PreferenceRecord] = []
-    bad: list[BadLine] = []
-    for item, obj in _items(path):
-        if isinstance(obj, DecodeError):
-            bad.append(BadLine(item.source, item.line, str(obj)))
-            continue
-        try:
-            prompt, chosen, rejected, kind = parse_pair(obj, system_prompt)
-        except BadRecordError as e:
-            bad.append(BadLine(item.source, item.line, str(e)))
-            continue
-        if not records:
-            _say_kind(path, kind, log)
-        records.append(
-            PreferenceRecord(
-                item.source, item.line, tuple(prompt), tuple(chosen), tuple(rejected), kind
-            )
+
+    def pair(item: RawItem, obj: Any) -> PreferenceRecord:
+        prompt, chosen, rejected, kind = parse_pair(obj, system_prompt)
+        return PreferenceRecord(
+            item.source, item.line, tuple(prompt), tuple(chosen), tuple(rejected), kind
         )
+
+    records, bad = _read(path, pair)
+    if records:
+        _say_kind(path, records[0].kind, log)
     return records, bad
 
 
@@ -258,29 +257,21 @@ def read_unpaired(
     Raises:
         FileNotFoundError: missing file. DataError: a file that cannot be read as its kind.
     """
-    records: list[UnpairedRecord] = []
-    bad: list[BadLine] = []
-    for item, obj in _items(path):
-        if isinstance(obj, DecodeError):
-            bad.append(BadLine(item.source, item.line, str(obj)))
-            continue
-        try:
-            prompt, completion, label = parse_unpaired(obj, system_prompt)
-        except BadRecordError as e:
-            bad.append(BadLine(item.source, item.line, str(e)))
-            continue
-        if not records:
-            _say_kind(path, "kto", log)
-        records.append(
-            UnpairedRecord(item.source, item.line, tuple(prompt), tuple(completion), label)
-        )
+
+    def example(item: RawItem, obj: Any) -> UnpairedRecord:
+        prompt, completion, label = parse_unpaired(obj, system_prompt)
+        return UnpairedRecord(item.source, item.line, tuple(prompt), tuple(completion), label)
+
+    records, bad = _read(path, example)
+    if records:
+        _say_kind(path, "kto", log)
     return records, bad
 
 
 def detect_preference_format(path: str | Path) -> str | None:
     """`preference` when the first record of `path` has `chosen` and `rejected`, `kto` when it
     has `prompt`, `completion` and `label`; None for any other data (an SFT format)."""
-    for _, obj in _items(path):
+    for _, obj in decoded_items(path):
         if isinstance(obj, dict):
             if "chosen" in obj and "rejected" in obj:
                 return "preference"

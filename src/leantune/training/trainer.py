@@ -47,7 +47,12 @@ from leantune.training.preference_step import PreferenceMicroBatch, PreferenceSt
 from leantune.training.progress import Batching, RunProgress
 from leantune.training.signals import Interrupted, StopSignals
 from leantune.training.sinks import Sinks
-from leantune.training.strategy import CheckpointParts, ParallelStrategy, SingleProcess
+from leantune.training.strategy import (
+    CheckpointParts,
+    ParallelStrategy,
+    SingleProcess,
+    SyncScope,
+)
 from leantune.training.token_loss import IGNORE_INDEX, count_supervised, token_loss_sum
 
 Log = Callable[[str], None]
@@ -396,14 +401,29 @@ def backward_window(
                     scope.loss = token_loss_sum(model, batch, kl_coef) / n_supervised
                 return scope.loss
 
-            loss = agreed(strategy, forward, memory_check, k)
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-            scope.loss = None
-            agreed(strategy, loss.detach, memory_check, k)
+            loss = _forward_backward(strategy, scope, forward, scaler, memory_check, k)
         loss_sum += loss.detach().double().cpu()
         kill_after(first_micro_batch + k)
         signal_after(first_micro_batch + k)
     return strategy.reduce_sum(float(loss_sum))
+
+
+def _forward_backward(
+    strategy: ParallelStrategy,
+    scope: SyncScope,
+    forward: Callable[[], torch.Tensor],
+    scaler: torch.amp.GradScaler | None,
+    memory_check: Callable[[int], None] | None,
+    k: int,
+) -> torch.Tensor:
+    """One micro-batch's forward and backward inside `scope`, each agreed on by every process
+    (an OOM or a failure on one is every one's)."""
+    loss = agreed(strategy, forward, memory_check, k)
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    # The backward came: a failure agreed on from here must not complete it again (ddp.py).
+    scope.loss = None
+    agreed(strategy, loss.detach, memory_check, k)
+    return loss
 
 
 def preference_window(
@@ -445,10 +465,7 @@ def preference_window(
                     scope.loss = outputs[-1].loss(examples, nll_tokens)
                 return scope.loss
 
-            loss = agreed(strategy, forward, memory_check, k)
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-            scope.loss = None
-            agreed(strategy, loss.detach, memory_check, k)
+            loss = _forward_backward(strategy, scope, forward, scaler, memory_check, k)
         loss_sum += loss.detach().double().cpu()
         for name, value in outputs[-1].metric_sums.items():
             sums[name] = sums.get(name, 0.0) + float(value)

@@ -18,7 +18,7 @@ import contextlib
 import csv
 import json
 import re
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -294,3 +294,14 @@ def decode_item(item: RawItem) -> Any:
         with contextlib.suppress(DecodeError):
             payload = {**payload, "conversations": parse_json(payload["conversations"])}
     return payload
+
+
+def decoded_items(path: str | Path) -> Iterator[tuple[RawItem, Any]]:
+    """(item, decoded value or DecodeError) for every record of a file; blank lines skipped."""
+    with contextlib.closing(read_items(path)) as items:
+        for item in items:
+            try:
+                yield item, decode_item(item)
+            except DecodeError as e:
+                if e.kind != "empty_line":
+                    yield item, e
