@@ -13,6 +13,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,8 @@ from leantune.config import Config, load_config
 from leantune.data.dataset import PreparedData, prepared_data
 from leantune.data.prepare.records import PrepareSettings
 from leantune.models.bnb_notice import import_offline
+from leantune.monitor.dashboard import make_server
+from leantune.monitor.dashboard.server import DashboardServer
 from leantune.training.metrics import read_metrics
 
 # bitsandbytes' import asks the Hugging Face Hub for an optional kernel when the `kernels`
@@ -451,3 +455,17 @@ def dist_reference(
         recipe.train(cfg, log=lambda _: None)
         runs[method] = run_dir
     return runs
+
+
+@contextlib.contextmanager
+def serving(root: Path) -> Iterator[DashboardServer]:
+    """`leantune dashboard` over `root` on a thread, for the length of the block."""
+    server = make_server(root)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()

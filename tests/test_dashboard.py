@@ -3,7 +3,6 @@ to serve, the command, and the pages in headless Chromium (Debian's `chromium`).
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import os
@@ -13,7 +12,6 @@ import socket
 import struct
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,9 +20,8 @@ from urllib.parse import quote
 import pytest
 import yaml
 from cdp import Browser, Page
-from conftest import chat_rows, make_config, run_cli, write_jsonl
+from conftest import chat_rows, make_config, run_cli, serving, write_jsonl
 
-from leantune.monitor.dashboard import make_server
 from leantune.monitor.dashboard import runs as dash_runs
 from leantune.monitor.dashboard import status as dash_status
 from leantune.monitor.dashboard.server import DashboardServer
@@ -93,19 +90,6 @@ def synthetic_run(
     if summary is not None:
         (run / "summary.json").write_text(json.dumps(summary))
     return run
-
-
-@contextlib.contextmanager
-def serving(root: Path) -> Iterator[DashboardServer]:
-    server = make_server(root)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
 
 
 def request(

@@ -3,18 +3,16 @@ limits and once per version, and whatever is wrong with one run shows in that ru
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import os
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from conftest import run_cli, write_jsonl
+from conftest import run_cli, serving, write_jsonl
 
 from leantune.config import load_config
 from leantune.config_parse import ConfigError, ParseError, load_yaml
@@ -39,19 +37,6 @@ def synthetic_run(root: Path, name: str, steps: int) -> Path:
     rows = [{"step": s, "loss": 3.0 - s / 10} for s in range(1, steps + 1)]
     write_jsonl(run / "metrics.jsonl", rows)
     return run
-
-
-@contextlib.contextmanager
-def serving(root: Path) -> Iterator[DashboardServer]:
-    server = make_server(root)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
 
 
 def get(server: DashboardServer, path: str) -> tuple[int, Any]:
