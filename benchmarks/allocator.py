@@ -20,9 +20,9 @@ from typing import Any
 
 from leantune.bench.chat_corpus import write_corpus
 from leantune.bench.throughput import leantune_command, run_child
+from leantune.core.allocator import ENV, find_tcmalloc, library_dirs
 from leantune.models.loading import load_tokenizer, resolve_model
-from leantune.training.allocator import ENV, find_tcmalloc, library_dirs
-from leantune.training.metrics import read_metrics
+from leantune.monitor.metrics import read_metrics
 
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"  # Debian's libjemalloc2
 RUN_CPU_MALLOC_CONF = (  # torch.backends.xeon.run_cpu's, for jemalloc

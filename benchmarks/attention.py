@@ -71,10 +71,10 @@ def rss_mb() -> float:
 def measure(layout: str, precision: str, model_name: str, steps: int) -> dict:
     """One process: load, wrap with LoRA, time `steps` fwd+bwd after one warm-up step."""
     from leantune.config import MethodConfig
+    from leantune.core.precision import autocast
     from leantune.methods.registry import apply_method, count_parameters
     from leantune.models.loading import load_model, resolve_model
-    from leantune.training.precision import autocast
-    from leantune.training.token_loss import token_loss_sum
+    from leantune.models.loss import token_loss_sum
 
     attn = LAYOUTS[layout][1]
     model = load_model(resolve_model(model_name), attn_implementation=attn)

@@ -24,12 +24,12 @@ from leantune.bench.throughput import run_child
 
 
 def child(impl: str, tokens: int, supervised: float, precision: str) -> dict[str, float]:
-    from leantune.config import load_config
+    from leantune.core.chunked_ce import linear_cross_entropy_sum
+    from leantune.core.precision import autocast
     from leantune.methods.registry import apply_method
     from leantune.models.loading import load_model, resolve_model
-    from leantune.training.chunked_ce import linear_cross_entropy_sum
-    from leantune.training.precision import autocast
-    from leantune.training.token_loss import supervised_hidden
+    from leantune.models.loss import supervised_hidden
+    from leantune.training.checks import load_config
 
     torch.manual_seed(0)
     model = apply_method(
@@ -67,7 +67,7 @@ def main() -> None:
     if a.child:
         print(json.dumps(child(a.child, a.tokens, a.supervised, a.precision)))
         return
-    from leantune.training.precision import resolve_precision
+    from leantune.core.precision import resolve_precision
 
     precision = a.precision or resolve_precision("auto", "cpu", None, "auto").precision
     results: dict[str, list[dict[str, float]]] = {}

@@ -81,10 +81,10 @@ def measure(v: dict[str, str], model_name: str, steps: int) -> dict:
     import torch
 
     from leantune.config import MethodConfig
+    from leantune.core.precision import autocast
     from leantune.methods.registry import apply_method
     from leantune.models.loading import load_model, resolve_model
-    from leantune.training.precision import autocast
-    from leantune.training.token_loss import token_loss_sum
+    from leantune.models.loss import token_loss_sum
 
     torch.set_num_threads(int(v["threads"]))
     source = resolve_model(model_name)
@@ -95,7 +95,7 @@ def measure(v: dict[str, str], model_name: str, steps: int) -> dict:
     if v["compile"] == "1":
         # Each block in place (as torchtune does): the loss calls the decoder and the head
         # itself, so a torch.compile wrapper around the whole model would never run.
-        from leantune.training.token_loss import _decoder_and_head
+        from leantune.models.loss import _decoder_and_head
 
         parts = _decoder_and_head(model)
         assert parts is not None

@@ -12,7 +12,7 @@ steps, the final exact match) three times, each in its own process, in turn:
 
 `--arms` picks the runs (default `eager,compile_cold,compile_warm`); `glibc` is the demo as
 shipped with `LEANTUNE_ALLOCATOR=system`: glibc's malloc instead of the tcmalloc the command
-preloads (`leantune.training.allocator`). `--other-src DIR` adds another run per repetition,
+preloads (`leantune.core.allocator`). `--other-src DIR` adds another run per repetition,
 the demo of another source tree (an earlier commit's `src/`, with its own demo config) run
 eagerly with the same environment: whether a change of step time came from the code or from
 the machine, measured side by side.

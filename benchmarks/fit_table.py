@@ -23,10 +23,10 @@ from typing import Any
 
 from transformers import Qwen2Config
 
-from leantune.config import load_config
 from leantune.memory.estimate import GIB
 from leantune.memory.planner import SAFETY
-from leantune.memory.report import plan
+from leantune.training.checks import load_config
+from leantune.training.plan_report import plan
 
 sys.path.insert(0, str(Path(__file__).parent))
 from scale import SHAPES

@@ -31,11 +31,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from leantune.config import load_config
 from leantune.monitor import step_stats
 from leantune.monitor.prometheus import PrometheusSink
+from leantune.monitor.sinks import Sinks
 from leantune.training import recipe
-from leantune.training.sinks import Sinks
+from leantune.training.checks import load_config
 
 DEMO = Path(recipe.__file__).resolve().parents[1] / "configs" / "demo.yaml"
 

@@ -13,7 +13,7 @@ kernel (with glibc's default dynamic threshold, freed 1-32 MB blocks stay in the
 overstated live memory by a workload-dependent ~10-35% on this grid, which no planner can
 predict) and MKL_DISABLE_FAST_MM=1 so that MKL does not keep its GEMM scratch buffers.
 `--default-malloc` also measures each point with the default allocators, `--tcmalloc` with
-the tcmalloc that `leantune train` preloads when it is installed (`leantune.training.allocator`;
+the tcmalloc that `leantune train` preloads when it is installed (`leantune.core.allocator`;
 MKL's fast memory manager on, as in a run): how far RSS runs above the live tensors under each
 is what the planner's `estimate.FIT_MARGIN` allows for.
 
@@ -117,10 +117,10 @@ def _warm_up(method: str, ckpt: bool, attn: str) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from leantune.config import MethodConfig
+    from leantune.core.optim import build_optimizer
     from leantune.methods.registry import apply_method, trainable_named_parameters
     from leantune.models.attention import transformers_name
     from leantune.models.loading import enable_gradient_checkpointing
-    from leantune.training.optim import build_optimizer
     from leantune.training.trainer import backward_window
 
     dims = {**SMALL, "vocab_size": 512, "num_hidden_layers": 2, "hidden_size": 64}
@@ -147,10 +147,10 @@ def worker(name: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from leantune.config import MethodConfig
+    from leantune.core.optim import build_optimizer
     from leantune.methods.registry import apply_method, trainable_named_parameters
     from leantune.models.attention import transformers_name
     from leantune.models.loading import enable_gradient_checkpointing, load_model, resolve_model
-    from leantune.training.optim import build_optimizer
     from leantune.training.trainer import backward_window
 
     torch.set_num_threads(1)
@@ -219,7 +219,7 @@ def main() -> int:
         print(json.dumps(worker(args.worker)))
         return 0
     names = args.only or list(GRID)
-    from leantune.training.allocator import (
+    from leantune.core.allocator import (
         find_tcmalloc,
         library_dirs,
         preloaded_environment,

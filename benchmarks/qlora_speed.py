@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from leantune.config import load_config
+from leantune.core.optim import build_optimizer
 from leantune.data.dataset import prepared_data
 from leantune.data.loader import collate
 from leantune.data.prepare.records import PrepareSettings
@@ -27,7 +27,7 @@ from leantune.methods.registry import (
     trainable_named_parameters,
 )
 from leantune.models.loading import load_model, load_tokenizer, resolve_model
-from leantune.training.optim import build_optimizer
+from leantune.training.checks import load_config
 from leantune.training.trainer import backward_window
 
 DEMO_TRAIN = Path(__file__).resolve().parents[1] / "src/leantune/demo/data/support_train.jsonl"

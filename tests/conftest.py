@@ -31,13 +31,14 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from leantune.config import Config, load_config
+from leantune.config import Config
 from leantune.data.dataset import PreparedData, prepared_data
 from leantune.data.prepare.records import PrepareSettings
 from leantune.models.bnb_notice import import_offline
 from leantune.monitor.dashboard import make_server
 from leantune.monitor.dashboard.server import DashboardServer
-from leantune.training.metrics import read_metrics
+from leantune.monitor.metrics import read_metrics
+from leantune.training.checks import load_config
 
 # bitsandbytes' import asks the Hugging Face Hub for an optional kernel when the `kernels`
 # package is installed (transformers 5.25 requires it): offline here, as in every leantune
@@ -305,7 +306,7 @@ def run_cli(args: list[str]) -> CliResult:
     Every user mistake must end in a clear message and an exit code, never a traceback: an
     exception escaping `main` fails here, and so does a traceback printed to either stream.
     """
-    from leantune.cli import main
+    from leantune.cli.app import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

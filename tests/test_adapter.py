@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM
 
 from leantune.data.loader import collate
 from leantune.methods.adapter import AdapterSettings, apply_adapter
+from leantune.methods.artifacts import load_for_inference, save_final
 from leantune.methods.registry import merge_for_inference, trainable_named_parameters
-from leantune.models.artifacts import load_for_inference, save_final
-from leantune.training.token_loss import supervised_logits, token_loss_sum
+from leantune.models.loss import supervised_logits, token_loss_sum
 
 IDS = torch.tensor([[5, 17, 42, 7, 99, 3]])
 

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import chat_rows, tiny_train_args, write_jsonl
 
-from leantune.errors import UserError
-from leantune.training.allocator import (
+from leantune.core.allocator import (
     ENV,
     MARK,
     allocator_note,
@@ -27,6 +26,7 @@ from leantune.training.allocator import (
     preloaded_environment,
     without_leantune_preload,
 )
+from leantune.errors import UserError
 
 
 def _fake_lib(folder: Path, name: str = "libtcmalloc_minimal.so.4") -> Path:

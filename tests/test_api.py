@@ -49,7 +49,7 @@ def test_import_is_light(tmp_path: Path) -> None:
         start = time.perf_counter()
         import leantune
         from leantune import Config, load_config
-        from leantune.cli import build_parser
+        from leantune.cli.app import build_parser
         from leantune.models.paths import check_model_path
         build_parser()
         seconds = time.perf_counter() - start

@@ -33,13 +33,13 @@ from transformers import (
 )
 
 import leantune.models.attention as attention
-from leantune.config import MethodConfig, load_config
+from leantune.config import MethodConfig
 from leantune.data.loader import collate
 from leantune.data.packing import Row, pack_examples, single_rows
 from leantune.data.tokenize import Example
+from leantune.methods.artifacts import load_for_inference
 from leantune.methods.registry import METHODS as SPECS
 from leantune.methods.registry import apply_method
-from leantune.models.artifacts import load_for_inference
 from leantune.models.attention import (
     SEGMENTS,
     AttentionChoice,
@@ -53,9 +53,10 @@ from leantune.models.attention import (
     segments_refusal,
 )
 from leantune.models.loading import enable_gradient_checkpointing
+from leantune.models.loss import token_loss_sum
 from leantune.models.output_head import output_head
+from leantune.training.checks import load_config
 from leantune.training.recipe import train
-from leantune.training.token_loss import token_loss_sum
 
 VOCAB = 384
 LENGTHS = [5, 9, 3, 15, 20, 7, 5, 11, 2]

@@ -9,7 +9,7 @@ import pytest
 from conftest import write_jsonl
 
 from leantune.bench.methods import MethodResult, add_retention, markdown_table
-from leantune.cli import main
+from leantune.cli.app import main
 from leantune.config import MethodConfig
 from leantune.methods.registry import apply_method, count_parameters
 from leantune.models.loading import load_model, resolve_model

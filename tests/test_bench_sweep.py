@@ -14,8 +14,8 @@ from conftest import chat_rows, write_jsonl
 from leantune.bench.instructions import FAMILIES, generate, number_words, write_task
 from leantune.bench.methods import MethodResult, add_retention
 from leantune.bench.sweep import MethodSweep, SweepPoint, lr_grid, parse_grids, run_sweep
-from leantune.cli import main
-from leantune.config import load_config
+from leantune.cli.app import main
+from leantune.training.checks import load_config
 
 
 def test_sweep_end_to_end_chooses_the_lowest_held_out_loss_and_reuses(

@@ -18,8 +18,8 @@ from leantune.bench.throughput import (
     parser,
     run_benchmark,
 )
+from leantune.core.allocator import find_tcmalloc, library_dirs, preloaded_environment
 from leantune.models.loading import load_tokenizer, resolve_model
-from leantune.training.allocator import find_tcmalloc, library_dirs, preloaded_environment
 
 
 def test_corpus_spreads_lengths_and_turns(tiny_llama_dir: Path, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from leantune.training.checkpoint import (
+from leantune.training.state.checkpoint import (
     MARKER,
     CheckpointError,
     TrainingState,
@@ -288,7 +288,7 @@ from pathlib import Path
 
 import torch
 
-import leantune.training.checkpoint as ck
+import leantune.training.state.checkpoint as ck
 
 root, point = Path(sys.argv[1]), sys.argv[2]
 

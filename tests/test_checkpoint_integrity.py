@@ -17,9 +17,11 @@ import torch
 from conftest import chat_rows, run_cli, write_jsonl
 from safetensors import SafetensorError
 
-import leantune.training.checkpoint as ck
-from leantune.training import checkpoint_verify, recipe
-from leantune.training.checkpoint import (
+import leantune.training.state.checkpoint as ck
+from leantune.monitor.events import EXIT_GUARD_STOPPED, read_events
+from leantune.training import recipe
+from leantune.training.state import verify as checkpoint_verify
+from leantune.training.state.checkpoint import (
     MARKER,
     CheckpointError,
     CheckpointWriteError,
@@ -32,7 +34,6 @@ from leantune.training.checkpoint import (
     resume_checkpoint,
     save_checkpoint,
 )
-from leantune.training.events import EXIT_GUARD_STOPPED, read_events
 
 DATA_FILES = ("model.safetensors", "optimizer.pt", "trainer_state.pt", "trainer_state.json")
 

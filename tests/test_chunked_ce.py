@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from leantune.training.chunked_ce import linear_cross_entropy_sum
+from leantune.core.chunked_ce import linear_cross_entropy_sum
 
 
 def _plain(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import write_jsonl
 
-from leantune.cli import main
+from leantune.cli.app import main
 
 ROWS = [
     {

@@ -11,7 +11,7 @@ import pytest
 from conftest import run_cli
 
 import leantune
-from leantune.cli import build_parser
+from leantune.cli.app import build_parser
 from leantune.config import Config
 
 

@@ -20,8 +20,8 @@ from conftest import (
     write_jsonl,
 )
 
-from leantune.config import load_config
-from leantune.config_parse import ConfigError
+from leantune.config.parse import ConfigError
+from leantune.training.checks import load_config
 
 
 def _tiny_segment_model() -> torch.nn.Module:

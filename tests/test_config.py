@@ -10,10 +10,9 @@ from leantune.config import (
     DEMO_CONFIG,
     ConfigError,
     field_docs,
-    load_config,
     parse_override,
-    validate,
 )
+from leantune.training.checks import check_config, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -125,10 +124,10 @@ def test_missing_train_file_and_exact_match_needs_eval(tmp_path: Path) -> None:
 
 def test_risky_settings_warn() -> None:
     cfg = load_config(None, ["method.name=full", "train.lr=3e-4", "train.warmup_ratio=0.01"])
-    warnings = validate(cfg)
+    warnings = check_config(cfg)
     assert any("high for full fine-tuning" in w for w in warnings)
     assert any("warmup_ratio" in w for w in warnings)
-    assert validate(load_config(None)) == []
+    assert check_config(load_config(None)) == []
 
 
 def test_parse_override_values() -> None:
@@ -255,7 +254,7 @@ def test_validate_refuses_non_finite_values_set_in_code(key: str) -> None:
     for bad in (math.nan, math.inf, -math.inf):
         setattr(obj, name, bad)
         with pytest.raises(ConfigError, match=rf"{key}: must be a finite number"):
-            validate(cfg)
+            check_config(cfg)
 
 
 def test_duplicated_yaml_keys_name_the_key_and_both_lines(tmp_path: Path) -> None:

@@ -25,11 +25,12 @@ from conftest import chat_rows, make_config, run_cli, serving, write_jsonl
 from leantune.monitor.dashboard import runs as dash_runs
 from leantune.monitor.dashboard import status as dash_status
 from leantune.monitor.dashboard.server import DashboardServer
-from leantune.training import run_monitoring, rundir
-from leantune.training.events import read_events
+from leantune.monitor.events import read_events
+from leantune.monitor.metrics import read_metrics
+from leantune.training import run_monitoring
 from leantune.training.faults import LOSS_SCALE_ENV
-from leantune.training.metrics import read_metrics
 from leantune.training.recipe import train
+from leantune.training.run import rundir
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 SCREENSHOT_ENV = "LEANTUNE_DASHBOARD_SCREENSHOT"
@@ -249,7 +250,7 @@ def test_a_torn_last_line_is_skipped_until_it_is_whole(tmp_path: Path) -> None:
 LOCKER = """
 import sys
 from pathlib import Path
-from leantune.training.rundir import lock_run_dir
+from leantune.training.run.rundir import lock_run_dir
 fd = lock_run_dir(Path(sys.argv[1]))
 print("locked", flush=True)
 sys.stdin.read()

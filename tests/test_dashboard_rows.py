@@ -14,11 +14,11 @@ import pytest
 import yaml
 from conftest import run_cli, serving, write_jsonl
 
-from leantune.config import load_config
-from leantune.config_parse import ConfigError, ParseError, load_yaml
+from leantune.config.parse import ConfigError, ParseError, load_yaml
 from leantune.monitor.dashboard import make_server
 from leantune.monitor.dashboard import runs as dash_runs
 from leantune.monitor.dashboard.server import DashboardServer
+from leantune.training.checks import load_config
 
 # "Billion laughs": 9 levels of 9 aliases, 387,420,489 strings from 520 bytes. Parsed with plain
 # yaml.safe_load it is a handful of shared lists; whatever walks it as a tree (JSON, a copy, a

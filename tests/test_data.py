@@ -14,7 +14,7 @@ from leantune.data.formats import read_jsonl
 from leantune.data.loader import BatchSchedule, collate
 from leantune.data.packing import pack_examples, packing_efficiency, single_rows
 from leantune.data.tokenize import IGNORE_INDEX, encode_chat, encode_text
-from leantune.training.token_loss import count_supervised, supervised_logits, token_loss_sum
+from leantune.models.loss import count_supervised, supervised_logits, token_loss_sum
 
 CHAT = {
     "messages": [

@@ -15,13 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import run_cli, write_jsonl
 
-from leantune.config import (
-    Config,
-    config_base,
-    load_config,
-    to_dict,
-    validate,
-)
+from leantune.config import Config, config_base, to_dict
+from leantune.training.checks import check_config, load_config
 from leantune.training.run_setup import default_run_name
 
 
@@ -81,7 +76,7 @@ def test_a_config_file_starts_from_the_library_defaults(tmp_path: Path) -> None:
 def test_the_library_defaults_suit_a_users_own_data(tmp_path: Path) -> None:
     cfg = Config()
     cfg.data.train = str(write_jsonl(tmp_path / "mine.jsonl", chat_rows(4)))
-    assert validate(cfg) == []  # valid, and nothing to warn about
+    assert check_config(cfg) == []  # valid, and nothing to warn about
     d, t = cfg.data, cfg.train
     assert d.eval is None and not t.eval_exact_match and t.eval_every == 0
     assert (d.max_seq_len, d.pack, t.micro_batch_size) == ("auto", "auto", "auto")

@@ -33,13 +33,13 @@ from conftest import (
     write_jsonl,
 )
 
-from leantune.config import load_config
-from leantune.config_parse import ConfigError
+from leantune.config.parse import ConfigError
 from leantune.errors import UserError
 from leantune.methods.registry import METHODS
+from leantune.monitor.events import read_events
+from leantune.monitor.metrics import read_metrics
 from leantune.training import recipe
-from leantune.training.checkpoint import CheckpointError, list_complete_checkpoints, load_checkpoint
-from leantune.training.events import read_events
+from leantune.training.checks import load_config
 from leantune.training.faults import (
     FAULT_RANK_ENV,
     KILL_ENV,
@@ -47,7 +47,11 @@ from leantune.training.faults import (
     OOM_STEP_ENV,
     SIGNAL_ENV,
 )
-from leantune.training.metrics import read_metrics
+from leantune.training.state.checkpoint import (
+    CheckpointError,
+    list_complete_checkpoints,
+    load_checkpoint,
+)
 
 
 @pytest.mark.parametrize("method", ["lora", "full"])
@@ -296,8 +300,8 @@ def test_torchrun_with_another_world_size_than_asked_fails_on_every_rank(
 
 HANG = """
 import time, torch.distributed as dist
-from leantune.training.distributed import collectives as c
-from leantune.training.distributed.world import init_world
+from leantune.training.parallel import collectives as c
+from leantune.training.parallel.world import init_world
 world = init_world("gloo", "cpu", 5.0)
 if world.rank == 1:
     time.sleep(10)  # never joins rank 0's all-reduce within the timeout
@@ -343,8 +347,8 @@ def test_dist_settings_are_checked_before_anything_runs(
 
 
 def test_a_window_that_does_not_divide_over_the_ranks_is_refused() -> None:
-    from leantune.training.distributed.collectives import shard
-    from leantune.training.distributed.world import World
+    from leantune.training.parallel.collectives import shard
+    from leantune.training.parallel.world import World
 
     worlds = [World(r, 2, r, torch.device("cpu"), None, 1.0) for r in (0, 1)]  # type: ignore[arg-type]
     assert [shard(list(range(8)), w) for w in worlds] == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -404,7 +408,7 @@ def test_fsdp_units_are_the_blocks_and_the_trainable_leaves_of_another_dtype(
     from transformers import AutoModelForCausalLM
 
     from leantune.methods.registry import apply_method
-    from leantune.training.distributed.fsdp import odd_dtype_leaves, transformer_blocks
+    from leantune.training.parallel.fsdp import odd_dtype_leaves, transformer_blocks
 
     base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16)
     model = apply_method(base, load_config(None, ["method.name=lora"]).method)
@@ -428,12 +432,12 @@ def test_fsdp_units_are_the_blocks_and_the_trainable_leaves_of_another_dtype(
 def test_nproc_execs_torchrun_with_the_world_size_it_asks_for(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from leantune.training.distributed import launch
+    from leantune.training.parallel import launch
 
     seen: dict[str, Any] = {}
     monkeypatch.setattr(launch.os, "execve", lambda *a: seen.update(argv=a[1], env=a[2]))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr("leantune.training.threads.usable_physical_cores", lambda: 8)
+    monkeypatch.setattr("leantune.core.threads.usable_physical_cores", lambda: 8)
     launch.exec_torchrun(3, 2, ["train", "cfg.yaml", "train.lr=1e-4"])
     assert seen["env"]["OMP_NUM_THREADS"] == "2"  # 8 cores shared by 3 ranks
     assert seen["argv"] == [

@@ -30,14 +30,14 @@ from conftest import (
     write_jsonl,
 )
 
-from leantune.config import load_config
-from leantune.config_dist import DEEPSPEED_INSTALL
-from leantune.config_parse import ConfigError
+from leantune.config.dist import DEEPSPEED_INSTALL
+from leantune.config.parse import ConfigError
+from leantune.monitor.events import read_events
+from leantune.monitor.metrics import read_metrics
 from leantune.training import recipe
-from leantune.training.checkpoint import list_complete_checkpoints, load_checkpoint
-from leantune.training.events import read_events
+from leantune.training.checks import load_config
 from leantune.training.faults import FAULT_RANK_ENV, LOSS_SCALE_ENV, OOM_STEP_ENV, SIGNAL_ENV
-from leantune.training.metrics import read_metrics
+from leantune.training.state.checkpoint import list_complete_checkpoints, load_checkpoint
 
 
 @pytest.mark.parametrize("method", ["lora", "full"])
@@ -157,7 +157,7 @@ def test_deepspeed_settings_are_checked_before_anything_runs(
 
 
 def test_fp16_is_refused_with_deepspeed() -> None:
-    from leantune.config_dist import DistConfig, check_deepspeed
+    from leantune.config.dist import DistConfig, check_deepspeed
 
     with pytest.raises(ConfigError, match=r"train\.precision=fp16 with dist\.strategy=deepspeed"):
         check_deepspeed(DistConfig(strategy="deepspeed"), "fp16", "adamw", "lora", False)
@@ -189,8 +189,8 @@ def test_a_rank_whose_deepspeed_sees_another_world_than_torchrun_started_fails(
     import deepspeed
     import torch
 
-    from leantune.training.distributed.world import World, WorldSizeMismatch
-    from leantune.training.distributed.zero import ZeroStrategy, engine_config
+    from leantune.training.parallel.world import World, WorldSizeMismatch
+    from leantune.training.parallel.zero import ZeroStrategy, engine_config
 
     assert engine_config(2, 1.0)["zero_optimization"] == {"stage": 2}
     assert engine_config(3, 0.0)["gradient_clipping"] == 0.0
@@ -249,8 +249,8 @@ def test_deepspeed_gets_a_local_rank_only_for_its_call(monkeypatch: pytest.Monke
     import deepspeed
     import torch
 
-    from leantune.training.distributed.world import World
-    from leantune.training.distributed.zero import ZeroStrategy
+    from leantune.training.parallel.world import World
+    from leantune.training.parallel.zero import ZeroStrategy
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     seen: list[str | None] = []

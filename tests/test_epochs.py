@@ -22,9 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from leantune.config import effective_pack, load_config
 from leantune.data.loader import SampleStream
-from leantune.training.metrics import read_metrics
+from leantune.methods.checks import effective_pack
+from leantune.monitor.metrics import read_metrics
+from leantune.training.checks import load_config
 from leantune.training.run_setup import default_global_batch, steps_for
 
 SIGNAL_ENV = "LEANTUNE_SIGNAL_AT_MICRO_BATCH"

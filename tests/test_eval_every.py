@@ -9,7 +9,7 @@ import pytest
 from conftest import make_config
 
 from leantune.config import ConfigError
-from leantune.training.metrics import read_metrics
+from leantune.monitor.metrics import read_metrics
 from leantune.training.recipe import train
 
 

@@ -23,14 +23,14 @@ from transformers import (
 )
 
 import leantune.export.gguf_file as gguf_file
-from leantune.cli import main
-from leantune.cli_inference import EXPORT_FORMATS
+from leantune.cli.app import main
+from leantune.cli.inference import EXPORT_FORMATS
 from leantune.export.int8 import quantize_int8
 from leantune.export.parity import REPORT_NAME, ParityError, build_samples, sample_logits
 from leantune.export.run import FORMATS, check_export, export_model
 from leantune.export.source import ExportError, load_source, merge_into_base, model_logits_fn
+from leantune.methods.artifacts import save_final
 from leantune.methods.lora import LoraSettings, apply_lora
-from leantune.models.artifacts import save_final
 from leantune.models.quantize import keep_training_layout
 
 

@@ -502,7 +502,7 @@ def test_a_bad_chat_template_exits_2_before_the_model_loads(
 
 
 def test_a_relative_template_path_in_a_config_is_relative_to_it(tmp_path: Path) -> None:
-    from leantune.config import load_config
+    from leantune.training.checks import load_config
 
     (tmp_path / "conf").mkdir()
     (tmp_path / "conf" / "t.jinja").write_text(CHATML_TEMPLATE)
@@ -546,7 +546,7 @@ def test_train_with_a_template_saves_it_with_the_model(
 
 def test_the_run_fingerprint_covers_data_chat_template() -> None:
     from leantune.config import Config
-    from leantune.training.fingerprint import trajectory_settings
+    from leantune.training.run.fingerprint import trajectory_settings
 
     cfg = Config()
     before = trajectory_settings(cfg)

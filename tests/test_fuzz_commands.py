@@ -452,7 +452,7 @@ def _fuzz(command: str, examples: int, tiny: Path, monkeypatch: pytest.MonkeyPat
 
 
 def test_every_command_is_fuzzed() -> None:
-    from leantune.cli import build_parser
+    from leantune.cli.app import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")

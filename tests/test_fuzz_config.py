@@ -21,7 +21,8 @@ from conftest import run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from leantune.config import Config, ConfigError, load_config, validate
+from leantune.config import Config, ConfigError
+from leantune.training.checks import check_config, load_config
 
 # LEANTUNE_FUZZ_EXAMPLES=5000 searches harder (the default keeps this file to a few seconds).
 EXAMPLES = int(os.environ.get("LEANTUNE_FUZZ_EXAMPLES", "150"))
@@ -136,7 +137,7 @@ def _check_outcome(path: Path | None, run: typing.Callable[[], Config]) -> None:
             # validate's cross-field checks and overrides name the field
             assert any(k in message for k in ALL_KEYS) or message.startswith("override "), message
         return
-    assert all(isinstance(w, str) for w in validate(cfg))
+    assert all(isinstance(w, str) for w in check_config(cfg))
 
 
 @FUZZ
@@ -227,7 +228,7 @@ def test_validate_on_configs_built_in_code(workdir: Path, items: list[Any]) -> N
         if not _has_type(value, tp):
             continue
         setattr(getattr(cfg, section), name, value)
-    _check_outcome(None, lambda: (validate(cfg), cfg)[1])
+    _check_outcome(None, lambda: (check_config(cfg), cfg)[1])
 
 
 def _has_type(value: Any, tp: Any) -> bool:

@@ -32,7 +32,7 @@ import transformers
 from conftest import chat_rows, write_jsonl
 
 from leantune import load_config, train
-from leantune.training.metrics import read_metrics
+from leantune.monitor.metrics import read_metrics
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_llama_trajectory.json"
 REGEN_ENV = "LEANTUNE_REGEN_GOLDEN"

@@ -13,23 +13,24 @@ import pytest
 import torch
 from conftest import make_config, prepare_rows
 
-from leantune.cli import main
+from leantune.cli.app import main
 from leantune.config import GuardConfig
+from leantune.core.optim import warmup_cosine
 from leantune.data.loader import SampleStream
-from leantune.monitor.step_stats import TIMING_FIELDS
-from leantune.training import guard_actions, recipe
-from leantune.training.checkpoint import latest_checkpoint, load_checkpoint
-from leantune.training.events import (
+from leantune.monitor.events import (
     EXIT_GUARD_STOPPED,
     EXIT_PAUSED,
     PAUSED_MARKER,
     TrainingStopped,
     read_events,
 )
+from leantune.monitor.metrics import read_metrics
+from leantune.monitor.step_stats import TIMING_FIELDS
+from leantune.training import recipe
 from leantune.training.faults import LOSS_SCALE_ENV
-from leantune.training.guard import Decision, GuardHistory, GuardSettings, decide, remember
-from leantune.training.metrics import read_metrics
-from leantune.training.optim import warmup_cosine
+from leantune.training.guard import actions as guard_actions
+from leantune.training.guard.detect import Decision, GuardHistory, GuardSettings, decide, remember
+from leantune.training.state.checkpoint import latest_checkpoint, load_checkpoint
 
 DATA = Path(__file__).parent / "data"
 

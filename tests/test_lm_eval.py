@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 pytest.importorskip("lm_eval")
 
-from leantune.cli import main
+from leantune.cli.app import main
 from leantune.eval.harness import run_lm_eval, summarize
 
 DOCS = [

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import make_config
 
-from leantune.training.metrics import memory_stats, read_metrics, start_training_memory
+from leantune.monitor.metrics import memory_stats, read_metrics, start_training_memory
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="reads and resets /proc/self's VmHWM"

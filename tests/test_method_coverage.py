@@ -15,11 +15,11 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from leantune.config import MethodConfig
+from leantune.core.optim import build_optimizer
 from leantune.methods.coverage import coverage_of
 from leantune.methods.errors import MethodError
 from leantune.methods.lora import quiet_peft
 from leantune.methods.registry import apply_method, count_parameters, trainable_named_parameters
-from leantune.training.optim import build_optimizer
 from leantune.training.recipe import train
 
 MOE = ["qwen3-moe", "qwen2-moe", "mixtral"]

@@ -16,10 +16,11 @@ import torch
 from conftest import chat_rows, run_cli, tiny_llama_config, tiny_train_args, write_jsonl
 from transformers import AutoModelForCausalLM
 
-from leantune.config import MethodConfig, load_config
-from leantune.config_parse import ConfigError
+from leantune.config import MethodConfig
+from leantune.config.parse import ConfigError
 from leantune.methods.errors import MethodError
 from leantune.methods.registry import METHODS, apply_method
+from leantune.training.checks import load_config
 
 # Every setting that leaves a method nothing to train, and the method it applies to. The ones
 # marked "new" were accepted before issue 32; the others were refused already and stay so.

@@ -12,16 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from leantune.config import (
-    ConfigError,
-    MethodConfig,
-    effective_pack,
-    field_docs,
-    load_config,
-    validate,
-)
+from leantune.config import ConfigError, MethodConfig, field_docs
 from leantune.export.source import ExportError, merge_into_base, model_logits_fn
 from leantune.memory.planner import METHOD_LADDER
+from leantune.methods.checks import effective_pack
 from leantune.methods.registry import (
     DEFAULT_LR,
     METHODS,
@@ -31,7 +25,8 @@ from leantune.methods.registry import (
     trainable_named_parameters,
 )
 from leantune.models.loading import ModelSource, enable_gradient_checkpointing, load_model
-from leantune.training.token_loss import VIRTUAL_TOKENS_HOOK, supervised_logits
+from leantune.models.loss import VIRTUAL_TOKENS_HOOK, supervised_logits
+from leantune.training.checks import check_config, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = sorted(METHODS)
@@ -129,15 +124,15 @@ def test_validation_follows_the_spec(name: str) -> None:
         with pytest.raises(ConfigError, match=r"train\.kl_coef needs an adapter method"):
             _cfg(name, "train.kl_coef=0.1")
     cfg = load_config(None, [f"method.name={name}", "data.pack=false", "method.r=128"])
-    assert any("LoRA ranks above 64" in w for w in validate(cfg)) is spec.lora_settings
+    assert any("LoRA ranks above 64" in w for w in check_config(cfg)) is spec.lora_settings
     cfg = load_config(None, [f"method.name={name}", "data.pack=false", "train.lr=3e-4"])
-    high = [w for w in validate(cfg) if "is high for" in w]
+    high = [w for w in check_config(cfg) if "is high for" in w]
     assert bool(high) is (spec.lr_advice is not None)
     # The method's own default never draws the warning, set explicitly or not.
     cfg = load_config(
         None, [f"method.name={name}", "data.pack=false", f"train.lr={spec.default_lr}"]
     )
-    assert not [w for w in validate(cfg) if "is high for" in w]
+    assert not [w for w in check_config(cfg) if "is high for" in w]
     # The methods' own checks: freeze with nothing to train, a prompt-learning init text that a
     # random init would ignore; each is refused by its methods only.
     cases = {

@@ -10,20 +10,20 @@ import torch
 from conftest import QA_ROWS, prepare_rows, write_jsonl
 from transformers import AutoModelForCausalLM
 
-from leantune.config import load_config
+from leantune.core.optim import build_optimizer
 from leantune.data.loader import collate
 from leantune.methods.adapter import BLOCK_ATTR
-from leantune.methods.prompt import PROMPT_LEARNING_METHODS
+from leantune.methods.artifacts import load_for_inference, save_final
 from leantune.methods.registry import (
     BASE_QUANTIZATION,
     METHODS,
+    PROMPT_LEARNING_METHODS,
     apply_method,
     base_quantization,
     trainable_named_parameters,
 )
-from leantune.models.artifacts import load_for_inference, save_final
 from leantune.models.loading import ModelSource, load_model
-from leantune.training.optim import build_optimizer
+from leantune.training.checks import load_config
 from leantune.training.trainer import backward_window
 
 # The parameter kinds each adapter method trains (peft names), and nothing else.
@@ -110,7 +110,7 @@ def test_kl_to_base_is_zero_at_init_and_exact_after_a_change(
 ) -> None:
     import torch.nn.functional as F
 
-    from leantune.training.token_loss import supervised_logits, token_loss_sum
+    from leantune.models.loss import supervised_logits, token_loss_sum
 
     cfg = load_config(None, ["method.name=lora"])
     model = apply_method(AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir), cfg.method).eval()

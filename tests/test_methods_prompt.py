@@ -15,15 +15,16 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from leantune.config import ConfigError, load_config
+from leantune.config import ConfigError
 from leantune.data.loader import collate
 from leantune.eval.generation import GREEDY, generate_texts, stop_token_ids
 from leantune.eval.perplexity import evaluate_loss
+from leantune.methods.artifacts import load_for_inference
 from leantune.methods.registry import apply_method, trainable_named_parameters
-from leantune.models.artifacts import load_for_inference
 from leantune.models.loading import enable_gradient_checkpointing
+from leantune.models.loss import supervised_logits
+from leantune.training.checks import load_config
 from leantune.training.recipe import train
-from leantune.training.token_loss import supervised_logits
 
 PROMPT_METHODS = ["prefix", "ptuning_v2", "prompt"]
 PROMPTS = ["Hello world! How are you", "order", "The quick brown fox jumps over the lazy"]

@@ -25,20 +25,20 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from leantune.config import load_config
 from leantune.data.packing import Row
 from leantune.data.tokenize import IGNORE_INDEX
 from leantune.eval.perplexity import evaluate_loss
 from leantune.methods.registry import apply_method, trainable_named_parameters
 from leantune.models.loading import ModelSource, load_model
+from leantune.models.loss import supervised_logits, token_loss_sum
 from leantune.models.output_head import (
     OUTPUT_HEAD_ATTR,
     OutputHead,
     decide_output_head,
     output_head,
 )
+from leantune.training.checks import load_config
 from leantune.training.recipe import train
-from leantune.training.token_loss import supervised_logits, token_loss_sum
 
 ALL_FAMILIES: dict[str, Family] = {**FAMILIES, **OUTPUT_SCALED_FAMILIES}
 

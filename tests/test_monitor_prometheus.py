@@ -19,11 +19,11 @@ import pytest
 from conftest import chat_rows, free_port, make_config, run_cli, tiny_train_args, write_jsonl
 from prometheus_client.parser import text_string_to_metric_families
 
+from leantune.monitor.metrics import read_metrics
 from leantune.monitor.prometheus import PrometheusSink, RunFacts
+from leantune.monitor.sinks import Sinks
 from leantune.training import recipe, run_monitoring
 from leantune.training.faults import LOSS_SCALE_ENV, OOM_STEP_ENV
-from leantune.training.metrics import read_metrics
-from leantune.training.sinks import Sinks
 
 Families = dict[str, Any]  # family name -> prometheus_client Metric
 
@@ -277,7 +277,8 @@ def test_a_port_out_of_range_is_refused_by_the_flag_and_the_config(tmp_path: Pat
     assert "monitor.metrics_port" in out.out and "monitor.metrics_host" in out.out
     bad = run_cli(["train", "--metrics-port", "70000"])
     assert bad.code == 2 and "--metrics-port" in bad.err and "65535" in bad.err
-    from leantune.config import ConfigError, load_config
+    from leantune.config import ConfigError
+    from leantune.training.checks import load_config
 
     train_file = write_jsonl(tmp_path / "train.jsonl", chat_rows(2))
     with pytest.raises(ConfigError, match=r"monitor.metrics_port: .*0..65535"):

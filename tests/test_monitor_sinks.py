@@ -18,16 +18,16 @@ from typing import Any
 import pytest
 from conftest import chat_rows, make_config, run_cli, tiny_train_args, write_jsonl
 
-from leantune.config import load_config
-from leantune.config_monitor import MlflowConfig, MonitorConfig, WandbConfig
-from leantune.config_parse import ConfigError
+from leantune.config.monitor import MlflowConfig, MonitorConfig, WandbConfig
+from leantune.config.parse import ConfigError
+from leantune.core.signals import Interrupted
 from leantune.monitor.backends import BACKENDS, RunInfo, optional_sinks
+from leantune.monitor.events import TrainingPaused, TrainingStopped, read_events
+from leantune.monitor.metrics import read_metrics
 from leantune.monitor.records import RUN_IDS_FILE, outcome
 from leantune.training import recipe
-from leantune.training.events import TrainingPaused, TrainingStopped, read_events
+from leantune.training.checks import load_config
 from leantune.training.faults import LOSS_SCALE_ENV, SIGNAL_ENV
-from leantune.training.metrics import read_metrics
-from leantune.training.signals import Interrupted
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 BACKEND_MODULES = ("tensorboard", "wandb", "mlflow")
@@ -296,7 +296,7 @@ def test_a_plain_run_imports_no_backend_and_a_configured_one_does(
     script = textwrap.dedent(
         f"""
         import json, sys
-        from leantune.cli import main
+        from leantune.cli.app import main
 
         def loaded():
             return sorted({{m.split(".")[0] for m in sys.modules}} & set({BACKEND_MODULES!r}))

@@ -19,9 +19,9 @@ from leantune.data.loader import collate
 from leantune.methods.registry import apply_method
 from leantune.monitor import gpu
 from leantune.monitor.flops import flops_per_token, matmul_parameters, measure_peak_flops
+from leantune.monitor.metrics import read_metrics
 from leantune.monitor.step_stats import StepStats, build_step_stats
 from leantune.training import recipe, trainer
-from leantune.training.metrics import read_metrics
 
 
 def test_flops_per_token_is_6n_for_full_and_4n_plus_2n_trainable_for_lora(

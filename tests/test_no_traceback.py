@@ -19,7 +19,7 @@ from conftest import run_cli, tiny_train_args, write_jsonl
 from model_zoo import save_family_model
 from safetensors.torch import load_file
 
-from leantune import writes
+from leantune.core import writes
 
 INTERNAL = re.compile(
     r"^(?P<rank>rank \d+ of \d+: )?internal error: RuntimeError: boom; full traceback in "
@@ -82,7 +82,7 @@ def test_without_a_run_dir_the_log_goes_to_leantune_home(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_qwen2_dir: Path
 ) -> None:
     monkeypatch.setenv("LEANTUNE_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr("leantune.memory.report.plan", _boom)
+    monkeypatch.setattr("leantune.training.plan_report.plan", _boom)
     data = write_jsonl(tmp_path / "d.jsonl", ROWS)
     done = run_cli(["plan", f"model.path={tiny_qwen2_dir}", f"data.train={data}"])
     assert done.code == 70
@@ -100,7 +100,7 @@ def test_an_unwritable_home_falls_back_to_the_temp_dir(
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr("tempfile.tempdir", None)  # re-read TMPDIR
-    monkeypatch.setattr("leantune.memory.report.plan", _boom)
+    monkeypatch.setattr("leantune.training.plan_report.plan", _boom)
     data = write_jsonl(tmp_path / "d.jsonl", ROWS)
     done = run_cli(["plan", f"model.path={tiny_qwen2_dir}", f"data.train={data}"])
     assert done.code == 70
@@ -261,7 +261,7 @@ def test_report_into_a_read_only_run_names_the_file_and_the_way_out(
     def read_only(where: Path, *args: object, **kwargs: object) -> None:
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(where))
 
-    # Every file leantune writes goes through the write helper (leantune.writes), which makes
+    # Every file leantune writes goes through the write helper (leantune.core.writes), which makes
     # each one durable before it is renamed into place: refuse there, as a read-only disk does.
     monkeypatch.setattr(writes, "_fsync_file", read_only)
     done = run_cli(["report", str(run)])

@@ -15,9 +15,12 @@ from conftest import tiny_llama_config, tiny_qwen2_config
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from leantune.config import ConfigError, MethodConfig, TrainConfig, load_config
-from leantune.config_preference import PreferenceConfig
+from leantune.config import ConfigError, MethodConfig, TrainConfig
+from leantune.config.preference import PreferenceConfig
+from leantune.core import chunked_ce
+from leantune.core.chunked_ce import linear_token_logps
 from leantune.methods.registry import apply_method
+from leantune.models.loss import reference_token_logps, supervised_token_logps
 from leantune.models.output_head import decide_output_head
 from leantune.objectives.logps import (
     SequenceLogps,
@@ -36,9 +39,7 @@ from leantune.objectives.preference import (
 )
 from leantune.objectives.registry import OBJECTIVES, SFT, settings_for
 from leantune.objectives.spec import ObjectiveSettings
-from leantune.training import chunked_ce
-from leantune.training.chunked_ce import linear_token_logps
-from leantune.training.token_loss import reference_token_logps, supervised_token_logps
+from leantune.training.checks import load_config
 
 
 def settings(objective: str, **fields: typing.Any) -> ObjectiveSettings:
@@ -407,12 +408,12 @@ def test_bad_preference_settings_name_the_field(overrides: list[str], needle: st
 
 
 def test_a_setting_the_objective_does_not_read_gets_a_warning() -> None:
-    from leantune.config import validate
+    from leantune.training.checks import check_config
 
     # The demo config's data, read as pairs without its held-out SFT file.
     pairs = ["data.format=preference", "data.eval=null", "train.eval_exact_match=false"]
     cfg = load_config(None, ["train.objective=dpo", "preference.beta=0.2", *pairs])
     assert cfg.train.objective == "dpo" and cfg.preference.beta == 0.2
-    assert not [w for w in validate(cfg) if "preference." in w]
+    assert not [w for w in check_config(cfg) if "preference." in w]
     cfg = load_config(None, ["train.objective=orpo", "preference.beta=0.2", *pairs])
-    assert "preference.beta is set but train.objective=orpo does not use it" in validate(cfg)
+    assert "preference.beta is set but train.objective=orpo does not use it" in check_config(cfg)

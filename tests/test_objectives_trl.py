@@ -28,11 +28,11 @@ from trl.experimental.cpo import CPOConfig, CPOTrainer
 from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 from trl.trainer.utils import FusedCausalLMOutput, add_fused_lm_head
 
-from leantune.config_preference import PreferenceConfig
+from leantune.config.preference import PreferenceConfig
+from leantune.models.loss import supervised_token_logps
 from leantune.objectives.logps import SequenceLogps, logits_token_logps, sequence_logps
 from leantune.objectives.preference import ObjectiveOutput, PreferenceBatch, kto_kl
 from leantune.objectives.registry import OBJECTIVES, settings_for
-from leantune.training.token_loss import supervised_token_logps
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 PAIRED_METRICS = (

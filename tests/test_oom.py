@@ -11,15 +11,16 @@ import torch
 from conftest import make_config
 from safetensors.torch import load_file
 
-from leantune.cli import main
-from leantune.config import ConfigError, load_config, parse_memory_size
+from leantune.cli.app import main
+from leantune.config import ConfigError, parse_memory_size
+from leantune.monitor.events import EXIT_OUT_OF_MEMORY, OutOfMemoryAtMinimum, read_events
+from leantune.monitor.metrics import read_metrics
 from leantune.monitor.step_stats import TIMING_FIELDS
 from leantune.training import recipe, trainer
-from leantune.training.checkpoint import latest_checkpoint, load_checkpoint
-from leantune.training.events import EXIT_OUT_OF_MEMORY, OutOfMemoryAtMinimum, read_events
+from leantune.training.checks import load_config
 from leantune.training.faults import OOM_EVAL_ENV, OOM_STEP_ENV
-from leantune.training.metrics import read_metrics
-from leantune.training.oom import retry_on_oom
+from leantune.training.guard.oom import retry_on_oom
+from leantune.training.state.checkpoint import latest_checkpoint, load_checkpoint
 
 VOLATILE = (*TIMING_FIELDS, "micro_batch_size", "grad_accum")
 

@@ -14,14 +14,15 @@ import pytest
 import torch
 from torch import nn
 
-from leantune.config import ConfigError, load_config
-from leantune.training.optim import (
+from leantune.config import ConfigError
+from leantune.core.optim import (
     OPTIMIZER_BACKENDS,
     OptimizerUnavailable,
     build_optimizer,
     build_scheduler,
     resolve_optimizer,
 )
+from leantune.training.checks import load_config
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
@@ -147,9 +148,9 @@ def test_paged_adamw_8bit_on_cpu_is_adamw_8bit_with_a_warning(tiny_llama_dir: Pa
     train_file = tmp_path / "t.jsonl"
     train_file.write_text('{"text": "x"}\n')
     overrides = [f"data.train={train_file}", "train.optimizer=paged_adamw_8bit", "train.device=cpu"]
-    from leantune.config import validate
+    from leantune.training.checks import check_config
 
-    warnings = validate(load_config(None, overrides))
+    warnings = check_config(load_config(None, overrides))
     assert any("paging only applies to GPU memory" in w for w in warnings)
 
 
@@ -274,7 +275,7 @@ def test_recipe_runs_a_torchao_optimizer(tiny_llama_dir: Path, tmp_path: Path) -
     """torchao keeps each group's lr as a tensor; the recipe must still log plain numbers."""
     from conftest import write_jsonl
 
-    from leantune.training.metrics import read_metrics
+    from leantune.monitor.metrics import read_metrics
     from leantune.training.recipe import train
 
     rows = [{"text": f"order {i} shipped on day {i % 7}"} for i in range(8)]

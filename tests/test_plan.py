@@ -12,8 +12,8 @@ import torch
 from conftest import plan_config_file, prepare_rows, tiny_llama_config
 from transformers import AutoModelForCausalLM
 
-from leantune.cli import main
-from leantune.config import ConfigError, MethodConfig, configured_global_batch, load_config
+from leantune.cli.app import main
+from leantune.config import ConfigError, MethodConfig, configured_global_batch
 from leantune.memory.estimate import GIB, StepSettings, estimate
 from leantune.memory.planner import (
     max_supervised_per_row,
@@ -23,7 +23,8 @@ from leantune.memory.planner import (
     resolve_micro_batch,
 )
 from leantune.methods.registry import apply_method, count_parameters
-from leantune.training.token_loss import token_loss_sum
+from leantune.models.loss import token_loss_sum
+from leantune.training.checks import load_config
 
 METHODS = ["full", "lora", "dora", "ia3", "freeze"]
 
@@ -242,7 +243,7 @@ def test_train_resolves_auto_and_logs_memory(
     from dataclasses import replace as dc_replace
 
     from leantune.memory.planner import plan_inputs
-    from leantune.training.metrics import read_metrics
+    from leantune.monitor.metrics import read_metrics
     from leantune.training.recipe import train
 
     cfg = load_config(
@@ -288,7 +289,7 @@ def test_unpacked_rows_are_planned_at_their_real_length(
     """A micro-batch is padded to its longest row: with short unpacked rows the activations are
     those of that length, not of data.max_seq_len."""
     from leantune.memory.planner import plan_inputs
-    from leantune.memory.report import row_stats_from_data
+    from leantune.training.plan_report import row_stats_from_data
 
     cfg = load_config(_config_file(tmp_path, tiny_llama_dir), ["data.pack=false"])
     supervised, longest, rows, examples = row_stats_from_data(cfg)
@@ -328,7 +329,7 @@ def test_plan_recommends_low_bit_optimizer_state_when_adamw_does_not_fit(
     """A full fine-tune over a budget that adamw misses even at micro-batch 1 with gradient
     checkpointing, and 8-bit state meets: the checklist's next step is the optimizer."""
     from leantune.memory.planner import available_optimizers, plan_inputs
-    from leantune.memory.report import plan
+    from leantune.training.plan_report import plan
 
     lighter = available_optimizers("cpu")
     if not lighter:

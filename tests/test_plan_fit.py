@@ -13,12 +13,13 @@ from conftest import plan_config_file, tiny_llama_config
 from transformers import LlamaForCausalLM, Qwen2Config
 
 import leantune.memory.planner as planner
-from leantune.cli import main
-from leantune.config import MethodConfig, load_config
+from leantune.cli.app import main
+from leantune.config import MethodConfig
+from leantune.core.allocator import train_allocator
 from leantune.errors import UserError
 from leantune.memory.estimate import FIT_MARGIN, GIB, RUNTIME_OVERHEAD, StepSettings, estimate
 from leantune.memory.planner import WeightOption, model_facts_for, plan_for_run, recommend
-from leantune.training.allocator import train_allocator
+from leantune.training.checks import load_config
 
 
 def _config_file(tmp_path: Path, model_dir: Path, train: str) -> Path:

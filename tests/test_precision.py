@@ -19,14 +19,15 @@ import yaml
 from conftest import run_cli, tiny_train_args, write_jsonl
 from safetensors.torch import load_file
 
-from leantune.config import TrainConfig, load_config, validate
-from leantune.training import precision
-from leantune.training.precision import (
+from leantune.config import TrainConfig
+from leantune.core import precision
+from leantune.core.precision import (
     PROBE_FILE,
     PrecisionUnavailable,
     bf16_speed_on_cpu,
     resolve_precision,
 )
+from leantune.training.checks import check_config, load_config
 
 SLOW, FAST = 45.0, 0.4
 """bf16 / fp32 matmul time on an AVX2-only CPU (emulated bf16) and on one with AMX."""
@@ -285,7 +286,7 @@ def test_the_memory_planner_plans_with_the_resolved_precision(
     expected: str,
 ) -> None:
     from leantune.memory.planner import plan_inputs
-    from leantune.memory.report import format_text, plan
+    from leantune.training.plan_report import format_text, plan
 
     use_probe(monkeypatch, slowdown)
     data = chat_file(tmp_path)
@@ -304,7 +305,7 @@ def test_validate_warns_about_bf16_4bit_matmuls_only_where_bf16_is_emulated(
 ) -> None:
     use_probe(monkeypatch, slowdown)
     cfg = load_config(None, ["method.name=qlora", "method.compute_dtype=bf16", "train.device=cpu"])
-    warned = [w for w in validate(cfg) if "method.compute_dtype=bf16" in w]
+    warned = [w for w in check_config(cfg) if "method.compute_dtype=bf16" in w]
     assert bool(warned) == warns
     if warns:
         assert "45.0x slower" in warned[0] and "fp32 is faster" in warned[0]
@@ -318,7 +319,7 @@ def test_the_real_probe_finds_bf16_slow_when_onednn_is_held_to_avx2(tmp_path: Pa
     if os.uname().machine not in ("x86_64", "AMD64"):
         pytest.skip("ONEDNN_MAX_CPU_ISA=AVX2 is an x86 setting")
     code = (
-        "from leantune.training.precision import resolve_precision\n"
+        "from leantune.core.precision import resolve_precision\n"
         "c = resolve_precision('auto', 'cpu')\n"
         "print(c.precision)\nprint(c.note)\n"
     )

@@ -13,8 +13,7 @@ from conftest import write_jsonl
 from model_zoo import FAMILIES, family_config, family_tokenizer
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from leantune.config import load_config, validate
-from leantune.config_parse import ConfigError
+from leantune.config.parse import ConfigError
 from leantune.data.chat_spans import for_template
 from leantune.data.errors import DataError
 from leantune.data.inspection import render_pair
@@ -35,6 +34,7 @@ from leantune.data.preference_tokenize import (
     resolve_lengths,
 )
 from leantune.data.tokenize import IGNORE_INDEX, encode_chat
+from leantune.training.checks import check_config, load_config
 
 _TOKENIZERS: dict[str, PreTrainedTokenizerFast] = {}
 
@@ -397,7 +397,7 @@ def test_preference_formats_with_the_sft_objective_are_refused_naming_the_object
     data = write_jsonl(tmp_path / "d.jsonl", [STANDARD])
     objective = "kto" if fmt == "kto" else "dpo"
     with pytest.raises(ConfigError, match=f"data.format={fmt}: .* train.objective={objective}"):
-        validate(load_config(None, [f"data.train={data}", f"data.format={fmt}"]))
+        check_config(load_config(None, [f"data.train={data}", f"data.format={fmt}"]))
 
 
 def test_inspect_shows_the_prompt_once_and_each_answers_supervised_span() -> None:

@@ -14,21 +14,21 @@ import torch
 from conftest import make_config, run_cli, tiny_train_args, write_jsonl
 from safetensors.torch import load_file
 
-from leantune.config import validate
-from leantune.config_parse import ConfigError
+from leantune.config.parse import ConfigError
+from leantune.core.signals import StopSignals
 from leantune.data.preference_packing import pack_pairs
 from leantune.models.loading import resolve_model
+from leantune.monitor.events import read_events
+from leantune.monitor.metrics import read_metrics
+from leantune.objectives.batch import PreferenceStep
 from leantune.objectives.logps import SequenceLogps, logits_token_logps, sequence_logps
 from leantune.objectives.preference import PreferenceBatch, dpo_loss
 from leantune.objectives.registry import OBJECTIVES, settings_for
-from leantune.training.events import read_events
+from leantune.training.checks import check_config
 from leantune.training.faults import OOM_STEP_ENV
-from leantune.training.fingerprint import trajectory_settings
-from leantune.training.metrics import read_metrics
 from leantune.training.preference_setup import load_preference_data
-from leantune.training.preference_step import PreferenceStep
 from leantune.training.recipe import Session, named_run, set_up, train
-from leantune.training.signals import StopSignals
+from leantune.training.run.fingerprint import trajectory_settings
 from leantune.training.trainer import preference_window
 
 SIGNAL_ENV = "LEANTUNE_SIGNAL_AT_MICRO_BATCH"
@@ -285,7 +285,7 @@ def test_the_objective_and_the_data_format_are_checked_together(
 ) -> None:
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
     with pytest.raises(ConfigError, match=says.replace(".", r"\.")):
-        validate(make_config(tiny_llama_dir, data, tmp_path / "run", *overrides))
+        check_config(make_config(tiny_llama_dir, data, tmp_path / "run", *overrides))
 
 
 def test_full_fine_tuning_needs_no_reference_for_simpo(
@@ -300,7 +300,7 @@ def test_full_fine_tuning_needs_no_reference_for_simpo(
         "data.format=preference",
         "method.name=full",
     )
-    validate(cfg)
+    check_config(cfg)
 
 
 def test_the_fingerprint_holds_the_objective_only_for_preference_runs(

@@ -15,7 +15,7 @@ import pytest
 import zstandard
 from conftest import chat_rows, make_config, write_jsonl
 
-from leantune.cli import main
+from leantune.cli.app import main
 from leantune.data.dataset import PreparedData, load_prepared, prepared_data
 from leantune.data.formats import Record, read_records
 from leantune.data.packing import pack_examples

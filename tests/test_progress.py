@@ -20,14 +20,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from leantune.config import GuardConfig, load_config
-from leantune.training.checkpoint import MARKER, CheckpointError, load_checkpoint
-from leantune.training.checkpoint_verify import file_digest
-from leantune.training.guard import Decision, GuardHistory, remember
-from leantune.training.metrics import read_metrics
-from leantune.training.optim import Schedule, warmup_cosine
-from leantune.training.progress import ROLLBACK, VERSION, Batching, RunProgress
+from leantune.config import GuardConfig
+from leantune.core.optim import Schedule, warmup_cosine
+from leantune.monitor.metrics import read_metrics
+from leantune.training.checks import load_config
+from leantune.training.guard.detect import Decision, GuardHistory, remember
 from leantune.training.recipe import train
+from leantune.training.state.checkpoint import MARKER, CheckpointError, load_checkpoint
+from leantune.training.state.progress import ROLLBACK, VERSION, Batching, RunProgress
+from leantune.training.state.verify import file_digest
 
 FIXTURE = Path(__file__).parent / "fixtures" / "run_fd108a7"
 STORED = "step-000006"

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from conftest import chat_rows, free_port, make_config, write_jsonl
 
+from leantune.monitor.metrics import read_metrics
+from leantune.monitor.sinks import Sinks
 from leantune.training import recipe, run_monitoring
-from leantune.training.metrics import read_metrics
-from leantune.training.sinks import Sinks
 
 DEADLINE_S = 60.0  # generous: the machine may be loaded; a healthy wait is ~1 s
 

@@ -28,10 +28,10 @@ import pytest
 import torch
 from conftest import CliResult, run_cli, save_tiny_model, write_jsonl
 
-import leantune.training.checkpoint as ck
-from leantune.training.checkpoint import MARKER, load_checkpoint
+import leantune.training.state.checkpoint as ck
+from leantune.monitor.metrics import read_metrics
 from leantune.training.faults import SIGNAL_ENV
-from leantune.training.metrics import read_metrics
+from leantune.training.state.checkpoint import MARKER, load_checkpoint
 
 
 def chat_rows(n: int, offset: int = 0) -> list[dict[str, Any]]:

@@ -11,18 +11,19 @@ import pytest
 import torch
 from conftest import QA_ROWS, prepare_rows, write_jsonl
 
-from leantune.config import ConfigError, load_config
+from leantune.config import ConfigError
+from leantune.core.optim import build_optimizer
 from leantune.data.loader import collate
+from leantune.methods.artifacts import BASE_POINTER, load_for_inference, save_final
 from leantune.methods.registry import (
     apply_method,
     base_quantization,
     merge_for_inference,
     trainable_named_parameters,
 )
-from leantune.models.artifacts import BASE_POINTER, load_for_inference, save_final
 from leantune.models.loading import ModelSource, load_model
 from leantune.models.quantize import Quantization, is_quantized
-from leantune.training.optim import build_optimizer
+from leantune.training.checks import load_config
 from leantune.training.trainer import backward_window
 
 pytestmark = pytest.mark.skipif(
@@ -184,16 +185,18 @@ def test_compute_dtype_follows_precision_unless_set() -> None:
 def test_validate_warns_about_low_precision_4bit_matmuls_on_cpu() -> None:
     """fp16 4-bit matmuls are slow on CPUs; bf16 ones only where bf16 is emulated, which
     tests/test_precision.py checks both ways (on an AMX CPU bf16 is the fast choice)."""
-    from leantune.config import validate
+    from leantune.training.checks import check_config
 
     cfg = load_config(None, ["method.name=qlora", "method.compute_dtype=fp16", "train.device=cpu"])
-    assert any("method.compute_dtype=fp16" in w and "fp32 is faster" in w for w in validate(cfg))
+    assert any(
+        "method.compute_dtype=fp16" in w and "fp32 is faster" in w for w in check_config(cfg)
+    )
     cfg = load_config(None, ["method.name=qlora", "train.device=cpu"])
-    assert validate(cfg) == []
+    assert check_config(cfg) == []
 
 
 def test_recipe_trains_qlora_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    from leantune.training.metrics import read_metrics
+    from leantune.monitor.metrics import read_metrics
     from leantune.training.recipe import train
 
     rows = QA_ROWS * 3

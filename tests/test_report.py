@@ -17,8 +17,8 @@ from PIL import Image
 
 from leantune.config import Config, to_dict
 from leantune.monitor import report_data
+from leantune.monitor.events import EXIT_PAUSED
 from leantune.monitor.report import REPORT_FILE, write_report
-from leantune.training.events import EXIT_PAUSED
 from leantune.training.faults import LOSS_SCALE_ENV
 
 IMG = re.compile(r'<img alt="([^"]*)" src="data:image/png;base64,([A-Za-z0-9+/=]+)">')
@@ -181,7 +181,9 @@ def test_the_report_of_a_demo_sized_run_is_quick_and_shows_memory_against_the_pl
 
 def test_the_report_names_the_run_files_as_the_training_code_does() -> None:
     from leantune.data.prepare import pipeline
-    from leantune.training import events, run_monitoring, rundir
+    from leantune.monitor import events
+    from leantune.training import run_monitoring
+    from leantune.training.run import rundir
 
     assert report_data.RUN_FILE == rundir.RUN_FILE
     assert report_data.PLAN_FILES == (run_monitoring.MEMORY_PLAN_FILE,)

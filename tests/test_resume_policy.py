@@ -20,13 +20,13 @@ import torch
 from conftest import run_cli, save_tiny_model, tiny_train_args, write_jsonl
 from safetensors.torch import load_file
 
-from leantune.config import load_config
-from leantune.training.fingerprint import Fingerprint, compare, trajectory_settings
-from leantune.training.metrics import read_metrics
+from leantune.core.signals import Interrupted
+from leantune.monitor.metrics import read_metrics
+from leantune.training.checks import load_config
 from leantune.training.recipe import train
-from leantune.training.resume_policy import ResumePlan, RunMismatch, plan_resume
-from leantune.training.rundir import RUN_FILE, RunRecord
-from leantune.training.signals import Interrupted
+from leantune.training.run.fingerprint import Fingerprint, compare, trajectory_settings
+from leantune.training.run.resume import ResumePlan, RunMismatch, plan_resume
+from leantune.training.run.rundir import RUN_FILE, RunRecord
 
 SIGNAL_ENV = "LEANTUNE_SIGNAL_AT_MICRO_BATCH"
 
@@ -230,7 +230,7 @@ def test_force_with_a_new_lr_takes_effect_and_says_so(
 
 def warm_floor(max_steps: int, step: int) -> float:
     """The default schedule's multiplier (warmup 10%, floor 0.1) at 0-based `step`."""
-    from leantune.training.optim import warmup_cosine
+    from leantune.core.optim import warmup_cosine
 
     return warmup_cosine(step, max_steps, round(max_steps * 0.1), 0.1)
 
@@ -487,7 +487,7 @@ def test_an_unset_lr_is_the_methods_default() -> None:
 def test_large_files_are_hashed_once_until_they_change(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from leantune import digests
+    from leantune.core import digests
 
     monkeypatch.setenv("LEANTUNE_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(digests, "HASH_CACHE_MIN_BYTES", 4)
@@ -510,7 +510,7 @@ def test_large_files_are_hashed_once_until_they_change(
 
 
 def test_a_prepared_directory_is_identified_by_its_cache_key(tmp_path: Path) -> None:
-    from leantune.training.fingerprint import data_digest
+    from leantune.training.run.fingerprint import data_digest
 
     prepared = tmp_path / "prep"
     prepared.mkdir()
@@ -521,7 +521,7 @@ def test_a_prepared_directory_is_identified_by_its_cache_key(tmp_path: Path) -> 
 
 
 def test_a_continued_schedule_goes_on_from_where_it_was_down_to_the_floor() -> None:
-    from leantune.training.optim import Schedule, default_schedule, warmup_cosine
+    from leantune.core.optim import Schedule, default_schedule, warmup_cosine
 
     old = default_schedule(100, 0.1, 0.1)
     assert [old.multiplier(s) for s in range(100)] == [

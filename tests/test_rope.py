@@ -14,9 +14,10 @@ from transformers import LlamaForCausalLM
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from leantune.config import ConfigError, RopeScalingConfig, load_config
+from leantune.config import ConfigError, RopeScalingConfig
 from leantune.models.loading import ModelSource, load_model
 from leantune.models.rope import apply_rope_scaling
+from leantune.training.checks import load_config
 
 
 def rotary(scaling: RopeScalingConfig | None, max_pos: int = 512) -> LlamaRotaryEmbedding:
@@ -146,8 +147,8 @@ def test_config_parses_rope_scaling_and_rejects_bad_values(tmp_path: Path) -> No
 def test_scaled_model_loads_and_adapter_pointer_keeps_the_scaling(
     tiny_llama_dir: Path, tokenizer, tmp_path: Path
 ) -> None:
+    from leantune.methods.artifacts import BASE_POINTER, load_for_inference, save_final
     from leantune.methods.registry import apply_method
-    from leantune.models.artifacts import BASE_POINTER, load_for_inference, save_final
 
     scaling = RopeScalingConfig("linear", 2.0)
     model = load_model(ModelSource(str(tiny_llama_dir)), rope_scaling=scaling)

@@ -19,7 +19,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 HOLDER = """
 import sys, time
 from pathlib import Path
-from leantune.training.rundir import lock_run_dir
+from leantune.training.run.rundir import lock_run_dir
 lock = lock_run_dir(Path(sys.argv[1]))
 print("locked", flush=True)
 time.sleep(600)
@@ -30,7 +30,7 @@ time.sleep(600)
 PREPARING = """
 import sys, time
 from pathlib import Path
-from leantune.training.rundir import claim_run_dir
+from leantune.training.run.rundir import claim_run_dir
 run = Path(sys.argv[1])
 with claim_run_dir(run, False, print):
     (run / "checkpoints").mkdir()

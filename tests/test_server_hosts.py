@@ -18,10 +18,10 @@ import pytest
 import yaml
 from conftest import run_cli
 
-from leantune.config import load_config
-from leantune.config_parse import ConfigError
+from leantune.config.parse import ConfigError
 from leantune.monitor.dashboard import make_server
 from leantune.monitor.prometheus import PrometheusSink, RunFacts
+from leantune.training.checks import load_config
 
 SECRET_MODEL = "org/secret-model-7c1e"
 

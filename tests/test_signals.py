@@ -26,8 +26,8 @@ import torch
 from conftest import run_cli, tiny_train_args, write_jsonl
 from safetensors.torch import load_file
 
-from leantune.training.metrics import read_metrics
-from leantune.training.signals import Interrupted, StopSignals
+from leantune.core.signals import Interrupted, StopSignals
+from leantune.monitor.metrics import read_metrics
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 SIGNAL_ENV = "LEANTUNE_SIGNAL_AT_MICRO_BATCH"
@@ -237,7 +237,7 @@ def test_train_restores_the_previous_handlers(
 
 
 def test_ctrl_c_in_any_command_is_one_line_and_130(monkeypatch, capsys) -> None:
-    from leantune import cli
+    from leantune.cli.app import app as cli
 
     def interrupted(_):
         raise KeyboardInterrupt

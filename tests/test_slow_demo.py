@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import write_jsonl
 
-from leantune.config import load_config
-from leantune.training.checkpoint import latest_checkpoint, load_checkpoint
+from leantune.training.checks import load_config
 from leantune.training.recipe import train
+from leantune.training.state.checkpoint import latest_checkpoint, load_checkpoint
 
 
 @pytest.mark.slow
@@ -82,9 +82,9 @@ def test_fp16_with_grad_scaler_on_cuda(tmp_path: Path, tiny_llama_dir: Path) -> 
 def test_oom_replay_with_fp16_on_cuda(
     tmp_path: Path, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from leantune.training.events import read_events
+    from leantune.monitor.events import read_events
+    from leantune.monitor.metrics import read_metrics
     from leantune.training.faults import OOM_STEP_ENV
-    from leantune.training.metrics import read_metrics
 
     rows = [
         {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}

@@ -17,13 +17,14 @@ from conftest import chat_rows, make_config, write_jsonl
 from safetensors.torch import load_file
 from torch import nn
 
+from leantune.monitor.events import read_events
+from leantune.monitor.metrics import read_metrics
+from leantune.monitor.sinks import Sinks
 from leantune.training import recipe, run_monitoring
-from leantune.training.checkpoint import Checkpoint
-from leantune.training.events import read_events
 from leantune.training.faults import LOSS_SCALE_ENV
-from leantune.training.metrics import read_metrics
-from leantune.training.sinks import Sinks
-from leantune.training.strategy import CheckpointParts, SingleProcess, SyncScope
+from leantune.training.parallel.parts import CheckpointParts, SyncScope
+from leantune.training.parallel.strategy import SingleProcess
+from leantune.training.state.checkpoint import Checkpoint
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "leantune"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from leantune.training import threads
+from leantune.core import threads
 
 
 @pytest.fixture(autouse=True)

@@ -16,15 +16,15 @@ from conftest import make_config, prepare_rows
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from leantune.config import load_config
+from leantune.core.optim import build_optimizer, warmup_cosine
 from leantune.data.loader import BatchSchedule, collate
+from leantune.methods.artifacts import load_for_inference
 from leantune.methods.registry import apply_method, count_parameters
-from leantune.models.artifacts import load_for_inference
 from leantune.models.loading import enable_gradient_checkpointing
-from leantune.training.metrics import read_metrics
-from leantune.training.optim import build_optimizer, warmup_cosine
+from leantune.models.loss import count_supervised
+from leantune.monitor.metrics import read_metrics
+from leantune.training.checks import load_config
 from leantune.training.recipe import FAULT_ENV, train
-from leantune.training.token_loss import count_supervised
 from leantune.training.trainer import backward_window
 
 SRC = Path(__file__).resolve().parents[1] / "src"

@@ -17,15 +17,16 @@ from conftest import CHATML_TEMPLATE, chat_rows, make_config, run_cli, save_tiny
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from leantune import digests
+from leantune.core import digests
 from leantune.data.prepare.pipeline import cache_key
 from leantune.data.prepare.records import PrepareSettings
 from leantune.errors import UserError
-from leantune.models.artifacts import BASE_POINTER, load_for_inference, save_final
-from leantune.training import fingerprint, recipe
-from leantune.training.fingerprint import data_digest
-from leantune.training.resume_policy import RunMismatch
-from leantune.training.rundir import RUN_FILE
+from leantune.methods.artifacts import BASE_POINTER, load_for_inference, save_final
+from leantune.training import recipe
+from leantune.training.run import fingerprint
+from leantune.training.run.fingerprint import data_digest
+from leantune.training.run.resume import RunMismatch
+from leantune.training.run.rundir import RUN_FILE
 
 IDS = torch.tensor([[5, 17, 42, 7, 99, 3]])
 

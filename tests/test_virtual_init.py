@@ -12,20 +12,22 @@ import torch
 from conftest import chat_rows, make_config, prepare_rows, write_jsonl
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from leantune.config import ConfigError, load_config
+from leantune.config import ConfigError
+from leantune.core.optim import param_groups
 from leantune.data.loader import collate
 from leantune.eval.perplexity import evaluate_loss
-from leantune.methods.prompt import PROMPT_LEARNING_METHODS, prompt_learning_hidden
+from leantune.methods.prompt import prompt_learning_hidden
 from leantune.methods.registry import (
     BASE_QUANTIZATION,
     METHODS,
+    PROMPT_LEARNING_METHODS,
     apply_method,
     base_quantization,
     trainable_named_parameters,
 )
 from leantune.methods.virtual_init import init_token_ids
 from leantune.models.loading import ModelSource, load_model
-from leantune.training.optim import param_groups
+from leantune.training.checks import load_config
 from leantune.training.recipe import train
 from leantune.training.run_setup import seed_everything
 from leantune.training.trainer import backward_window

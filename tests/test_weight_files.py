@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Ll
 
 from leantune.models.loading import ModelSource, load_model
 from leantune.models.weight_files import checkpoint_shards
-from leantune.training.metrics import status_bytes
+from leantune.monitor.metrics import status_bytes
 
 
 def _save(out: Path, config: LlamaConfig, shard: str | None = None) -> Path:

@@ -1,4 +1,4 @@
-"""Every write leantune makes goes through `leantune.writes` (issue 32, items 1 and 5).
+"""Every write leantune makes goes through `leantune.core.writes` (issue 32, items 1 and 5).
 
 A full disk anywhere (not only in the checkpoint save) is exit 2 naming the file and the fix,
 with what was written before intact; in `train` it still saves a checkpoint when it can and
@@ -29,12 +29,12 @@ import pytest
 from conftest import CliResult, chat_rows, run_cli, tiny_train_args, write_jsonl
 
 import leantune.data.dataset as dataset_module
-import leantune.training.checkpoint as ck
 import leantune.training.recipe as recipe
-from leantune import writes
-from leantune.training.metrics import MetricsLog
-from leantune.training.rundir import LOCK_FILE, lock_run_dir
-from leantune.writes import NotARegularFile, WriteRefused, append_text, write_file
+import leantune.training.state.checkpoint as ck
+from leantune.core import writes
+from leantune.core.writes import NotARegularFile, WriteRefused, append_text, write_file
+from leantune.monitor.metrics import MetricsLog
+from leantune.training.run.rundir import LOCK_FILE, lock_run_dir
 
 FILLER = "filler"
 
@@ -79,7 +79,7 @@ class SmallDisk:
 
     root: Path
     real: bool
-    """A tmpfs; else the refusal is injected into `leantune.writes` and the checkpoint save."""
+    """A tmpfs; else the refusal is injected into `leantune.core.writes` and the checkpoint save."""
     injected: pytest.MonkeyPatch = field(default_factory=pytest.MonkeyPatch)
     full: bool = False
     code: int = errno.ENOSPC

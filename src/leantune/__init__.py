@@ -13,11 +13,12 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from leantune.api import evaluate, export_model, train
-    from leantune.config import Config, load_config
+    from leantune.config import Config
+    from leantune.training.checks import load_config
 
 _LAZY = {
     "Config": "leantune.config",
-    "load_config": "leantune.config",
+    "load_config": "leantune.training.checks",
     "train": "leantune.api",
     "evaluate": "leantune.api",
     "export_model": "leantune.api",

@@ -1,3 +1,3 @@
-from leantune.cli import main
+from leantune.cli.app import main
 
 raise SystemExit(main())

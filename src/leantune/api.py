@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from leantune.config import Config, load_config
+from leantune.config import Config
+from leantune.training.checks import load_config
 
 Attention = Literal["auto", "segments", "sdpa", "eager"]
 """model.attn_implementation's choices (the library's own type lives with torch's imports)."""
@@ -25,8 +26,8 @@ Attention = Literal["auto", "segments", "sdpa", "eager"]
 
 def _quiet() -> None:
     """The CLI's warning hygiene (kept in one place, the CLI's own functions)."""
-    from leantune.cli import _quiet_import_noise
-    from leantune.cli_args import quiet_libraries
+    from leantune.cli.app import _quiet_import_noise
+    from leantune.cli.args import quiet_libraries
 
     _quiet_import_noise()
     quiet_libraries()
@@ -116,7 +117,7 @@ def evaluate(
     import torch
 
     from leantune.eval.run import evaluate_file
-    from leantune.models.artifacts import load_for_inference
+    from leantune.methods.artifacts import load_for_inference
 
     torch.manual_seed(0)
     loaded, tokenizer = load_for_inference(

@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from leantune.bench.throughput import add_arguments as throughput_arguments
-from leantune.writes import write_file
+from leantune.core.writes import write_file
 
 if TYPE_CHECKING:
     from leantune.config import Config
 
 SplitArgs = Callable[[list[str]], tuple[str | None, list[str]]]
-"""`leantune.cli`'s split of positional arguments into a config file and overrides."""
+"""`leantune.cli.app`'s split of positional arguments into a config file and overrides."""
 
 
 def _parse_lrs(text: str | None, methods: list[str]) -> dict[str, float]:
@@ -104,8 +104,9 @@ def cmd_bench(args: argparse.Namespace, split_args: SplitArgs) -> int:
         run_methods,
         write_outputs,
     )
-    from leantune.config import ConfigError, load_config
+    from leantune.config import ConfigError
     from leantune.methods.registry import DEFAULT_LR, METHODS
+    from leantune.training.checks import load_config
 
     config, overrides = split_args(args.args)
     out = Path(args.out)

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from leantune.training.allocator import mapped_allocator
-from leantune.writes import write_file
+from leantune.core.allocator import mapped_allocator
+from leantune.core.writes import write_file
 
 
 def _rows(path: Path, tokenizer: Any, max_seq_len: int) -> list[dict[str, list[int]]]:

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from leantune.training.metrics import read_metrics
-from leantune.writes import write_file
+from leantune.core.writes import write_file
+from leantune.monitor.metrics import read_metrics
 
 Log = Callable[[str], None]
 

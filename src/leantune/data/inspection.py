@@ -4,7 +4,7 @@ The data goes through the same per-record work as `leantune prepare` and the tok
 (validate, clean, tokenise, length filters, dedup), in memory; rows are packed as the cache packs
 them. The report shows the first examples with their supervised tokens marked, token counts, the
 length histogram, packing efficiency and the bad lines by kind; the memory plan is the
-planner's own text (`leantune.memory.report`), added by the command.
+planner's own text (`leantune.training.plan_report`), added by the command.
 
 Supervised tokens are the ones whose loss is trained: each answer and the end-of-turn text
 after it (the model learns to stop). On a terminal they are bright green; elsewhere they are

@@ -19,6 +19,8 @@ from typing import Any
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from leantune.core.digests import content_digest
+from leantune.core.writes import write_file
 from leantune.data.dataset import check_usable
 from leantune.data.errors import DataError
 from leantune.data.formats import BadLine
@@ -37,8 +39,6 @@ from leantune.data.preference_tokenize import (
     encode_unpaired_records,
 )
 from leantune.data.prepare.provenance import tokenizer_fingerprint
-from leantune.digests import content_digest
-from leantune.writes import write_file
 
 __all__ = ["PreferenceData", "preference_cache_key", "preference_data"]
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from leantune.writes import write_file
+from leantune.core.writes import write_file
 
 # Short on purpose: it is repeated in every example, and on CPU every token of it costs time.
 SYSTEM_PROMPT = "Reply with a JSON support ticket for the message."

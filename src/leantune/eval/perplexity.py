@@ -7,10 +7,10 @@ import math
 import torch
 from torch import nn
 
+from leantune.core.precision import autocast
 from leantune.data.loader import collate
 from leantune.data.packing import Row
-from leantune.training.precision import autocast
-from leantune.training.token_loss import count_supervised, token_loss_sum
+from leantune.models.loss import count_supervised, token_loss_sum
 
 
 @torch.no_grad()

@@ -17,13 +17,13 @@ import torch
 from torch import nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from leantune.config_preference import PreferenceConfig
+from leantune.config.preference import PreferenceConfig
 from leantune.data.preference_dataset import preference_data
 from leantune.data.preference_packing import pack_pairs
+from leantune.models.loss import supervised_token_logps
+from leantune.objectives.batch import MODEL_INPUTS, PreferenceStep
 from leantune.objectives.logps import sequence_logps
 from leantune.objectives.registry import OBJECTIVES, settings_for
-from leantune.training.preference_step import MODEL_INPUTS, PreferenceStep
-from leantune.training.token_loss import supervised_token_logps
 
 
 @torch.no_grad()

@@ -8,7 +8,7 @@ from typing import Any
 
 from leantune.export.parity import LogitsFn
 from leantune.export.source import ExportError, model_logits_fn
-from leantune.models.artifacts import load_for_inference
+from leantune.methods.artifacts import load_for_inference
 
 
 def write_adapter(adapter_dir: Path | None, out: Path) -> dict[str, Any]:

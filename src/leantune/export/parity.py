@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from leantune.core.writes import write_file
 from leantune.data.chat_spans import render_conversation
 from leantune.data.formats import FORMATS, detect_format, read_jsonl
-from leantune.writes import write_file
 
 REPORT_NAME = "export_report.json"
 

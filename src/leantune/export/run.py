@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from leantune.core.writes import check_target, replacing_dir
 from leantune.data.formats import read_jsonl
 from leantune.export.adapter import load_adapter, write_adapter
 from leantune.export.gguf_file import (
@@ -47,10 +48,9 @@ from leantune.export.source import (
 )
 from leantune.export.source import model_logits_fn as _model_logits_fn
 from leantune.export.torchscript import example_input, load_torchscript, write_torchscript
-from leantune.models.artifacts import model_config_and_tokenizer
+from leantune.methods.artifacts import model_config_and_tokenizer
 from leantune.models.attention import AttnImplementation
 from leantune.models.paths import check_model_path, is_adapter_dir
-from leantune.writes import check_target, replacing_dir
 
 
 @dataclass

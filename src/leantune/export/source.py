@@ -22,8 +22,8 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.errors import UserError
 from leantune.export.parity import LogitsFn
+from leantune.methods.artifacts import check_model_path, is_adapter_dir, load_for_inference
 from leantune.methods.lora import quiet_peft
-from leantune.models.artifacts import check_model_path, is_adapter_dir, load_for_inference
 from leantune.models.attention import AttnImplementation
 from leantune.models.quantize import canonical_4bit
 

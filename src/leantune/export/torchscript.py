@@ -20,8 +20,8 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from leantune.core.writes import write_file
 from leantune.export.parity import LogitsFn
-from leantune.writes import write_file
 
 MODEL_FILE = "model.pt"
 EXAMPLE_FILE = "example_input.pt"
@@ -79,7 +79,7 @@ def save_traced(traced: torch.jit.ScriptModule, example: torch.Tensor, out: Path
 
     `torch.jit.save` to a path ends the process (std::terminate, exit 134) when the disk
     fills; serialised to memory first, the write is Python's, and a full disk is an error
-    (`leantune.writes`). It holds the module's bytes once more while they are written.
+    (`leantune.core.writes`). It holds the module's bytes once more while they are written.
     """
     write_file(out / MODEL_FILE, traced.save_to_buffer())
     buffer = io.BytesIO()

@@ -16,7 +16,12 @@ from typing import Any
 
 import torch
 
-from leantune.config import Config, MethodConfig, TrainConfig, configured_global_batch
+from leantune.config import (
+    Config,
+    MethodConfig,
+    TrainConfig,
+    configured_global_batch,
+)
 from leantune.errors import UserError
 from leantune.memory.estimate import GIB, Breakdown, StepSettings, estimate
 from leantune.memory.facts import ModelFacts, build_meta_model, model_facts
@@ -285,7 +290,7 @@ def plan_inputs(
     one (a run whose data has fewer rows). `allocator` is the CPU allocator the run has
     (`training.allocator`), which sets the margin a plan must leave (`estimate.FIT_MARGIN`).
     """
-    from leantune.config import effective_pack
+    from leantune.methods.checks import effective_pack
     from leantune.models.attention import resolve_attention
     from leantune.models.loading import load_model_config, resolve_model, streamed_shards
 
@@ -358,7 +363,7 @@ def checkpoint_size(
 
 def planned_precision(cfg: Config, device: str) -> str:
     """train.precision as the run will resolve it on `device` (auto: measured or cached)."""
-    from leantune.training.precision import resolve_precision
+    from leantune.core.precision import resolve_precision
 
     if device == "cuda" and cfg.train.precision == "auto" and not torch.cuda.is_available():
         return "bf16"  # no GPU here to ask: bf16 or fp16, both 2 bytes per activation
@@ -413,7 +418,7 @@ def available_optimizers(device: str) -> tuple[str, ...]:
     """The lighter optimizers of OPTIMIZER_LADDER that can run on `device` ("cpu" or "cuda")
     here: one of their backends there has its library installed (see
     `training.optim.resolve_optimizer`, which training uses to build them)."""
-    from leantune.training.optim import OptimizerUnavailable, resolve_optimizer
+    from leantune.core.optim import OptimizerUnavailable, resolve_optimizer
 
     offered = []
     for name in OPTIMIZER_LADDER:

@@ -33,19 +33,15 @@ from torch import nn
 from transformers import DynamicCache
 
 from leantune.methods.lora import quiet_peft
-from leantune.methods.registry import METHODS
 from leantune.methods.virtual_init import (
     VirtualInit,
     init_prefix_from_activations,
     init_prompt_embeddings,
     init_token_ids,
 )
-from leantune.training.token_loss import VIRTUAL_TOKENS_HOOK
+from leantune.models.loss import VIRTUAL_TOKENS_HOOK
 
 M = TypeVar("M", bound=nn.Module)
-
-PROMPT_LEARNING_METHODS = tuple(n for n, spec in METHODS.items() if spec.needs_unpacked_data)
-"""Methods that add virtual tokens; they need unpacked rows (see `config.validate`)."""
 
 
 def apply_prefix(

@@ -302,6 +302,8 @@ METHODS: dict[str, MethodSpec] = {
     )
 }
 
+PROMPT_LEARNING_METHODS = tuple(n for n, spec in METHODS.items() if spec.needs_unpacked_data)
+"""The methods whose virtual tokens need one example per row."""
 DEFAULT_LR: dict[str, float] = {name: spec.default_lr for name, spec in METHODS.items()}
 """`train.lr` when unset, by method (the specs' `default_lr`)."""
 

@@ -64,7 +64,7 @@ def needed(quantized_base: bool, optimizer: str, model_path: str) -> bool:
     """Whether a training run may import bitsandbytes: a 4-bit base (`quantized_base`), an
     optimizer name with a bitsandbytes backend on any device, or a model not known to be
     unquantised."""
-    from leantune.training.optim import OPTIMIZER_BACKENDS
+    from leantune.core.optim import OPTIMIZER_BACKENDS
 
     backends = OPTIMIZER_BACKENDS.get(optimizer, {})
     libraries = {b.library for per_device in backends.values() for b in per_device}

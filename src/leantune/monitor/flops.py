@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from leantune.core.precision import machine_key
+from leantune.core.writes import OutputError, write_file
 from leantune.models.demo_model import leantune_home
-from leantune.training.precision import machine_key
-from leantune.writes import OutputError, write_file
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PROBE_SECONDS = 0.01

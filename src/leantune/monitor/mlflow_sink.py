@@ -26,6 +26,7 @@ from typing import Any
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
+from leantune.monitor.events import EVENTS_FILE, read_events
 from leantune.monitor.records import (
     EventCounts,
     Record,
@@ -35,7 +36,6 @@ from leantune.monitor.records import (
     remember_id,
     remembered_id,
 )
-from leantune.training.events import EVENTS_FILE, read_events
 
 PARAM_LIMIT = 6000
 """Longest parameter value MLflow stores (characters)."""

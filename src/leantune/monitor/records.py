@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from leantune.writes import write_file
+from leantune.core.writes import write_file
 
 Record = dict[str, Any]
 RUN_IDS_FILE = "monitor_runs.json"

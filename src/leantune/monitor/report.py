@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from leantune.core.writes import WriteRefused, check_target, write_file
 from leantune.errors import UserError
 from leantune.monitor.report_data import RunData, read_run, status
-from leantune.writes import WriteRefused, check_target, write_file
 
 if TYPE_CHECKING:
     from leantune.monitor.report_plots import Plot

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from leantune.config_parse import ParseError, load_yaml, memory_size
+from leantune.config.parse import ParseError, load_yaml, memory_size
 from leantune.errors import UserError
 
 # The run directory's files (training.rundir, training.events, data.prepare.pipeline): named

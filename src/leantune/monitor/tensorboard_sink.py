@@ -20,8 +20,8 @@ import yaml
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
 
+from leantune.monitor.events import EVENTS_FILE, read_events
 from leantune.monitor.records import EventCounts, Record, flat_config, numeric_fields, outcome
-from leantune.training.events import EVENTS_FILE, read_events
 
 TENSORBOARD_DIR = "tensorboard"
 

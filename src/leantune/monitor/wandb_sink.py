@@ -20,6 +20,7 @@ from typing import Any
 
 import wandb
 
+from leantune.monitor.events import EVENTS_FILE, read_events
 from leantune.monitor.records import (
     EventCounts,
     Record,
@@ -28,7 +29,6 @@ from leantune.monitor.records import (
     remember_id,
     remembered_id,
 )
-from leantune.training.events import EVENTS_FILE, read_events
 
 STEP = "train/step"
 EVENT_COLUMNS: list[str | int] = ["time", "step", "kind", "message"]

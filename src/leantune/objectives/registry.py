@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from leantune.objectives.spec import ObjectiveSettings, ObjectiveSpec
 
 if TYPE_CHECKING:
-    from leantune.config_preference import PreferenceConfig
+    from leantune.config.preference import PreferenceConfig
     from leantune.objectives.preference import ObjectiveOutput, PreferenceBatch
 
 SFT = "sft"

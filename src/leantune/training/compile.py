@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from leantune.config_parse import ConfigError
+from leantune.config.parse import ConfigError
 from leantune.models.attention import keep_eager_under_compile
-from leantune.training.distributed.fsdp import transformer_blocks
+from leantune.training.parallel.fsdp import transformer_blocks
 
 
 def compile_blocks(model: nn.Module) -> int:

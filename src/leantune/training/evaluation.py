@@ -19,17 +19,17 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from leantune.core.precision import autocast
+from leantune.core.writes import replacing
 from leantune.data.dataset import PreparedData
 from leantune.data.formats import Record
 from leantune.eval.exact_match import answers_match, evaluate_exact_match
 from leantune.eval.perplexity import evaluate_loss
 from leantune.models.attention import sdpa_attention
-from leantune.training.checkpoint import capture_rng_state, restore_rng_state
-from leantune.training.events import EventLog
+from leantune.monitor.events import EventLog
 from leantune.training.faults import FaultHooks
-from leantune.training.oom import retry_on_oom
-from leantune.training.precision import autocast
-from leantune.writes import replacing
+from leantune.training.guard.oom import retry_on_oom
+from leantune.training.state.checkpoint import capture_rng_state, restore_rng_state
 
 T = TypeVar("T")
 

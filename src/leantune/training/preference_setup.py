@@ -15,12 +15,13 @@ from pathlib import Path
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from leantune.config import Config, effective_pack
+from leantune.config import Config
 from leantune.data.dataset import PreparedData
 from leantune.data.preference_dataset import PreferenceData, preference_data
 from leantune.data.preference_packing import PreferenceRow, pack_pairs, pack_unpaired
+from leantune.methods.checks import effective_pack
+from leantune.objectives.batch import PreferenceStep, as_row
 from leantune.objectives.registry import OBJECTIVES, settings_for
-from leantune.training.preference_step import PreferenceStep, as_row
 
 Log = Callable[[str], None]
 

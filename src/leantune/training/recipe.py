@@ -43,15 +43,24 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from leantune.config import (
     COMPILE_ONE_PROCESS,
     Config,
-    effective_pack,
     parse_memory_size,
     to_dict,
-    validate,
 )
-from leantune.config_parse import ConfigError
+from leantune.config.parse import ConfigError
+from leantune.core.allocator import allocator_note, mapped_allocator
+from leantune.core.optim import build_optimizer, build_scheduler, default_schedule, use_schedule
+from leantune.core.precision import (
+    make_grad_scaler,
+    pick_device,
+    resolve_precision,
+)
+from leantune.core.signals import Interrupted, StopSignals
+from leantune.core.threads import configure_threads
 from leantune.data.dataset import PreparedData
 from leantune.data.loader import SampleStream
 from leantune.data.templates import apply_chat_template
+from leantune.methods.artifacts import save_final
+from leantune.methods.checks import effective_pack
 from leantune.methods.coverage import Coverage, coverage_of
 from leantune.methods.registry import (
     DEFAULT_LR,
@@ -62,7 +71,6 @@ from leantune.methods.registry import (
     merge_for_inference,
     trainable_named_parameters,
 )
-from leantune.models.artifacts import save_final
 from leantune.models.attention import resolve_attention
 from leantune.models.loading import (
     ModelSource,
@@ -75,20 +83,7 @@ from leantune.models.loading import (
 )
 from leantune.models.output_head import output_head
 from leantune.models.quantize import Quantization
-from leantune.monitor.report import report_at_end
-from leantune.monitor.step_stats import StepStats
-from leantune.training.allocator import allocator_note, mapped_allocator
-from leantune.training.checkpoint import TrainingState, latest_checkpoint, list_complete_checkpoints
-from leantune.training.distributed.launch import launched_world_size
-from leantune.training.divergence import WeightsDiverged
-from leantune.training.evaluation import (
-    EvalInputs,
-    EvalSettings,
-    PeriodicEval,
-    evaluate_after,
-    exact_match_before,
-)
-from leantune.training.events import (
+from leantune.monitor.events import (
     EVENTS_FILE,
     PAUSED_MARKER,
     EventLog,
@@ -96,27 +91,47 @@ from leantune.training.events import (
     TrainingHalted,
     lift_pause,
 )
-from leantune.training.faults import KILL_ENV, FaultHooks, signal_at_start
-from leantune.training.guard_actions import act_on_guard
-from leantune.training.metrics import memory_stats, start_training_memory
-from leantune.training.oom import MemoryBudget, levers_message
-from leantune.training.optim import build_optimizer, build_scheduler, default_schedule, use_schedule
-from leantune.training.precision import (
-    make_grad_scaler,
-    pick_device,
-    recorded_precision,
-    recorded_setting,
-    resolve_precision,
+from leantune.monitor.metrics import memory_stats, start_training_memory
+from leantune.monitor.report import report_at_end
+from leantune.monitor.sinks import Sinks
+from leantune.monitor.step_stats import StepStats
+from leantune.objectives.batch import with_reference
+from leantune.training.checks import check_config
+from leantune.training.evaluation import (
+    EvalInputs,
+    EvalSettings,
+    PeriodicEval,
+    evaluate_after,
+    exact_match_before,
 )
-from leantune.training.preference_step import with_reference
-from leantune.training.progress import RunProgress
-from leantune.training.refused_writes import keep_trained_steps, refused_write, with_resume_point
-from leantune.training.resume_policy import (
+from leantune.training.faults import KILL_ENV, FaultHooks, signal_at_start
+from leantune.training.guard.actions import act_on_guard
+from leantune.training.guard.divergence import WeightsDiverged
+from leantune.training.guard.oom import MemoryBudget, levers_message
+from leantune.training.parallel.launch import launched_world_size
+from leantune.training.parallel.strategy import ParallelStrategy, SingleProcess
+from leantune.training.run.refused_writes import (
+    keep_trained_steps,
+    refused_write,
+    with_resume_point,
+)
+from leantune.training.run.resume import (
     ResumePlan,
     apply_force,
     check_weights_fit,
+    recorded_precision,
     recorded_schedule,
+    recorded_setting,
 )
+from leantune.training.run.rundir import (
+    RunDir,
+    RunDirError,
+    check_config_writable,
+    claim_run_dir,
+    write_file,
+    write_record,
+)
+from leantune.training.run.summary import write_summary
 from leantune.training.run_monitoring import monitoring
 from leantune.training.run_setup import (
     RunSetup,
@@ -128,19 +143,12 @@ from leantune.training.run_setup import (
     set_up_run,
     with_objective_format,
 )
-from leantune.training.rundir import (
-    RunDir,
-    RunDirError,
-    check_config_writable,
-    claim_run_dir,
-    write_file,
-    write_record,
+from leantune.training.state.checkpoint import (
+    TrainingState,
+    latest_checkpoint,
+    list_complete_checkpoints,
 )
-from leantune.training.signals import Interrupted, StopSignals
-from leantune.training.sinks import Sinks
-from leantune.training.strategy import ParallelStrategy, SingleProcess
-from leantune.training.summary import write_summary
-from leantune.training.threads import configure_threads
+from leantune.training.state.progress import RunProgress
 from leantune.training.trainer import RunFiles, StepResult, StepSettings, Trainer, train_step
 
 Log = Callable[[str], None]
@@ -171,7 +179,7 @@ def train(cfg: Config, log: Log = print, config_file: Path | None = None) -> dic
             applied step. Exit code 143, 130 or 129.
     """
     started = time.perf_counter()
-    warnings = validate(cfg)
+    warnings = check_config(cfg)
     cfg = copy.deepcopy(cfg)  # what the run resolves (its name, lengths, steps) stays its own
     cfg = with_objective_format(cfg)  # in the run's name and record as the format it reads
     source = resolve_model(cfg.model.path, cfg.model.gguf_file)
@@ -414,7 +422,7 @@ def _periodic_eval(
 def parallel_strategy(cfg: Config) -> ParallelStrategy:
     """How this run is spread over processes (`dist:`): one process, the whole model and
     window, unless dist.strategy names one or torchrun started this process."""
-    from leantune.training.distributed import build_strategy, launched_by_torchrun
+    from leantune.training.parallel import build_strategy, launched_by_torchrun
 
     d = cfg.dist
     if d.strategy == "auto" and not launched_by_torchrun():

@@ -13,14 +13,14 @@ from torch import nn
 from leantune.config import AUTO_RUN_NAME, Config, to_dict
 from leantune.methods.registry import count_parameters
 from leantune.monitor.backends import RunInfo, optional_sinks
+from leantune.monitor.events import EventLog
 from leantune.monitor.prometheus import PrometheusSink, RunFacts
+from leantune.monitor.sinks import ConsoleSink, JsonlSink, Sink, Sinks
 from leantune.monitor.step_stats import StepStats, build_step_stats
 from leantune.training.evaluation import PeriodicEval
-from leantune.training.events import EventLog
+from leantune.training.parallel.strategy import ParallelStrategy
+from leantune.training.run.rundir import write_file
 from leantune.training.run_setup import RunSetup
-from leantune.training.rundir import write_file
-from leantune.training.sinks import ConsoleSink, JsonlSink, Sink, Sinks
-from leantune.training.strategy import ParallelStrategy
 from leantune.training.trainer import RunFiles
 
 Log = Callable[[str], None]

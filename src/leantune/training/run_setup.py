@@ -43,22 +43,22 @@ from leantune.config import (
     ModelConfig,
     TrainConfig,
     configured_global_batch,
-    effective_pack,
 )
-from leantune.config_checks import MAX_SEQ_LEN
-from leantune.config_preference import objective_data_format
+from leantune.config.limits import MAX_SEQ_LEN
+from leantune.core.allocator import mapped_allocator
 from leantune.data.dataset import PreparedData, check_token_range, prepared_data
 from leantune.data.packing import longest_example, rows_for
-from leantune.data.prepare.command import engine_options, settings_from_config
 from leantune.data.prepare.pipeline import read_report
+from leantune.data.prepare.settings import engine_options, settings_from_config
 from leantune.memory.planner import PlannedMemory, plan_for_run
+from leantune.methods.checks import effective_pack
 from leantune.models.loading import ModelSource
-from leantune.training.allocator import mapped_allocator
-from leantune.training.fingerprint import run_fingerprint
-from leantune.training.guard import GuardSettings
+from leantune.objectives.checks import objective_data_format
+from leantune.training.guard.detect import GuardSettings
 from leantune.training.preference_setup import PreferenceRun, load_preference_data
-from leantune.training.resume_policy import ResumePlan, plan_run
-from leantune.training.rundir import read_record
+from leantune.training.run.fingerprint import run_fingerprint
+from leantune.training.run.resume import ResumePlan, plan_run
+from leantune.training.run.rundir import read_record
 
 Log = Callable[[str], None]
 

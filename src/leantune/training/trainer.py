@@ -27,33 +27,33 @@ from typing import Any
 import torch
 from torch import nn
 
+from leantune.core.precision import autocast
+from leantune.core.signals import Interrupted, StopSignals
 from leantune.data.dataset import PreparedData
 from leantune.data.loader import SampleStream, collate, split_window
+from leantune.models.loss import IGNORE_INDEX, count_supervised, token_loss_sum
+from leantune.monitor.events import EventLog, OutOfMemoryAtMinimum
+from leantune.monitor.metrics import memory_stats
+from leantune.monitor.sinks import Sinks
 from leantune.monitor.step_stats import StepStats
+from leantune.objectives.batch import PreferenceMicroBatch, PreferenceStep
 from leantune.objectives.preference import ObjectiveOutput
-from leantune.training.checkpoint import (
-    Checkpoint,
-    TrainingState,
-    capture_rng_state,
-    restore_rng_state,
-)
-from leantune.training.events import EventLog, OutOfMemoryAtMinimum
 from leantune.training.faults import FaultHooks, kill_after, signal_after
-from leantune.training.guard import Decision, GuardHistory, GuardSettings, decide, remember
-from leantune.training.metrics import memory_stats
-from leantune.training.oom import MemoryBudget, free_memory, halved, is_out_of_memory
-from leantune.training.precision import autocast
-from leantune.training.preference_step import PreferenceMicroBatch, PreferenceStep
-from leantune.training.progress import Batching, RunProgress
-from leantune.training.signals import Interrupted, StopSignals
-from leantune.training.sinks import Sinks
-from leantune.training.strategy import (
+from leantune.training.guard.detect import Decision, GuardHistory, GuardSettings, decide, remember
+from leantune.training.guard.oom import MemoryBudget, free_memory, halved, is_out_of_memory
+from leantune.training.parallel.strategy import (
     CheckpointParts,
     ParallelStrategy,
     SingleProcess,
     SyncScope,
 )
-from leantune.training.token_loss import IGNORE_INDEX, count_supervised, token_loss_sum
+from leantune.training.state.checkpoint import (
+    Checkpoint,
+    TrainingState,
+    capture_rng_state,
+    restore_rng_state,
+)
+from leantune.training.state.progress import Batching, RunProgress
 
 Log = Callable[[str], None]
 

@@ -18,9 +18,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from leantune.core.writes import replacing
 from leantune.data.prepare.records import ChunkResult, Kept, Rejection
 from leantune.data.tokenize import IGNORE_INDEX
-from leantune.writes import replacing
 
 _META = b"leantune_chunk"
 

@@ -23,6 +23,8 @@ from typing import Any
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from leantune.core.digests import content_digest
+from leantune.core.writes import check_target, replacing_dir, write_file
 from leantune.data.errors import DataError
 from leantune.data.prepare.chunks import ChunkStore
 from leantune.data.prepare.dedup import DedupIndex
@@ -32,9 +34,7 @@ from leantune.data.prepare.readers import ReaderError, file_kind
 from leantune.data.prepare.records import ChunkResult, Kept, PrepareSettings, Rejection
 from leantune.data.prepare.shards import SHARD_TOKENS, ShardBuffer, write_shard
 from leantune.data.tokenize import IGNORE_INDEX
-from leantune.digests import content_digest
 from leantune.errors import UserError
-from leantune.writes import check_target, replacing_dir, write_file
 
 # Bump when the output for the same key changes (4: answers found by walking one render, and
 # the tokenizer digest recorded; 5: OpenAI's message weights, function calls and string
@@ -228,7 +228,7 @@ def prepare_dataset(
             suffix, a damaged archive, ...): nothing is written.
         FileExistsError: `out` holds something else.
         OutputError: `out` is a link, or the disk refused a write; an earlier `out` is kept
-            whole (`leantune.writes.replacing_dir`).
+            whole (`leantune.core.writes.replacing_dir`).
     """
     _check_inputs(files, engine)
     started = time.perf_counter()

@@ -6,9 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from leantune.core.signals import Interrupted
 from leantune.errors import UserError
 from leantune.monitor.hosts import exposure_warning
-from leantune.training.signals import Interrupted
 
 DEFAULT_PORT = 8470
 

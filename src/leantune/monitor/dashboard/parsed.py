@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from leantune.config_parse import load_yaml
+from leantune.config.parse import load_yaml
 from leantune.monitor.dashboard.series import finite_json
 
 MAX_TEXT = 1 << 20

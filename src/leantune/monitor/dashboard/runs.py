@@ -25,7 +25,7 @@ from typing import Any
 from leantune.monitor.dashboard.parsed import Parsed, ParsedFiles, parse_config, parse_json
 from leantune.monitor.dashboard.series import JsonlCache
 from leantune.monitor.dashboard.status import run_status
-from leantune.training.events import EVENTS_FILE, PAUSED_MARKER
+from leantune.monitor.events import EVENTS_FILE, PAUSED_MARKER
 
 # training.rundir's names (see status.LOCK_FILE for why they are not imported from there).
 RUN_FILE = "leantune_run.json"

@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from leantune.core.signals import StopSignals
 from leantune.monitor.dashboard.runs import EVAL_FILE, METRICS_FILE, Log, RunsFolder
 from leantune.monitor.dashboard.series import line_sig
 from leantune.monitor.hosts import REFUSED, HostCheck
-from leantune.training.signals import StopSignals
 
 CONTENT_TYPES = {
     ".html": "text/html; charset=utf-8",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from leantune.training.events import PAUSED_MARKER
+from leantune.monitor.events import PAUSED_MARKER
 
 LOCK_FILE = ".leantune.lock"
 """`training.rundir.LOCK_FILE` (not imported from there: rundir imports torch, and the

@@ -1,0 +1,359 @@
+"""The run configuration's schema: dataclasses hold every section, field, default and doc.
+
+Reading YAML and coercing a value to its field's type are in `config.parse`; loading a file with
+overrides in `config.load`; the checks within and across fields in `config.validate`. Checks
+that need a registry (a method's, an objective's, a template's, a monitoring backend's) are
+their owners', run together by `training.checks` before anything loads.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from leantune.config.dist import DistConfig
+from leantune.config.monitor import MonitorConfig
+from leantune.config.preference import PreferenceConfig
+
+DEMO_CONFIG = Path(__file__).parent.parent / "configs" / "demo.yaml"
+AUTO_RUN_NAME = "auto"
+"""run.name that `train` replaces with one derived from the run (training.run_setup)."""
+DEFAULT_BATCH_EXAMPLES = 8
+"""Examples per optimizer step with micro_batch_size=auto and no train.global_batch_size (HF
+Trainer's default batch): the rows that hold that many examples on average (8 unpacked rows;
+see training.run_setup.default_global_batch)."""
+
+
+@dataclass
+class RopeScalingConfig:
+    type: Literal["linear", "dynamic", "yarn"]
+    """linear (position interpolation), dynamic (NTK-aware, grows with the input) or yarn."""
+    factor: float
+    """Context extension factor (> 1): the new context is factor x the original one."""
+    original_max_position_embeddings: int | None = None
+    """The context the model was pretrained with (default: the model's max_position_embeddings)."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "smollm2-135m-instruct"
+    """Local HF directory, .gguf file, hub id (offline from the HF cache) or the demo model name."""
+    gguf_file: str | None = None
+    """GGUF file name inside `path` when `path` is a directory holding one."""
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """dtype of the frozen weights."""
+    trust_remote_code: bool = False
+    """Allow model code from the model directory (off unless you trust it)."""
+    attn_implementation: Literal["auto", "segments", "sdpa", "eager"] = "auto"
+    """Attention kernel for training: segments (causal SDPA per example of a packed row: no
+    row x row mask, work only where examples attend), sdpa or eager; auto = segments when rows
+    are packed, else sdpa (a resumed run keeps its own). Evaluation and generation use sdpa."""
+    rope_scaling: RopeScalingConfig | None = None
+    """RoPE scaling to train beyond the model's context, e.g. {type: yarn, factor: 4}; keys: type
+    (linear | dynamic | yarn), factor, original_max_position_embeddings (optional)."""
+
+
+@dataclass
+class DataConfig:
+    train: str | None = None
+    """Training JSONL file, or a directory written by `leantune prepare`."""
+    eval: str | None = None
+    """Held-out JSONL file (loss, perplexity and, for chat/alpaca, exact match)."""
+    format: Literal[
+        "alpaca", "chat", "text", "sharegpt", "prompt_completion", "preference", "kto"
+    ] = "chat"
+    """Record format: alpaca (instruction/input/output), chat (messages), text (text), sharegpt
+    (conversations of from/value turns), prompt_completion (TRL's prompt and completion),
+    preference (TRL's prompt/chosen/rejected pairs, or chosen/rejected conversations), kto
+    (TRL's prompt/completion/label)."""
+    max_seq_len: int | Literal["auto"] = "auto"
+    """Longest tokenised example (at most 1,048,576); longer ones are reported as bad lines.
+    auto = the longest example of data.train, up to the model's context (max_position_embeddings,
+    times model.rope_scaling's factor); examples beyond the context are the bad lines then."""
+    pack: bool | Literal["auto"] = "auto"
+    """Pack several examples into one sequence (they never attend to each other); auto = pack
+    unless the method needs one example per row (prefix, ptuning_v2, prompt)."""
+    max_bad_fraction: float = 0.05
+    """Refuse to start when more than this share of lines is bad (0 = any bad line stops)."""
+    system_prompt: str | None = None
+    """System message added to alpaca records and to chat records that have none."""
+    system_message: Literal["auto", "keep", "fold", "drop"] = "auto"
+    """System messages: keep them as the chat template writes them, fold each into the next
+    user turn (its text, a blank line, the user's), or drop them. auto = keep where the
+    template writes them, fold where it refuses or leaves them out (Gemma 2, Mistral v0.3)."""
+    clean: list[Literal["html", "control", "nfkc", "whitespace"]] = field(default_factory=list)
+    """Cleaning rules for every text field before tokenising (none by default: data is used
+    as is; `leantune prepare --data` defaults to all four)."""
+    dedup: Literal["none", "exact", "near"] = "none"
+    """Drop exact duplicates (content hash) or also near duplicates (MinHash/LSH)."""
+    near_dup_threshold: float = 0.85
+    """Estimated Jaccard similarity (byte 7-grams) above which a record is a near duplicate."""
+    min_tokens: int = 1
+    """Shortest tokenised example; shorter ones are reported as bad lines."""
+    truncate: bool = False
+    """Cut over-long examples to max_seq_len instead of rejecting them (those whose answer is
+    cut to nothing are still dropped and counted)."""
+    cache_dir: str | None = None
+    """Tokenise-once cache for data.train/data.eval files (default <run dir>/prepared)."""
+    engine: Literal["local", "dask"] = "local"
+    """Where cleaning and tokenisation run: this process, or a Dask cluster."""
+    scheduler: str | None = None
+    """Dask scheduler address (tcp://host:8786); unset = a LocalCluster per preparation."""
+    partition_mb: float | None = None
+    """Partition size in MB of input (default 4 for local, 64 for dask)."""
+    chat_template: str | None = None
+    """Chat template to render conversations with, replacing the tokenizer's (needed when it has
+    none): chatml, zephyr, llama3, or a Jinja file (relative to the config file); it is saved
+    with the trained model."""
+
+
+@dataclass
+class MethodConfig:
+    name: Literal[
+        "full",
+        "lora",
+        "dora",
+        "qlora",
+        "ia3",
+        "freeze",
+        "adapter",
+        "prefix",
+        "ptuning_v2",
+        "prompt",
+    ] = "lora"
+    """Fine-tuning method: full, lora, dora (weight-decomposed LoRA), qlora (LoRA on a 4-bit NF4
+    base, needs bitsandbytes), ia3 (learned rescaling), freeze (train only the last blocks and/or
+    norms), adapter (bottleneck adapters), prefix (prefix tuning), ptuning_v2 (deep prompt tuning
+    on every layer) or prompt (prompt tuning)."""
+    preset: Literal["default", "seed"] = "default"
+    """LoRA preset: default = all linear layers, r=16, alpha=32; seed = the source articles'
+    r=8, alpha=32, q_proj/v_proj, dropout 0.1 (explicit r/alpha/... fields still apply)."""
+    r: int | None = None
+    """LoRA rank (preset value when unset)."""
+    alpha: int | None = None
+    """LoRA scaling numerator (preset value when unset)."""
+    dropout: float | None = None
+    """LoRA dropout (preset value when unset)."""
+    last_blocks: int = 2
+    """freeze: how many of the last transformer blocks train."""
+    norms: bool = True
+    """freeze: also train every norm layer."""
+    target_modules: list[str] | None = None
+    """Module (or fused expert weight) names to adapt, or ["all-linear"]: every linear layer and
+    routed-expert weight of the blocks, routers left frozen (lora/dora preset value when unset;
+    IA3's default: keys, values and the MLP, through qkv_proj where they are fused)."""
+    adapter_placement: Literal["houlsby", "pfeiffer"] = "pfeiffer"
+    """adapter: houlsby = after attention and MLP of every block; pfeiffer = after the MLP only."""
+    adapter_reduction: int = 16
+    """adapter: reduction factor, hidden size / bottleneck size."""
+    num_virtual_tokens: int = 20
+    """prefix/ptuning_v2/prompt: number of virtual tokens (prefix length)."""
+    prefix_projection: bool | None = None
+    """prefix/ptuning_v2: train the prefixes through a two-layer MLP (reparameterisation);
+    unset = method default (prefix: on, ptuning_v2: off)."""
+    prefix_hidden_size: int | None = None
+    """prefix/ptuning_v2: hidden width of that MLP (unset = the model's key/value width)."""
+    prompt_init: Literal["tokens", "random"] | None = None
+    """prefix/ptuning_v2/prompt: tokens (also when unset) = start the virtual tokens from real
+    tokens (those of prompt_init_text, else sampled from the vocabulary): their input embeddings
+    (prompt) or the model's own keys/values for them (prefix, ptuning_v2); random = peft's
+    N(0, 1)."""
+    prompt_init_text: str | None = None
+    """prefix/ptuning_v2/prompt: the text whose tokens the virtual tokens start from (unset:
+    tokens sampled from the vocabulary)."""
+    double_quant: bool = True
+    """qlora: also quantise the 4-bit blocks' scales (saves ~0.37 bit per parameter)."""
+    compute_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """qlora: dtype of the 4-bit layers' matmuls; auto = train.precision as resolved (fp32
+    unless autocast)."""
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int | None = None
+    """Optimizer steps to run; unset = as many as train.epochs take. With train.epochs set too,
+    the fewer of the two."""
+    epochs: int | None = None
+    """Passes over the training rows: rows / global batch (rounded up) steps each. Unset = 1,
+    unless train.max_steps is set (then max_steps steps, the data repeating as needed)."""
+    micro_batch_size: int | Literal["auto"] = "auto"
+    """Sequences per forward/backward pass; auto = the largest divisor of the global batch that
+    the memory planner predicts fits train.memory_budget (grad_accum then fills the rest; where
+    the planner cannot model the run, 4)."""
+    global_batch_size: int | None = None
+    """Rows per optimizer step with micro_batch_size=auto (unset: the rows that hold 8 examples
+    on average, as HF Trainer's default batch of 8 does: 8 unpacked rows, fewer packed ones);
+    with a fixed micro-batch the global batch is micro_batch_size x grad_accum and this is
+    ignored. Data with fewer rows makes every step one pass over all of them."""
+    memory_budget: str | None = None
+    """Memory the run may use, e.g. 20GiB. micro_batch_size=auto plans within it (unset: 90% of
+    free CUDA memory or available RAM); on CPU a micro-batch whose resident memory goes above it
+    counts as out of memory (halve the micro-batch, replay the step; unset: no limit)."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    lr: float | None = None
+    """Peak learning rate (default by method, measured by sweeps: full 1e-4, freeze 1e-3,
+    lora/dora/adapter 2e-3, qlora 6e-4, ia3 1e-2, prefix 3e-4, ptuning_v2/prompt 3e-2)."""
+    optimizer: Literal["adamw", "adamw_8bit", "adamw_4bit", "paged_adamw_8bit"] = "adamw"
+    """adamw, or AdamW with 8-bit (bitsandbytes, else torchao) or 4-bit (torchao) state;
+    paged_adamw_8bit pages the state to CPU memory under GPU memory pressure (CUDA)."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (never applied to biases and norms)."""
+    warmup_ratio: float = 0.1
+    """Share of steps spent in linear warmup."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay floor as a share of the peak learning rate."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm (0 disables)."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Autocast precision; fp16 uses a GradScaler and needs CUDA. auto: on CUDA bf16 where the
+    GPU supports it, else fp16; on CPU bf16 where it runs bf16 matmul clearly faster than fp32
+    (measured once per machine), else fp32. A resumed run keeps the precision it started in."""
+    seed: int = 42
+    """Seed for initialisation, data order and dropout (0 .. 2**32 - 1)."""
+    save_every: int = 50
+    """Write a checkpoint every N optimizer steps (0 = only at the end)."""
+    keep_last: int = 2
+    """Complete checkpoints to keep."""
+    objective: Literal["sft", "dpo", "simpo", "orpo", "kto"] = "sft"
+    """sft: learn the answers (demonstrations); dpo, simpo, orpo: prefer each pair's chosen
+    answer over its rejected one; kto: completions labelled desirable or not. Their settings
+    are the preference.* fields."""
+    kl_coef: float = 0.0
+    """Weight of KL(model || base model) added to the loss (adapter methods only; 0 = off)."""
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
+    """Recompute activations in backward to save memory (about a third more compute). auto: on
+    only where the memory planner predicts that not even micro-batch 1 (micro_batch_size=auto)
+    or the configured micro-batch fits the memory budget without it, and never for a method
+    that does not support it."""
+    compile: bool = False
+    """Compile each transformer block's training forward with torch.compile (one process; needs
+    a C++ compiler). The first steps pay the compile (tens of seconds on CPU, less with a warm
+    cache: about 70 s and 12 s on the demo); later steps ran 7-19% faster there, so it pays on
+    long runs (a few hundred steps cold) or repeated ones only."""
+    eval_exact_match: bool = False
+    """Measure exact match on the eval set before and after training (chat/alpaca)."""
+    eval_every: int = 0
+    """Evaluate every N optimizer steps into eval.jsonl (0 = only at the end): eval loss, and for
+    chat/alpaca data exact match on the first `eval_every_sample` eval examples."""
+    eval_every_sample: int = 20
+    """How many eval examples the periodic exact match decodes (0 = loss only)."""
+    eval_base: bool = True
+    """With eval_exact_match: also measure the base model before training."""
+    eval_limit: int | None = None
+    """Use only the first N eval examples (loss, perplexity and exact match)."""
+    eval_batch_size: int = 16
+    """Batch size for evaluation and generation."""
+    max_new_tokens: int = 128
+    """Generation length limit for exact match."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train."""
+
+
+@dataclass
+class GuardConfig:
+    nonfinite: Literal["skip", "pause", "rollback"] = "skip"
+    """Action on a NaN/inf loss or gradient: skip the update, pause the run, or roll back."""
+    loss_spike: Literal["off", "warn", "skip", "pause", "rollback"] = "warn"
+    """Action when the loss jumps far above its recent median."""
+    grad_norm: Literal["off", "warn", "skip", "pause", "rollback"] = "warn"
+    """Action when the pre-clipping gradient norm jumps far above its recent median."""
+    loss_sigmas: float = 6.0
+    """Loss spike: robust sigmas (1.4826 x MAD of log loss) above the median that count."""
+    loss_min_ratio: float = 3.0
+    """Loss spike: never flag a loss below this multiple of the recent median."""
+    grad_sigmas: float = 6.0
+    """Gradient-norm anomaly: robust sigmas (of log norm) above the median that count."""
+    grad_min_ratio: float = 4.0
+    """Gradient-norm anomaly: never flag a norm below this multiple of the recent median."""
+    window: int = 128
+    """Steps of history the robust statistics use."""
+    warmup: int = 20
+    """Accepted steps before the spike and norm detectors act (non-finite is always on)."""
+    max_consecutive_skips: int = 10
+    """Stop (with a checkpoint) when this many steps in a row are skipped."""
+    lr_factor: float = 0.5
+    """Rollback multiplies the learning rate by this (kept on resume)."""
+    max_rollbacks: int = 3
+    """Stop instead of rolling back once this many rollbacks happened in the run."""
+
+
+@dataclass
+class RunConfig:
+    """Where a run lives and whether it continues.
+
+    A run directory records a fingerprint of everything that decides the run's trajectory
+    (leantune_run.json): the base model's files and shapes, the train data's contents, the data
+    settings (format, max_seq_len, pack, system_prompt, clean, dedup, near_dup_threshold,
+    min_tokens, truncate,
+    chat_template), model dtype/attn_implementation/rope_scaling, every method setting,
+    the optimizer and schedule (lr resolved, optimizer, weight_decay, warmup_ratio,
+    min_lr_ratio, max_grad_norm, max_steps, epochs, kl_coef, precision), seed and the global
+    batch (micro_batch_size x grad_accum; another split of the same global batch is allowed).
+    max_seq_len, pack and max_steps are recorded as the run resolved them from the data.
+    Free to change on resume: run.*, evaluation settings and data.eval, save_every, keep_last,
+    guard.*, device, memory_budget, gradient_checkpointing, trust_remote_code and the data
+    preparation engine and cache.
+    """
+
+    name: str = "auto"
+    """Run name (1-100 letters, digits, '.', '_', '-'; no path); the run directory is
+    runs/<name> unless run.dir is set. auto = <data file stem>-<method>-<8 hex digits of the
+    run's settings and input digests>: another run gets another directory, the same command
+    the same one (and resumes)."""
+    dir: str | None = None
+    """Run directory (default runs/<name>): new, empty, or a leantune run."""
+    resume: Literal["auto", "never", "force"] = "auto"
+    """auto: continue the newest checkpoint of a run with the same fingerprint, else exit 2
+    listing the changed fields; force: continue it with the changes (it says what each means;
+    weights that cannot load are still refused); never: start over, moving a run that is in
+    the directory aside to <dir>.old-<time>."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        """The run directory; run.name=auto must have been named first (`train` does it)."""
+        if self.run.dir:
+            return Path(self.run.dir)
+        if self.run.name == AUTO_RUN_NAME:
+            raise RuntimeError(
+                "run.name=auto: the run is named when it starts (training.run_setup.named_run)"
+            )
+        return Path("runs") / self.run.name
+
+
+def field_docs() -> dict[str, str]:
+    """`section.field` -> its one-line docstring, for `leantune validate --help-fields`."""
+    docs: dict[str, str] = {}
+    for section in dataclasses.fields(Config):
+        cls = section.default_factory
+        tree = ast.parse(inspect.getsource(cls))  # type: ignore[arg-type]
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in itertools.pairwise(body):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+            ):
+                docs[f"{section.name}.{node.target.id}"] = " ".join(str(nxt.value.value).split())
+    return docs

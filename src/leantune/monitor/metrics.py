@@ -1,0 +1,120 @@
+"""What a run reports: metrics.jsonl (one object per optimizer step), a progress bar, memory."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from leantune.core.writes import append_text, write_file
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory so far: CUDA allocator peak on GPU, process peak RSS on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def status_bytes(field: str) -> int | None:
+    """A memory field of /proc/self/status (VmHWM, RssAnon, ...) in bytes; None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name == field:
+                    return int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def start_training_memory() -> int | None:
+    """At the start of training on CPU: the process's peak so far (the load phase, whose RSS
+    counts the checkpoint's file pages while they are mapped), with the kernel's high-water
+    mark (VmHWM) then reset, so that the peaks `memory_stats` reports from here on are
+    training's. None where /proc/self cannot say or reset it (the peak then stays the
+    process's, load included)."""
+    peak = status_bytes("VmHWM")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux 4.0+, proc(5))
+    except OSError:
+        return None
+    return peak
+
+
+def memory_stats(device: torch.device) -> dict[str, int]:
+    """Current and peak memory for a metrics row: CUDA allocated and reserved (each with its
+    peak), or on CPU the process's resident set size (RSS) now, its anonymous part (the run's
+    tensors and heap; the rest is file pages such as a mapped checkpoint) and its peak since
+    `start_training_memory` (since the start of the process before it runs)."""
+    if device.type == "cuda":
+        return {
+            "mem_allocated_bytes": int(torch.cuda.memory_allocated(device)),
+            "mem_reserved_bytes": int(torch.cuda.memory_reserved(device)),
+            "peak_mem_bytes": int(torch.cuda.max_memory_allocated(device)),
+            "peak_mem_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+        }
+    rss = current_rss_bytes()
+    hwm = status_bytes("VmHWM")
+    peak = hwm if hwm is not None else peak_memory_bytes(device)  # ru_maxrss is never reset
+    # The kernel updates its high-water mark lazily, so it can trail the current RSS.
+    out = {"rss_bytes": rss, "peak_mem_bytes": max(rss, peak)}
+    anon = status_bytes("RssAnon")
+    if anon is not None:
+        out["rss_anon_bytes"] = anon
+    return out
+
+
+def current_rss_bytes() -> int:
+    """Resident set size of this process now (Linux /proc; the peak elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return peak_memory_bytes(torch.device("cpu"))
+
+
+class MetricsLog:
+    """Appends one JSON object per step to `metrics.jsonl`; on resume, drops steps after `step`
+    so the file holds exactly one trajectory."""
+
+    def __init__(self, path: Path, resume_step: int = 0):
+        self.path = path
+        kept: list[str] = []
+        if resume_step > 0 and path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line).get("step", 0) <= resume_step:
+                        kept.append(line)
+                except json.JSONDecodeError:
+                    break  # a torn last line from a kill
+        write_file(path, "".join(x + "\n" for x in kept))
+
+    def write(self, record: dict[str, Any]) -> None:
+        append_text(self.path, json.dumps(record) + "\n")
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """All step records of a metrics.jsonl."""
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def progress_bar(total: int, initial: int, enabled: bool) -> tqdm:
+    """Step progress bar with ETA on stderr."""
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc="train",
+        unit="step",
+        disable=not enabled,
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )

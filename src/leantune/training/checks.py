@@ -1,0 +1,49 @@
+"""Every check of a config before anything loads: the config's own (`config.validate`) and its
+registries' owners' (a method's, an objective's, a chat template's, a monitoring backend's).
+
+`load_config` is what the CLI, the API and the recipe call: nothing runs on a config that has
+not passed all of them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from leantune.config import Config, read_config, validate
+from leantune.data.templates import template_text
+from leantune.methods.checks import check_method
+from leantune.methods.registry import METHODS
+from leantune.monitor.backends import check_packages
+from leantune.objectives.checks import check_objective, check_preference
+
+
+def check_config(cfg: Config) -> list[str]:
+    """Raise ConfigError (naming the field and the fix) for an invalid config; return warnings
+    for risky settings."""
+    warnings = validate(cfg)
+    if cfg.data.chat_template is not None:
+        template_text(cfg.data.chat_template)  # a ChatTemplateError names the field and file
+    check_packages(cfg.monitor)
+    warnings += check_method(cfg)
+    t, spec = cfg.train, METHODS[cfg.method.name]
+    warnings += check_preference(cfg.preference, t.objective, t.kl_coef)
+    check_objective(
+        t.objective,
+        cfg.data.format,
+        cfg.method.name,
+        trains_base_weights=spec.trains_base_weights,
+        needs_unpacked_data=spec.needs_unpacked_data,
+        eval_file=cfg.data.eval,
+    )
+    return warnings
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """A Config from a YAML file and `section.field=value` overrides, with every check passed.
+
+    Raises:
+        ConfigError: unknown keys, wrong types or invalid combinations, naming the field.
+    """
+    cfg = read_config(path, overrides)
+    check_config(cfg)
+    return cfg

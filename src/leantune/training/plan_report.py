@@ -1,0 +1,184 @@
+"""`leantune plan`: the configured run's predicted memory, whether it fits, and what would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from leantune.config import Config
+from leantune.memory.estimate import GIB, MARGIN_MEASURED, estimate, margin_key
+from leantune.memory.planner import (
+    alternatives,
+    available_optimizers,
+    budget_for,
+    lighter_weights,
+    plan_inputs,
+    recommend,
+)
+
+COMPONENTS = (
+    ("overhead", "runtime (python, torch; CUDA context)"),
+    ("weights", "weights"),
+    ("optimizer", "optimizer states"),
+    ("activations", "activations saved for backward"),
+    ("loss", "logits + loss (supervised positions)"),
+    ("recompute", "recomputed block (checkpointing)"),
+    ("gradients", "gradients"),
+    ("step_temporaries", "optimizer-step temporaries"),
+)
+LOAD_LABEL = "loading the checkpoint"
+
+
+RowStats = tuple[int | None, int | None, int, int]
+"""(most supervised tokens in one training row, longest row, rows, examples)."""
+
+
+def row_stats_from_data(cfg: Config) -> RowStats:
+    """The training rows' `RowStats` from the data (tokenizer only, no weights); (None, None,
+    0, 0) when the data cannot be read (the planner then assumes full rows of
+    data.max_seq_len, all supervised, and the configured global batch).
+
+    Raises:
+        TokenizerMismatch: data.train is a prepared directory of another tokenizer.
+    """
+    from leantune.data.dataset import prepared_data
+    from leantune.data.packing import longest_example, rows_for
+    from leantune.data.prepare.provenance import TokenizerMismatch
+    from leantune.data.prepare.records import PrepareSettings
+    from leantune.data.templates import apply_chat_template
+    from leantune.memory.planner import max_supervised_per_row
+    from leantune.methods.checks import effective_pack
+    from leantune.models.loading import load_tokenizer, resolve_model
+    from leantune.training.run_setup import FALLBACK_CONTEXT, model_context
+
+    d = cfg.data
+    if d.train is None:
+        return None, None, 0, 0
+    try:
+        source = resolve_model(cfg.model.path, cfg.model.gguf_file)
+        tok = load_tokenizer(source)
+        apply_chat_template(tok, d.chat_template)
+        auto = d.max_seq_len == "auto"
+        limit = (
+            int(d.max_seq_len)
+            if not auto
+            else (model_context(source.location, source.gguf_file, cfg.model) or FALLBACK_CONTEXT)
+        )
+        pack = effective_pack(d.pack, cfg.method.name)
+        # Uncleaned and every line accepted; no cache directory (`plan` writes nothing). A
+        # prepared directory's rows are used as they are, as `train` uses them.
+        settings = PrepareSettings(
+            d.format, limit, pack and not auto, d.system_prompt, d.system_message
+        )
+        data = prepared_data(d.train, settings=settings, tokenizer=tok, max_bad_fraction=1.0)
+        # max_seq_len=auto packs up to the longest example, as `train` does.
+        repack = auto and not Path(d.train).is_dir()
+        rows = (
+            rows_for(data.examples, pack, longest_example(data.examples)) if repack else data.rows
+        )
+    except TokenizerMismatch:  # planning another model's token ids would mislead: say so
+        raise
+    except Exception:
+        return None, None, 0, 0
+    longest = max((len(r.input_ids) for r in rows), default=0) or None
+    supervised = max_supervised_per_row([r.labels for r in rows])
+    return supervised, longest, len(rows), len(data.examples)
+
+
+def plan(
+    cfg: Config,
+    device: str,
+    budget: str | None = None,
+    row_stats: RowStats | None = None,
+    allocator: str = "glibc",
+) -> dict[str, Any]:
+    """Predict the configured run and recommend the fastest settings that fit the budget.
+
+    `row_stats` is given when the caller has the rows already (`leantune inspect`); by default
+    they are read from the data. The global batch is the one `train` takes on them.
+    `allocator` is the CPU allocator `train` would run with (`training.allocator`).
+    """
+    from leantune.training.run_setup import resolved_global_batch
+
+    supervised, longest, rows, examples = row_stats or row_stats_from_data(cfg)
+    batch = min(resolved_global_batch(cfg.train, rows, examples), rows) if rows else None
+    inputs = plan_inputs(cfg, device, supervised, longest, batch, allocator)
+    limit = budget_for(cfg, device, budget)
+    configured = estimate(inputs.facts, inputs.step, inputs.weight_itemsize)
+    best = recommend(
+        alternatives(cfg, inputs),
+        cfg.method.name,
+        inputs.step,
+        inputs.global_batch,
+        limit,
+        inputs.weight_itemsize,
+        available_optimizers(device),
+        lighter_weights(cfg, device, supervised, longest, batch, allocator),
+    )
+    return {
+        "device": device,
+        "allocator": allocator if device == "cpu" else None,
+        "margin_of": margin_key(device, allocator, inputs.step.weight_quant is not None),
+        "budget": limit,
+        "fits": configured.needed <= limit,
+        "configured": {
+            "method": cfg.method.name,
+            "micro_batch": inputs.step.micro_batch,
+            "grad_accum": inputs.global_batch // inputs.step.micro_batch,
+            "seq_len": inputs.step.seq_len,
+            "supervised_per_row": inputs.step.supervised_per_row,
+            "gradient_checkpointing": inputs.step.gradient_checkpointing,
+            "optimizer": inputs.step.optimizer,
+            "precision": inputs.step.precision,
+            "trainable_params": inputs.facts.trainable_params,
+            "total_params": inputs.facts.total_params,
+            "breakdown": configured.as_dict(),
+        },
+        "recommended": best.as_dict() if best is not None else None,
+    }
+
+
+def format_text(result: dict[str, Any]) -> str:
+    """The plan as a readable table plus a verdict and a recommendation."""
+    c = result["configured"]
+    b = c["breakdown"]
+    lines = [
+        f"method {c['method']}: {c['trainable_params']:,} of {c['total_params']:,} parameters "
+        f"train; micro-batch {c['micro_batch']} x grad_accum {c['grad_accum']}, seq_len "
+        f"{c['seq_len']}, checkpointing {'on' if c['gradient_checkpointing'] else 'off'}, "
+        f"optimizer {c['optimizer']}, precision {c['precision']}",
+        "",
+    ]
+    for key, label in COMPONENTS:
+        lines.append(f"  {label:40s} {b[key] / GIB:8.3f} GiB")
+    lines.append(
+        "  peak = runtime + weights + optimizer"
+        " + max(activations + max(loss, recompute), gradients + step)"
+    )
+    lines.append(f"  {'predicted peak (live tensors)':40s} {b['peak'] / GIB:8.3f} GiB")
+    if b["margin"] != 1:
+        label = f"with the allocator's margin x{b['margin']:g}"
+        lines.append(f"  {label:40s} {b['peak'] * b['margin'] / GIB:8.3f} GiB")
+        lines.append(f"  ({MARGIN_MEASURED[result['margin_of']]}: estimate.FIT_MARGIN)")
+    if b["load"]:
+        lines.append(f"  {LOAD_LABEL:40s} {b['load'] / GIB:8.3f} GiB")
+    lines.append(f"  {'needed':40s} {b['needed'] / GIB:8.3f} GiB")
+    budget = result["budget"] / GIB
+    verdict = "fits" if result["fits"] else "does NOT fit"
+    lines += ["", f"{verdict} the {result['device']} budget of {budget:.2f} GiB"]
+    rec = result["recommended"]
+    if rec is None:
+        lines.append(
+            "nothing fits: shorten data.max_seq_len, or use a smaller model or more memory"
+        )
+    else:
+        dtype = rec.get("model_dtype")
+        lines.append(
+            f"fastest that fits: method.name={rec['method']} "
+            + (f"model.dtype={dtype} " if dtype else "")
+            + f"train.micro_batch_size={rec['micro_batch']} train.grad_accum={rec['grad_accum']} "
+            f"train.gradient_checkpointing={str(rec['gradient_checkpointing']).lower()}"
+            + (f" train.optimizer={rec['optimizer']}" if rec["optimizer"] != "adamw" else "")
+            + f" (needs {rec['breakdown']['needed'] / GIB:.3f} GiB)"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,234 @@
+"""The fingerprint of a run: everything that decides its trajectory, as flat ``section.field`` keys.
+
+Two runs with the same fingerprint compute the same steps: the same base model (its files'
+contents, ``model.files``, and its shapes, ``model.architecture``), the same data (the train
+file's contents, or a prepared directory's cache key, ``data.train``) and data settings, the same
+method settings, optimiser, schedule, seed and global batch (``train.global_batch``: how the batch
+is split into micro-batches does not change the result beyond float rounding, and an OOM recovery
+changes the split itself). ``train.lr`` is resolved to the method's default when unset;
+``data.max_seq_len``, ``data.pack`` and ``train.max_steps`` are the values the run resolved from
+its data and method (``training.run_setup``), next to the ``train.epochs`` they came from.
+``train.precision`` is the one the run trains in (``auto`` resolved by ``training.precision``).
+A preference run adds ``train.objective`` and the ``preference.*`` settings (an SFT run's
+fingerprint has neither, as before they existed).
+
+Not in the fingerprint, so free to change between a run and its resume: ``run.*``, evaluation
+(``data.eval``, ``train.eval_*``, ``max_new_tokens``), ``save_every``, ``keep_last``, the guard
+(``guard.*``: it only acts on anomalies, and relaxing it after a pause is how a run goes on),
+``train.device``, ``memory_budget``, ``gradient_checkpointing`` (same numbers, other memory),
+``compile`` (the same computation, compiled),
+``micro_batch_size``/``grad_accum`` at the same global batch, ``model.trust_remote_code`` and the
+data preparation engine and cache (``data.cache_dir``, ``engine``, ``scheduler``, ``partition_mb``,
+``max_bad_fraction``).
+
+Every input the run reads is in it by content: the model directory's files (weights, config,
+tokenizer files and chat template: ``model.files``), the train data (``data.train``) and the Jinja
+file ``data.chat_template`` names (``data.chat_template_text``, the digest of the template's text;
+a built-in's too). Digests are `leantune.core.digests.content_digest`, the definition `prepare` uses
+too, cached for large files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from leantune.config import Config, configured_global_batch
+from leantune.core.digests import content_digest, local_model_dir, model_digest
+from leantune.data.prepare.pipeline import read_report
+from leantune.data.templates import is_builtin, template_text
+from leantune.methods.registry import DEFAULT_LR
+
+DATA_FIELDS = (
+    "format",
+    "max_seq_len",
+    "pack",
+    "system_prompt",
+    "system_message",
+    "clean",
+    "dedup",
+    "near_dup_threshold",
+    "min_tokens",
+    "truncate",
+    "chat_template",
+)
+MODEL_FIELDS = ("dtype", "attn_implementation", "rope_scaling")
+TRAIN_FIELDS = (
+    "optimizer",
+    "weight_decay",
+    "warmup_ratio",
+    "min_lr_ratio",
+    "max_grad_norm",
+    "max_steps",
+    "epochs",
+    "kl_coef",
+    "precision",
+    "seed",
+)
+# The config.json keys that decide the shapes of a model's weights.
+ARCHITECTURE_KEYS = (
+    "model_type",
+    "architectures",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+TEMPLATE_KEY = "data.chat_template_text"
+"""The digest of the chat template's text (present only with data.chat_template set)."""
+HASHED_KEYS = ("model.files", "data.train", TEMPLATE_KEY)
+"""Fingerprint keys whose values are content digests, reported with the file they came from."""
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """A run's fingerprint and, for the digests in it, where each input was read."""
+
+    fields: dict[str, Any]
+    """``section.field`` -> JSON value; two runs match when these are equal."""
+    sources: dict[str, str]
+    """``model.files`` / ``data.train`` -> the path that was hashed (not compared)."""
+
+
+@dataclass(frozen=True)
+class Change:
+    """One fingerprint field that differs between a recorded run and a config."""
+
+    key: str
+    old: Any
+    new: Any
+
+    def describe(self, old_sources: dict[str, str], new_sources: dict[str, str]) -> str:
+        """``key: old -> new``, digests shown with the file they were read from."""
+        if self.key in HASHED_KEYS:
+            old = _hashed(self.old, old_sources.get(self.key))
+            new = _hashed(self.new, new_sources.get(self.key))
+            return f"{self.key}: {old} -> {new}"
+        return f"{self.key}: {format_value(self.old)} -> {format_value(self.new)}"
+
+
+def format_value(value: Any) -> str:
+    """A config value as a user would type it (null, true, 0.005, [a, b])."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value)
+
+
+def _hashed(value: Any, source: str | None) -> str:
+    if not isinstance(value, str) or source is None:
+        return format_value(value)
+    kind, _, digest = value.partition(":")
+    return f"{Path(source).name} ({kind} {digest[:12]})"
+
+
+def trajectory_settings(cfg: Config) -> dict[str, Any]:
+    """The fingerprint fields that come from the config alone (no file is read)."""
+    t = cfg.train
+    fields: dict[str, Any] = {}
+    for name in MODEL_FIELDS:
+        fields[f"model.{name}"] = _plain(getattr(cfg.model, name))
+    for name in DATA_FIELDS:
+        fields[f"data.{name}"] = _plain(getattr(cfg.data, name))
+    for f in dataclasses.fields(cfg.method):
+        fields[f"method.{f.name}"] = _plain(getattr(cfg.method, f.name))
+    for name in TRAIN_FIELDS:
+        fields[f"train.{name}"] = _plain(getattr(t, name))
+    fields["train.lr"] = t.lr if t.lr is not None else DEFAULT_LR[cfg.method.name]
+    fields["train.global_batch"] = configured_global_batch(t)
+    if t.objective != "sft":  # absent for sft, so the runs recorded before keep their names
+        fields["train.objective"] = t.objective
+        for f in dataclasses.fields(cfg.preference):
+            fields[f"preference.{f.name}"] = _plain(getattr(cfg.preference, f.name))
+    return fields
+
+
+def _plain(value: Any) -> Any:
+    """Dataclasses and tuples as JSON values, so a recorded fingerprint compares equal."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {k: _plain(v) for k, v in dataclasses.asdict(value).items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def run_fingerprint(cfg: Config, model_location: str, gguf_file: str | None) -> Fingerprint:
+    """The full fingerprint: config settings plus the digests of the model and train data.
+
+    Args:
+        cfg: The run's validated config (``data.train`` set).
+        model_location: The resolved model: a local directory, or a hub id.
+        gguf_file: The GGUF file inside ``model_location``, if the model is one.
+    """
+    assert cfg.data.train is not None
+    fields = trajectory_settings(cfg)
+    sources: dict[str, str] = {}
+    model_dir = local_model_dir(model_location)
+    if model_dir is None:
+        fields["model.files"] = f"hub:{model_location}"
+        fields["model.architecture"] = None
+    else:
+        fields["model.files"] = model_digest(model_dir, gguf_file)
+        fields["model.architecture"] = architecture(model_dir / "config.json")
+        sources["model.files"] = str(model_dir.resolve())
+    data = Path(cfg.data.train)
+    fields["data.train"] = data_digest(data)
+    sources["data.train"] = str(data.resolve())
+    spec = cfg.data.chat_template
+    if spec is not None:  # absent otherwise: a run without one keeps its name (run_setup)
+        text = template_text(spec)
+        fields[TEMPLATE_KEY] = f"sha256:{hashlib.sha256(text.encode()).hexdigest()}"
+        if not is_builtin(spec):
+            sources[TEMPLATE_KEY] = str(Path(spec).expanduser().resolve())
+    return Fingerprint(fields, sources)
+
+
+ADDED_FIELDS: dict[str, Any] = {
+    # Runs recorded before data.system_message rendered system messages as given, which is
+    # what auto does wherever the template writes them (a template that refused one made
+    # that record a bad line; folding it now changes those records only).
+    "data.system_message": "auto",
+}
+"""Fields added to the fingerprint after runs were recorded, with the value that reads such a
+record as what it ran."""
+ADDED_DIGESTS = frozenset({TEMPLATE_KEY})
+"""Content digests added to the fingerprint after runs were recorded. Nothing says what an
+older record's run read, so one missing from a record is not compared; the resume records it."""
+
+
+def compare(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
+    """The fields that differ, sorted by key (a field missing on one side counts as null, or,
+    missing from an older record, as its `ADDED_FIELDS` value; an `ADDED_DIGESTS` field missing
+    from it is not compared)."""
+    old = {**{k: v for k, v in ADDED_FIELDS.items() if k not in old}, **old}
+    keys = sorted((set(old) | set(new)) - (ADDED_DIGESTS - set(old)))
+    return [Change(k, old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)]
+
+
+def architecture(config_json: Path) -> dict[str, Any] | None:
+    """The shape-deciding keys of a model's config.json (None without one, e.g. GGUF)."""
+    try:
+        raw = json.loads(config_json.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    return {k: _plain(raw[k]) for k in ARCHITECTURE_KEYS if k in raw}
+
+
+def data_digest(path: Path) -> str:
+    """A train file's sha256, or a prepared directory's cache key (it covers its inputs)."""
+    if path.is_dir():
+        try:
+            report = read_report(path) or {}
+        except (OSError, ValueError):
+            report = {}  # loading it reports what is wrong
+        return f"prepared:{report.get('cache_key')}"
+    return f"sha256:{content_digest(path)}"
