@@ -14,6 +14,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from leantune.methods.freeze import decoder_layers
+
 # Linear layers of a Llama/Qwen2/Mistral-style block, grouped by where their input comes from.
 ATTN_INPUT = ("q_proj", "k_proj", "v_proj")
 MLP_INPUT = ("gate_proj", "up_proj")
@@ -177,8 +179,6 @@ def _linear_kind(name: str) -> str:
 
 def model_facts(model: nn.Module, config: object) -> ModelFacts:
     """Count bytes and trainable parameters of `model` (a meta model with its method applied)."""
-    from leantune.methods.freeze import decoder_layers
-
     params = dict(model.named_parameters())  # shared tensors once
     tensors = list(params.values()) + [b for _, b in model.named_buffers()]
     trainable = [p for p in params.values() if p.requires_grad]

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 
 def _lora_settings(cfg: MethodConfig) -> LoraSettings:
-    from leantune.methods.lora import LORA_PRESETS
+    from leantune.methods.lora import LORA_PRESETS  # torch, peft: when a model is wrapped
 
     s = LORA_PRESETS[cfg.preset]
     if cfg.r is not None:
@@ -45,31 +45,31 @@ def _lora_settings(cfg: MethodConfig) -> LoraSettings:
 
 
 def _full(model: nn.Module, cfg: MethodConfig) -> nn.Module:
-    from leantune.methods.full import apply_full
+    from leantune.methods.full import apply_full  # torch, peft: when a model is wrapped
 
     return apply_full(model)
 
 
 def _lora(model: nn.Module, cfg: MethodConfig) -> nn.Module:
-    from leantune.methods.lora import apply_lora
+    from leantune.methods.lora import apply_lora  # torch, peft: when a model is wrapped
 
     return apply_lora(model, _lora_settings(cfg))
 
 
 def _dora(model: nn.Module, cfg: MethodConfig) -> nn.Module:
-    from leantune.methods.lora import apply_lora
+    from leantune.methods.lora import apply_lora  # torch, peft: when a model is wrapped
 
     return apply_lora(model, replace(_lora_settings(cfg), use_dora=True))
 
 
 def _qlora(model: nn.Module, cfg: MethodConfig) -> nn.Module:
-    from leantune.methods.qlora import apply_qlora
+    from leantune.methods.qlora import apply_qlora  # torch, peft: when a model is wrapped
 
     return apply_qlora(model, _lora_settings(cfg))
 
 
 def _ia3(model: nn.Module, cfg: MethodConfig) -> nn.Module:
-    from leantune.methods.ia3 import apply_ia3
+    from leantune.methods.ia3 import apply_ia3  # torch, peft: when a model is wrapped
 
     if cfg.target_modules is None:
         return apply_ia3(model)
@@ -77,13 +77,16 @@ def _ia3(model: nn.Module, cfg: MethodConfig) -> nn.Module:
 
 
 def _freeze(model: nn.Module, cfg: MethodConfig) -> nn.Module:
-    from leantune.methods.freeze import apply_freeze
+    from leantune.methods.freeze import apply_freeze  # torch, peft: when a model is wrapped
 
     return apply_freeze(model, cfg.last_blocks, cfg.norms)
 
 
 def _adapter(model: nn.Module, cfg: MethodConfig) -> nn.Module:
-    from leantune.methods.adapter import AdapterSettings, apply_adapter
+    from leantune.methods.adapter import (  # torch, peft: when a model is wrapped
+        AdapterSettings,
+        apply_adapter,
+    )
 
     settings = AdapterSettings(
         placement=cfg.adapter_placement, reduction_factor=cfg.adapter_reduction
@@ -92,7 +95,7 @@ def _adapter(model: nn.Module, cfg: MethodConfig) -> nn.Module:
 
 
 def _virtual_init(model: nn.Module, cfg: MethodConfig) -> VirtualInit | None:
-    from leantune.methods.virtual_init import VirtualInit
+    from leantune.methods.virtual_init import VirtualInit  # torch, peft: when a model is wrapped
 
     if cfg.prompt_init == "random":
         return None
@@ -101,7 +104,7 @@ def _virtual_init(model: nn.Module, cfg: MethodConfig) -> VirtualInit | None:
 
 
 def _prefix_with(model: nn.Module, cfg: MethodConfig, projection_default: bool) -> nn.Module:
-    from leantune.methods.prompt import apply_prefix
+    from leantune.methods.prompt import apply_prefix  # torch, peft: when a model is wrapped
 
     projection = projection_default if cfg.prefix_projection is None else cfg.prefix_projection
     init = _virtual_init(model, cfg)
@@ -119,7 +122,7 @@ def _ptuning_v2(model: nn.Module, cfg: MethodConfig) -> nn.Module:
 
 
 def _prompt(model: nn.Module, cfg: MethodConfig) -> nn.Module:
-    from leantune.methods.prompt import apply_prompt_tuning
+    from leantune.methods.prompt import apply_prompt_tuning  # torch, peft: when a model is wrapped
 
     return apply_prompt_tuning(model, cfg.num_virtual_tokens, _virtual_init(model, cfg))
 
@@ -176,7 +179,7 @@ def _lora_check(cfg: MethodConfig) -> str | None:
 
 
 def _qlora_quantization(cfg: MethodConfig, precision: str) -> Quantization:
-    from leantune.models.quantize import Quantization
+    from leantune.models.quantize import Quantization  # torch, peft: when a model is wrapped
 
     compute = cfg.compute_dtype if cfg.compute_dtype != "auto" else precision
     if compute == "auto":
@@ -359,7 +362,7 @@ def merge_for_inference(model: nn.Module) -> nn.Module:
 
     A 4-bit base is left unmerged: merging re-quantises W + BA, a different model from the one
     trained and saved (which is the 4-bit base plus the fp32 adapter)."""
-    from leantune.models.quantize import is_quantized
+    from leantune.models.quantize import is_quantized  # torch, peft: when a model is wrapped
 
     if is_quantized(model):
         return model

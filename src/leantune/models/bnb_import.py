@@ -28,6 +28,7 @@ PACKAGE = "bitsandbytes"
 
 def _config_json(model_path: str) -> Path | None:
     """The config.json a model path loads, when it can be found without loading anything."""
+    # The CLI calls this module before torch or the Hub load; these helpers import them.
     from leantune.models.paths import hub_snapshot, looks_like_hub_id, model_of_run
 
     local = Path(model_of_run(model_path)).expanduser()
@@ -46,7 +47,7 @@ def model_is_unquantised(model_path: str) -> bool:
     """True when the model at `model_path` is known to load without bitsandbytes: the demo
     model, a GGUF file (the gguf package dequantises it), or a config.json without a
     `quantization_config`. False when it is quantised or cannot be told."""
-    from leantune.models.demo_model import DEMO_MODEL_NAMES
+    from leantune.models.demo_model import DEMO_MODEL_NAMES  # as above: before torch loads
 
     if model_path in DEMO_MODEL_NAMES or model_path.lower().endswith(".gguf"):
         return True
@@ -64,7 +65,7 @@ def needed(quantized_base: bool, optimizer: str, model_path: str) -> bool:
     """Whether a training run may import bitsandbytes: a 4-bit base (`quantized_base`), an
     optimizer name with a bitsandbytes backend on any device, or a model not known to be
     unquantised."""
-    from leantune.core.optim import OPTIMIZER_BACKENDS
+    from leantune.core.optim import OPTIMIZER_BACKENDS  # as above: before torch loads
 
     backends = OPTIMIZER_BACKENDS.get(optimizer, {})
     libraries = {b.library for per_device in backends.values() for b in per_device}

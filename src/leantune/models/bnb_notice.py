@@ -88,6 +88,7 @@ class _OfflineLoader(importlib.abc.Loader):
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
+        # paths imports the Hub client: loaded with the held package, not at the CLI's start.
         from leantune.models.paths import hub_offline_unless_allowed
 
         with hub_offline_unless_allowed():  # the package's own imports run inside it too

@@ -32,13 +32,13 @@ class RunInfo:
 
 
 def _tensorboard(m: MonitorConfig, run: RunInfo) -> Sink:
-    from leantune.monitor.tensorboard_sink import TensorBoardSink
+    from leantune.monitor.tensorboard_sink import TensorBoardSink  # an optional extra
 
     return TensorBoardSink(run.run_dir, run.config)
 
 
 def _wandb(m: MonitorConfig, run: RunInfo) -> Sink:
-    from leantune.monitor.wandb_sink import WandbSink
+    from leantune.monitor.wandb_sink import WandbSink  # an optional extra
 
     w = m.wandb
     assert w is not None and w.project is not None, "checked by config.validate"
@@ -53,7 +53,7 @@ def _wandb(m: MonitorConfig, run: RunInfo) -> Sink:
 
 
 def _mlflow(m: MonitorConfig, run: RunInfo) -> Sink:
-    from leantune.monitor.mlflow_sink import MlflowSink
+    from leantune.monitor.mlflow_sink import MlflowSink  # an optional extra
 
     f = m.mlflow
     assert f is not None and f.uri is not None, "checked by config.validate"

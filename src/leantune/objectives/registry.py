@@ -20,25 +20,25 @@ SFT = "sft"
 
 
 def _dpo(batch: PreferenceBatch, s: ObjectiveSettings) -> ObjectiveOutput:
-    from leantune.objectives.preference import dpo_loss
+    from leantune.objectives.preference import dpo_loss  # torch: at the first loss
 
     return dpo_loss(batch, s)
 
 
 def _simpo(batch: PreferenceBatch, s: ObjectiveSettings) -> ObjectiveOutput:
-    from leantune.objectives.preference import simpo_loss
+    from leantune.objectives.preference import simpo_loss  # torch: at the first loss
 
     return simpo_loss(batch, s)
 
 
 def _orpo(batch: PreferenceBatch, s: ObjectiveSettings) -> ObjectiveOutput:
-    from leantune.objectives.preference import orpo_loss
+    from leantune.objectives.preference import orpo_loss  # torch: at the first loss
 
     return orpo_loss(batch, s)
 
 
 def _kto(batch: PreferenceBatch, s: ObjectiveSettings) -> ObjectiveOutput:
-    from leantune.objectives.preference import kto_loss
+    from leantune.objectives.preference import kto_loss  # torch: at the first loss
 
     return kto_loss(batch, s)
 

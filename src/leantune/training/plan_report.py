@@ -6,15 +6,24 @@ from pathlib import Path
 from typing import Any
 
 from leantune.config import Config
+from leantune.data.dataset import prepared_data
+from leantune.data.packing import longest_example, rows_for
+from leantune.data.prepare.provenance import TokenizerMismatch
+from leantune.data.prepare.records import PrepareSettings
+from leantune.data.templates import apply_chat_template
 from leantune.memory.estimate import GIB, MARGIN_MEASURED, estimate, margin_key
 from leantune.memory.planner import (
     alternatives,
     available_optimizers,
     budget_for,
     lighter_weights,
+    max_supervised_per_row,
     plan_inputs,
     recommend,
 )
+from leantune.methods.checks import effective_pack
+from leantune.models.loading import load_tokenizer, resolve_model
+from leantune.training.run_setup import FALLBACK_CONTEXT, model_context, resolved_global_batch
 
 COMPONENTS = (
     ("overhead", "runtime (python, torch; CUDA context)"),
@@ -41,15 +50,6 @@ def row_stats_from_data(cfg: Config) -> RowStats:
     Raises:
         TokenizerMismatch: data.train is a prepared directory of another tokenizer.
     """
-    from leantune.data.dataset import prepared_data
-    from leantune.data.packing import longest_example, rows_for
-    from leantune.data.prepare.provenance import TokenizerMismatch
-    from leantune.data.prepare.records import PrepareSettings
-    from leantune.data.templates import apply_chat_template
-    from leantune.memory.planner import max_supervised_per_row
-    from leantune.methods.checks import effective_pack
-    from leantune.models.loading import load_tokenizer, resolve_model
-    from leantune.training.run_setup import FALLBACK_CONTEXT, model_context
 
     d = cfg.data
     if d.train is None:
@@ -98,8 +98,6 @@ def plan(
     they are read from the data. The global batch is the one `train` takes on them.
     `allocator` is the CPU allocator `train` would run with (`training.allocator`).
     """
-    from leantune.training.run_setup import resolved_global_batch
-
     supervised, longest, rows, examples = row_stats or row_stats_from_data(cfg)
     batch = min(resolved_global_batch(cfg.train, rows, examples), rows) if rows else None
     inputs = plan_inputs(cfg, device, supervised, longest, batch, allocator)

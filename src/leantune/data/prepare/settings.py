@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from leantune.config import DataConfig
 
 if TYPE_CHECKING:  # records imports transformers; `leantune --help` should not wait for it
-    from leantune.data.prepare.records import PrepareSettings
+    from leantune.data.prepare.records import PrepareSettings  # transformers: see above
 
 
 PREPARE_MAX_SEQ_LEN = 1024
@@ -18,7 +18,7 @@ it needs the length before it has seen the data (`train` finds it from the data 
 def settings_from_config(data: DataConfig) -> PrepareSettings:
     """PrepareSettings from a `DataConfig` (the `data` section); auto values as prepare uses
     them (max_seq_len 1024, packing on)."""
-    from leantune.data.prepare.records import PrepareSettings
+    from leantune.data.prepare.records import PrepareSettings  # transformers: see above
 
     return PrepareSettings(
         format=data.format,

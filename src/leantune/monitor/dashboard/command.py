@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         UserError: RUNS_DIR is not a folder, or the address cannot be bound.
     """
-    from leantune.monitor.dashboard.server import make_server, serve
+    from leantune.monitor.dashboard.server import make_server, serve  # only when serving
 
     root = Path(args.runs_dir)
     if not root.is_dir():

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from leantune.config.dist import CPU_OFFLOAD_ON_CPU
+from leantune.config.parse import ConfigError
 from leantune.training.parallel.launch import launched_by_torchrun
 
 if TYPE_CHECKING:
@@ -32,22 +34,22 @@ def build_strategy(
 ) -> ParallelStrategy:
     """Join the process group and build the `name` strategy (``ddp``, ``fsdp2`` or
     ``deepspeed``, which clips at `max_grad_norm` inside its step)."""
-    from leantune.config.dist import CPU_OFFLOAD_ON_CPU
-    from leantune.config.parse import ConfigError
+    # The CLI imports this package for `launch` (`--nproc`): torch.distributed and the
+    # strategies load only when one is built.
     from leantune.training.parallel.world import init_world
 
     if cpu_offload and device_type == "cpu":  # train.device=auto found no GPU
         raise ConfigError(CPU_OFFLOAD_ON_CPU)
     world = init_world(backend, device_type, timeout_s)
     if name == "ddp":
-        from leantune.training.parallel.ddp import DDPStrategy
+        from leantune.training.parallel.ddp import DDPStrategy  # see build_strategy's top
 
         return DDPStrategy(world)
     if name == "deepspeed":
-        from leantune.training.parallel.zero import ZeroStrategy
+        from leantune.training.parallel.zero import ZeroStrategy  # deepspeed: an optional extra
 
         return ZeroStrategy(world, zero_stage=zero_stage, max_grad_norm=max_grad_norm)
-    from leantune.training.parallel.fsdp import FSDP2Strategy
+    from leantune.training.parallel.fsdp import FSDP2Strategy  # see build_strategy's top
 
     return FSDP2Strategy(
         world, bf16=bf16, cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward

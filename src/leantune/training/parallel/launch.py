@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import sys
 
+from leantune.errors import UserError
+
 EXPECTED_WORLD_ENV = "LEANTUNE_EXPECTED_WORLD_SIZE"
 """Set by `leantune train --nproc N`: the world size torchrun must have started."""
 NO_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -39,8 +41,6 @@ def exec_torchrun(nproc: int, max_restarts: int, train_args: list[str]) -> None:
         UserError: this process is already one of torchrun's.
     """
     if launched_by_torchrun():
-        from leantune.errors import UserError
-
         raise UserError("--nproc inside a torchrun process: leave it out, torchrun started it")
     command = torchrun_command(nproc, max_restarts, train_args)
     env = dict(os.environ, **{EXPECTED_WORLD_ENV: str(nproc)})
@@ -56,6 +56,7 @@ def exec_torchrun(nproc: int, max_restarts: int, train_args: list[str]) -> None:
 
 def rank_threads(nproc: int) -> int:
     """Intra-op threads per rank: this machine's usable physical cores shared out evenly."""
+    # core.threads imports torch; `leantune train --nproc N` execs torchrun before it loads.
     from leantune.core.threads import usable_physical_cores
 
     return max(1, usable_physical_cores() // nproc)

@@ -38,6 +38,7 @@ from torch import nn
 from leantune.models.loss import LossModule, WrappedLoss
 from leantune.training.guard.divergence import diverged
 from leantune.training.parallel import collectives as c
+from leantune.training.parallel.ddp import DDPStrategy
 from leantune.training.parallel.parts import CheckpointParts, SyncScope, Warn
 from leantune.training.parallel.world import World, WorldSizeMismatch
 from leantune.training.state import checkpoint as ck
@@ -256,8 +257,6 @@ class ZeroStrategy(c.OverWorld):
         return path
 
     def resume_checkpoint(self, root: Path, warn: Warn) -> Checkpoint | None:
-        from leantune.training.parallel.ddp import DDPStrategy
-
         return DDPStrategy(self.world).resume_checkpoint(root, warn)  # rank 0 picks for all
 
     def load_checkpoint(
