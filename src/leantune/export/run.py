@@ -226,7 +226,7 @@ def export_model(
 ) -> dict[str, Any]:
     """Export `path` (run dir, model dir, adapter dir or demo name) to `out` in format `fmt`,
     then check parity; returns the report written to `out/export_report.json`. The source
-    loads with `attn_implementation` (`models.artifacts.load_for_inference`).
+    loads with `attn_implementation` (`methods.artifacts.load_for_inference`).
 
     Raises:
         ExportError: the format cannot be made from this input, or `out`/`data` are unusable

@@ -59,7 +59,7 @@ RUNTIME_OVERHEAD = {"cpu": int(0.46 * GIB), "cuda": int(0.5 * GIB)}
 
 FIT_MARGIN: dict[str, float] = {"glibc": 1.7, "tcmalloc": 1.2, "cuda": 1.1, "cuda-4bit": 1.6}
 """Measured peak / predicted peak that a plan must leave room for before it "fits", by the CPU
-allocator the run has (`training.allocator`: tcmalloc where installed) or on CUDA.
+allocator the run has (`core.allocator`: tcmalloc where installed) or on CUDA.
 
 glibc's malloc: peak RSS ran 1.08x (0.4B full), 1.28x (0.4B LoRA), 1.36x (1.4B LoRA) and 1.65x
 (6.9B QLoRA, anonymous memory) the prediction in issue 31's table (Qwen2.5 shapes, seq_len 512),
@@ -116,7 +116,7 @@ class StepSettings:
     """The KL-to-base term (train.kl_coef > 0) adds a second set of logits."""
     device: str = "cpu"
     allocator: str = "glibc"
-    """The CPU allocator of the run's process (`training.allocator.mapped_allocator` names)."""
+    """The CPU allocator of the run's process (`core.allocator.mapped_allocator` names)."""
     checkpoint_bytes: int = 0
     """Bytes of the checkpoint's weight files (0: unknown, and the load phase is not modelled)."""
     checkpoint_itemsize: int | None = None

@@ -288,7 +288,7 @@ def plan_inputs(
     its longest row, which for unpacked data is usually far below data.max_seq_len (with
     max_seq_len=auto and no data, the model's context). `global_batch` replaces the configured
     one (a run whose data has fewer rows). `allocator` is the CPU allocator the run has
-    (`training.allocator`), which sets the margin a plan must leave (`estimate.FIT_MARGIN`).
+    (`core.allocator`), which sets the margin a plan must leave (`estimate.FIT_MARGIN`).
     """
     from leantune.methods.checks import effective_pack
     from leantune.models.attention import resolve_attention
@@ -417,7 +417,7 @@ def lighter_weights(
 def available_optimizers(device: str) -> tuple[str, ...]:
     """The lighter optimizers of OPTIMIZER_LADDER that can run on `device` ("cpu" or "cuda")
     here: one of their backends there has its library installed (see
-    `training.optim.resolve_optimizer`, which training uses to build them)."""
+    `core.optim.resolve_optimizer`, which training uses to build them)."""
     from leantune.core.optim import OptimizerUnavailable, resolve_optimizer
 
     offered = []

@@ -95,10 +95,10 @@ def apply_prompt_tuning(
 
 def with_virtual_tokens(model: M) -> M:
     """Give a prompt-learning `PeftModel` the loss's forward for its virtual tokens
-    (`training.token_loss.VIRTUAL_TOKENS_HOOK`: `prompt_learning_hidden`); returns `model`.
+    (`models.loss.VIRTUAL_TOKENS_HOOK`: `prompt_learning_hidden`); returns `model`.
 
     Called where such models are made: by the apply functions above and when a saved adapter
-    loads (`models.artifacts`). Other models pass unchanged.
+    loads (`methods.artifacts`). Other models pass unchanged.
     """
     if isinstance(model, PeftModel) and model.active_peft_config.is_prompt_learning:
         setattr(model, VIRTUAL_TOKENS_HOOK, functools.partial(prompt_learning_hidden, model))

@@ -185,7 +185,7 @@ def _qlora_quantization(cfg: MethodConfig, precision: str) -> Quantization:
     if compute == "auto":
         raise ValueError(
             "base_quantization needs the resolved train.precision "
-            "(training.precision.resolve_precision), not auto"
+            "(core.precision.resolve_precision), not auto"
         )
     return Quantization(quant_type="nf4", double_quant=cfg.double_quant, compute_dtype=compute)
 

@@ -1,7 +1,7 @@
 """What a causal LM does between its output projection and the logits it returns.
 
 The training loss runs the projection itself, only at supervised positions
-(`training.token_loss`), so it must apply what the model's own forward applies after it:
+(`models.loss`), so it must apply what the model's own forward applies after it:
 Gemma 2 soft-caps its logits (`cap * tanh(z / cap)`), Cohere multiplies them by `logit_scale`,
 Granite divides them by `logits_scaling`. `decide_output_head` reads the known transforms from
 the config and checks them against the model itself, once, on a few tokens: a forward hook on

@@ -15,7 +15,7 @@ from typing import Any
 from leantune.config.parse import ParseError, load_yaml, memory_size
 from leantune.errors import UserError
 
-# The run directory's files (training.rundir, training.events, data.prepare.pipeline): named
+# The run directory's files (training.run.rundir, monitor.events, data.prepare.pipeline): named
 # here so that reading a report never imports the training or data code (a test keeps them
 # equal).
 RUN_FILE = "leantune_run.json"
@@ -79,7 +79,7 @@ class RunData:
 
 def is_run_dir(path: Path) -> bool:
     """A leantune run: its record (written once set-up is done), or checkpoints of an older
-    leantune, as `training.rundir.is_run` says (without importing torch)."""
+    leantune, as `training.run.rundir.is_run` says (without importing torch)."""
     return (path / RUN_FILE).is_file() or any((path / "checkpoints").glob("step-*"))
 
 

@@ -67,7 +67,7 @@ class Sinks:
 class JsonlSink:
     """`metrics.jsonl` and `eval.jsonl`: exactly one trajectory, cut back on (re)start.
 
-    Events have their own append-only file (`training.events.EventLog`), which keeps the
+    Events have their own append-only file (`monitor.events.EventLog`), which keeps the
     decisions of attempts that were later rolled back, so they are not written here.
     """
 

@@ -4,7 +4,7 @@ The rows are packed pairs (or unpaired KTO examples, `data.preference_packing`):
 of a row is a prompt and one answer, its own segment. A micro-batch numbers the sequences of its
 rows in order (`PreferenceMicroBatch.tensors["segments"]`), so one forward of the policy gives
 every answer's summed log-probs (`objectives.logps.sequence_logps`), and one forward with the
-adapters off gives the reference's (`training.token_loss.reference_token_logps`). The objective
+adapters off gives the reference's (`models.loss.reference_token_logps`). The objective
 is then called through its spec (`objectives.registry.OBJECTIVES`).
 
 The window's arithmetic (each micro-batch's loss over the examples of the whole accumulation

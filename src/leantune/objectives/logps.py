@@ -1,7 +1,7 @@
 """Per-sequence log-probs: what every preference objective is a function of.
 
 The model gives log p(label) at its supervised positions only
-(`training.token_loss.supervised_token_logps`, through the chunked output projection; the full
+(`models.loss.supervised_token_logps`, through the chunked output projection; the full
 logits of a batch never exist). Here those per-token values are summed per sequence: per row,
 or per packed segment when several answers share a row (a pair's chosen and rejected answers,
 and several pairs, in one row). The token counts come with the sums, for the objectives that

@@ -1,7 +1,7 @@
 """What leantune knows about one training objective, in one frozen dataclass.
 
 `objectives.registry.OBJECTIVES` holds one `ObjectiveSpec` per preference value of
-`train.objective` (`sft`, the default, is the token loss of `training.token_loss`); the config,
+`train.objective` (`sft`, the default, is the token loss of `models.loss`); the config,
 the loop and the planner read an objective's facts from there instead of comparing names. This
 module imports nothing heavy: the config reads these facts before torch loads.
 """

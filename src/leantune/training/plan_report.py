@@ -96,7 +96,7 @@ def plan(
 
     `row_stats` is given when the caller has the rows already (`leantune inspect`); by default
     they are read from the data. The global batch is the one `train` takes on them.
-    `allocator` is the CPU allocator `train` would run with (`training.allocator`).
+    `allocator` is the CPU allocator `train` would run with (`core.allocator`).
     """
     supervised, longest, rows, examples = row_stats or row_stats_from_data(cfg)
     batch = min(resolved_global_batch(cfg.train, rows, examples), rows) if rows else None

@@ -10,19 +10,19 @@
 
 The method only decides how the model is wrapped and which parameters train; the loop never
 branches on it, nor on the parallel strategy or the sinks (`training.trainer`,
-`training.strategy`, `training.sinks`). The objective forks the data (SFT rows, or packed
+`training.parallel.strategy`, `monitor.sinks`). The objective forks the data (SFT rows, or packed
 preference pairs: `training.preference_setup`) and the window's loss (`trainer.accumulate`:
-the token loss, or the preference objective through its spec: `training.preference_step`).
+the token loss, or the preference objective through its spec: `objectives.batch`).
 
 Two things can interrupt a step. An out-of-memory error halves the micro-batch and replays the
 same window of samples (`trainer.accumulate`). The stability guard may skip the update, pause
-the run, roll back to the last checkpoint or stop (`training.guard_actions`). Every such
+the run, roll back to the last checkpoint or stop (`training.guard.actions`). Every such
 decision is an event in `events.jsonl`.
 
-The run directory is claimed first (`training.rundir`: a lock, no foreign folder) and its
-record decides whether the checkpoint there may be continued (`training.resume_policy`). A
+The run directory is claimed first (`training.run.rundir`: a lock, no foreign folder) and its
+record decides whether the checkpoint there may be continued (`training.run.resume`). A
 SIGTERM, SIGINT or SIGHUP stops at the next micro-batch boundary with a checkpoint of the last
-applied step (`training.signals`, checked in `trainer.accumulate` only).
+applied step (`core.signals`, checked in `trainer.accumulate` only).
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ class Trainer:
         return -(-self.global_batch // self.micro_batch_size)
 
     def save(self) -> Path:
-        """Write a checkpoint of the current state (atomic; see training.checkpoint).
+        """Write a checkpoint of the current state (atomic; see training.state.checkpoint).
 
         Raises:
             WeightsDiverged: a trainable weight holds NaN or inf, so nothing is written (exit 4).

@@ -4,7 +4,7 @@ per version and within limits.
 The run list is polled every two seconds for every run, and a run's config rarely changes: each
 file is parsed again only when its identity, size or modification time changed. A file larger
 than `MAX_TEXT` is not read (a run writes a few kB); `config.yaml` is parsed by the config
-loader `train` uses (`config_parse.load_yaml`), which refuses aliases that expand past a bound.
+loader `train` uses (`config.parse.load_yaml`), which refuses aliases that expand past a bound.
 What cannot be parsed is kept as an error, which the run's row shows.
 """
 

@@ -27,7 +27,7 @@ from leantune.monitor.dashboard.series import JsonlCache
 from leantune.monitor.dashboard.status import run_status
 from leantune.monitor.events import EVENTS_FILE, PAUSED_MARKER
 
-# training.rundir's names (see status.LOCK_FILE for why they are not imported from there).
+# training.run.rundir's names (see status.LOCK_FILE for why they are not imported from there).
 RUN_FILE = "leantune_run.json"
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"

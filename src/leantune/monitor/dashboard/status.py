@@ -1,6 +1,6 @@
 """Where a run stands, from its directory alone: running, paused, stopped, finished.
 
-- running: a process holds the run's lock (`training.rundir`: an flock on `.leantune.lock`).
+- running: a process holds the run's lock (`training.run.rundir`: an flock on `.leantune.lock`).
   On Linux the kernel's table of locks (`/proc/locks`) says so without touching the lock, so
   the dashboard can never make a starting `leantune train` believe the directory is in use.
   Elsewhere a non-blocking shared lock is tried and dropped at once.
@@ -25,7 +25,7 @@ from typing import Any
 from leantune.monitor.events import PAUSED_MARKER
 
 LOCK_FILE = ".leantune.lock"
-"""`training.rundir.LOCK_FILE` (not imported from there: rundir imports torch, and the
+"""`training.run.rundir.LOCK_FILE` (not imported from there: rundir imports torch, and the
 dashboard starts in a tenth of a second without it; a test checks that they agree)."""
 PROC_LOCKS = Path("/proc/locks")
 # Events after which the process ended; an `oom` event with a new micro-batch size is a

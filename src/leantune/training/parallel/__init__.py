@@ -3,7 +3,7 @@
 checkpoints (`sharded`), DeepSpeed ZeRO-1/2/3 (`zero`, an optional extra) and `leantune train
 --nproc N` (`launch`).
 
-Every strategy implements `training.strategy.ParallelStrategy`; the loop never sees which.
+Every strategy implements `training.parallel.strategy.ParallelStrategy`; the loop never sees which.
 """
 
 from __future__ import annotations

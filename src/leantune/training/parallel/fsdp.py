@@ -9,7 +9,7 @@ base) become units of their own. Frozen parameters that are not floating point (
 4-bit base weights, each carrying its quantisation state) cannot be cut into shards: FSDP
 ignores them (`ignored_params`), so every rank keeps the whole 4-bit base, an eighth of its
 fp32 size, and everything trainable is sharded as for any other method. Checkpoints are sharded
-(`training.distributed.sharded`) and hold only trainable weights, so nothing 4-bit is in them.
+(`training.parallel.sharded`) and hold only trainable weights, so nothing 4-bit is in them.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ counts and losses over processes, to agree on a decision every process must take
 out-of-memory error or a stop signal on one of them), to turn gradient sync on only for a
 window's last micro-batch, to write and read checkpoints, and for the model `final/` is saved
 from. It never branches on which strategy it has. A single-process run is the trivial
-strategy; DDP, FSDP2 and DeepSpeed ZeRO implement the same protocol (`training.distributed`).
+strategy; DDP, FSDP2 and DeepSpeed ZeRO implement the same protocol (`training.parallel`).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ is split into micro-batches does not change the result beyond float rounding, an
 changes the split itself). ``train.lr`` is resolved to the method's default when unset;
 ``data.max_seq_len``, ``data.pack`` and ``train.max_steps`` are the values the run resolved from
 its data and method (``training.run_setup``), next to the ``train.epochs`` they came from.
-``train.precision`` is the one the run trains in (``auto`` resolved by ``training.precision``).
+``train.precision`` is the one the run trains in (``auto`` resolved by ``core.precision``).
 A preference run adds ``train.objective`` and the ``preference.*`` settings (an SFT run's
 fingerprint has neither, as before they existed).
 

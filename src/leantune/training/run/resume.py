@@ -7,7 +7,7 @@
   (:data:`FORCE_MEANINGS`), except changes whose weights cannot be loaded (:data:`REFUSED`, and
   any mismatch of the trainable weights' names or shapes, checked against the checkpoint before
   loading it), which exit 2 even then.
-- ``never`` starts over; ``training.rundir`` moves a run that is there aside first.
+- ``never`` starts over; ``training.run.rundir`` moves a run that is there aside first.
 
 A directory whose checkpoints predate the record (no ``leantune_run.json``) cannot be checked:
 ``auto`` refuses it with that reason, ``force`` continues it.

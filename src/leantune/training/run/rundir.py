@@ -1,7 +1,7 @@
 """A run directory belongs to one run: its lock, its record, and what a failed start leaves.
 
 - ``leantune_run.json`` marks a folder as a leantune run and records the run's fingerprint
-  (``training.fingerprint``). A folder without it is a run only if it holds leantune
+  (``training.run.fingerprint``). A folder without it is a run only if it holds leantune
   checkpoints (``checkpoints/step-*``, written by a leantune older than the record); any other
   non-empty folder is refused before anything is written into it.
 - ``.leantune.lock``: an ``fcntl.flock`` held for the whole ``train`` call, with the holder's
