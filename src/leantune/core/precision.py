@@ -221,6 +221,29 @@ def resolve_precision(
     Raises:
         PrecisionUnavailable: auto resumes an fp16 run on a machine without CUDA.
     """
+    choice = _resolve(requested, device_type, recorded, compute_dtype)
+    # Measured here, when the run sets up, not while its config is validated.
+    if (warning := _slow_compute_warning(compute_dtype, device_type)) is not None:
+        note = f"{choice.note}\n{warning}" if choice.note else warning
+        return PrecisionChoice(choice.precision, note)
+    return choice
+
+
+def _slow_compute_warning(compute_dtype: str, device_type: str) -> str | None:
+    """qlora's 4-bit matmuls in bf16 on a CPU that emulates bf16 (fast with AVX512-BF16/AMX)."""
+    if compute_dtype != "bf16" or device_type != "cpu":
+        return None
+    if (speed := bf16_speed_on_cpu()).slowdown <= 1:
+        return None
+    return (
+        f"warning: method.compute_dtype=bf16: 4-bit matmuls in bf16 are emulated here "
+        f"({speed.describe()}); method.compute_dtype=fp32 is faster"
+    )
+
+
+def _resolve(
+    requested: str, device_type: str, recorded: str | None, compute_dtype: str
+) -> PrecisionChoice:
     if requested != "auto":
         explicit = cast(Resolved, requested)
         return PrecisionChoice(explicit, _slow_bf16_warning(explicit, device_type))

@@ -92,8 +92,7 @@ def check_libraries(cfg: Config) -> list[str]:
         )
     if quantized and m.compute_dtype == "fp16" and t.precision == "bf16":
         raise ConfigError("method.compute_dtype=fp16 with train.precision=bf16: use bf16 or auto")
-    low_compute = m.compute_dtype in ("bf16", "fp16")
-    if t.optimizer == "adamw" and not (quantized and low_compute):
+    if t.optimizer == "adamw" and not (quantized and m.compute_dtype == "fp16"):
         return []
     # Imported only here: torch (is CUDA there?) loads only for a low-bit optimizer or compute
     # dtype, so validating a plain config stays torch-free (quick `leantune validate`).
@@ -108,15 +107,8 @@ def check_libraries(cfg: Config) -> list[str]:
             "method.compute_dtype=fp16: 4-bit matmuls in fp16 are emulated (slow) on most CPUs; "
             "method.compute_dtype=fp32 is faster there"
         )
-    if quantized and m.compute_dtype == "bf16" and not cuda:
-        from leantune.core.precision import bf16_speed_on_cpu  # torch: see above
-
-        # bf16 is fast on CPUs with AVX512-BF16/AMX and emulated elsewhere: ask this one.
-        if (speed := bf16_speed_on_cpu()).slowdown > 1:
-            warnings.append(
-                f"method.compute_dtype=bf16: 4-bit matmuls in bf16 are emulated here "
-                f"({speed.describe()}); method.compute_dtype=fp32 is faster"
-            )
+    # compute_dtype=bf16 on a CPU without bf16 units: `core.precision.resolve_precision` warns
+    # at set-up, where measuring the matmul belongs (not in validation).
     try:
         backend = resolve_optimizer(t.optimizer, "cuda" if cuda else "cpu")
     except OptimizerUnavailable as e:
