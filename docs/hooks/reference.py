@@ -87,6 +87,7 @@ def commands(
 ) -> Iterator[tuple[str, str, argparse.ArgumentParser]]:
     """(command line, one-line help, parser) of `parser` and of every subcommand below it."""
     yield path, about, parser
+    # argparse has no public way to list a parser's arguments or subparsers: _actions it is.
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             helps = {a.dest: a.help or "" for a in action._choices_actions}
