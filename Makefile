@@ -29,7 +29,7 @@ $(VENV)/.installed-docs: $(VENV)/.installed
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed-docs
-	$(BIN)/pip install --quiet $(PIN) -e ".[test,docs]"
+	$(BIN)/pip install --quiet $(PIN) -e ".[test]"
 	# DeepSpeed (dist.strategy=deepspeed's tests): its build imports torch, so no isolation.
 	$(BIN)/pip install --quiet $(PIN) --no-build-isolation "deepspeed==0.19.8"
 	# Its CPU comm op is compiled with g++ on first use (about a minute, cached under
