@@ -1,6 +1,7 @@
 # Two commands: `make demo` (the main job) and `make test` (the default test suite).
 # Both create .venv at the repo root on first use. TORCH pins the CPU wheel that this machine
-# serves locally; a CUDA machine may set TORCH="torch==2.13.0 --index-url ..." instead.
+# serves locally; a CUDA machine may set TORCH="torch==2.13.0 --extra-index-url ..." instead
+# (extra: torch's own dependencies are pinned to PyPI releases a torch-only index may not hold).
 # Every install is pinned by constraints.txt (PIN), so a fresh checkout gets the set that passed
 # the suite, not whatever was released that day. `make test-latest` runs the suite on the newest
 # versions pyproject.toml allows (PIN empty, in .venv-latest); `make lock` writes them as the pins.
