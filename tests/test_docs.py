@@ -24,7 +24,7 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
-from leantune.cli import main
+from leantune.cli.app import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
