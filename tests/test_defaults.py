@@ -156,7 +156,7 @@ def test_a_named_run_with_other_data_still_exits_2(
 
 
 def test_the_default_run_name_is_a_valid_name(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    from leantune.config import RUN_NAME_MAX, _validate_run
+    from leantune.config.validate import RUN_NAME_MAX, _validate_run
 
     names = []
     for stem in ("my data (1)", "x" * 200, "...", "ünïcode", "plain"):
