@@ -53,7 +53,7 @@ RUNS: dict[str, tuple[int, list[str]]] = {
 
 def child(out_dir: Path, argv: list[str]) -> int:
     """One rank: `leantune train`, recording its peak RSS as training ends."""
-    from leantune.cli.app import app as cli
+    from leantune.cli import app as cli
     from leantune.training import recipe
 
     finish = recipe.finish
