@@ -13,7 +13,7 @@ import torch
 from leantune.cli.inference import lm_eval_tasks
 from leantune.data.templates import apply_chat_template
 from leantune.errors import UserError
-from leantune.eval.generation import generate_texts, model_sampling, render_prompt, with_overrides
+from leantune.eval import generation
 from leantune.eval.harness import run_lm_eval, summarize
 from leantune.eval.run import evaluate_file
 from leantune.methods.artifacts import load_for_inference
@@ -76,10 +76,10 @@ def _use_chat_template(tokenizer: Any, spec: str | None) -> None:
 def _decoding(args: argparse.Namespace, model: Any) -> Any:
     """The model's generation_config (else greedy), with the sampling flags given applied."""
     try:
-        base = model_sampling(getattr(model, "generation_config", None))
+        base = generation.model_sampling(getattr(model, "generation_config", None))
     except ValueError as e:
         raise UserError(f"--model {args.model}: {e}; set the sampling flags instead") from None
-    return with_overrides(
+    return generation.with_overrides(
         base,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -115,10 +115,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 continue
         if has_template and not args.raw:
             history.append({"role": "user", "content": prompt})
-            text = render_prompt(tokenizer, history, args.chat_template)
+            text = generation.render_prompt(tokenizer, history, args.chat_template)
         else:
             text = prompt
-        (reply,) = generate_texts(model, tokenizer, [text], settings, batch_size=1, seed=args.seed)
+        replies = generation.generate_texts(
+            model, tokenizer, [text], settings, batch_size=1, seed=args.seed
+        )
+        (reply,) = replies
         print(("assistant> " if args.chat else "") + reply, flush=True)
         if not args.chat:
             return 0
