@@ -4,8 +4,11 @@ config fields with their defaults (issue 12, section 7)."""
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 from conftest import run_cli
@@ -50,6 +53,19 @@ def test_help_shows_every_default(name: str) -> None:
         checked += 1
     if name not in ("train", "validate", "bench"):
         assert checked, f"{name}: no option checked"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in COMMANDS if n and n != "bench"))
+def test_every_command_names_a_function_that_exists(name: str) -> None:
+    """`cli.app` imports a command's function by its "module:function" only when it runs: here
+    each is found in its module's source, importing nothing."""
+    target = COMMANDS[name].get_default("run")
+    module, _, function = target.partition(":")
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None, target
+    tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+    defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert function in defined, target
 
 
 def test_help_renders_the_values() -> None:

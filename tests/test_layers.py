@@ -205,3 +205,41 @@ def test_the_package_graph_has_no_upward_edge(capsys: pytest.CaptureFixture[str]
         lines.append(f"{source:>10} -> {target:<10} {n:4d} {direction}")
     print("\n".join(lines))
     assert not [line for line in lines if line.endswith("UP")]
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.endswith("__")
+
+
+@pytest.mark.parametrize("top", ["api", "cli", "bench"])
+def test_the_top_layer_imports_no_private_name(top: str) -> None:
+    """api, cli and bench use the library's public names only (api once imported the CLI's
+    private helpers: the library then depended on its command line)."""
+    private = []
+    for path in (SRC / "leantune").rglob("*.py"):
+        if layer(module_name(path)) != top:
+            continue
+        for node, _ in _imports(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("leantune"):
+                names = [*(node.module or "").split("."), *(a.name for a in node.names)]
+                if any(_private(n) for n in names):
+                    private.append(f"{module_name(path)}:{node.lineno}")
+    assert private == []
+
+
+def test_the_command_line_and_api_defer_an_import_only_with_a_reason() -> None:
+    """A function-local import of leantune in cli/ or api.py has its reason in a comment at its
+    line, or on the line before it or its block of imports (`leantune --help` stays fast through
+    `cli.app.command_function` alone)."""
+    silent = []
+    for path in [SRC / "leantune" / "api.py", *(SRC / "leantune" / "cli").rglob("*.py")]:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for node, kind in _imports(ast.parse("\n".join(lines))):
+            module = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+            if kind == "function" and (module or "").startswith("leantune"):
+                above = node.lineno - 2  # the comment may head a block of imports
+                while lines[above].strip().startswith(("from ", "import ")):
+                    above -= 1
+                if "#" not in lines[node.lineno - 1] and not lines[above].strip().startswith("#"):
+                    silent.append(f"{module_name(path)}:{node.lineno}")
+    assert silent == []

@@ -237,11 +237,11 @@ def test_train_restores_the_previous_handlers(
 
 
 def test_ctrl_c_in_any_command_is_one_line_and_130(monkeypatch, capsys) -> None:
-    from leantune.cli.app import app as cli
+    from leantune.cli import app as cli
 
     def interrupted(_):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "cmd_validate", interrupted)
+    monkeypatch.setattr("leantune.cli.commands.train.cmd_validate", interrupted)
     assert cli.main(["validate"]) == 130
     assert capsys.readouterr().err.strip() == "interrupted (SIGINT)"

@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from leantune.config import Config
+from leantune.errors import UserError
+from leantune.models.paths import check_model_path
+from leantune.models.quiet import quiet_import_noise, quiet_libraries
 from leantune.training.checks import load_config
 
 Attention = Literal["auto", "segments", "sdpa", "eager"]
@@ -25,11 +28,8 @@ Attention = Literal["auto", "segments", "sdpa", "eager"]
 
 
 def _quiet() -> None:
-    """The CLI's warning hygiene (kept in one place, the CLI's own functions)."""
-    from leantune.cli.app import _quiet_import_noise
-    from leantune.cli.args import quiet_libraries
-
-    _quiet_import_noise()
+    """The CLI's warning hygiene (`models.quiet`, which the CLI calls too)."""
+    quiet_import_noise()
     quiet_libraries()
 
 
@@ -69,6 +69,7 @@ def train(
         cfg = load_config(config, list(overrides))
         config_file = Path(config) if config is not None else None
     _quiet()  # before the imports that log the noise
+    # After `_quiet` (peft logs as it imports), and only here: `import leantune` stays light.
     from leantune.training.recipe import train as run
 
     return run(cfg, log=log or _silent, config_file=config_file)
@@ -107,15 +108,13 @@ def evaluate(
         ModelPathError: `model` is not a model or cannot be loaded.
         UserError: `data` is not a file.
     """
-    from leantune.errors import UserError
-    from leantune.models.paths import check_model_path
-
     check_model_path(str(model), "model")
     if not Path(data).is_file():
         raise UserError(f"data {data}: no such file; give a JSONL file")
     _quiet()  # before the imports that log the noise
     import torch
 
+    # After `_quiet` (peft logs as it imports), and only here: `import leantune` stays light.
     from leantune.eval.run import evaluate_file
     from leantune.methods.artifacts import load_for_inference
 
@@ -149,6 +148,7 @@ def export_model(
         ParityError: the written export does not reproduce the source (the report is written).
     """
     _quiet()  # before the imports that log the noise
+    # After `_quiet` (peft logs as it imports), and only here: `import leantune` stays light.
     from leantune.export.run import export_model as run
 
     data_path = Path(data) if data else None

@@ -1,14 +1,18 @@
 """What the command line's parsers share: argument types that name the flag in their errors,
-the help formatters, model and data path checks, and the flags several commands take."""
+the help formatters, the data path check, and the flags several commands take.
+
+Nothing here imports torch or transformers: every command's parser is built from it for
+`leantune --help`."""
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from leantune.errors import UserError
 
 
 def count(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -46,17 +50,8 @@ def number(ok: Callable[[float], bool], rule: str) -> Callable[[str], float]:
     return parse
 
 
-def check_model_path(path: str, label: str) -> None:
-    """`models.paths.check_model_path`: refuse a path that is not a model, importing no torch."""
-    from leantune.models.paths import check_model_path as check
-
-    check(path, label)
-
-
 def check_data_file(text: str, flag: str) -> Path:
     """The JSONL file given as `flag`, or a UserError naming the flag and the path."""
-    from leantune.errors import UserError
-
     path = Path(text)
     if path.is_dir():
         raise UserError(f"{flag} {path}: is a directory; give a JSONL file")
@@ -110,11 +105,24 @@ def add_attention_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn-implementation", choices=choices, default="auto", help=about)
 
 
-def quiet_libraries() -> None:
-    """No progress bars or info logs from transformers and tokenizers' threads (commands that
-    load models print their own lines)."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers.utils import logging as hf_logging
+def split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """`[CONFIG.yaml] [section.key=value ...]`: the first argument without `=` is the config
+    file, the rest are overrides."""
+    config = None
+    overrides = []
+    for a in args:
+        if "=" not in a and config is None:
+            config = a
+        else:
+            overrides.append(a)
+    return config, overrides
 
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+
+def runs(
+    p: argparse.ArgumentParser,
+    target: str,
+    check: Callable[[argparse.Namespace], None] | None = None,
+) -> None:
+    """Declare what `p`'s command runs: `target`, a "module:function" that `app.main` imports
+    only when the command runs, after `check` (the argument checks that need no model)."""
+    p.set_defaults(run=target, check=check)

@@ -12,11 +12,13 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from leantune.config.monitor import MonitorConfig
 from leantune.config.parse import ConfigError
-from leantune.monitor.sinks import Sink
+
+if TYPE_CHECKING:  # sinks imports torch; config validation (`check_packages`) needs none
+    from leantune.monitor.sinks import Sink
 
 
 @dataclass(frozen=True)

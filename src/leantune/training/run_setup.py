@@ -39,6 +39,7 @@ from leantune.config import (
     AUTO_RUN_NAME,
     DEFAULT_BATCH_EXAMPLES,
     Config,
+    DataConfig,
     GuardConfig,
     ModelConfig,
     TrainConfig,
@@ -265,6 +266,23 @@ def model_context(location: str, gguf_file: str | None, model: ModelConfig) -> i
     return min(context, MAX_SEQ_LEN)
 
 
+def auto_context(cfg: Config, source: ModelSource) -> int | None:
+    """The model's context (`model_context`) when data.max_seq_len=auto needs it, else None."""
+    if cfg.data.max_seq_len != "auto":
+        return None
+    return model_context(source.location, source.gguf_file, cfg.model)
+
+
+def tokenise_limit(d: DataConfig, context: int | None) -> int:
+    """The longest example the data is tokenised with: data.max_seq_len; with auto, the length
+    a prepared train directory was packed with, else the model's `context`, else
+    FALLBACK_CONTEXT (the rows are then packed up to the longest example found)."""
+    if d.max_seq_len != "auto":
+        return int(d.max_seq_len)
+    prepared = Path(d.train) if d.train is not None and Path(d.train).is_dir() else None
+    return (_prepared_len(prepared) if prepared else None) or context or FALLBACK_CONTEXT
+
+
 def _prepared_len(path: Path) -> int | None:
     """The max_seq_len a prepared directory was packed with."""
     try:
@@ -288,12 +306,7 @@ def load_datasets(
     pack = effective_pack(d.pack, cfg.method.name)
     auto = d.max_seq_len == "auto"
     train_path = Path(d.train)
-    if not auto:
-        limit = int(d.max_seq_len)
-    else:
-        limit = (_prepared_len(train_path) if train_path.is_dir() else None) or (
-            context or FALLBACK_CONTEXT
-        )
+    limit = tokenise_limit(d, context)
     # auto: tokenise one example per row, so the cache does not depend on the length found.
     settings = settings_from_config(
         dataclasses.replace(d, max_seq_len=limit, pack=pack and not auto)
@@ -376,7 +389,7 @@ def set_up_run(
     if note is not None:
         log(note)
     location, gguf_file = source.location, source.gguf_file
-    context = model_context(location, gguf_file, cfg.model) if d.max_seq_len == "auto" else None
+    context = auto_context(cfg, source)
     preference = None
     if cfg.train.objective == "sft":
         train_data, eval_data, max_seq_len = load_datasets(cfg, tokenizer, context, log)

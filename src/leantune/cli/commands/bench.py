@@ -1,23 +1,22 @@
-"""The `leantune bench` subcommands: `methods` (every method on the same data) and
-`throughput` (leantune against HF Trainer + PEFT)."""
+"""`leantune bench methods`: every fine-tuning method trained on the same data and compared,
+or each one's learning rate swept (`bench throughput` runs `leantune.bench.throughput.report`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from leantune.bench.throughput import add_arguments as throughput_arguments
+from leantune.bench import methods as method_bench
+from leantune.bench.instructions import write_task
+from leantune.bench.sweep import lr_grid, parse_grids, run_sweep, write_sweep
+from leantune.cli.args import split_config_args
+from leantune.config import DEMO_CONFIG, Config, ConfigError
 from leantune.core.writes import write_file
-
-if TYPE_CHECKING:
-    from leantune.config import Config
-
-SplitArgs = Callable[[list[str]], tuple[str | None, list[str]]]
-"""`leantune.cli.app`'s split of positional arguments into a config file and overrides."""
+from leantune.methods.registry import DEFAULT_LR, METHODS
+from leantune.training.checks import load_config
 
 
 def _parse_lrs(text: str | None, methods: list[str]) -> dict[str, float]:
@@ -42,12 +41,6 @@ def _parse_lrs(text: str | None, methods: list[str]) -> dict[str, float]:
     return lrs
 
 
-def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from leantune.bench.throughput import report
-
-    return report(args)
-
-
 def _task_overrides(
     task: str | None, out: Path, config: str | None, sweep: bool
 ) -> tuple[str | None, list[str]]:
@@ -56,9 +49,6 @@ def _task_overrides(
     validation split, the benchmark on its held-out one."""
     if task is None:
         return config, []
-    from leantune.bench.instructions import write_task
-    from leantune.config import DEMO_CONFIG
-
     train, held_out, valid = write_task(out / "task-data")
     scored = valid if sweep else held_out
     data = [f"data.train={train}", f"data.eval={scored}", "data.format=alpaca"]
@@ -68,8 +58,6 @@ def _task_overrides(
 def _base_loss(cfg: Config, out: Path, reuse: bool) -> float | None:
     """The base model's held-out loss (for the loss retention), kept in `out`/base_loss.json
     for --reuse; None without held-out data or when the evaluation failed."""
-    from leantune.bench.methods import base_eval_loss, base_loss_command
-
     saved = out / "base_loss.json"
     if reuse and saved.is_file():
         loss = json.loads(saved.read_text()).get("loss")
@@ -78,17 +66,14 @@ def _base_loss(cfg: Config, out: Path, reuse: bool) -> float | None:
         return None
     print("base model: held-out loss before training", flush=True)
     fmt, limit, width = cfg.data.format, cfg.train.eval_limit, cfg.data.max_seq_len
-    cmd = base_loss_command(cfg.model.path, str(cfg.data.eval), fmt, limit, width)
-    loss = base_eval_loss(cmd, out / "base_loss.log")
+    cmd = method_bench.base_loss_command(cfg.model.path, str(cfg.data.eval), fmt, limit, width)
+    loss = method_bench.base_eval_loss(cmd, out / "base_loss.log")
     out.mkdir(parents=True, exist_ok=True)
     write_file(saved, json.dumps({"loss": loss}) + "\n")
     return loss
 
 
 def _selected(args: argparse.Namespace) -> list[str]:
-    from leantune.config import ConfigError
-    from leantune.methods.registry import METHODS
-
     methods = [m.strip() for m in args.methods.split(",")] if args.methods else list(METHODS)
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -96,19 +81,8 @@ def _selected(args: argparse.Namespace) -> list[str]:
     return methods
 
 
-def cmd_bench(args: argparse.Namespace, split_args: SplitArgs) -> int:
-    from leantune.bench.methods import (
-        BASELINE,
-        add_retention,
-        machine_info,
-        run_methods,
-        write_outputs,
-    )
-    from leantune.config import ConfigError
-    from leantune.methods.registry import DEFAULT_LR, METHODS
-    from leantune.training.checks import load_config
-
-    config, overrides = split_args(args.args)
+def cmd_bench(args: argparse.Namespace) -> int:
+    config, overrides = split_config_args(args.args)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: is a file; give a directory for the benchmark's runs")
@@ -135,15 +109,15 @@ def cmd_bench(args: argparse.Namespace, split_args: SplitArgs) -> int:
         "grad_accum": cfg.train.grad_accum,
         "max_seq_len": cfg.data.max_seq_len,
         "eval_limit": cfg.train.eval_limit,
-        "machine": machine_info(),
+        "machine": method_bench.machine_info(),
     }
     if args.sweep:
         return _sweep(args, config, overrides, methods, lrs, out, meta)
     log = lambda m: print(m, flush=True)  # noqa: E731
-    base_loss = _base_loss(cfg, out, args.reuse) if BASELINE in methods else None
-    results, base = run_methods(config, methods, lrs, out, overrides, log, args.reuse)
-    add_retention(results, base_loss)
-    payload = write_outputs(results, base, meta, out, base_loss)
+    base_loss = _base_loss(cfg, out, args.reuse) if method_bench.BASELINE in methods else None
+    results, base = method_bench.run_methods(config, methods, lrs, out, overrides, log, args.reuse)
+    method_bench.add_retention(results, base_loss)
+    payload = method_bench.write_outputs(results, base, meta, out, base_loss)
     print((out / "methods.md").read_text())
     print(f"wrote {out / 'methods.md'}, {out / 'methods.json'}, {out / 'methods.png'}")
     print(json.dumps(payload))
@@ -161,10 +135,6 @@ def _sweep(
     out: Path,
     meta: dict[str, Any],
 ) -> int:
-    from leantune.bench.sweep import lr_grid, parse_grids, run_sweep, write_sweep
-    from leantune.config import ConfigError
-    from leantune.methods.registry import DEFAULT_LR, METHODS
-
     if not (math.isfinite(args.factor) and args.factor > 1):
         raise ConfigError(f"--factor {args.factor}: must be a finite number above 1")
     try:
@@ -179,60 +149,3 @@ def _sweep(
     print(f"wrote {out / 'sweep.md'}, {out / 'sweep.json'}")
     print(json.dumps(payload))
     return 0 if all(s.chosen_lr is not None for s in sweeps) else 1
-
-
-def add_bench_parser(
-    sub: Any, count: Callable[[int], Callable[[str], int]], split_args: SplitArgs
-) -> None:
-    """The `bench` subcommands."""
-    b = sub.add_parser(
-        "bench",
-        help="benchmarks: `bench methods` (fine-tuning methods), `bench throughput` (vs HF)",
-    )
-    bsub = b.add_subparsers(dest="bench", required=True)
-    bm = bsub.add_parser("methods", help="train each method on the same data and compare")
-    bm.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
-    bm.add_argument("--methods", default=None, help="comma-separated (default: all)")
-    bm.add_argument(
-        "--steps", type=count(1), default=None, help="override train.max_steps (default: config's)"
-    )
-    bm.add_argument(
-        "--lr",
-        default=None,
-        help="per-method rates, e.g. lora=2e-3,full=5e-5 (default: each method's default lr)",
-    )
-    bm.add_argument("--out", default="runs/bench-methods", help="output folder")
-    bm.add_argument(
-        "--reuse",
-        action="store_true",
-        help="read back methods whose run in --out already finished instead of training again",
-    )
-    bm.add_argument(
-        "--task",
-        choices=["instructions"],
-        default=None,
-        help="train on a generated task: instructions = alpaca-style instructions with free-text "
-        "answers (bench/instructions.py; default: the config's data)",
-    )
-    bm.add_argument(
-        "--sweep",
-        action="store_true",
-        help="sweep each method's learning rate instead (short runs, picked by held-out loss)",
-    )
-    bm.add_argument(
-        "--grid",
-        default=None,
-        help="--sweep: rates per method, e.g. ia3=1e-2:3e-2:1e-1 (default: --points rates "
-        "--factor apart around --lr or the method's default)",
-    )
-    bm.add_argument("--points", type=count(1), default=3, help="--sweep: rates per method")
-    bm.add_argument(
-        "--factor",
-        type=float,
-        default=3.16,
-        help="--sweep: ratio of neighbouring rates (default: 3.16, half a decade)",
-    )
-    bm.set_defaults(func=lambda args: cmd_bench(args, split_args))
-    bt = bsub.add_parser("throughput", help="leantune against HF Trainer + PEFT on the same work")
-    throughput_arguments(bt)
-    bt.set_defaults(func=cmd_bench_throughput)

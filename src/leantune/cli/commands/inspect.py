@@ -1,0 +1,70 @@
+"""`leantune inspect`: what `train` would make of the data (examples with their supervised
+tokens marked, lengths, packing, bad lines) and the memory plan; writes nothing."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from leantune.cli.args import split_config_args
+from leantune.core.allocator import train_allocator
+from leantune.data.dataset import check_usable
+from leantune.data.formats import BadLine
+from leantune.data.inspection import fit_rows, format_inspection, inspect_file
+from leantune.data.prepare.settings import settings_from_config
+from leantune.data.templates import apply_chat_template
+from leantune.errors import UserError
+from leantune.methods.checks import effective_pack
+from leantune.models.loading import load_tokenizer, resolve_model
+from leantune.models.quiet import quiet_libraries
+from leantune.training import plan_report
+from leantune.training.checks import load_config
+from leantune.training.run_setup import auto_context, tokenise_limit
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    config, overrides = split_config_args(args.args)
+    cfg = load_config(config, overrides)
+    quiet_libraries()
+    d = cfg.data
+    assert d.train is not None  # load_config requires it
+    if Path(d.train).is_dir():
+        raise UserError(
+            f"data.train {d.train}: a prepared directory; inspect the file(s) it was prepared from"
+        )
+    source = resolve_model(cfg.model.path, cfg.model.gguf_file)
+    tokenizer = load_tokenizer(source, cfg.model.trust_remote_code)
+    print(
+        f"leantune inspect: {d.train} as data.format={d.format}, the tokenizer of {cfg.model.path}"
+    )
+    for warning in apply_chat_template(tokenizer, d.chat_template):
+        print(f"warning: {warning}")
+    # As train: tokenise at the length run_setup gives, then (auto) rows as long as the
+    # longest example.
+    settings = replace(
+        settings_from_config(d),
+        pack=effective_pack(d.pack, cfg.method.name),
+        max_seq_len=tokenise_limit(d, auto_context(cfg, source)),
+    )
+    ins = inspect_file(d.train, settings, tokenizer)
+    if d.max_seq_len == "auto":
+        settings = fit_rows(ins, settings)
+    colour = args.color == "always" or (
+        args.color == "auto" and sys.stdout.isatty() and "NO_COLOR" not in os.environ
+    )
+    print(format_inspection(ins, tokenizer, settings, args.examples, colour))
+    device = "cpu" if cfg.train.device == "auto" else cfg.train.device
+    try:
+        result = plan_report.plan(cfg, device, None, ins.row_stats(), train_allocator())
+        text = plan_report.format_text(result)
+    except (ValueError, MemoryError, UserError) as e:
+        text = f"not available: {e}"
+    print(f"\nmemory plan (as `leantune plan` predicts it):\n{text}")
+    print("\nnothing was written and nothing was trained")
+    # Data that train would refuse exits 2 with train's message (and the format to use).
+    bad = [BadLine(r.source, r.line, r.reason) for r in ins.rejected]
+    check_usable(d.train, ins.total, bad, ins.examples, d.max_bad_fraction, d.format)
+    return 0
