@@ -22,12 +22,12 @@ import torch
 
 from leantune.core.allocator import mapped_allocator
 from leantune.core.writes import write_file
+from leantune.data.dataset import prepared_data
+from leantune.data.prepare.records import PrepareSettings
+from leantune.data.tokenize import IGNORE_INDEX
 
 
 def _rows(path: Path, tokenizer: Any, max_seq_len: int) -> list[dict[str, list[int]]]:
-    from leantune.data.dataset import prepared_data
-    from leantune.data.prepare.records import PrepareSettings
-    from leantune.data.tokenize import IGNORE_INDEX
 
     settings = PrepareSettings(format="chat", max_seq_len=max_seq_len, pack=False)
     data = prepared_data(path, settings=settings, tokenizer=tokenizer, max_bad_fraction=1.0)

@@ -23,6 +23,8 @@ from typing import Any
 from leantune.bench.methods import Log, run_overrides
 from leantune.core.writes import write_file
 from leantune.monitor.metrics import read_metrics
+from leantune.training.checks import load_config
+from leantune.training.recipe import train
 
 SWEEP_OVERRIDES = ("train.eval_exact_match=false", "train.save_every=0")
 """Appended to every sweep run: loss only (no generation), no checkpoints in between."""
@@ -95,8 +97,6 @@ Runner = Callable[[str | None, list[str], Path], str | None]
 def train_in_process(config: str | None, overrides: list[str], log_file: Path) -> str | None:
     """One `leantune train` run in this process, its log into `log_file`; None when it finished,
     else the error (a run stopped by the guard, a bad setting: a row of the sweep, not its end)."""
-    from leantune.training.checks import load_config
-    from leantune.training.recipe import train
 
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with log_file.open("w", encoding="utf-8") as f:

@@ -30,7 +30,15 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from leantune.bench.chat_corpus import write_corpus
 from leantune.core.allocator import without_leantune_preload
+from leantune.core.precision import resolve_precision
+from leantune.data.dataset import prepared_data
+from leantune.data.prepare.records import PrepareSettings
+from leantune.eval.perplexity import evaluate_loss
+from leantune.methods.artifacts import load_for_inference
+from leantune.models.loading import load_tokenizer, resolve_model
+from leantune.monitor.metrics import read_metrics
 
 Log = Callable[[str], None]
 SYSTEMS = ("hf_trainer_peft", "leantune")
@@ -124,7 +132,6 @@ def hf_command(
 
 
 def _leantune_result(run_dir: Path) -> dict[str, Any]:
-    from leantune.monitor.metrics import read_metrics
 
     summary = json.loads((run_dir / "summary.json").read_text())
     metrics = read_metrics(run_dir / "metrics.jsonl")
@@ -178,10 +185,6 @@ def one_run(
 
 def heldout_loss(model_dir: str, eval_file: Path, max_seq_len: int) -> float:
     """Mean loss per supervised token on the held-out conversations (fp32, unpacked)."""
-    from leantune.data.dataset import prepared_data
-    from leantune.data.prepare.records import PrepareSettings
-    from leantune.eval.perplexity import evaluate_loss
-    from leantune.methods.artifacts import load_for_inference
 
     model, tokenizer = load_for_inference(model_dir)
     settings = PrepareSettings(format="chat", max_seq_len=max_seq_len, pack=False)
@@ -240,9 +243,6 @@ def markdown(table: dict[str, Any]) -> str:
 
 def run_benchmark(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
     """Generate the corpus, alternate the systems `args.reps` times, judge, aggregate."""
-    from leantune.bench.chat_corpus import write_corpus
-    from leantune.core.precision import resolve_precision
-    from leantune.models.loading import load_tokenizer, resolve_model
 
     work = Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
