@@ -237,7 +237,7 @@ def test_train_restores_the_previous_handlers(
 
 
 def test_ctrl_c_in_any_command_is_one_line_and_130(monkeypatch, capsys) -> None:
-    from leantune.cli.app import app as cli
+    from leantune.cli import app as cli
 
     def interrupted(_):
         raise KeyboardInterrupt
