@@ -20,8 +20,8 @@ from torch import nn
 from leantune.monitor.events import read_events
 from leantune.monitor.metrics import read_metrics
 from leantune.monitor.sinks import Sinks
+from leantune.testing.faults import LOSS_SCALE_ENV
 from leantune.training import recipe, run_monitoring
-from leantune.training.faults import LOSS_SCALE_ENV
 from leantune.training.parallel.parts import CheckpointParts, SyncScope
 from leantune.training.parallel.strategy import SingleProcess
 from leantune.training.state.checkpoint import Checkpoint

@@ -46,6 +46,7 @@ from leantune.cli.inference import (
     add_export_parser,
     add_generate_parser,
 )
+from leantune.testing.faults import install_env_faults
 
 
 class _CpuAcceleratorNotice(logging.Filter):
@@ -408,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     _quiet_import_noise()
+    install_env_faults()  # LEANTUNE_* test faults: runs started here only, never the library's
     args.own_process = argv is None  # the command line's own process, not a caller's
     try:
         if args.own_process and args.command in ALLOCATOR_COMMANDS:

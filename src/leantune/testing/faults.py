@@ -1,4 +1,4 @@
-"""Test fault hooks, read from the environment once per run; all off unless set.
+"""Test fault hooks from the environment: the `StepHooks` the CLI installs; all off unless set.
 
 - ``LEANTUNE_KILL_AFTER_MICRO_BATCH=k``: SIGKILL right after the backward of global micro-batch k.
 - ``LEANTUNE_OOM_AT_STEP=k``: a simulated ``torch.OutOfMemoryError`` in the last micro-batch of
@@ -11,6 +11,8 @@
 - ``LEANTUNE_FAULT_RANK=r``: under torchrun, the kill, the OOM and the loss scale hit rank r
   only, and the kill only torchrun's first attempt (TORCHELASTIC_RESTART_COUNT=0), so a restart
   gets on.
+
+The variables are read once per run, when the run's hooks are made (`EnvFaults()`).
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+from leantune.training.hooks import install_step_hooks
+
+if TYPE_CHECKING:
+    from torch import nn
 
 KILL_ENV = "LEANTUNE_KILL_AFTER_MICRO_BATCH"
 OOM_STEP_ENV = "LEANTUNE_OOM_AT_STEP"
@@ -29,6 +34,11 @@ LOSS_SCALE_ENV = "LEANTUNE_LOSS_SCALE_AT_STEP"
 SIGNAL_ENV = "LEANTUNE_SIGNAL_AT_MICRO_BATCH"
 START_SIGNAL_ENV = "LEANTUNE_SIGNAL_AT_START"
 FAULT_RANK_ENV = "LEANTUNE_FAULT_RANK"
+
+
+def install_env_faults() -> None:
+    """Give every later run the faults its environment names (the CLI's entry calls this)."""
+    install_step_hooks(EnvFaults)
 
 
 def _this_rank_is_hit(first_attempt_only: bool) -> bool:
@@ -41,33 +51,23 @@ def _this_rank_is_hit(first_attempt_only: bool) -> bool:
     return os.environ.get("RANK", "0") == rank
 
 
-def kill_after(micro_batch: int) -> None:
-    """SIGKILL this process if ``LEANTUNE_KILL_AFTER_MICRO_BATCH`` names this micro-batch."""
-    target = os.environ.get(KILL_ENV)
-    if target is not None and int(target) == micro_batch and _this_rank_is_hit(True):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def signal_after(micro_batch: int) -> None:
-    """Signal this process if ``LEANTUNE_SIGNAL_AT_MICRO_BATCH`` names this micro-batch."""
+def _micro_batch_signal() -> tuple[int, signal.Signals] | None:
     spec = os.environ.get(SIGNAL_ENV)
-    if spec:
-        target, name = spec.split(":")
-        if int(target) == micro_batch:
-            os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
+    if not spec:
+        return None
+    target, name = spec.split(":")
+    return int(target), getattr(signal, f"SIG{name}")
 
 
-def signal_at_start() -> None:
-    """Signal this process if ``LEANTUNE_SIGNAL_AT_START`` is set."""
-    name = os.environ.get(START_SIGNAL_ENV)
-    if name:
-        os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
-
-
-class FaultHooks:
-    """The OOM and loss-spike hooks of one run (each fires at most once)."""
+class EnvFaults:
+    """The faults of one run, from the environment (the OOMs and the spike fire at most once)."""
 
     def __init__(self) -> None:
+        kill = os.environ.get(KILL_ENV)
+        self.kill_at = int(kill) if kill is not None and _this_rank_is_hit(True) else None
+        self.signal_at = _micro_batch_signal()
+        start = os.environ.get(START_SIGNAL_ENV)
+        self.start_signal = getattr(signal, f"SIG{start}") if start else None
         oom_step = os.environ.get(OOM_STEP_ENV)
         self.oom_step = int(oom_step) if oom_step and _this_rank_is_hit(False) else None
         self.eval_ooms = int(os.environ.get(OOM_EVAL_ENV) or 0)
@@ -78,25 +78,45 @@ class FaultHooks:
             step, factor = scale.split(":")
             self.scale_step, self.scale = int(step), float(factor)
 
-    def train_oom(self, step: int, micro_batch: int, count: int) -> None:
-        """Raise the simulated OOM in the last micro-batch of the configured step, once."""
+    def at_start(self) -> None:
+        """LEANTUNE_SIGNAL_AT_START: the signal, as `train` starts setting up."""
+        if self.start_signal is not None:
+            os.kill(os.getpid(), self.start_signal)
+
+    def check_memory(self, step: int, micro_batch: int, count: int) -> None:
+        """LEANTUNE_OOM_AT_STEP: the simulated OOM in the step's last micro-batch, once."""
         if self.oom_step == step and micro_batch == count - 1:
             self.oom_step = None
-            raise torch.OutOfMemoryError(f"simulated out of memory ({OOM_STEP_ENV}={step})")
+            raise _out_of_memory(f"simulated out of memory ({OOM_STEP_ENV}={step})")
 
-    def eval_oom(self) -> None:
-        """Raise the simulated OOM for the next evaluation attempt while any are left."""
-        if self.eval_ooms > 0:
-            self.eval_ooms -= 1
-            raise torch.OutOfMemoryError(f"simulated out of memory in evaluation ({OOM_EVAL_ENV})")
+    def after_backward(self, micro_batch: int) -> None:
+        """LEANTUNE_KILL_AFTER_MICRO_BATCH, then LEANTUNE_SIGNAL_AT_MICRO_BATCH."""
+        if self.kill_at == micro_batch:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.signal_at is not None and self.signal_at[0] == micro_batch:
+            os.kill(os.getpid(), self.signal_at[1])
 
-    def spike(self, step: int, loss: float, params: Iterable[nn.Parameter]) -> float:
-        """Scale the loss and gradients of the configured step (as if the loss were scaled)."""
+    def window_loss(self, step: int, loss: float, params: Iterable[nn.Parameter]) -> float:
+        """LEANTUNE_LOSS_SCALE_AT_STEP: the step's loss and gradients scaled (as if the loss
+        were), once."""
         if self.scale_step != step:
             return loss
         self.scale_step = None
-        with torch.no_grad():
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(self.scale)
+        for p in params:
+            if p.grad is not None:
+                p.grad.detach().mul_(self.scale)  # detached: in place, outside autograd
         return loss * self.scale
+
+    def before_eval(self) -> None:
+        """LEANTUNE_OOM_IN_EVAL: the simulated OOM while any of the n attempts are left."""
+        if self.eval_ooms > 0:
+            self.eval_ooms -= 1
+            raise _out_of_memory(f"simulated out of memory in evaluation ({OOM_EVAL_ENV})")
+
+
+def _out_of_memory(message: str) -> BaseException:
+    # Deferred: the CLI imports this module before it knows whether the command needs torch
+    # (`leantune --help` stays torch-free); a fault fires only inside a run, torch loaded.
+    import torch
+
+    return torch.OutOfMemoryError(message)
