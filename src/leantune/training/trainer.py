@@ -421,11 +421,14 @@ def backward_window(
     for k, batch in enumerate(batches):
         batch = {key: v.to(device) for key, v in batch.items()}
         with strategy.gradient_sync(model, enabled=k == len(batches) - 1) as scope:
-            with agreed(k), autocast(device.type, precision):  # forward -> loss
+            # Forward -> loss; an OOM or a stop here on any process is every process's.
+            with agreed(k), autocast(device.type, precision):
                 scope.loss = loss = token_loss_sum(model, batch, kl_coef) / n_supervised
             (scaler.scale(loss) if scaler is not None else loss).backward()
-            with agreed(k):
-                scope.loss = None  # the backward came: an agreed failure must not redo it (ddp)
+            with agreed(k):  # the check after the backward, decided alike too
+                # The backward came: a failure agreed on from here must not complete it again
+                # (ddp.py's gradient_sync completes an abandoned forward's backward).
+                scope.loss = None
         loss_sum += loss.detach().double().cpu()
         if after_backward is not None:
             after_backward(k)
@@ -461,12 +464,13 @@ def preference_window(
     for k, mb in enumerate(batches):
         mb = mb.to(device)
         with strategy.gradient_sync(model, enabled=k == len(batches) - 1) as scope:
-            with agreed(k), autocast(device.type, precision):  # forward -> loss
+            # Forward -> loss; an OOM or a stop here on any process is every process's.
+            with agreed(k), autocast(device.type, precision):
                 output = objective.output(model, mb)
                 scope.loss = loss = output.loss(examples, nll_tokens)
             (scaler.scale(loss) if scaler is not None else loss).backward()
-            with agreed(k):
-                scope.loss = None  # the backward came: an agreed failure must not redo it (ddp)
+            with agreed(k):  # the check after the backward, decided alike too
+                scope.loss = None  # as in backward_window: the backward is not to be redone
         loss_sum += loss.detach().double().cpu()
         for name, value in output.metric_sums.items():
             sums[name] = sums.get(name, 0.0) + float(value)
