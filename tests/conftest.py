@@ -38,12 +38,21 @@ from leantune.models.bnb_notice import import_offline
 from leantune.monitor.dashboard import make_server
 from leantune.monitor.dashboard.server import DashboardServer
 from leantune.monitor.metrics import read_metrics
+from leantune.testing.faults import install_env_faults
 from leantune.training.checks import load_config
 
 # bitsandbytes' import asks the Hugging Face Hub for an optional kernel when the `kernels`
 # package is installed (transformers 5.25 requires it): offline here, as in every leantune
 # command (`bnb_notice.import_offline`), so that no test reaches the network through it.
 import_offline()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def env_faults() -> None:
+    """The LEANTUNE_* fault hooks, installed as `leantune`'s entry installs them: tests that
+    call the recipe in-process set those variables and expect what the command line would do."""
+    install_env_faults()
+
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

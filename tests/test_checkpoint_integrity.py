@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 
 import leantune.training.state.checkpoint as ck
 from leantune.monitor.events import EXIT_GUARD_STOPPED, read_events
-from leantune.training import recipe
+from leantune.training import build as components
 from leantune.training.state import verify as checkpoint_verify
 from leantune.training.state.checkpoint import (
     MARKER,
@@ -624,7 +624,7 @@ def test_cli_a_full_disk_mid_run_exits_2_and_the_next_run_resumes_exactly(
 
 def _poison_weights_after_update(monkeypatch: pytest.MonkeyPatch, update: int) -> None:
     """Fill one trainable tensor with NaN right after optimizer update number `update`."""
-    original = recipe.build_optimizer
+    original = components.build_optimizer
 
     def build(params: Any, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
         optimizer = original(params, *args, **kwargs)
@@ -639,7 +639,7 @@ def _poison_weights_after_update(monkeypatch: pytest.MonkeyPatch, update: int) -
         optimizer.register_step_post_hook(hook)
         return optimizer
 
-    monkeypatch.setattr(recipe, "build_optimizer", build)
+    monkeypatch.setattr(components, "build_optimizer", build)
 
 
 def test_cli_guard_stop_with_nan_weights_writes_no_checkpoint_and_names_the_last_good(

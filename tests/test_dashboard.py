@@ -27,8 +27,8 @@ from leantune.monitor.dashboard import status as dash_status
 from leantune.monitor.dashboard.server import DashboardServer
 from leantune.monitor.events import read_events
 from leantune.monitor.metrics import read_metrics
+from leantune.testing.faults import LOSS_SCALE_ENV
 from leantune.training import run_monitoring
-from leantune.training.faults import LOSS_SCALE_ENV
 from leantune.training.recipe import train
 from leantune.training.run import rundir
 

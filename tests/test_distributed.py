@@ -38,15 +38,15 @@ from leantune.errors import UserError
 from leantune.methods.registry import METHODS
 from leantune.monitor.events import read_events
 from leantune.monitor.metrics import read_metrics
-from leantune.training import recipe
-from leantune.training.checks import load_config
-from leantune.training.faults import (
+from leantune.testing.faults import (
     FAULT_RANK_ENV,
     KILL_ENV,
     LOSS_SCALE_ENV,
     OOM_STEP_ENV,
     SIGNAL_ENV,
 )
+from leantune.training import recipe
+from leantune.training.checks import load_config
 from leantune.training.state.checkpoint import (
     CheckpointError,
     list_complete_checkpoints,

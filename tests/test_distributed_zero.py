@@ -34,9 +34,9 @@ from leantune.config.dist import DEEPSPEED_INSTALL
 from leantune.config.parse import ConfigError
 from leantune.monitor.events import read_events
 from leantune.monitor.metrics import read_metrics
+from leantune.testing.faults import FAULT_RANK_ENV, LOSS_SCALE_ENV, OOM_STEP_ENV, SIGNAL_ENV
 from leantune.training import recipe
 from leantune.training.checks import load_config
-from leantune.training.faults import FAULT_RANK_ENV, LOSS_SCALE_ENV, OOM_STEP_ENV, SIGNAL_ENV
 from leantune.training.state.checkpoint import list_complete_checkpoints, load_checkpoint
 
 

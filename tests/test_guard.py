@@ -26,10 +26,11 @@ from leantune.monitor.events import (
 )
 from leantune.monitor.metrics import read_metrics
 from leantune.monitor.step_stats import TIMING_FIELDS
-from leantune.training import recipe
-from leantune.training.faults import LOSS_SCALE_ENV
+from leantune.testing.faults import LOSS_SCALE_ENV
+from leantune.training import build, recipe
 from leantune.training.guard import actions as guard_actions
 from leantune.training.guard.detect import Decision, GuardHistory, GuardSettings, decide, remember
+from leantune.training.run_setup import guard_settings
 from leantune.training.state.checkpoint import latest_checkpoint, load_checkpoint
 
 DATA = Path(__file__).parent / "data"
@@ -37,7 +38,7 @@ DATA = Path(__file__).parent / "data"
 
 def settings(**changes: Any) -> GuardSettings:
     """The configured defaults (config.GuardConfig) with some fields changed."""
-    return replace(recipe.guard_settings(GuardConfig()), **changes)
+    return replace(guard_settings(GuardConfig()), **changes)
 
 
 def feed(series: list[tuple[float, float]], s: GuardSettings) -> list[tuple[int, Decision]]:
@@ -189,7 +190,7 @@ def spy_steps(monkeypatch: pytest.MonkeyPatch) -> list[tuple[dict, dict, recipe.
 def nan_grad_on_backwards(monkeypatch: pytest.MonkeyPatch, which: set[int] | None) -> None:
     """Make the gradient of one LoRA weight NaN on the given backward passes (None: all but the
     first)."""
-    original = recipe.apply_method
+    original = build.apply_method
     count = [0]
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
@@ -202,7 +203,7 @@ def nan_grad_on_backwards(monkeypatch: pytest.MonkeyPatch, which: set[int] | Non
         next(p for n, p in model.named_parameters() if "lora_A" in n).register_hook(hook)
         return model
 
-    monkeypatch.setattr(recipe, "apply_method", apply)
+    monkeypatch.setattr(build, "apply_method", apply)
 
 
 def test_nan_gradient_skips_the_update_without_advancing_the_schedule(
@@ -410,7 +411,7 @@ def test_loss_scaler_overflow_is_not_a_guard_event_but_a_nonfinite_loss_is(
         scalers.append(torch.amp.GradScaler("cpu", init_scale=1024.0))
         return scalers[-1]
 
-    monkeypatch.setattr(recipe, "make_grad_scaler", cpu_scaler)
+    monkeypatch.setattr(build, "make_grad_scaler", cpu_scaler)
     nan_grad_on_backwards(monkeypatch, {3})  # finite loss, NaN gradient: a scaler overflow
     monkeypatch.setenv(LOSS_SCALE_ENV, "4:inf")  # non-finite loss: the guard's business
     run = tmp_path / "run"

@@ -46,13 +46,13 @@ def test_summary_reports_the_load_peak_apart(
 ) -> None:
     import leantune.training.recipe as recipe
 
-    real = recipe._base_model
+    real = recipe.base_model
 
     def loading_with_pages(*args: object, **kwargs: object) -> torch.nn.Module:
         _map_and_read(tmp_path / "weights.bin")
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(recipe, "_base_model", loading_with_pages)
+    monkeypatch.setattr(recipe, "base_model", loading_with_pages)
     run_dir = tmp_path / "run"
     cfg = make_config(tiny_llama_dir, chat_files[0], run_dir, "train.max_steps=2")
     summary = recipe.train(cfg, log=lambda _: None)

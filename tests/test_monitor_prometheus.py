@@ -22,8 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from leantune.monitor.metrics import read_metrics
 from leantune.monitor.prometheus import PrometheusSink, RunFacts
 from leantune.monitor.sinks import Sinks
+from leantune.testing.faults import LOSS_SCALE_ENV, OOM_STEP_ENV
 from leantune.training import recipe, run_monitoring
-from leantune.training.faults import LOSS_SCALE_ENV, OOM_STEP_ENV
 
 Families = dict[str, Any]  # family name -> prometheus_client Metric
 

@@ -25,9 +25,9 @@ from leantune.monitor.backends import BACKENDS, RunInfo, optional_sinks
 from leantune.monitor.events import TrainingPaused, TrainingStopped, read_events
 from leantune.monitor.metrics import read_metrics
 from leantune.monitor.records import RUN_IDS_FILE, outcome
+from leantune.testing.faults import LOSS_SCALE_ENV, SIGNAL_ENV
 from leantune.training import recipe
 from leantune.training.checks import load_config
-from leantune.training.faults import LOSS_SCALE_ENV, SIGNAL_ENV
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 BACKEND_MODULES = ("tensorboard", "wandb", "mlflow")

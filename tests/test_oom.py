@@ -16,9 +16,9 @@ from leantune.config import ConfigError, parse_memory_size
 from leantune.monitor.events import EXIT_OUT_OF_MEMORY, OutOfMemoryAtMinimum, read_events
 from leantune.monitor.metrics import read_metrics
 from leantune.monitor.step_stats import TIMING_FIELDS
+from leantune.testing.faults import OOM_EVAL_ENV, OOM_STEP_ENV
 from leantune.training import recipe, trainer
 from leantune.training.checks import load_config
-from leantune.training.faults import OOM_EVAL_ENV, OOM_STEP_ENV
 from leantune.training.guard.oom import retry_on_oom
 from leantune.training.state.checkpoint import latest_checkpoint, load_checkpoint
 

@@ -271,10 +271,10 @@ def test_train_resolves_auto_and_logs_memory(
     cfg.train.memory_budget = str((peak[2] + peak[4]) // 2)  # fits 2 rows, not 4
     # The same budget also arms the CPU out-of-memory check on process RSS, and this pytest
     # process's RSS holds every earlier test's objects; that check is tested in test_oom.py.
-    import leantune.training.recipe as recipe
+    import leantune.training.build as build
 
-    unarmed = recipe.MemoryBudget(None)
-    monkeypatch.setattr(recipe, "MemoryBudget", lambda limit: unarmed)
+    unarmed = build.MemoryBudget(None)
+    monkeypatch.setattr(build, "MemoryBudget", lambda limit: unarmed)
     logs: list[str] = []
     train(cfg, log=logs.append)
     assert any("micro_batch_size=auto: 2 x grad_accum 2 (global batch 4)" in x for x in logs)
@@ -355,6 +355,7 @@ def test_gradient_checkpointing_auto_turns_on_only_when_needed(
     checkpointing makes it fit, and the run then really checkpoints; never for prefix."""
     from dataclasses import replace as dc_replace
 
+    import leantune.training.build as build
     import leantune.training.recipe as recipe
     from leantune.memory.planner import plan_for_run, plan_inputs
 
@@ -402,9 +403,9 @@ def test_gradient_checkpointing_auto_turns_on_only_when_needed(
 
     # End to end: the run under the tight budget enables checkpointing on its model.
     calls: list[object] = []
-    monkeypatch.setattr(recipe, "enable_gradient_checkpointing", calls.append)
-    unarmed = recipe.MemoryBudget(None)  # this pytest process's RSS is not the run's
-    monkeypatch.setattr(recipe, "MemoryBudget", lambda limit: unarmed)
+    monkeypatch.setattr(build, "enable_gradient_checkpointing", calls.append)
+    unarmed = build.MemoryBudget(None)  # this pytest process's RSS is not the run's
+    monkeypatch.setattr(build, "MemoryBudget", lambda limit: unarmed)
     logs: list[str] = []
     recipe.train(tight, log=logs.append)
     assert len(calls) == 1

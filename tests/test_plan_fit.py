@@ -140,6 +140,7 @@ def test_a_fixed_micro_batch_that_cannot_fit_is_refused_before_loading(
     """CPU, micro_batch_size 4 as configured, no train.memory_budget: a prediction above the
     available memory is refused (exit 2) before the model loads, one within the available
     memory but not its margin is a warning; both name the levers."""
+    import leantune.training.build as build
     import leantune.training.recipe as recipe
     from leantune.memory.planner import plan_inputs
 
@@ -150,7 +151,7 @@ def test_a_fixed_micro_batch_that_cannot_fit_is_refused_before_loading(
     inputs = plan_inputs(cfg, "cpu", 64, 64)
     live = estimate(inputs.facts, inputs.step).peak
     loads: list[object] = []
-    monkeypatch.setattr(recipe, "load_model", lambda *a, **k: loads.append(a))
+    monkeypatch.setattr(build, "load_model", lambda *a, **k: loads.append(a))
     # Less than the runtime alone (whatever the rows' lengths): certainly cannot fit.
     monkeypatch.setattr(planner, "available_memory", lambda device: RUNTIME_OVERHEAD["cpu"] // 2)
     with pytest.raises(UserError) as refused:

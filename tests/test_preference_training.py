@@ -24,8 +24,8 @@ from leantune.objectives.batch import PreferenceStep
 from leantune.objectives.logps import SequenceLogps, logits_token_logps, sequence_logps
 from leantune.objectives.preference import PreferenceBatch, dpo_loss
 from leantune.objectives.registry import OBJECTIVES, settings_for
+from leantune.testing.faults import OOM_STEP_ENV
 from leantune.training.checks import check_config
-from leantune.training.faults import OOM_STEP_ENV
 from leantune.training.preference_setup import load_preference_data
 from leantune.training.recipe import Session, named_run, set_up, train
 from leantune.training.run.fingerprint import trajectory_settings

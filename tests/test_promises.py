@@ -30,7 +30,7 @@ from conftest import CliResult, run_cli, save_tiny_model, write_jsonl
 
 import leantune.training.state.checkpoint as ck
 from leantune.monitor.metrics import read_metrics
-from leantune.training.faults import SIGNAL_ENV
+from leantune.testing.faults import SIGNAL_ENV
 from leantune.training.state.checkpoint import MARKER, load_checkpoint
 
 

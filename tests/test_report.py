@@ -19,7 +19,7 @@ from leantune.config import Config, to_dict
 from leantune.monitor import report_data
 from leantune.monitor.events import EXIT_PAUSED
 from leantune.monitor.report import REPORT_FILE, write_report
-from leantune.training.faults import LOSS_SCALE_ENV
+from leantune.testing.faults import LOSS_SCALE_ENV
 
 IMG = re.compile(r'<img alt="([^"]*)" src="data:image/png;base64,([A-Za-z0-9+/=]+)">')
 GENERATED = re.compile(r'<p class="muted" id="generated">[^<]*</p>')

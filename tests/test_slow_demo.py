@@ -84,7 +84,7 @@ def test_oom_replay_with_fp16_on_cuda(
 ) -> None:
     from leantune.monitor.events import read_events
     from leantune.monitor.metrics import read_metrics
-    from leantune.training.faults import OOM_STEP_ENV
+    from leantune.testing.faults import OOM_STEP_ENV
 
     rows = [
         {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}

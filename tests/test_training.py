@@ -23,8 +23,9 @@ from leantune.methods.registry import apply_method, count_parameters
 from leantune.models.loading import enable_gradient_checkpointing
 from leantune.models.loss import count_supervised
 from leantune.monitor.metrics import read_metrics
+from leantune.testing.faults import KILL_ENV as FAULT_ENV
 from leantune.training.checks import load_config
-from leantune.training.recipe import FAULT_ENV, train
+from leantune.training.recipe import train
 from leantune.training.trainer import backward_window
 
 SRC = Path(__file__).resolve().parents[1] / "src"

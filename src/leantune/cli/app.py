@@ -34,6 +34,7 @@ from leantune.cli.crash import report_internal_error
 from leantune.core.allocator import reexec_with_allocator
 from leantune.errors import UserError
 from leantune.models.quiet import quiet_import_noise
+from leantune.testing.faults import install_env_faults
 from leantune.training.parallel.launch import rank_tag
 
 GROUPS = (train, prepare, inference, bench, monitor)
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     quiet_import_noise()  # before any command imports peft
+    install_env_faults()  # LEANTUNE_* test faults: runs started here only, never the library's
     args.own_process = argv is None  # the command line's own process, not a caller's
     try:
         return run(args)

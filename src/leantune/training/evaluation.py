@@ -27,8 +27,8 @@ from leantune.eval.exact_match import answers_match, evaluate_exact_match
 from leantune.eval.perplexity import evaluate_loss
 from leantune.models.attention import sdpa_attention
 from leantune.monitor.events import EventLog
-from leantune.training.faults import FaultHooks
 from leantune.training.guard.oom import retry_on_oom
+from leantune.training.hooks import StepHooks
 from leantune.training.state.checkpoint import capture_rng_state, restore_rng_state
 
 T = TypeVar("T")
@@ -51,7 +51,8 @@ class EvalInputs:
     data: PreparedData
     pad_id: int
     events: EventLog
-    faults: FaultHooks
+    hooks: StepHooks
+    """The run's fault hooks: `before_eval` runs before each evaluation attempt."""
 
 
 def evaluate_retrying(
@@ -59,7 +60,7 @@ def evaluate_retrying(
     batch_size: int,
     *,
     events: EventLog,
-    faults: FaultHooks,
+    hooks: StepHooks,
     device: torch.device,
     step: int = 0,
 ) -> T:
@@ -72,7 +73,7 @@ def evaluate_retrying(
         message = f"{error}; eval batch {old} -> {new} (training micro-batch unchanged)"
         events.emit("oom_eval", step, message, eval_batch_size=new)
 
-    return retry_on_oom(fn, batch_size, on_retry, device, faults.eval_oom)
+    return retry_on_oom(fn, batch_size, on_retry, device, hooks.before_eval)
 
 
 def exact_match(
@@ -110,7 +111,7 @@ def _retrying(
             fn,
             settings.batch_size,
             events=inputs.events,
-            faults=inputs.faults,
+            hooks=inputs.hooks,
             device=device,
             step=step,
         )

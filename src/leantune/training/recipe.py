@@ -8,21 +8,22 @@
                                     sinks (metrics.jsonl, progress bar, ...), evals, saves
       finish(session, ...)          final/ weights, the closing evaluation, summary.json
 
-The method only decides how the model is wrapped and which parameters train; the loop never
-branches on it, nor on the parallel strategy or the sinks (`training.trainer`,
-`training.parallel.strategy`, `monitor.sinks`). The objective forks the data (SFT rows, or packed
-preference pairs: `training.preference_setup`) and the window's loss (`trainer.accumulate`:
-the token loss, or the preference objective through its spec: `objectives.batch`).
+What set-up resolves (device, precision, attention, the parallel strategy) is
+`training.resolve`'s; the components it builds are `training.build`'s; the end is
+`training.finish`'s. The method only decides how the model is wrapped and which parameters
+train; the loop never branches on it, nor on the parallel strategy or the sinks. The objective
+forks the data (SFT rows, or packed preference pairs: `training.preference_setup`) and the
+window's loss (`trainer.backward_window` or `trainer.preference_window`).
 
 Two things can interrupt a step. An out-of-memory error halves the micro-batch and replays the
-same window of samples (`trainer.accumulate`). The stability guard may skip the update, pause
+same window of samples (`trainer.replay_on_oom`). The stability guard may skip the update, pause
 the run, roll back to the last checkpoint or stop (`training.guard.actions`). Every such
 decision is an event in `events.jsonl`.
 
 The run directory is claimed first (`training.run.rundir`: a lock, no foreign folder) and its
 record decides whether the checkpoint there may be continued (`training.run.resume`). A
 SIGTERM, SIGINT or SIGHUP stops at the next micro-batch boundary with a checkpoint of the last
-applied step (`core.signals`, checked in `trainer.accumulate` only).
+applied step (`core.signals`, checked by the step only).
 """
 
 from __future__ import annotations
@@ -31,131 +32,61 @@ import contextlib
 import copy
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-import yaml
 from torch import nn
-from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from leantune.config import (
-    COMPILE_ONE_PROCESS,
-    Config,
-    parse_memory_size,
-    to_dict,
-)
-from leantune.config.parse import ConfigError
-from leantune.core.allocator import allocator_note, mapped_allocator
-from leantune.core.optim import build_optimizer, build_scheduler, default_schedule, use_schedule
-from leantune.core.precision import (
-    make_grad_scaler,
-    pick_device,
-    resolve_precision,
-)
+from leantune.config import Config
 from leantune.core.signals import Interrupted, StopSignals
-from leantune.core.threads import configure_threads
-from leantune.data.dataset import PreparedData
-from leantune.data.loader import SampleStream
-from leantune.data.templates import apply_chat_template
-from leantune.methods.artifacts import save_final
-from leantune.methods.checks import effective_pack
-from leantune.methods.coverage import Coverage, coverage_of
-from leantune.methods.registry import (
-    DEFAULT_LR,
-    METHODS,
-    apply_method,
-    base_quantization,
-    compute_dtype,
-    merge_for_inference,
-    trainable_named_parameters,
-)
-from leantune.models.attention import resolve_attention
-from leantune.models.loading import (
-    ModelSource,
-    check_tokenizer_files,
-    enable_gradient_checkpointing,
-    load_model,
-    load_model_config,
-    load_tokenizer,
-    resolve_model,
-)
-from leantune.models.output_head import output_head
-from leantune.models.quantize import Quantization
-from leantune.monitor.events import (
-    EVENTS_FILE,
-    PAUSED_MARKER,
-    EventLog,
-    OutOfMemoryAtMinimum,
-    TrainingHalted,
-    lift_pause,
-)
-from leantune.monitor.metrics import memory_stats, start_training_memory
+from leantune.methods.registry import base_quantization
+from leantune.models.loading import ModelSource, resolve_model
+from leantune.monitor.events import EVENTS_FILE, EventLog, OutOfMemoryAtMinimum, TrainingHalted
+from leantune.monitor.metrics import start_training_memory
 from leantune.monitor.report import report_at_end
-from leantune.monitor.sinks import Sinks
-from leantune.monitor.step_stats import StepStats
-from leantune.objectives.batch import with_reference
-from leantune.training.checks import check_config
-from leantune.training.evaluation import (
-    EvalInputs,
-    EvalSettings,
-    PeriodicEval,
-    evaluate_after,
-    exact_match_before,
+from leantune.training.build import (
+    LoopSettings,
+    Session,
+    base_model,
+    build_trainer,
+    periodic_eval,
+    preference_objective,
+    quiet,
+    run_files,
+    start_state,
+    tokenizer_for,
+    wrap_method,
 )
-from leantune.training.faults import KILL_ENV, FaultHooks, signal_at_start
+from leantune.training.checks import check_config
+from leantune.training.evaluation import EvalInputs, EvalSettings, PeriodicEval, exact_match_before
+from leantune.training.finish import finish
 from leantune.training.guard.actions import act_on_guard
 from leantune.training.guard.divergence import WeightsDiverged
-from leantune.training.guard.oom import MemoryBudget, levers_message
+from leantune.training.hooks import StepHooks, new_step_hooks
 from leantune.training.parallel.launch import launched_world_size
-from leantune.training.parallel.strategy import ParallelStrategy, SingleProcess
+from leantune.training.parallel.strategy import ParallelStrategy
+from leantune.training.resolve import parallel_strategy, resolved
 from leantune.training.run.refused_writes import (
     keep_trained_steps,
     refused_write,
     with_resume_point,
 )
-from leantune.training.run.resume import (
-    ResumePlan,
-    apply_force,
-    check_weights_fit,
-    recorded_precision,
-    recorded_schedule,
-    recorded_setting,
-)
-from leantune.training.run.rundir import (
-    RunDir,
-    RunDirError,
-    check_config_writable,
-    claim_run_dir,
-    write_file,
-    write_record,
-)
-from leantune.training.run.summary import write_summary
+from leantune.training.run.rundir import RunDir, RunDirError, claim_run_dir
 from leantune.training.run_monitoring import monitoring
 from leantune.training.run_setup import (
     RunSetup,
-    check_ids_fit,
     check_resumable,
-    guard_settings,
     named_run,
     seed_everything,
     set_up_run,
     with_objective_format,
 )
-from leantune.training.state.checkpoint import (
-    TrainingState,
-    latest_checkpoint,
-    list_complete_checkpoints,
-)
-from leantune.training.state.progress import RunProgress
-from leantune.training.trainer import RunFiles, StepResult, StepSettings, Trainer, train_step
+from leantune.training.state.checkpoint import list_complete_checkpoints
+from leantune.training.trainer import StepResult, Trainer, train_step
 
 Log = Callable[[str], None]
-# Test hook: SIGKILL this process right after the backward of this global micro-batch index.
-FAULT_ENV = KILL_ENV
 
-__all__ = ["FAULT_ENV", "Session", "StepResult", "Trainer", "train"]
+__all__ = ["Session", "StepResult", "Trainer", "named_run", "set_up", "train"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,7 +116,7 @@ def train(cfg: Config, log: Log = print, config_file: Path | None = None) -> dic
     source = resolve_model(cfg.model.path, cfg.model.gguf_file)
     cfg = named_run(cfg, source.location, source.gguf_file)
     strategy = parallel_strategy(cfg)  # run.dir known: a resumed run keeps its precision
-    log = log if strategy.is_main_process else _quiet  # rank 0 speaks for the run
+    log = log if strategy.is_main_process else quiet  # rank 0 speaks for the run
     for warning in warnings:
         log(f"warning: {warning}")
     log(f"run directory: {cfg.run_dir}")  # a derived name changes with the settings
@@ -208,9 +139,12 @@ def _lifecycle(
     strategy: ParallelStrategy,
 ) -> dict[str, Any]:
     """Set up, loop, finish: `train` inside its claimed run directory."""
-    signal_at_start()
+    hooks = new_step_hooks()  # a test's faults, read once for this run
+    hooks.at_start()
     try:
-        session = set_up(cfg, source, stop=stop, inputs=inputs, log=log, strategy=strategy)
+        session = set_up(
+            cfg, source, stop=stop, inputs=inputs, log=log, strategy=strategy, hooks=hooks
+        )
     except Exception as exc:  # a full disk while preparing data, writing the record, ...
         refused = refused_write(exc, cfg.run_dir)
         if refused is None:
@@ -233,10 +167,6 @@ def _lifecycle(
         raise keep_trained_steps(session.trainer, refused) from None
 
 
-def _quiet(_: str) -> None:
-    """The log of every rank but 0."""
-
-
 @contextlib.contextmanager
 def _claimed(cfg: Config, strategy: ParallelStrategy, log: Log) -> Iterator[RunDir]:
     """The main process claims the run directory (`claim_run_dir`); the others wait until it
@@ -256,35 +186,6 @@ def _claimed(cfg: Config, strategy: ParallelStrategy, log: Log) -> Iterator[RunD
         yield run
 
 
-@dataclass(frozen=True)
-class LoopSettings:
-    """When the loop ends, evaluates and saves."""
-
-    max_steps: int
-    eval_every: int
-    save_every: int
-
-
-@dataclass
-class Session:
-    """Everything `set_up` built, for the loop and `finish`."""
-
-    cfg: Config
-    """The resolved config: run name, precision, lengths, steps and micro-batch filled in."""
-    tokenizer: PreTrainedTokenizerBase
-    model: nn.Module
-    quantization: Quantization | None
-    trainer: Trainer
-    loop: LoopSettings
-    eval_inputs: EvalInputs | None
-    eval_settings: EvalSettings
-    evaluator: PeriodicEval | None
-    coverage: Coverage
-    """What the method adapts, with the (trainable, total) parameter counts."""
-    load_peak_bytes: int | None = None
-    """CPU: the process's peak before training (loading; `start_training_memory`)."""
-
-
 # ---------------------------------------------------------------------------------------------
 # Set-up: every component, in the order each needs the last
 
@@ -297,41 +198,37 @@ def set_up(
     inputs: list[Path],
     log: Log,
     strategy: ParallelStrategy | None = None,
+    hooks: StepHooks | None = None,
 ) -> Session:
     """Build the run's components in dependency order and put the trainer at its start state
     (fresh, resumed or forced, as the run directory's record allows)."""
     strategy = strategy if strategy is not None else parallel_strategy(cfg)
+    hooks = hooks if hooks is not None else new_step_hooks()
     main = strategy.is_main_process
-    # Device and precision first: the fingerprint records the resolved precision.
-    device, cfg, notes = _resolve_device(cfg)
-    cfg, attention_note = _resolve_attention(cfg, source)  # refuses one the model cannot use
-    notes += [attention_note] if attention_note else []
+    # Device, precision and attention first: the fingerprint records what they resolve to (an
+    # attention the model cannot use is refused here).
+    device, cfg, notes = resolved(cfg, source)
     check_resumable(cfg, source.location, source.gguf_file)  # before anything is written
     for note in notes:  # once the run directory's run is known to be this one
         log(note)
-    files = _run_files(cfg, inputs, main)
+    files = run_files(cfg, inputs, main)
     events = EventLog(files.run_dir / EVENTS_FILE if main else None, log)
-    faults = FaultHooks()
     seed_everything(cfg.train.seed)
     # Tokenizer -> data: the data resolves the lengths, the steps and the micro-batch.
-    tokenizer = _tokenizer(cfg, source, log)
+    tokenizer = tokenizer_for(cfg, source, log)
     # Rank 0 first: it may prepare the data cache and tidy the checkpoints the others read.
     world = launched_world_size()
     run = _in_turn(strategy, lambda: set_up_run(cfg, source, tokenizer, device.type, log, world))
     cfg, t = run.cfg, run.cfg.train
     pad_id, held_out = int(tokenizer.pad_token_id), run.eval_data
     settings = EvalSettings(t.precision, t.eval_batch_size, t.max_new_tokens)
-    eval_inputs = EvalInputs(tokenizer, held_out, pad_id, events, faults) if held_out else None
+    eval_inputs = EvalInputs(tokenizer, held_out, pad_id, events, hooks) if held_out else None
     # Base model -> its exact match -> the method's wrapping -> the trainer around it.
     quantization = base_quantization(cfg.method, t.precision)
-    model = _base_model(cfg, source, quantization, device, run, log)
-    base_exact_match = None
-    if t.eval_exact_match and t.eval_base and eval_inputs and run.plan.action == "fresh":
-        # On the bare base model, before any adapter exists (an untrained adapter is a no-op
-        # that would only cost time). All ranks evaluate: none idles in a collective meanwhile.
-        base_exact_match = exact_match_before(model, eval_inputs, settings, log)
-    model, trained, params, coverage = _wrap(cfg, model, strategy, log)
-    evaluator = _periodic_eval(cfg, model, eval_inputs, settings)  # on every rank, as above
+    model = base_model(cfg, source, quantization, device, run, log)
+    base_exact_match = _base_exact_match(model, run, eval_inputs, settings, log)
+    model, trained, params, coverage = wrap_method(cfg, model, strategy, log)
+    evaluator = periodic_eval(cfg, model, eval_inputs, settings)  # on every rank, as above
     # The trainer, its sinks (events reach them too), then its start state.
     stats, sinks = monitoring(cfg, run, files, events, model, device, strategy, evaluator, log)
     trainer = build_trainer(
@@ -342,7 +239,7 @@ def set_up(
         pad_id=pad_id,
         device=device,
         events=events,
-        faults=faults,
+        hooks=hooks,
         files=files,
         sinks=sinks,
         stop=stop,
@@ -351,7 +248,7 @@ def set_up(
         stats=stats,
     )
     if run.preference is not None:
-        _preference_objective(cfg, run, trainer, trained, strategy, device, pad_id, log)
+        preference_objective(cfg, run, trainer, trained, strategy, device, pad_id, log)
     strategy.agree(0)  # every rank has read the run directory before rank 0 writes to it
     start_state(trainer, cfg, run.plan, log)
     if base_exact_match is not None and trainer.progress.base_exact_match is None:
@@ -371,74 +268,20 @@ def set_up(
     )
 
 
-def _preference_objective(
-    cfg: Config,
+def _base_exact_match(
+    model: nn.Module,
     run: RunSetup,
-    trainer: Trainer,
-    trained: nn.Module,
-    strategy: ParallelStrategy,
-    device: torch.device,
-    pad_id: int,
+    inputs: EvalInputs | None,
+    settings: EvalSettings,
     log: Log,
-) -> None:
-    """Give the trainer its preference objective's step (and the reference it needs)."""
-    assert run.preference is not None
-    if not isinstance(strategy, SingleProcess):
-        raise ConfigError(
-            f"train.objective={cfg.train.objective}: not yet under torchrun (one process "
-            "only in this version); run it without torchrun"
-        )
-    trainer.objective = run.preference.step(cfg)
-    if trainer.objective.spec.needs_reference and METHODS[cfg.method.name].trains_base_weights:
-        # Before start_state: a resume's restore has not yet put the trained weights in.
-        trainer.objective = with_reference(
-            trainer.objective, trained, device, cfg.train.precision, pad_id
-        )
-        log(
-            f"reference: the log-probs of {len(run.train_data.examples)} sequences, "
-            f"computed once by the model before training (method.name={cfg.method.name} "
-            "keeps no second copy)"
-        )
-
-
-def _tokenizer(cfg: Config, source: ModelSource, log: Log) -> PreTrainedTokenizerBase:
-    """The model's tokenizer with data.chat_template in place (saved with final/)."""
-    tokenizer = load_tokenizer(source, cfg.model.trust_remote_code)
-    for warning in apply_chat_template(tokenizer, cfg.data.chat_template):
-        log(f"warning: {warning}")
-    return tokenizer
-
-
-def _periodic_eval(
-    cfg: Config, model: nn.Module, inputs: EvalInputs | None, settings: EvalSettings
-) -> PeriodicEval | None:
-    """train.eval_every's evaluator, on the unwrapped model (None when it is off)."""
-    if not cfg.train.eval_every or inputs is None:
+) -> float | None:
+    """train.eval_base: exact match on the bare base model, before any adapter exists (an
+    untrained adapter is a no-op that would only cost time); a fresh run only."""
+    t = run.cfg.train
+    if not (t.eval_exact_match and t.eval_base and inputs and run.plan.action == "fresh"):
         return None
-    sample = cfg.train.eval_every_sample if cfg.data.format != "text" else 0
-    return PeriodicEval(model, inputs, settings, sample)
-
-
-def parallel_strategy(cfg: Config) -> ParallelStrategy:
-    """How this run is spread over processes (`dist:`): one process, the whole model and
-    window, unless dist.strategy names one or torchrun started this process."""
-    from leantune.training.parallel import build_strategy, launched_by_torchrun
-
-    d = cfg.dist
-    if d.strategy == "auto" and not launched_by_torchrun():
-        return SingleProcess()
-    device, resolved, _ = _resolve_device(cfg)
-    return build_strategy(
-        "ddp" if d.strategy == "auto" else d.strategy,
-        backend=d.backend,
-        device_type=device.type,
-        timeout_s=d.timeout_s,
-        bf16=resolved.train.precision == "bf16",
-        cpu_offload=d.cpu_offload,
-        reshard_after_forward=d.reshard_after_forward,
-        zero_stage=d.zero_stage,
-        max_grad_norm=resolved.train.max_grad_norm,
-    )
+    # All ranks evaluate: none idles in a collective meanwhile.
+    return exact_match_before(model, inputs, settings, log)
 
 
 def _in_turn(strategy: ParallelStrategy, work: Callable[[], RunSetup]) -> RunSetup:
@@ -449,214 +292,6 @@ def _in_turn(strategy: ParallelStrategy, work: Callable[[], RunSetup]) -> RunSet
         return done
     strategy.agree(0)
     return work()
-
-
-def _resolve_device(cfg: Config) -> tuple[torch.device, Config, list[str]]:
-    """The device, `cfg` with train.precision=auto resolved for it (a resumed run keeps the
-    precision it started with), and the lines that say how many CPU threads run and what auto
-    chose for the precision and why."""
-    device = pick_device(cfg.train.device)
-    # Threads before the precision probe: it measures (and caches by) the thread count.
-    notes: list[str | None] = (
-        [configure_threads(), allocator_note()] if device.type == "cpu" else []
-    )
-    compute = compute_dtype(cfg.method)
-    recorded = recorded_precision(cfg.run_dir)
-    choice = resolve_precision(cfg.train.precision, device.type, recorded, compute)
-    resolved = replace(cfg, train=replace(cfg.train, precision=choice.precision))
-    notes.append(choice.note)
-    return device, resolved, [n for n in notes if n]
-
-
-def _resolve_attention(cfg: Config, source: ModelSource) -> tuple[Config, str | None]:
-    """`cfg` with model.attn_implementation=auto resolved from the model's config (the
-    fingerprint records it), and the line that says why auto fell back, if it did.
-
-    Raises:
-        UnsupportedAttention: an explicit model.attn_implementation the model cannot use.
-    """
-    m = cfg.model
-    check_tokenizer_files(source, m.trust_remote_code)  # a folder that is no model, said so
-    recorded = recorded_setting(cfg.run_dir, "model.attn_implementation")
-    choice = resolve_attention(
-        m.attn_implementation,
-        packed=effective_pack(cfg.data.pack, cfg.method.name),
-        model_config=load_model_config(source, m.trust_remote_code),
-        remote_code=m.trust_remote_code,
-        recorded=recorded if isinstance(recorded, str) else None,
-    )
-    return replace(cfg, model=replace(m, attn_implementation=choice.name)), choice.note
-
-
-def _run_files(cfg: Config, inputs: list[Path], main: bool = True) -> RunFiles:
-    """The run's paths and resolved config (written by `start_state`, never over an input,
-    and only by the main process)."""
-    run_dir = cfg.run_dir
-    text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
-    write = check_config_writable(run_dir, text, inputs) and main
-    ckpt_dir = run_dir / "checkpoints"
-    ckpt_dir.mkdir(exist_ok=True)
-    return RunFiles(run_dir, ckpt_dir, cfg.train.keep_last, text, write)
-
-
-def _base_model(
-    cfg: Config,
-    source: ModelSource,
-    quantization: Quantization | None,
-    device: torch.device,
-    run: RunSetup | None = None,
-    log: Log = _quiet,
-) -> nn.Module:
-    """The base model on `device`; with `run`, its embedding checked against the run's ids;
-    `log` hears why the loss must use the model's own forward when the loader's check found
-    so (once per run: the rebuilt final model stays quiet)."""
-    m = cfg.model
-    model: nn.Module = load_model(
-        source,
-        dtype=m.dtype,
-        trust_remote_code=m.trust_remote_code,
-        attn_implementation=m.attn_implementation,
-        rope_scaling=m.rope_scaling,
-        quantization=quantization,
-        device=device,
-    )
-    model.to(device)  # in place (the quantised load is already there)
-    note = output_head(model).note
-    if note:
-        log(f"warning: {note}")
-    if run is not None:
-        check_ids_fit(model, run)
-    return model
-
-
-def _wrap(
-    cfg: Config, model: nn.Module, strategy: ParallelStrategy, log: Log
-) -> tuple[nn.Module, nn.Module, dict[str, nn.Parameter], Coverage]:
-    """The method's wrapping (seeded, so its initialisation is the seed's, on every rank),
-    checkpointing, then the strategy's: the model with the method, as the loop trains it
-    (the strategy's wrapping around it, or the same model), its trainable
-    parameters (as the strategy left them: FSDP2 replaces them with shards) and what the method
-    adapts, with the (trainable, total) counts."""
-    seed_everything(cfg.train.seed)
-    model = apply_method(model, cfg.method)
-    if cfg.train.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    coverage = coverage_of(model, cfg.method.name)
-    for line in coverage.lines():  # the counts, and what is adapted in which family
-        log(line)
-    if cfg.train.compile:
-        _compile(model, strategy, log)
-    trained = strategy.wrap_model(model)  # in place, or around it: `model` stays unwrapped
-    return model, trained, trainable_named_parameters(model), coverage
-
-
-def _compile(model: nn.Module, strategy: ParallelStrategy, log: Log) -> None:
-    """train.compile: the blocks' training forward compiled (one process only).
-
-    Raises:
-        ConfigError: under torchrun (`validate` refuses the other strategies).
-    """
-    from leantune.training.compile import compile_blocks
-
-    if not isinstance(strategy, SingleProcess):
-        raise ConfigError(COMPILE_ONE_PROCESS.format(strategy="auto (ddp under torchrun)"))
-    blocks = compile_blocks(model)
-    log(f"train.compile: {blocks} blocks compile on their first training steps")
-
-
-def build_trainer(
-    cfg: Config,
-    *,
-    model: nn.Module,
-    params: dict[str, nn.Parameter],
-    data: PreparedData,
-    pad_id: int,
-    device: torch.device,
-    events: EventLog,
-    faults: FaultHooks,
-    files: RunFiles,
-    sinks: Sinks,
-    stop: StopSignals,
-    global_batch: int,
-    strategy: ParallelStrategy,
-    stats: StepStats | None = None,
-) -> Trainer:
-    """Optimizer, schedule, scaler, sample stream and guard around the wrapped model.
-
-    `cfg.train` has its steps and micro-batch resolved; `global_batch` is the rows per step.
-    """
-    t = cfg.train
-    assert t.max_steps is not None and t.micro_batch_size != "auto", "resolved by set_up_run"
-    lr = t.lr if t.lr is not None else DEFAULT_LR[cfg.method.name]
-    optimizer = build_optimizer(params, lr, t.weight_decay, t.optimizer, device.type)
-    optimizer = strategy.prepare_optimizer(optimizer)  # DeepSpeed's engine takes it over
-    budget = parse_memory_size(t.memory_budget, "train.memory_budget") if t.memory_budget else None
-    schedule = default_schedule(t.max_steps, t.warmup_ratio, t.min_lr_ratio)
-    return Trainer(
-        model=model,
-        params=params,
-        optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, t.max_steps, t.warmup_ratio, t.min_lr_ratio),
-        scaler=make_grad_scaler(t.precision, device.type),
-        stream=SampleStream(len(data.rows), t.seed),
-        data=data,
-        pad_id=pad_id,
-        device=device,
-        state=TrainingState(step=0, micro_batches_seen=0),
-        progress=RunProgress(schedule=schedule),
-        global_batch=global_batch,
-        micro_batch_size=min(t.micro_batch_size, global_batch),
-        events=events,
-        guard=guard_settings(cfg.guard),
-        settings=StepSettings(t.precision, t.max_grad_norm, t.kl_coef),
-        files=files,
-        sinks=sinks,
-        strategy=strategy,
-        budget=MemoryBudget(budget),
-        faults=faults,
-        levers=levers_message(
-            int(cfg.data.max_seq_len), t.gradient_checkpointing is True, cfg.method.name
-        ),
-        stop=stop,
-        stats=stats if stats is not None else StepStats(),
-    )
-
-
-def start_state(tr: Trainer, cfg: Config, plan: ResumePlan, log: Log) -> None:
-    """Resume or continue as `plan` says, record the run, lift a pause, and make sure a
-    rollback has a checkpoint to go to."""
-    files = tr.files
-    if plan.action != "fresh":
-        check_weights_fit(plan, tr.params)
-        tr.restore(log)
-        use_schedule(tr.scheduler, recorded_schedule(tr.progress, cfg.train))
-        if plan.action == "force":
-            lr = cfg.train.lr if cfg.train.lr is not None else DEFAULT_LR[cfg.method.name]
-            apply_force(
-                optimizer=tr.optimizer,
-                scheduler=tr.scheduler,
-                params=tr.params,
-                state=tr.state,
-                progress=tr.progress,
-                t=cfg.train,
-                lr=lr,
-                plan=plan,
-                log=log,
-            )
-    if files.write_config:
-        write_file(files.run_dir / "config.yaml", files.config_yaml)
-    if plan.action == "force":
-        # The checkpoint holds the forced settings before the record says the run has them.
-        tr.save()
-    main = tr.strategy.is_main_process
-    if main:
-        write_record(files.run_dir, plan.fingerprint, plan.split)
-        lift_pause(files.run_dir / PAUSED_MARKER, tr.events, tr.state.step, log)
-    g = cfg.guard
-    rollback_on = "rollback" in (g.nonfinite, g.loss_spike, g.grad_norm)
-    none_yet = rollback_on and main and latest_checkpoint(files.ckpt_dir) is None
-    if tr.strategy.agree(int(none_yet)):  # every rank saves, or none
-        tr.save()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -744,64 +379,3 @@ def _explained(exc: Interrupted, ckpt_dir: Path) -> Interrupted:
         else "no checkpoint was written; the same command starts over"
     )
     return Interrupted(exc.signum, exc.at_boundary, f"{exc.name}: stopped at once; {where}.")
-
-
-# ---------------------------------------------------------------------------------------------
-# Finish
-
-
-def finish(session: Session, *, log: Log, started: float) -> dict[str, Any]:
-    """Write final/, run the closing evaluation and write summary.json."""
-    s, tr = session, session.trainer
-    cfg, files = s.cfg, tr.files
-    memory = {"train_peak_mem_bytes": memory_stats(tr.device)["peak_mem_bytes"]}
-    if s.load_peak_bytes is not None:
-        memory["load_peak_mem_bytes"] = s.load_peak_bytes
-    model = tr.strategy.final_model(s.model, lambda: _rebuilt(s))
-    if model is None:  # not the main process: it helped gather the weights, and is done
-        return {}
-    save_final(
-        model,
-        s.tokenizer,
-        files.run_dir / "final",
-        _base_path(cfg.model.path),
-        base_gguf_file=cfg.model.gguf_file,
-        rope_scaling=cfg.model.rope_scaling,
-        quantization=s.quantization,
-    )
-    results: dict[str, Any] = {"final_train_loss": tr.progress.last_loss, **memory}
-    if s.eval_inputs is not None:
-        merge_for_inference(model)
-        preds = files.run_dir / "eval_predictions.jsonl" if cfg.train.eval_exact_match else None
-        results |= evaluate_after(
-            model, s.eval_inputs, s.eval_settings, predictions_file=preds, step=tr.state.step
-        )
-    results["wall_time_s"] = round(time.perf_counter() - started, 2)  # this invocation
-    if pick_device(cfg.train.device).type == "cpu":
-        results["allocator"] = mapped_allocator()[0]  # what ran, for comparing runs
-    summary = write_summary(
-        files.run_dir,
-        tr.state,
-        tr.progress,
-        s.coverage.trainable,
-        s.coverage.total,
-        results,
-        log,
-        adapted=s.coverage.as_dict(),
-    )
-    if cfg.monitor.report:
-        report_at_end(files.run_dir, log)
-    return summary
-
-
-def _rebuilt(s: Session) -> nn.Module:
-    """The base model with the method applied again, unsharded (FSDP2's final/ on rank 0)."""
-    device = pick_device(s.cfg.train.device)
-    source = resolve_model(s.cfg.model.path, s.cfg.model.gguf_file)
-    seed_everything(s.cfg.train.seed)
-    return apply_method(_base_model(s.cfg, source, s.quantization, device), s.cfg.method)
-
-
-def _base_path(path: str) -> str:
-    p = Path(path).expanduser()
-    return str(p.resolve()) if p.exists() else path

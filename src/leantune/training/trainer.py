@@ -1,12 +1,14 @@
 """The training step: what one optimizer update does, owned by a `Trainer`.
 
-`train_step` takes the next window of samples and runs backward -> unscale -> clip (measuring
-the norm) -> guard -> step or skip. `accumulate` is its forward/backward over the window's
-micro-batches: an out-of-memory error halves the micro-batch and replays the same samples, and
-a stop signal is acted on at a micro-batch boundary, only here. `backward_window` is the
-arithmetic (each micro-batch's token loss over the window's supervised tokens);
-`preference_window` is a preference objective's (each micro-batch's loss over the window's
-pairs), the one place the step forks, per objective.
+`train_step` reads in the order it runs: the next window of samples -> forward -> loss ->
+backward over its micro-batches (`backward_window`: each micro-batch's token loss over the
+window's supervised tokens; `preference_window` for a preference objective, the one place the
+step forks, per objective) -> unscale -> clip (measuring the norm) -> guard -> step or skip ->
+the metrics record. Two wrappers sit around the forward and backward, not inside them:
+`replay_on_oom` halves the micro-batch and replays the same samples after an out-of-memory
+error, and `Agreement` makes every process take the same way out of a micro-batch (an OOM or a
+stop signal on one is every one's). A stop signal is acted on at a micro-batch boundary only.
+The run's `StepHooks` (no-ops unless a test installed faults) are called at the fault points.
 
 The `Trainer` holds every part the step needs, built once by the recipe's set-up, and the
 step's own settings (`StepSettings`), so nothing is passed along the call chain. Its
@@ -16,13 +18,15 @@ branches on it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -37,15 +41,13 @@ from leantune.monitor.metrics import memory_stats
 from leantune.monitor.sinks import Sinks
 from leantune.monitor.step_stats import StepStats
 from leantune.objectives.batch import PreferenceMicroBatch, PreferenceStep
-from leantune.objectives.preference import ObjectiveOutput
-from leantune.training.faults import FaultHooks, kill_after, signal_after
 from leantune.training.guard.detect import Decision, GuardHistory, GuardSettings, decide, remember
 from leantune.training.guard.oom import MemoryBudget, free_memory, halved, is_out_of_memory
+from leantune.training.hooks import NoStepHooks, StepHooks
 from leantune.training.parallel.strategy import (
     CheckpointParts,
     ParallelStrategy,
     SingleProcess,
-    SyncScope,
 )
 from leantune.training.state.checkpoint import (
     Checkpoint,
@@ -56,6 +58,7 @@ from leantune.training.state.checkpoint import (
 from leantune.training.state.progress import Batching, RunProgress
 
 Log = Callable[[str], None]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -111,11 +114,12 @@ class Trainer:
     progress: RunProgress = field(default_factory=RunProgress)
     """What a checkpoint keeps beyond weights and counters (a rollback replaces it)."""
     budget: MemoryBudget = field(default_factory=lambda: MemoryBudget(None))
-    faults: FaultHooks = field(default_factory=FaultHooks)
+    hooks: StepHooks = field(default_factory=NoStepHooks)
+    """A test's faults (`training.hooks`); the library's do nothing."""
     levers: str = ""
     """What to try when one sequence does not fit (the OOM-at-minimum message)."""
     stop: StopSignals = field(default_factory=StopSignals)
-    """SIGTERM/SIGINT/SIGHUP: `accumulate` checks it at every micro-batch boundary."""
+    """SIGTERM/SIGINT/SIGHUP: the step checks it at every micro-batch boundary."""
     stats: StepStats = field(default_factory=StepStats)
     """The record's padding, MFU, data-wait, ETA, CPU and GPU fields (`monitor.step_stats`)."""
     objective: PreferenceStep | None = None
@@ -195,31 +199,31 @@ class StepResult:
     """Stream position just after this window."""
 
 
+Batches = list[dict[str, torch.Tensor]]
+
+
 def train_step(tr: Trainer) -> StepResult:
-    """One window: backward -> unscale -> clip (measure) -> guard -> step or skip."""
+    """One optimizer update over the next window of samples: forward -> loss -> backward (per
+    micro-batch) -> clip -> guard -> step or skip -> log."""
     start = time.perf_counter()
     tr.stats.begin()
     step = tr.state.step + 1
     with tr.stats.data:
         window = tr.stream.window(tr.samples_seen, tr.global_batch)
         shard = tr.strategy.shard_window(window)
-    loss, batches, objective_metrics = accumulate(tr, shard)
-    loss = tr.faults.spike(step, loss, tr.params.values())
+    tr.stop.check()  # a signal that came between steps stops before any of this one is done
+    # Forward -> loss -> backward over the micro-batches; an OOM halves the micro-batch and
+    # replays the same window.
+    loss, batches, objective_metrics = replay_on_oom(tr, step, partial(_accumulate, tr, shard))
+    loss = tr.hooks.window_loss(step, loss, tr.params.values())
+    # Clip the true gradients (fp16's loss scale taken out first), measuring their norm.
     if tr.scaler is not None:
         tr.scaler.unscale_(tr.optimizer)
     max_norm = tr.settings.max_grad_norm
     clip_to = max_norm if max_norm > 0 else float("inf")
     grad_norm = tr.strategy.clip_grad_norm(list(tr.params.values()), clip_to)
-    lr = float(tr.optimizer.param_groups[0]["lr"])  # a tensor for torchao optimizers
-    finite = math.isfinite(loss) and math.isfinite(grad_norm)
-    if tr.strategy.agree(int(not finite)) and finite:
-        loss = math.nan  # not finite on another process: every process skips alike
-    # An fp16 overflow (finite loss, inf gradients) is the scaler's business: it skips the
-    # update and lowers the scale. Everything else goes through the guard, here and only here.
-    overflow = tr.scaler is not None and math.isfinite(loss) and not math.isfinite(grad_norm)
-    decision = Decision("step") if overflow else decide(tr.history, loss, grad_norm, tr.guard)
-    if not overflow:
-        tr.history = remember(tr.history, loss, grad_norm, decision, tr.guard.window)
+    lr = float(tr.optimizer.param_groups[0]["lr"])  # before the step; a tensor for torchao's
+    loss, decision = _guard(tr, loss, grad_norm)
     stepped = _apply_update(tr) if decision.applies_update else _skip_update(tr)
     tr.optimizer.zero_grad(set_to_none=True)
     tr.samples_seen += len(window)
@@ -250,6 +254,21 @@ def train_step(tr: Trainer) -> StepResult:
     return StepResult(record, decision, window, tr.samples_seen)
 
 
+def _guard(tr: Trainer, loss: float, grad_norm: float) -> tuple[float, Decision]:
+    """The stability guard's decision on the window (and the loss as every process sees it)."""
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    if tr.strategy.agree(int(not finite)) and finite:
+        loss = math.nan  # not finite on another process: every process skips alike
+    # An fp16 overflow (finite loss, inf gradients) is the scaler's business: it skips the
+    # update and lowers the scale. Everything else goes through the guard, here and only here.
+    overflow = tr.scaler is not None and math.isfinite(loss) and not math.isfinite(grad_norm)
+    if overflow:
+        return loss, Decision("step")
+    decision = decide(tr.history, loss, grad_norm, tr.guard)
+    tr.history = remember(tr.history, loss, grad_norm, decision, tr.guard.window)
+    return loss, decision
+
+
 def _apply_update(tr: Trainer) -> bool:
     """Step the optimizer (through the fp16 scaler if any) and the schedule; counts the step.
     Returns whether the optimizer stepped (the scaler skips a step that overflowed)."""
@@ -273,64 +292,27 @@ def _skip_update(tr: Trainer) -> bool:
     return False
 
 
-def accumulate(
-    tr: Trainer, window: list[int]
-) -> tuple[float, list[dict[str, torch.Tensor]], dict[str, float]]:
-    """Forward and backward over `window`; on OOM halve the micro-batch and replay it.
-    Returns the window's loss, its micro-batches' tensors and the objective's metrics (none
-    for the token loss).
+# ---------------------------------------------------------------------------------------------
+# The window's forward and backward, and the OOM replay around it
+
+
+def replay_on_oom(tr: Trainer, step: int, attempt: Callable[[], T]) -> T:
+    """`attempt()`; on an out-of-memory error halve the micro-batch and call it again.
 
     The replay sees the same samples in the same order with zeroed gradients and the RNG as it
     was before the failed attempt, so it equals a run that used the smaller micro-batch from
-    the start (up to float rounding of the different split).
-
-    A stop signal is acted on here, and only here: at the window's start and after each
-    micro-batch's forward and backward, the window is abandoned as the OOM replay abandons it.
+    the start (up to float rounding of the different split). A stop signal inside the window
+    abandons it alike, leaving the state of the last step.
 
     Raises:
         OutOfMemoryAtMinimum: one sequence per micro-batch still does not fit.
         Interrupted: a stop signal arrived (`at_boundary`; the state is the last step's).
     """
-    step = tr.state.step + 1
-    tr.stop.check()
     rng = capture_rng_state()
-    pref: list[PreferenceMicroBatch] = []
     while True:
-        with tr.stats.data:
-            micro = split_window(window, tr.micro_batch_size)
-            if tr.objective is None:
-                batches = [collate([tr.data.rows[i] for i in m], tr.pad_id) for m in micro]
-            else:
-                pref = [tr.objective.collate(m, tr.pad_id) for m in micro]
-                batches = [mb.tensors for mb in pref]
-
-        def check(k: int, count: int = len(batches)) -> None:
-            tr.stop.check()
-            tr.budget.check()
-            tr.faults.train_oom(step, k, count)
-
         error = ""
-        common: dict[str, Any] = {
-            "scaler": tr.scaler,
-            "first_micro_batch": tr.state.micro_batches_seen,
-            "memory_check": check,
-            "strategy": tr.strategy,
-        }
         try:
-            if tr.objective is None:  # the one fork: per objective, never per method
-                loss = backward_window(
-                    tr.model,
-                    batches,
-                    tr.device,
-                    tr.settings.precision,
-                    kl_coef=tr.settings.kl_coef,
-                    **common,
-                )
-                return loss, batches, {}
-            loss, metrics = preference_window(
-                tr.objective, tr.model, pref, tr.device, tr.settings.precision, **common
-            )
-            return loss, batches, metrics
+            return attempt()
         except Interrupted:
             tr.optimizer.zero_grad(set_to_none=True)
             restore_rng_state(rng)
@@ -339,9 +321,8 @@ def accumulate(
             if not is_out_of_memory(exc):
                 raise
             error = str(exc).splitlines()[0]
-        # Outside the except block, so the traceback no longer pins the attempt's activations.
-        del batches
-        pref = []
+        # Outside the except block: the traceback (and so the attempt's frame, with its
+        # batches and activations) is gone before the memory is freed.
         tr.optimizer.zero_grad(set_to_none=True)
         free_memory(tr.device)
         _halve_after_oom(tr, step, error)
@@ -368,62 +349,90 @@ def _halve_after_oom(tr: Trainer, step: int, error: str) -> None:
     )
 
 
+def _accumulate(tr: Trainer, window: list[int]) -> tuple[float, Batches, dict[str, float]]:
+    """Forward and backward over `window` at the current micro-batch size: the window's loss,
+    its micro-batches' tensors and the objective's metrics (none for the token loss)."""
+    with tr.stats.data:
+        micro = split_window(window, tr.micro_batch_size)
+        if tr.objective is None:
+            batches = [collate([tr.data.rows[i] for i in m], tr.pad_id) for m in micro]
+        else:
+            pref = [tr.objective.collate(m, tr.pad_id) for m in micro]
+            batches = [mb.tensors for mb in pref]
+    common: dict[str, Any] = {
+        "scaler": tr.scaler,
+        "strategy": tr.strategy,
+        "memory_check": partial(_check_memory, tr, tr.state.step + 1, len(batches)),
+        "after_backward": partial(_after_backward, tr, tr.state.micro_batches_seen),
+    }
+    if tr.objective is None:  # the one fork: per objective, never per method
+        loss = backward_window(
+            tr.model,
+            batches,
+            tr.device,
+            tr.settings.precision,
+            kl_coef=tr.settings.kl_coef,
+            **common,
+        )
+        return loss, batches, {}
+    loss, metrics = preference_window(
+        tr.objective, tr.model, pref, tr.device, tr.settings.precision, **common
+    )
+    return loss, batches, metrics
+
+
+def _check_memory(tr: Trainer, step: int, count: int, k: int) -> None:
+    """After micro-batch k's forward (its activation peak) and after its backward: a stop
+    signal, the memory budget, a test's simulated OOM."""
+    tr.stop.check()
+    tr.budget.check()
+    tr.hooks.check_memory(step, k, count)
+
+
+def _after_backward(tr: Trainer, first_micro_batch: int, k: int) -> None:
+    """Micro-batch k of the window is done: the hooks hear its index in the whole run."""
+    tr.hooks.after_backward(first_micro_batch + k)
+
+
 def backward_window(
     model: nn.Module,
-    batches: list[dict[str, torch.Tensor]],
+    batches: Batches,
     device: torch.device,
     precision: str,
     *,
     scaler: torch.amp.GradScaler | None = None,
-    first_micro_batch: int = 0,
     kl_coef: float = 0.0,
-    memory_check: Callable[[int], None] | None = None,
     strategy: ParallelStrategy | None = None,
+    memory_check: Callable[[int], None] | None = None,
+    after_backward: Callable[[int], None] | None = None,
 ) -> float:
     """Accumulate gradients over one optimizer step's micro-batches; returns the window's loss.
 
     Each micro-batch's summed token loss is divided by the supervised tokens of the whole
     window (over every process of the `strategy`), so k micro-batches give the same gradient
-    as one k-times larger batch. `memory_check(k)` runs after micro-batch k's forward (its
-    activation peak) and backward. Gradients are synced across processes only on the last.
+    as one k-times larger batch. `memory_check(k)` runs after micro-batch k's forward and after
+    its backward, `after_backward(k)` once it is done. Gradients sync only on the last.
     """
     strategy = strategy if strategy is not None else SingleProcess()
+    agreed = Agreement(strategy, memory_check)
     local = sum(count_supervised(b["labels"]) for b in batches)
     n_supervised = max(1, strategy.reduce_count(local))
     loss_sum = torch.zeros((), dtype=torch.float64)
     for k, batch in enumerate(batches):
         batch = {key: v.to(device) for key, v in batch.items()}
-
         with strategy.gradient_sync(model, enabled=k == len(batches) - 1) as scope:
-
-            def forward(batch: dict[str, torch.Tensor] = batch) -> torch.Tensor:
-                with autocast(device.type, precision):
-                    scope.loss = token_loss_sum(model, batch, kl_coef) / n_supervised
-                return scope.loss
-
-            loss = _forward_backward(strategy, scope, forward, scaler, memory_check, k)
+            # Forward -> loss; an OOM or a stop here on any process is every process's.
+            with agreed(k), autocast(device.type, precision):
+                scope.loss = loss = token_loss_sum(model, batch, kl_coef) / n_supervised
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            with agreed(k):  # the check after the backward, decided alike too
+                # The backward came: a failure agreed on from here must not complete it again
+                # (ddp.py's gradient_sync completes an abandoned forward's backward).
+                scope.loss = None
         loss_sum += loss.detach().double().cpu()
-        kill_after(first_micro_batch + k)
-        signal_after(first_micro_batch + k)
+        if after_backward is not None:
+            after_backward(k)
     return strategy.reduce_sum(float(loss_sum))
-
-
-def _forward_backward(
-    strategy: ParallelStrategy,
-    scope: SyncScope,
-    forward: Callable[[], torch.Tensor],
-    scaler: torch.amp.GradScaler | None,
-    memory_check: Callable[[int], None] | None,
-    k: int,
-) -> torch.Tensor:
-    """One micro-batch's forward and backward inside `scope`, each agreed on by every process
-    (an OOM or a failure on one is every one's)."""
-    loss = agreed(strategy, forward, memory_check, k)
-    (scaler.scale(loss) if scaler is not None else loss).backward()
-    # The backward came: a failure agreed on from here must not complete it again (ddp.py).
-    scope.loss = None
-    agreed(strategy, loss.detach, memory_check, k)
-    return loss
 
 
 def preference_window(
@@ -434,9 +443,9 @@ def preference_window(
     precision: str,
     *,
     scaler: torch.amp.GradScaler | None = None,
-    first_micro_batch: int = 0,
-    memory_check: Callable[[int], None] | None = None,
     strategy: ParallelStrategy | None = None,
+    memory_check: Callable[[int], None] | None = None,
+    after_backward: Callable[[int], None] | None = None,
 ) -> tuple[float, dict[str, float]]:
     """`backward_window` for a preference objective; returns the window's loss and metrics.
 
@@ -446,6 +455,7 @@ def preference_window(
     metrics are the window's means: sums and counts added over micro-batches and processes.
     """
     strategy = strategy if strategy is not None else SingleProcess()
+    agreed = Agreement(strategy, memory_check)
     examples = max(1, strategy.reduce_count(sum(b.examples for b in batches)))
     nll_tokens = max(1, strategy.reduce_count(sum(b.nll_tokens for b in batches)))
     loss_sum = torch.zeros((), dtype=torch.float64)
@@ -453,25 +463,20 @@ def preference_window(
     counts: dict[str, int] = {}
     for k, mb in enumerate(batches):
         mb = mb.to(device)
-        outputs: list[ObjectiveOutput] = []  # the forward's, for the metrics
-
         with strategy.gradient_sync(model, enabled=k == len(batches) - 1) as scope:
-
-            def forward(
-                mb: PreferenceMicroBatch = mb, outputs: list[ObjectiveOutput] = outputs
-            ) -> torch.Tensor:
-                with autocast(device.type, precision):
-                    outputs.append(objective.output(model, mb))
-                    scope.loss = outputs[-1].loss(examples, nll_tokens)
-                return scope.loss
-
-            loss = _forward_backward(strategy, scope, forward, scaler, memory_check, k)
+            # Forward -> loss; an OOM or a stop here on any process is every process's.
+            with agreed(k), autocast(device.type, precision):
+                output = objective.output(model, mb)
+                scope.loss = loss = output.loss(examples, nll_tokens)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            with agreed(k):  # the check after the backward, decided alike too
+                scope.loss = None  # as in backward_window: the backward is not to be redone
         loss_sum += loss.detach().double().cpu()
-        for name, value in outputs[-1].metric_sums.items():
+        for name, value in output.metric_sums.items():
             sums[name] = sums.get(name, 0.0) + float(value)
-            counts[name] = counts.get(name, 0) + outputs[-1].metric_counts[name]
-        kill_after(first_micro_batch + k)
-        signal_after(first_micro_batch + k)
+            counts[name] = counts.get(name, 0) + output.metric_counts[name]
+        if after_backward is not None:
+            after_backward(k)
     metrics = {
         name: strategy.reduce_sum(sums[name]) / n
         for name in sorted(sums)
@@ -482,37 +487,43 @@ def preference_window(
     return strategy.reduce_sum(float(loss_sum)), metrics
 
 
+# ---------------------------------------------------------------------------------------------
+# Cross-process agreement around each forward and backward
+
 _OOM, _STOP = 1, 2
-"""What `agreed` decides: an out-of-memory error, or a stop signal (the larger wins)."""
+"""What `Agreement` decides: an out-of-memory error, or a stop signal (the larger wins)."""
 
 
-def agreed(
-    strategy: ParallelStrategy,
-    work: Callable[[], torch.Tensor],
-    memory_check: Callable[[int], None] | None,
-    k: int,
-) -> torch.Tensor:
-    """`work()` then `memory_check(k)`, with every process taking the same way out: an
-    out-of-memory error or a stop signal on one process raises on all of them, so that all
-    replay the window with the smaller micro-batch (or all stop) and their collectives stay
-    in step."""
-    failure: BaseException | None = None
-    code = 0
-    try:
-        result = work()
-        if memory_check is not None:
-            memory_check(k)
-    except Interrupted as exc:
-        failure, code = exc, _STOP
-    except (torch.OutOfMemoryError, RuntimeError) as exc:
-        if not is_out_of_memory(exc):
-            raise
-        failure, code = exc, _OOM
-    decided = strategy.agree(code)
-    if decided == code and failure is not None:
-        raise failure
-    if decided == _STOP:
-        raise Interrupted(signal.SIGTERM, True, "")  # another process was signalled
-    if decided == _OOM:
-        raise torch.OutOfMemoryError("out of memory on another process")
-    return result
+@dataclass(frozen=True)
+class Agreement:
+    """Every process takes the same way out of micro-batch k's forward or backward.
+
+    `with agreed(k): work` runs `work`, then `check(k)`; an out-of-memory error or a stop
+    signal on one process raises on all of them, so that all replay the window with the smaller
+    micro-batch (or all stop) and their collectives stay in step.
+    """
+
+    strategy: ParallelStrategy
+    check: Callable[[int], None] | None = None
+
+    @contextlib.contextmanager
+    def __call__(self, k: int) -> Iterator[None]:
+        failure: BaseException | None = None
+        code = 0
+        try:
+            yield
+            if self.check is not None:
+                self.check(k)
+        except Interrupted as exc:
+            failure, code = exc, _STOP
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            if not is_out_of_memory(exc):
+                raise
+            failure, code = exc, _OOM
+        decided = self.strategy.agree(code)  # every process calls it once here, failed or not
+        if decided == code and failure is not None:
+            raise failure
+        if decided == _STOP:
+            raise Interrupted(signal.SIGTERM, True, "")  # another process was signalled
+        if decided == _OOM:
+            raise torch.OutOfMemoryError("out of memory on another process")

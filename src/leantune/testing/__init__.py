@@ -1,0 +1,1 @@
+"""Test support inside the package: fault hooks read from the environment (`faults`)."""

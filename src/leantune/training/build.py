@@ -1,0 +1,322 @@
+"""The run's components, built by the recipe's `set_up` in dependency order: the run's files,
+the tokenizer, the base model, the method's wrapping around it, the periodic evaluator, the
+`Trainer` (optimizer, schedule, scaler, sample stream, guard), a preference objective's step,
+and the trainer's start state (fresh, resumed or forced, as the run directory's record allows).
+
+`Session` is what set-up hands the loop and `training.finish`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from torch import nn
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from leantune.config import COMPILE_ONE_PROCESS, Config, parse_memory_size, to_dict
+from leantune.config.parse import ConfigError
+from leantune.core.optim import build_optimizer, build_scheduler, default_schedule, use_schedule
+from leantune.core.precision import make_grad_scaler
+from leantune.core.signals import StopSignals
+from leantune.data.dataset import PreparedData
+from leantune.data.loader import SampleStream
+from leantune.data.templates import apply_chat_template
+from leantune.methods.coverage import Coverage, coverage_of
+from leantune.methods.registry import (
+    DEFAULT_LR,
+    METHODS,
+    apply_method,
+    trainable_named_parameters,
+)
+from leantune.models.loading import (
+    ModelSource,
+    enable_gradient_checkpointing,
+    load_model,
+    load_tokenizer,
+)
+from leantune.models.output_head import output_head
+from leantune.models.quantize import Quantization
+from leantune.monitor.events import PAUSED_MARKER, EventLog, lift_pause
+from leantune.monitor.sinks import Sinks
+from leantune.monitor.step_stats import StepStats
+from leantune.objectives.batch import with_reference
+from leantune.training.evaluation import EvalInputs, EvalSettings, PeriodicEval
+from leantune.training.guard.oom import MemoryBudget, levers_message
+from leantune.training.hooks import StepHooks
+from leantune.training.parallel.strategy import ParallelStrategy, SingleProcess
+from leantune.training.run.resume import (
+    ResumePlan,
+    apply_force,
+    check_weights_fit,
+    recorded_schedule,
+)
+from leantune.training.run.rundir import check_config_writable, write_file, write_record
+from leantune.training.run_setup import (
+    RunSetup,
+    check_ids_fit,
+    guard_settings,
+    seed_everything,
+)
+from leantune.training.state.checkpoint import TrainingState, latest_checkpoint
+from leantune.training.state.progress import RunProgress
+from leantune.training.trainer import RunFiles, StepSettings, Trainer
+
+Log = Callable[[str], None]
+
+
+def quiet(_: str) -> None:
+    """The log of every rank but 0, and of set-up work done a second time."""
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """When the loop ends, evaluates and saves."""
+
+    max_steps: int
+    eval_every: int
+    save_every: int
+
+
+@dataclass
+class Session:
+    """Everything `set_up` built, for the loop and `finish`."""
+
+    cfg: Config
+    """The resolved config: run name, precision, lengths, steps and micro-batch filled in."""
+    tokenizer: PreTrainedTokenizerBase
+    model: nn.Module
+    quantization: Quantization | None
+    trainer: Trainer
+    loop: LoopSettings
+    eval_inputs: EvalInputs | None
+    eval_settings: EvalSettings
+    evaluator: PeriodicEval | None
+    coverage: Coverage
+    """What the method adapts, with the (trainable, total) parameter counts."""
+    load_peak_bytes: int | None = None
+    """CPU: the process's peak before training (loading; `start_training_memory`)."""
+
+
+def run_files(cfg: Config, inputs: list[Path], main: bool = True) -> RunFiles:
+    """The run's paths and resolved config (written by `start_state`, never over an input,
+    and only by the main process)."""
+    run_dir = cfg.run_dir
+    text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    write = check_config_writable(run_dir, text, inputs) and main
+    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir.mkdir(exist_ok=True)
+    return RunFiles(run_dir, ckpt_dir, cfg.train.keep_last, text, write)
+
+
+def tokenizer_for(cfg: Config, source: ModelSource, log: Log) -> PreTrainedTokenizerBase:
+    """The model's tokenizer with data.chat_template in place (saved with final/)."""
+    tokenizer = load_tokenizer(source, cfg.model.trust_remote_code)
+    for warning in apply_chat_template(tokenizer, cfg.data.chat_template):
+        log(f"warning: {warning}")
+    return tokenizer
+
+
+def base_model(
+    cfg: Config,
+    source: ModelSource,
+    quantization: Quantization | None,
+    device: torch.device,
+    run: RunSetup | None = None,
+    log: Log = quiet,
+) -> nn.Module:
+    """The base model on `device`; with `run`, its embedding checked against the run's ids;
+    `log` hears why the loss must use the model's own forward when the loader's check found
+    so (once per run: the rebuilt final model stays quiet)."""
+    m = cfg.model
+    model: nn.Module = load_model(
+        source,
+        dtype=m.dtype,
+        trust_remote_code=m.trust_remote_code,
+        attn_implementation=m.attn_implementation,
+        rope_scaling=m.rope_scaling,
+        quantization=quantization,
+        device=device,
+    )
+    model.to(device)  # in place (the quantised load is already there)
+    note = output_head(model).note
+    if note:
+        log(f"warning: {note}")
+    if run is not None:
+        check_ids_fit(model, run)
+    return model
+
+
+def wrap_method(
+    cfg: Config, model: nn.Module, strategy: ParallelStrategy, log: Log
+) -> tuple[nn.Module, nn.Module, dict[str, nn.Parameter], Coverage]:
+    """The method's wrapping (seeded, so its initialisation is the seed's, on every rank),
+    checkpointing, then the strategy's: the model with the method, as the loop trains it
+    (the strategy's wrapping around it, or the same model), its trainable
+    parameters (as the strategy left them: FSDP2 replaces them with shards) and what the method
+    adapts, with the (trainable, total) counts."""
+    seed_everything(cfg.train.seed)
+    model = apply_method(model, cfg.method)
+    if cfg.train.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    coverage = coverage_of(model, cfg.method.name)
+    for line in coverage.lines():  # the counts, and what is adapted in which family
+        log(line)
+    if cfg.train.compile:
+        _compile(model, strategy, log)
+    trained = strategy.wrap_model(model)  # in place, or around it: `model` stays unwrapped
+    return model, trained, trainable_named_parameters(model), coverage
+
+
+def _compile(model: nn.Module, strategy: ParallelStrategy, log: Log) -> None:
+    """train.compile: the blocks' training forward compiled (one process only).
+
+    Raises:
+        ConfigError: under torchrun (`validate` refuses the other strategies).
+    """
+    # Deferred: it loads FSDP2's module (and through it torchao), ~3.5 s that only
+    # train.compile needs.
+    from leantune.training.compile import compile_blocks
+
+    if not isinstance(strategy, SingleProcess):
+        raise ConfigError(COMPILE_ONE_PROCESS.format(strategy="auto (ddp under torchrun)"))
+    blocks = compile_blocks(model)
+    log(f"train.compile: {blocks} blocks compile on their first training steps")
+
+
+def periodic_eval(
+    cfg: Config, model: nn.Module, inputs: EvalInputs | None, settings: EvalSettings
+) -> PeriodicEval | None:
+    """train.eval_every's evaluator, on the unwrapped model (None when it is off)."""
+    if not cfg.train.eval_every or inputs is None:
+        return None
+    sample = cfg.train.eval_every_sample if cfg.data.format != "text" else 0
+    return PeriodicEval(model, inputs, settings, sample)
+
+
+def build_trainer(
+    cfg: Config,
+    *,
+    model: nn.Module,
+    params: dict[str, nn.Parameter],
+    data: PreparedData,
+    pad_id: int,
+    device: torch.device,
+    events: EventLog,
+    hooks: StepHooks,
+    files: RunFiles,
+    sinks: Sinks,
+    stop: StopSignals,
+    global_batch: int,
+    strategy: ParallelStrategy,
+    stats: StepStats | None = None,
+) -> Trainer:
+    """Optimizer, schedule, scaler, sample stream and guard around the wrapped model.
+
+    `cfg.train` has its steps and micro-batch resolved; `global_batch` is the rows per step.
+    """
+    t = cfg.train
+    assert t.max_steps is not None and t.micro_batch_size != "auto", "resolved by set_up_run"
+    lr = t.lr if t.lr is not None else DEFAULT_LR[cfg.method.name]
+    optimizer = build_optimizer(params, lr, t.weight_decay, t.optimizer, device.type)
+    optimizer = strategy.prepare_optimizer(optimizer)  # DeepSpeed's engine takes it over
+    budget = parse_memory_size(t.memory_budget, "train.memory_budget") if t.memory_budget else None
+    schedule = default_schedule(t.max_steps, t.warmup_ratio, t.min_lr_ratio)
+    return Trainer(
+        model=model,
+        params=params,
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, t.max_steps, t.warmup_ratio, t.min_lr_ratio),
+        scaler=make_grad_scaler(t.precision, device.type),
+        stream=SampleStream(len(data.rows), t.seed),
+        data=data,
+        pad_id=pad_id,
+        device=device,
+        state=TrainingState(step=0, micro_batches_seen=0),
+        progress=RunProgress(schedule=schedule),
+        global_batch=global_batch,
+        micro_batch_size=min(t.micro_batch_size, global_batch),
+        events=events,
+        guard=guard_settings(cfg.guard),
+        settings=StepSettings(t.precision, t.max_grad_norm, t.kl_coef),
+        files=files,
+        sinks=sinks,
+        strategy=strategy,
+        budget=MemoryBudget(budget),
+        hooks=hooks,
+        levers=levers_message(
+            int(cfg.data.max_seq_len), t.gradient_checkpointing is True, cfg.method.name
+        ),
+        stop=stop,
+        stats=stats if stats is not None else StepStats(),
+    )
+
+
+def preference_objective(
+    cfg: Config,
+    run: RunSetup,
+    trainer: Trainer,
+    trained: nn.Module,
+    strategy: ParallelStrategy,
+    device: torch.device,
+    pad_id: int,
+    log: Log,
+) -> None:
+    """Give the trainer its preference objective's step (and the reference it needs)."""
+    assert run.preference is not None
+    if not isinstance(strategy, SingleProcess):
+        raise ConfigError(
+            f"train.objective={cfg.train.objective}: not yet under torchrun (one process "
+            "only in this version); run it without torchrun"
+        )
+    trainer.objective = run.preference.step(cfg)
+    if trainer.objective.spec.needs_reference and METHODS[cfg.method.name].trains_base_weights:
+        # Before start_state: a resume's restore has not yet put the trained weights in.
+        trainer.objective = with_reference(
+            trainer.objective, trained, device, cfg.train.precision, pad_id
+        )
+        log(
+            f"reference: the log-probs of {len(run.train_data.examples)} sequences, "
+            f"computed once by the model before training (method.name={cfg.method.name} "
+            "keeps no second copy)"
+        )
+
+
+def start_state(tr: Trainer, cfg: Config, plan: ResumePlan, log: Log) -> None:
+    """Resume or continue as `plan` says, record the run, lift a pause, and make sure a
+    rollback has a checkpoint to go to."""
+    files = tr.files
+    if plan.action != "fresh":
+        check_weights_fit(plan, tr.params)
+        tr.restore(log)
+        use_schedule(tr.scheduler, recorded_schedule(tr.progress, cfg.train))
+        if plan.action == "force":
+            lr = cfg.train.lr if cfg.train.lr is not None else DEFAULT_LR[cfg.method.name]
+            apply_force(
+                optimizer=tr.optimizer,
+                scheduler=tr.scheduler,
+                params=tr.params,
+                state=tr.state,
+                progress=tr.progress,
+                t=cfg.train,
+                lr=lr,
+                plan=plan,
+                log=log,
+            )
+    if files.write_config:
+        write_file(files.run_dir / "config.yaml", files.config_yaml)
+    if plan.action == "force":
+        # The checkpoint holds the forced settings before the record says the run has them.
+        tr.save()
+    main = tr.strategy.is_main_process
+    if main:
+        write_record(files.run_dir, plan.fingerprint, plan.split)
+        lift_pause(files.run_dir / PAUSED_MARKER, tr.events, tr.state.step, log)
+    g = cfg.guard
+    rollback_on = "rollback" in (g.nonfinite, g.loss_spike, g.grad_norm)
+    none_yet = rollback_on and main and latest_checkpoint(files.ckpt_dir) is None
+    if tr.strategy.agree(int(none_yet)):  # every rank saves, or none
+        tr.save()

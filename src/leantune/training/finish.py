@@ -1,0 +1,82 @@
+"""The end of a run: final/ (the trained model as plain tools read it), the closing evaluation
+and summary.json."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from leantune.core.allocator import mapped_allocator
+from leantune.core.precision import pick_device
+from leantune.methods.artifacts import save_final
+from leantune.methods.registry import apply_method, merge_for_inference
+from leantune.models.loading import resolve_model
+from leantune.monitor.metrics import memory_stats
+from leantune.monitor.report import report_at_end
+from leantune.training.build import Session, base_model
+from leantune.training.evaluation import evaluate_after
+from leantune.training.run.summary import write_summary
+from leantune.training.run_setup import seed_everything
+
+Log = Callable[[str], None]
+
+
+def finish(session: Session, *, log: Log, started: float) -> dict[str, Any]:
+    """Write final/, run the closing evaluation and write summary.json."""
+    s, tr = session, session.trainer
+    cfg, files = s.cfg, tr.files
+    memory = {"train_peak_mem_bytes": memory_stats(tr.device)["peak_mem_bytes"]}
+    if s.load_peak_bytes is not None:
+        memory["load_peak_mem_bytes"] = s.load_peak_bytes
+    model = tr.strategy.final_model(s.model, lambda: _rebuilt(s))
+    if model is None:  # not the main process: it helped gather the weights, and is done
+        return {}
+    save_final(
+        model,
+        s.tokenizer,
+        files.run_dir / "final",
+        _base_path(cfg.model.path),
+        base_gguf_file=cfg.model.gguf_file,
+        rope_scaling=cfg.model.rope_scaling,
+        quantization=s.quantization,
+    )
+    results: dict[str, Any] = {"final_train_loss": tr.progress.last_loss, **memory}
+    if s.eval_inputs is not None:
+        merge_for_inference(model)
+        preds = files.run_dir / "eval_predictions.jsonl" if cfg.train.eval_exact_match else None
+        results |= evaluate_after(
+            model, s.eval_inputs, s.eval_settings, predictions_file=preds, step=tr.state.step
+        )
+    results["wall_time_s"] = round(time.perf_counter() - started, 2)  # this invocation
+    if pick_device(cfg.train.device).type == "cpu":
+        results["allocator"] = mapped_allocator()[0]  # what ran, for comparing runs
+    summary = write_summary(
+        files.run_dir,
+        tr.state,
+        tr.progress,
+        s.coverage.trainable,
+        s.coverage.total,
+        results,
+        log,
+        adapted=s.coverage.as_dict(),
+    )
+    if cfg.monitor.report:
+        report_at_end(files.run_dir, log)
+    return summary
+
+
+def _rebuilt(s: Session) -> nn.Module:
+    """The base model with the method applied again, unsharded (FSDP2's final/ on rank 0)."""
+    device = pick_device(s.cfg.train.device)
+    source = resolve_model(s.cfg.model.path, s.cfg.model.gguf_file)
+    seed_everything(s.cfg.train.seed)
+    return apply_method(base_model(s.cfg, source, s.quantization, device), s.cfg.method)
+
+
+def _base_path(path: str) -> str:
+    p = Path(path).expanduser()
+    return str(p.resolve()) if p.exists() else path
