@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from leantune.config import Config, field_docs, field_roles, refused_reasons
-from leantune.config.roles import FREE, RECORDED, Role, UnclassifiedField
+from leantune.config.roles import FREE, MEANINGS, RECORDED, Role, UnclassifiedField
 from leantune.training.run.fingerprint import (
     BATCH_KEY,
     CONTENT_KEYS,
@@ -21,6 +21,7 @@ def test_every_field_of_every_section_has_a_role() -> None:
     roles = field_roles()
     assert set(roles) == set(field_docs())  # the fields a user can set, section by section
     assert all(isinstance(role, Role) for role in roles.values())
+    assert set(MEANINGS) == set(Role)  # the docs can say what each one means
 
 
 def test_a_field_without_a_role_is_named() -> None:

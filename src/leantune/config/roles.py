@@ -18,27 +18,33 @@ from typing import Any
 
 
 class Role(StrEnum):
-    """A config field's part in the fingerprint of a run."""
+    """A config field's part in the fingerprint of a run (what each means: `MEANINGS`)."""
 
     SETTING = "setting"
-    """Recorded as configured, or as the run resolved it (``train.lr`` unset is the method's
-    default, ``data.max_seq_len=auto`` the data's longest example); resuming with another value
-    needs ``run.resume=force``, which says what the change does."""
     REFUSED = "refused"
-    """Recorded; a change is refused even with ``run.resume=force``: the checkpoint's weights or
-    optimizer state cannot be loaded with it."""
     CONTENT = "content"
-    """Recorded by the content digest of the file or directory it names (``model.files``,
-    ``data.train``), not by its path: a moved file is the same run, an edited one is not."""
     BATCH = "batch"
-    """Recorded as the global batch it makes (``train.global_batch``); another split of the same
-    global batch into micro-batches is free to change."""
     OBJECTIVE = "objective"
-    """Recorded when ``train.objective`` is a preference objective (an sft run's record holds
-    neither it nor the ``preference.*`` settings, as before they existed)."""
     FREE = "free"
-    """Not recorded: free to change on resume (where the run lives and how it is shown,
-    evaluation, checkpoint cadence, the guard, monitoring, memory and parallelism)."""
+
+
+MEANINGS: dict[Role, str] = {
+    Role.SETTING: "recorded as configured, or as the run resolved it (train.lr unset is the "
+    "method's default, data.max_seq_len=auto the data's longest example); resuming with another "
+    "value needs run.resume=force, which says what the change does",
+    Role.REFUSED: "recorded; a change is refused even with run.resume=force: the checkpoint's "
+    "weights or optimizer state cannot be loaded with it",
+    Role.CONTENT: "recorded by the content digest of the file or directory it names "
+    "(model.files, data.train), not by its path: a moved file is the same run, an edited one "
+    "is not",
+    Role.BATCH: "recorded as the global batch it makes (train.global_batch); another split of "
+    "the same global batch into micro-batches is free to change",
+    Role.OBJECTIVE: "recorded when train.objective is a preference objective (an sft run's "
+    "record holds neither it nor the preference.* settings)",
+    Role.FREE: "not recorded: free to change on resume (where the run lives and how it is "
+    "shown, evaluation, checkpoint cadence, the guard, monitoring, memory and parallelism)",
+}
+"""What each `Role` means to a resume, as the docs' config reference prints it."""
 
 
 ROLE_KEY = "fingerprint"
