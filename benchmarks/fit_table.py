@@ -4,7 +4,7 @@ vocabulary, 512-token rows, a global batch of 8, tcmalloc (what `leantune train`
 beside it what benchmarks/scale.py measured where it ran (benchmarks/results/scale-cpu.json).
 
 A machine of N GiB is taken to leave N - 1.5 GiB available (the OS and a shell), of which the
-planner's default budget is 90% (`memory.planner.SAFETY`). Each cell is the fastest setting
+planner's default budget is 90% (`memory.budget.SAFETY`). Each cell is the fastest setting
 the planner finds for that method within the budget (its margin included), or "no".
 Only config.json files are written: no weights, nothing downloaded.
 
@@ -23,8 +23,8 @@ from typing import Any
 
 from transformers import Qwen2Config
 
+from leantune.memory.budget import SAFETY
 from leantune.memory.estimate import GIB
-from leantune.memory.planner import SAFETY
 from leantune.training.checks import load_config
 from leantune.training.plan_report import plan
 

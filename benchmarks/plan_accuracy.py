@@ -194,7 +194,7 @@ def predict(name: str) -> int:
     """The planner's run peak (above the process baseline) for one grid point."""
     from leantune.config import MethodConfig
     from leantune.memory.estimate import StepSettings, estimate
-    from leantune.memory.planner import model_facts_for
+    from leantune.memory.inputs import model_facts_for
 
     model_name, method, mb, seq, ckpt, attn = GRID[name]
     facts = model_facts_for(

@@ -465,7 +465,7 @@ def test_no_row_by_row_tensor_is_kept() -> None:
     """sdpa keeps a (row x row) float mask per block for backward; segments keep nothing of
     that size, and the memory planner counts it so."""
     from leantune.memory.estimate import StepSettings, estimate
-    from leantune.memory.planner import model_facts_for
+    from leantune.memory.inputs import model_facts_for
 
     width = 256
     rows = pack_examples(_examples([60, 50, 40, 40, 30, 20, 16], seed=2), seq_len=width)

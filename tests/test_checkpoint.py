@@ -283,7 +283,7 @@ def test_objects_beyond_weights_only_are_refused(tmp_path: Path) -> None:
 
 
 _CHILD = r"""
-import os, signal, sys
+import os, shutil, signal, sys
 from pathlib import Path
 
 import torch
@@ -330,7 +330,7 @@ elif point == "mid_rotation":
         (Path(path) / "model.safetensors").unlink()  # the marker survives, the weights do not
         die()
 
-    ck.shutil.rmtree = rmtree_halfway  # saving step 3 rotates step 1 away
+    shutil.rmtree = rmtree_halfway  # saving step 3 rotates step 1 away
     save(3, 3.0)
 sys.exit(3)
 """

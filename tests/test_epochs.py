@@ -325,12 +325,12 @@ def test_micro_batch_size_auto_is_the_default_for_own_data(
     rows = read_metrics(run / "metrics.jsonl")
     assert rows[0]["micro_batch_size"] * rows[0]["grad_accum"] == 8
     # Where the planner cannot model the run, a fixed micro-batch instead of a stop.
-    import leantune.memory.planner as planner
+    import leantune.memory.resolve as resolve
 
     def cannot(*args: object, **kwargs: object) -> None:
         raise ValueError("memory planner: cannot apply method.name=lora: needs real weights")
 
-    monkeypatch.setattr(planner, "plan_inputs", cannot)
+    monkeypatch.setattr(resolve, "plan_basis", cannot)
     other = tmp_path / "other"
     result = run_cli(
         own_data_args(tiny_llama_dir, data, other, "data.pack=false", "train.max_steps=1")
@@ -346,9 +346,9 @@ def test_micro_batch_size_auto_over_budget_trains_at_one_with_a_warning(
 ) -> None:
     """auto is the default: a prediction over the budget is advice, not a stop (an explicit
     train.memory_budget still stops a real out of memory at micro-batch 1 with exit 5)."""
-    import leantune.memory.planner as planner
+    import leantune.memory.budget as memory_budget
 
-    monkeypatch.setattr(planner, "default_budget", lambda device: 1000)
+    monkeypatch.setattr(memory_budget, "default_budget", lambda device: 1000)
     data = write_jsonl(tmp_path / "d.jsonl", chat_rows(8))
     run = tmp_path / "run"
     result = run_cli(own_data_args(tiny_llama_dir, data, run, "train.max_steps=1"))

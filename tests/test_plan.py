@@ -13,20 +13,22 @@ from conftest import plan_config_file, prepare_rows, tiny_llama_config
 from transformers import AutoModelForCausalLM
 
 from leantune.cli.app import main
-from leantune.config import ConfigError, MethodConfig, configured_global_batch
+from leantune.config import Config, ConfigError, MethodConfig, configured_global_batch
+from leantune.memory.budget import parse_size
 from leantune.memory.estimate import GIB, StepSettings, estimate
-from leantune.memory.planner import (
-    max_supervised_per_row,
-    model_facts_for,
-    parse_size,
-    recommend,
-    resolve_micro_batch,
-)
+from leantune.memory.inputs import PlanBasis, max_supervised_per_row, model_facts_for, plan_basis
+from leantune.memory.planner import recommend, resolve_micro_batch
 from leantune.methods.registry import apply_method, count_parameters
 from leantune.models.loss import token_loss_sum
 from leantune.training.checks import load_config
+from leantune.training.planning import plan_inputs
 
 METHODS = ["full", "lora", "dora", "ia3", "freeze"]
+
+
+def _basis(cfg: Config, device: str, *rows: int | None) -> PlanBasis:
+    """The planner's model facts and step for `cfg` (rows: supervised per row, longest)."""
+    return plan_basis(plan_inputs(cfg), device, *rows)
 
 
 def _real(method: str) -> torch.nn.Module:
@@ -242,7 +244,6 @@ def test_train_resolves_auto_and_logs_memory(
 ) -> None:
     from dataclasses import replace as dc_replace
 
-    from leantune.memory.planner import plan_inputs
     from leantune.monitor.metrics import read_metrics
     from leantune.training.recipe import train
 
@@ -264,7 +265,7 @@ def test_train_resolves_auto_and_logs_memory(
     data = prepare_rows(cfg.data.train, "chat", tokenizer, 64, False)
     longest = max(len(r.input_ids) for r in data.rows)
     labels = [r.labels for r in data.rows]
-    inputs = plan_inputs(cfg, "cpu", max_supervised_per_row(labels), longest)
+    inputs = _basis(cfg, "cpu", max_supervised_per_row(labels), longest)
     peak = {
         mb: estimate(inputs.facts, dc_replace(inputs.step, micro_batch=mb)).needed for mb in (2, 4)
     }
@@ -288,15 +289,14 @@ def test_unpacked_rows_are_planned_at_their_real_length(
 ) -> None:
     """A micro-batch is padded to its longest row: with short unpacked rows the activations are
     those of that length, not of data.max_seq_len."""
-    from leantune.memory.planner import plan_inputs
     from leantune.training.plan_report import row_stats_from_data
 
     cfg = load_config(_config_file(tmp_path, tiny_llama_dir), ["data.pack=false"])
     supervised, longest, rows, examples = row_stats_from_data(cfg)
     assert rows == examples == 8  # unpacked
     assert longest is not None and supervised is not None and longest < cfg.data.max_seq_len
-    short = plan_inputs(cfg, "cpu", supervised, longest)
-    full = plan_inputs(cfg, "cpu", supervised)
+    short = _basis(cfg, "cpu", supervised, longest)
+    full = _basis(cfg, "cpu", supervised)
     assert (short.step.seq_len, full.step.seq_len) == (longest, cfg.data.max_seq_len)
     assert (
         estimate(short.facts, short.step).activations < estimate(full.facts, full.step).activations
@@ -328,14 +328,14 @@ def test_plan_recommends_low_bit_optimizer_state_when_adamw_does_not_fit(
 ) -> None:
     """A full fine-tune over a budget that adamw misses even at micro-batch 1 with gradient
     checkpointing, and 8-bit state meets: the checklist's next step is the optimizer."""
-    from leantune.memory.planner import available_optimizers, plan_inputs
+    from leantune.memory.planner import available_optimizers
     from leantune.training.plan_report import plan
 
     lighter = available_optimizers("cpu")
     if not lighter:
         pytest.skip("neither bitsandbytes nor torchao is installed")
     cfg = load_config(_config_file(tmp_path, tiny_llama_dir), ["method.name=full"])
-    inputs = plan_inputs(cfg, "cpu")
+    inputs = _basis(cfg, "cpu")
     smallest = replace(inputs.step, micro_batch=1, gradient_checkpointing=True)
     adamw = estimate(inputs.facts, smallest).needed
     low_bit = estimate(inputs.facts, replace(smallest, optimizer=lighter[-1])).needed
@@ -357,7 +357,7 @@ def test_gradient_checkpointing_auto_turns_on_only_when_needed(
 
     import leantune.training.build as build
     import leantune.training.recipe as recipe
-    from leantune.memory.planner import plan_for_run, plan_inputs
+    from leantune.memory.resolve import plan_for_run
 
     overrides = [
         "data.pack=false",
@@ -374,7 +374,7 @@ def test_gradient_checkpointing_auto_turns_on_only_when_needed(
     data = prepare_rows(cfg.data.train, "chat", tokenizer, 64, False)
     labels = [r.labels for r in data.rows]
     longest = max(len(r.input_ids) for r in data.rows)
-    inputs = plan_inputs(cfg, "cpu", max_supervised_per_row(labels), longest)
+    inputs = _basis(cfg, "cpu", max_supervised_per_row(labels), longest)
     assert inputs.step.gradient_checkpointing is False
 
     def peak(mb: int, ckpt: bool) -> int:
@@ -383,23 +383,23 @@ def test_gradient_checkpointing_auto_turns_on_only_when_needed(
 
     assert peak(1, True) < peak(1, False)
     roomy = dc_replace(cfg, train=dc_replace(cfg.train, memory_budget=str(10 * peak(4, False))))
-    t, memory = plan_for_run(roomy, "cpu", labels)
+    t, memory = plan_for_run(plan_inputs(roomy), "cpu", labels)
     assert t.gradient_checkpointing is False and "checkpointing" not in memory.note
     tight_budget = str((peak(1, True) + peak(1, False)) // 2)
     tight = dc_replace(cfg, train=dc_replace(cfg.train, memory_budget=tight_budget))
-    t, memory = plan_for_run(tight, "cpu", labels)
+    t, memory = plan_for_run(plan_inputs(tight), "cpu", labels)
     assert t.gradient_checkpointing is True and t.micro_batch_size * t.grad_accum == 4
     assert "gradient checkpointing on (gradient_checkpointing=auto)" in memory.note
     # A configured micro-batch: the same decision for it.
     fixed = dc_replace(tight, train=dc_replace(tight.train, micro_batch_size=1, grad_accum=4))
-    t, memory = plan_for_run(fixed, "cpu", labels)
+    t, memory = plan_for_run(plan_inputs(fixed), "cpu", labels)
     assert t.gradient_checkpointing is True and "would not fit" in memory.note
     # An explicit false is kept (the prediction then warns), and prefix never checkpoints.
     off = dc_replace(tight, train=dc_replace(tight.train, gradient_checkpointing=False))
-    t, memory = plan_for_run(off, "cpu", labels)
+    t, memory = plan_for_run(plan_inputs(off), "cpu", labels)
     assert t.gradient_checkpointing is False and memory.note.startswith("warning:")
     prefix = dc_replace(tight, method=dc_replace(tight.method, name="prefix"))
-    assert plan_for_run(prefix, "cpu", labels)[0].gradient_checkpointing is False
+    assert plan_for_run(plan_inputs(prefix), "cpu", labels)[0].gradient_checkpointing is False
 
     # End to end: the run under the tight budget enables checkpointing on its model.
     calls: list[object] = []

@@ -12,14 +12,17 @@ import pytest
 from conftest import plan_config_file, tiny_llama_config
 from transformers import LlamaForCausalLM, Qwen2Config
 
-import leantune.memory.planner as planner
+import leantune.memory.budget as memory_budget
 from leantune.cli.app import main
 from leantune.config import MethodConfig
 from leantune.core.allocator import train_allocator
 from leantune.errors import UserError
 from leantune.memory.estimate import FIT_MARGIN, GIB, RUNTIME_OVERHEAD, StepSettings, estimate
-from leantune.memory.planner import WeightOption, model_facts_for, plan_for_run, recommend
+from leantune.memory.inputs import model_facts_for, plan_basis
+from leantune.memory.planner import WeightOption, recommend
+from leantune.memory.resolve import plan_for_run
 from leantune.training.checks import load_config
+from leantune.training.planning import plan_inputs
 
 
 def _config_file(tmp_path: Path, model_dir: Path, train: str) -> Path:
@@ -142,33 +145,34 @@ def test_a_fixed_micro_batch_that_cannot_fit_is_refused_before_loading(
     memory but not its margin is a warning; both name the levers."""
     import leantune.training.build as build
     import leantune.training.recipe as recipe
-    from leantune.memory.planner import plan_inputs
 
     cfg = load_config(
         _config_file(tmp_path, tiny_llama_dir, "{micro_batch_size: 4, grad_accum: 2}"),
         [f"run.dir={tmp_path / 'run'}", "run.progress=false", "train.max_steps=1"],
     )
-    inputs = plan_inputs(cfg, "cpu", 64, 64)
+    inputs = plan_basis(plan_inputs(cfg), "cpu", 64, 64)
     live = estimate(inputs.facts, inputs.step).peak
     loads: list[object] = []
     monkeypatch.setattr(build, "load_model", lambda *a, **k: loads.append(a))
     # Less than the runtime alone (whatever the rows' lengths): certainly cannot fit.
-    monkeypatch.setattr(planner, "available_memory", lambda device: RUNTIME_OVERHEAD["cpu"] // 2)
+    monkeypatch.setattr(
+        memory_budget, "available_memory", lambda device: RUNTIME_OVERHEAD["cpu"] // 2
+    )
     with pytest.raises(UserError) as refused:
         recipe.train(cfg, log=lambda _: None)
     message = str(refused.value)
     assert loads == [] and all(lever in message for lever in LEVERS), message
     assert "train.memory_budget" in message
     # Room for the live tensors but not for the margin: a warning, and the run goes on.
-    monkeypatch.setattr(planner, "available_memory", lambda device: int(live * 1.2))
+    monkeypatch.setattr(memory_budget, "available_memory", lambda device: int(live * 1.2))
     labels = [[1] * 64] * 8
-    t, memory = plan_for_run(cfg, "cpu", labels)
+    t, memory = plan_for_run(plan_inputs(cfg), "cpu", labels)
     assert t.micro_batch_size == 4
     assert memory.note.startswith("warning:") and all(x in memory.note for x in LEVERS)
     assert "train.memory_budget" in memory.note
     # Plenty of memory: no warning.
-    monkeypatch.setattr(planner, "available_memory", lambda device: 64 * GIB)
-    assert not plan_for_run(cfg, "cpu", labels)[1].note.startswith("warning:")
+    monkeypatch.setattr(memory_budget, "available_memory", lambda device: 64 * GIB)
+    assert not plan_for_run(plan_inputs(cfg), "cpu", labels)[1].note.startswith("warning:")
 
 
 QWEN25_7B = {

@@ -285,18 +285,19 @@ def test_the_memory_planner_plans_with_the_resolved_precision(
     slowdown: float,
     expected: str,
 ) -> None:
-    from leantune.memory.planner import plan_inputs
+    from leantune.memory.inputs import plan_basis
     from leantune.training.plan_report import format_text, plan
+    from leantune.training.planning import plan_inputs
 
     use_probe(monkeypatch, slowdown)
     data = chat_file(tmp_path)
     cfg = load_config(None, [f"model.path={tiny_llama_dir}", f"data.train={data}"])
     cfg.train.precision = "auto"  # as the default and the demo config have it
-    assert plan_inputs(cfg, "cpu").step.precision == expected
+    assert plan_basis(plan_inputs(cfg), "cpu").step.precision == expected
     assert f"precision {expected}" in format_text(plan(cfg, "cpu"))
     # Planning for a GPU from a machine without one: bf16 or fp16 take the same memory.
     if not torch.cuda.is_available():
-        assert plan_inputs(cfg, "cuda").step.precision == "bf16"
+        assert plan_basis(plan_inputs(cfg), "cuda").step.precision == "bf16"
 
 
 @pytest.mark.parametrize(("slowdown", "warns"), [(SLOW, True), (FAST, False)])

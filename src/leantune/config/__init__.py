@@ -29,6 +29,8 @@ from leantune.config.schema import (
     RunConfig,
     TrainConfig,
     field_docs,
+    field_roles,
+    refused_reasons,
 )
 from leantune.config.validate import (
     COMPILE_ONE_PROCESS,
@@ -58,9 +60,11 @@ __all__ = [
     "describe_base",
     "dump_config",
     "field_docs",
+    "field_roles",
     "parse_memory_size",
     "parse_override",
     "read_config",
+    "refused_reasons",
     "set_field",
     "to_dict",
     "validate",

@@ -6,10 +6,11 @@ as one with 2B), so the section is free to change on resume, the world size incl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from leantune.config.parse import ConfigError
+from leantune.config.roles import FREE
 
 
 @dataclass
@@ -17,24 +18,24 @@ class DistConfig:
     """Data parallelism under torchrun: `torchrun --nproc-per-node N -m leantune train ...` or
     `leantune train --nproc N`."""
 
-    strategy: Literal["auto", "ddp", "fsdp2", "deepspeed"] = "auto"
+    strategy: Literal["auto", "ddp", "fsdp2", "deepspeed"] = field(default="auto", metadata=FREE)
     """auto: ddp when torchrun started this process (WORLD_SIZE set), else one process;
     ddp: every rank holds the whole model, gradients are all-reduced; fsdp2: parameters,
     gradients and optimizer state are sharded over the ranks (`fully_shard` per transformer
     block, then the root); deepspeed: DeepSpeed ZeRO at dist.zero_stage (an optional extra:
     pip install --no-build-isolation 'deepspeed==0.19.8')."""
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = field(default="auto", metadata=FREE)
     """Process-group backend; auto: nccl on CUDA, gloo on CPU."""
-    timeout_s: float = 600.0
+    timeout_s: float = field(default=600.0, metadata=FREE)
     """A collective that does not complete in this many seconds fails, naming the rank and
     the operation (a dead or hung peer)."""
-    cpu_offload: bool = False
+    cpu_offload: bool = field(default=False, metadata=FREE)
     """fsdp2 only: keep the sharded parameters, gradients and optimizer state in CPU memory
     (`CPUOffloadPolicy`), the optimizer step runs on the CPU."""
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool = field(default=True, metadata=FREE)
     """fsdp2 only: free each block's gathered parameters after its forward and gather them
     again for the backward (less memory, one more all-gather per block)."""
-    zero_stage: int = 3
+    zero_stage: int = field(default=3, metadata=FREE)
     """deepspeed only: 1 shards the optimizer state over the ranks, 2 the gradients too, 3 the
     parameters as well (gathered per module for its forward and backward)."""
 

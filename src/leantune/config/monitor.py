@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from leantune.config.parse import ConfigError
+from leantune.config.roles import FREE
 
 
 @dataclass
@@ -43,24 +44,24 @@ class MlflowConfig:
 class MonitorConfig:
     """Live metrics and the run report (metrics.jsonl and the progress bar are always on)."""
 
-    metrics_port: int | None = None
+    metrics_port: int | None = field(default=None, metadata=FREE)
     """Serve Prometheus metrics on this port at /metrics (and /health) while the run trains;
     off when unset, 0 picks a free port (logged). Only rank 0 serves in a distributed run."""
-    metrics_host: str = "127.0.0.1"
+    metrics_host: str = field(default="127.0.0.1", metadata=FREE)
     """Address the metrics endpoint binds to (127.0.0.1: this machine only; 0.0.0.0: all)."""
-    metrics_allowed_hosts: list[str] = field(default_factory=list)
+    metrics_allowed_hosts: list[str] = field(default_factory=list, metadata=FREE)
     """Host names a scrape may name besides localhost, IP addresses and this machine's host name
     (e.g. [metrics.example.org]); other names are refused (403) against DNS rebinding."""
-    tensorboard: bool = False
+    tensorboard: bool = field(default=False, metadata=FREE)
     """Write TensorBoard event files under <run dir>/tensorboard (needs the tensorboard extra)."""
-    wandb: WandbConfig | None = None
+    wandb: WandbConfig | None = field(default=None, metadata=FREE)
     """Log to Weights & Biases (needs the wandb extra), e.g. monitor.wandb.project=my-project;
     keys: project (required), entity, name (default run.name), mode (online | offline |
     disabled; default W&B's own). Off when unset."""
-    mlflow: MlflowConfig | None = None
+    mlflow: MlflowConfig | None = field(default=None, metadata=FREE)
     """Log to MLflow (needs the mlflow extra), e.g. monitor.mlflow.uri=file:/tmp/mlruns; keys:
     uri (required), experiment (default leantune), run_name (default run.name). Off when unset."""
-    report: bool = True
+    report: bool = field(default=True, metadata=FREE)
     """Write <run dir>/report.html at the end of the run (`leantune report` rebuilds it)."""
 
 

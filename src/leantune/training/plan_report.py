@@ -11,18 +11,18 @@ from leantune.data.packing import longest_example, rows_for
 from leantune.data.prepare.provenance import TokenizerMismatch
 from leantune.data.prepare.records import PrepareSettings
 from leantune.data.templates import apply_chat_template
+from leantune.memory.budget import budget_for
 from leantune.memory.estimate import GIB, MARGIN_MEASURED, estimate, margin_key
+from leantune.memory.inputs import max_supervised_per_row, plan_basis
 from leantune.memory.planner import (
     alternatives,
     available_optimizers,
-    budget_for,
     lighter_weights,
-    max_supervised_per_row,
-    plan_inputs,
     recommend,
 )
 from leantune.methods.checks import effective_pack
 from leantune.models.loading import load_tokenizer, resolve_model
+from leantune.training.planning import plan_inputs
 from leantune.training.run_setup import FALLBACK_CONTEXT, model_context, resolved_global_batch
 
 COMPONENTS = (
@@ -100,36 +100,37 @@ def plan(
     """
     supervised, longest, rows, examples = row_stats or row_stats_from_data(cfg)
     batch = min(resolved_global_batch(cfg.train, rows, examples), rows) if rows else None
-    inputs = plan_inputs(cfg, device, supervised, longest, batch, allocator)
-    limit = budget_for(cfg, device, budget)
-    configured = estimate(inputs.facts, inputs.step, inputs.weight_itemsize)
+    inputs = plan_inputs(cfg)
+    basis = plan_basis(inputs, device, supervised, longest, batch, allocator)
+    limit = budget_for(inputs.memory_budget, device, budget)
+    configured = estimate(basis.facts, basis.step, basis.weight_itemsize)
     best = recommend(
-        alternatives(cfg, inputs),
+        alternatives(inputs, basis),
         cfg.method.name,
-        inputs.step,
-        inputs.global_batch,
+        basis.step,
+        basis.global_batch,
         limit,
-        inputs.weight_itemsize,
+        basis.weight_itemsize,
         available_optimizers(device),
-        lighter_weights(cfg, device, supervised, longest, batch, allocator),
+        lighter_weights(inputs, device, supervised, longest, batch, allocator),
     )
     return {
         "device": device,
         "allocator": allocator if device == "cpu" else None,
-        "margin_of": margin_key(device, allocator, inputs.step.weight_quant is not None),
+        "margin_of": margin_key(device, allocator, basis.step.weight_quant is not None),
         "budget": limit,
         "fits": configured.needed <= limit,
         "configured": {
             "method": cfg.method.name,
-            "micro_batch": inputs.step.micro_batch,
-            "grad_accum": inputs.global_batch // inputs.step.micro_batch,
-            "seq_len": inputs.step.seq_len,
-            "supervised_per_row": inputs.step.supervised_per_row,
-            "gradient_checkpointing": inputs.step.gradient_checkpointing,
-            "optimizer": inputs.step.optimizer,
-            "precision": inputs.step.precision,
-            "trainable_params": inputs.facts.trainable_params,
-            "total_params": inputs.facts.total_params,
+            "micro_batch": basis.step.micro_batch,
+            "grad_accum": basis.global_batch // basis.step.micro_batch,
+            "seq_len": basis.step.seq_len,
+            "supervised_per_row": basis.step.supervised_per_row,
+            "gradient_checkpointing": basis.step.gradient_checkpointing,
+            "optimizer": basis.step.optimizer,
+            "precision": basis.step.precision,
+            "trainable_params": basis.facts.trainable_params,
+            "total_params": basis.facts.total_params,
             "breakdown": configured.as_dict(),
         },
         "recommended": best.as_dict() if best is not None else None,

@@ -51,11 +51,12 @@ from leantune.data.dataset import PreparedData, check_token_range, prepared_data
 from leantune.data.packing import longest_example, rows_for
 from leantune.data.prepare.pipeline import read_report
 from leantune.data.prepare.settings import engine_options, settings_from_config
-from leantune.memory.planner import PlannedMemory, plan_for_run
+from leantune.memory.resolve import PlannedMemory, plan_for_run
 from leantune.methods.checks import effective_pack
 from leantune.models.loading import ModelSource
 from leantune.objectives.checks import objective_data_format
 from leantune.training.guard.detect import GuardSettings
+from leantune.training.planning import plan_inputs
 from leantune.training.preference_setup import PreferenceRun, load_preference_data
 from leantune.training.run.fingerprint import run_fingerprint
 from leantune.training.run.resume import ResumePlan, plan_run
@@ -407,9 +408,15 @@ def set_up_run(
     # The fingerprint holds the configured micro-batch split (auto, or the numbers given).
     plan = plan_run(cfg, location, gguf_file, log)
     labels = [r.labels for r in train_data.rows]
-    t, memory = plan_for_run(cfg, device, labels, batch, mapped_allocator()[0])
+    split, memory = plan_for_run(plan_inputs(cfg), device, labels, batch, mapped_allocator()[0])
     log(memory.note)
-    cfg = dataclasses.replace(cfg, train=t)
+    train = dataclasses.replace(
+        cfg.train,
+        micro_batch_size=split.micro_batch_size,
+        grad_accum=split.grad_accum,
+        gradient_checkpointing=split.gradient_checkpointing,
+    )
+    cfg = dataclasses.replace(cfg, train=train)
     return RunSetup(cfg, plan, train_data, eval_data, batch, memory, preference)
 
 

@@ -28,11 +28,11 @@ from leantune.training.parallel.world import World
 from leantune.training.state.checkpoint import (
     Checkpoint,
     CheckpointError,
-    _newest_complete,
-    _step_dir_name,
     load_checkpoint,
     resume_checkpoint,
 )
+from leantune.training.state.format import step_dir_name
+from leantune.training.state.reading import newest_complete
 
 
 def _sum_hook(
@@ -100,9 +100,9 @@ class DDPStrategy(c.OverWorld):
         it worked (a refused save, e.g. weights gone NaN, raises on every rank alike)."""
         bad = [n for n, p in parts.params.items() if not bool(p.detach().isfinite().all())]
         if bad:  # the same weights on every rank: each refuses alike (exit 4 everywhere)
-            raise diverged(parts.state.step, bad, _newest_complete(root))
+            raise diverged(parts.state.step, bad, newest_complete(root))
         error: BaseException | None = None
-        path = root / _step_dir_name(parts.state.step)
+        path = root / step_dir_name(parts.state.step)
         if self.world.is_main:
             try:
                 path = SingleProcess().save_checkpoint(root, parts)

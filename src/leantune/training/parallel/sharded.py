@@ -36,6 +36,9 @@ from leantune.training.parallel.world import World
 from leantune.training.state import checkpoint as ck
 from leantune.training.state import verify
 from leantune.training.state.checkpoint import Checkpoint, CheckpointError
+from leantune.training.state.files import clear, fsync_dir, write_text_durable
+from leantune.training.state.format import TMP_PREFIX, step_dir_name
+from leantune.training.state.reading import newest_complete
 
 _TRAINABLE = StateDictOptions(ignore_frozen_params=True)
 
@@ -60,9 +63,9 @@ def save(world: World, root: Path, model: nn.Module, parts: CheckpointParts) -> 
     local = [_local(p) for p in parts.params.values()]
     if c.nonfinite_anywhere(world, local):
         bad = [n for n, t in zip(parts.params, local, strict=True) if not t.isfinite().all()]
-        raise diverged(step, bad or ["(a shard on another rank)"], ck._newest_complete(root))
-    name = ck._step_dir_name(step)
-    tmp = root / f"{ck._TMP_PREFIX}{name}-sharded"
+        raise diverged(step, bad or ["(a shard on another rank)"], newest_complete(root))
+    name = step_dir_name(step)
+    tmp = root / f"{TMP_PREFIX}{name}-sharded"
     _on_main(world, lambda: _fresh_dir(root, tmp), "prepare the checkpoint folder")
     state: dict[str, Any] = {"model": _trainable_state(model)}
     if parts.optimizer.state:  # a fresh optimizer has none (and DCP would make one up)
@@ -206,7 +209,7 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 def _fresh_dir(root: Path, tmp: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
-    ck._clear(tmp)
+    clear(tmp)
     tmp.mkdir()
 
 
@@ -223,7 +226,7 @@ def _commit(tmp: Path, final: Path, parts: CheckpointParts) -> None:
         torch.save(trainer_state, cast(IO[bytes], f))
         f.flush()
         os.fsync(f.fileno())
-    ck._write_text_durable(tmp / ck.STATE_JSON_FILE, ck._state_to_json(parts.state))
+    write_text_durable(tmp / ck.STATE_JSON_FILE, ck._state_to_json(parts.state))
     files = {}
     for file in sorted(p for p in tmp.rglob("*") if p.is_file()):
         name = file.relative_to(tmp).as_posix()
@@ -235,8 +238,8 @@ def _commit(tmp: Path, final: Path, parts: CheckpointParts) -> None:
         "files": files,
     }
     ck._write_marker(tmp, manifest)
-    ck._fsync_dir(tmp / ck.SHARDED_DIR)
-    ck._fsync_dir(tmp)
+    fsync_dir(tmp / ck.SHARDED_DIR)
+    fsync_dir(tmp)
     ck._install(tmp, final)
     ck._rotate(final.parent, parts.keep_last, final)
 

@@ -43,6 +43,8 @@ from leantune.training.parallel.parts import CheckpointParts, SyncScope, Warn
 from leantune.training.parallel.world import World, WorldSizeMismatch
 from leantune.training.state import checkpoint as ck
 from leantune.training.state.checkpoint import Checkpoint, CheckpointError
+from leantune.training.state.format import step_dir_name
+from leantune.training.state.reading import newest_complete
 
 _ADAM_STATE = ("exp_avg", "exp_avg_sq")
 """torch AdamW's per-parameter state besides its step count (dist.strategy=deepspeed runs
@@ -230,10 +232,10 @@ class ZeroStrategy(c.OverWorld):
         weights = self._gather(parts.params, None)
         bad = [n for n, t in weights.items() if not bool(t.isfinite().all())]
         if bad:  # the gathered weights are the same on every rank: each refuses alike
-            raise diverged(parts.state.step, bad, ck._newest_complete(root))
+            raise diverged(parts.state.step, bad, newest_complete(root))
         optimizer = self._gather_optimizer(parts.params)
         error: BaseException | None = None
-        path = root / ck._step_dir_name(parts.state.step)
+        path = root / step_dir_name(parts.state.step)
         if self.world.is_main:
             try:
                 path = ck.save_checkpoint(

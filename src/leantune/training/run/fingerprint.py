@@ -1,25 +1,14 @@
 """The fingerprint of a run: everything that decides its trajectory, as flat ``section.field`` keys.
 
-Two runs with the same fingerprint compute the same steps: the same base model (its files'
-contents, ``model.files``, and its shapes, ``model.architecture``), the same data (the train
-file's contents, or a prepared directory's cache key, ``data.train``) and data settings, the same
-method settings, optimiser, schedule, seed and global batch (``train.global_batch``: how the batch
-is split into micro-batches does not change the result beyond float rounding, and an OOM recovery
-changes the split itself). ``train.lr`` is resolved to the method's default when unset;
-``data.max_seq_len``, ``data.pack`` and ``train.max_steps`` are the values the run resolved from
-its data and method (``training.run_setup``), next to the ``train.epochs`` they came from.
-``train.precision`` is the one the run trains in (``auto`` resolved by ``core.precision``).
-A preference run adds ``train.objective`` and the ``preference.*`` settings (an SFT run's
-fingerprint has neither, as before they existed).
-
-Not in the fingerprint, so free to change between a run and its resume: ``run.*``, evaluation
-(``data.eval``, ``train.eval_*``, ``max_new_tokens``), ``save_every``, ``keep_last``, the guard
-(``guard.*``: it only acts on anomalies, and relaxing it after a pause is how a run goes on),
-``train.device``, ``memory_budget``, ``gradient_checkpointing`` (same numbers, other memory),
-``compile`` (the same computation, compiled),
-``micro_batch_size``/``grad_accum`` at the same global batch, ``model.trust_remote_code`` and the
-data preparation engine and cache (``data.cache_dir``, ``engine``, ``scheduler``, ``partition_mb``,
-``max_bad_fraction``).
+Two runs with the same fingerprint compute the same steps. Which config fields are in it is each
+field's `config.roles.Role`, declared on the field (`config.schema.field_roles`): the
+``setting``, ``refused`` and (for a preference objective) ``objective`` fields are recorded
+under their own keys, as the run resolved them (``train.lr`` unset is the method's default;
+``data.max_seq_len``, ``data.pack`` and ``train.max_steps`` come from the data and method,
+``training.run_setup``; ``train.precision`` is the one the run trains in); the ``batch`` fields
+as the ``train.global_batch`` they make (how it is split into micro-batches does not change the
+result beyond float rounding, and an OOM recovery changes the split itself); the ``content``
+fields by the digests of what they name. ``free`` fields are not in it.
 
 Every input the run reads is in it by content: the model directory's files (weights, config,
 tokenizer files and chat template: ``model.files``), the train data (``data.train``) and the Jinja
@@ -35,40 +24,51 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from leantune.config import Config, configured_global_batch
+from leantune.config import (
+    DataConfig,
+    MethodConfig,
+    ModelConfig,
+    TrainConfig,
+    configured_global_batch,
+    field_roles,
+)
+from leantune.config.preference import PreferenceConfig
+from leantune.config.roles import RECORDED, Role
 from leantune.core.digests import content_digest, local_model_dir, model_digest
 from leantune.data.prepare.pipeline import read_report
 from leantune.data.templates import is_builtin, template_text
 from leantune.methods.registry import DEFAULT_LR
 
-DATA_FIELDS = (
-    "format",
-    "max_seq_len",
-    "pack",
-    "system_prompt",
-    "system_message",
-    "clean",
-    "dedup",
-    "near_dup_threshold",
-    "min_tokens",
-    "truncate",
-    "chat_template",
-)
-MODEL_FIELDS = ("dtype", "attn_implementation", "rope_scaling")
-TRAIN_FIELDS = (
-    "optimizer",
-    "weight_decay",
-    "warmup_ratio",
-    "min_lr_ratio",
-    "max_grad_norm",
-    "max_steps",
-    "epochs",
-    "kl_coef",
-    "precision",
-    "seed",
-)
+CONTENT_KEYS = {
+    "model.path": "model.files",
+    "model.gguf_file": "model.files",
+    "data.train": "data.train",
+}
+"""The `Role.CONTENT` fields -> the fingerprint key that holds the digest of what they name."""
+BATCH_KEY = "train.global_batch"
+"""The fingerprint key of the global batch the `Role.BATCH` fields make."""
+RESOLVED_LR = "train.lr"
+"""Recorded as the method's default LR when unset."""
+
+
+class RecordedSections(Protocol):
+    """The config sections a fingerprint reads (`Config` is one): every field of the others
+    (run, guard, monitor, dist) is `Role.FREE`."""
+
+    @property
+    def model(self) -> ModelConfig: ...
+    @property
+    def data(self) -> DataConfig: ...
+    @property
+    def method(self) -> MethodConfig: ...
+    @property
+    def train(self) -> TrainConfig: ...
+    @property
+    def preference(self) -> PreferenceConfig: ...
+
+
 # The config.json keys that decide the shapes of a model's weights.
 ARCHITECTURE_KEYS = (
     "model_type",
@@ -129,24 +129,20 @@ def _hashed(value: Any, source: str | None) -> str:
     return f"{Path(source).name} ({kind} {digest[:12]})"
 
 
-def trajectory_settings(cfg: Config) -> dict[str, Any]:
-    """The fingerprint fields that come from the config alone (no file is read)."""
+def trajectory_settings(cfg: RecordedSections) -> dict[str, Any]:
+    """The fingerprint fields that come from the config alone (no file is read), in the
+    schema's order."""
     t = cfg.train
+    preference = t.objective != "sft"  # absent for sft: the runs recorded before keep their names
     fields: dict[str, Any] = {}
-    for name in MODEL_FIELDS:
-        fields[f"model.{name}"] = _plain(getattr(cfg.model, name))
-    for name in DATA_FIELDS:
-        fields[f"data.{name}"] = _plain(getattr(cfg.data, name))
-    for f in dataclasses.fields(cfg.method):
-        fields[f"method.{f.name}"] = _plain(getattr(cfg.method, f.name))
-    for name in TRAIN_FIELDS:
-        fields[f"train.{name}"] = _plain(getattr(t, name))
-    fields["train.lr"] = t.lr if t.lr is not None else DEFAULT_LR[cfg.method.name]
-    fields["train.global_batch"] = configured_global_batch(t)
-    if t.objective != "sft":  # absent for sft, so the runs recorded before keep their names
-        fields["train.objective"] = t.objective
-        for f in dataclasses.fields(cfg.preference):
-            fields[f"preference.{f.name}"] = _plain(getattr(cfg.preference, f.name))
+    for key, role in field_roles().items():
+        if role not in RECORDED or (role is Role.OBJECTIVE and not preference):
+            continue
+        section, name = key.split(".")
+        fields[key] = _plain(getattr(getattr(cfg, section), name))
+    if fields[RESOLVED_LR] is None:
+        fields[RESOLVED_LR] = DEFAULT_LR[cfg.method.name]
+    fields[BATCH_KEY] = configured_global_batch(t)
     return fields
 
 
@@ -159,7 +155,9 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def run_fingerprint(cfg: Config, model_location: str, gguf_file: str | None) -> Fingerprint:
+def run_fingerprint(
+    cfg: RecordedSections, model_location: str, gguf_file: str | None
+) -> Fingerprint:
     """The full fingerprint: config settings plus the digests of the model and train data.
 
     Args:

@@ -24,12 +24,12 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from safetensors import safe_open
 
-from leantune.config import Config, TrainConfig
+from leantune.config import RunConfig, TrainConfig, refused_reasons
 from leantune.core.optim import (
     Schedule,
     current_multiplier,
@@ -40,7 +40,13 @@ from leantune.core.optim import (
 )
 from leantune.core.precision import RESOLVED
 from leantune.errors import UserError
-from leantune.training.run.fingerprint import Change, Fingerprint, compare, run_fingerprint
+from leantune.training.run.fingerprint import (
+    Change,
+    Fingerprint,
+    RecordedSections,
+    compare,
+    run_fingerprint,
+)
 from leantune.training.run.rundir import RUN_FILE, RunRecord, read_record
 from leantune.training.state.checkpoint import WEIGHTS_FILE, TrainingState, newest_checkpoint
 from leantune.training.state.progress import RunProgress
@@ -48,11 +54,11 @@ from leantune.training.state.progress import RunProgress
 Log = Callable[[str], None]
 
 REFUSED: dict[str, str] = {
-    "method.name": "the checkpoint holds another method's weights",
+    **refused_reasons(),
     "model.architecture": "the checkpoint's weights are shaped for another model",
-    "train.optimizer": "another optimizer cannot load this one's state",
 }
-"""Fields whose change `run.resume=force` refuses, with why."""
+"""Fields whose change `run.resume=force` refuses, with why: the config's `Role.REFUSED` fields,
+and the base model's shapes (read from its config.json, `fingerprint.architecture`)."""
 
 FORCE_MEANINGS: dict[str, str] = {
     "train.lr": "the new peak LR: every LR from the next step on is the schedule's times the new "
@@ -78,6 +84,16 @@ FORCE_MEANINGS: dict[str, str] = {
 """What `run.resume=force` does with each accepted change (a key ending in "." is a section)."""
 
 _STEP_DIR = re.compile(r"step-(\d+)$")
+
+
+class ResumeSettings(RecordedSections, Protocol):
+    """What `plan_run` reads of a config (`Config` is one): the fingerprinted sections, and
+    where the run lives and whether it may continue."""
+
+    @property
+    def run(self) -> RunConfig: ...
+    @property
+    def run_dir(self) -> Path: ...
 
 
 class RunMismatch(UserError):
@@ -113,7 +129,7 @@ def meaning(key: str) -> str:
     return FORCE_MEANINGS.get(section, "applies from the next step")
 
 
-def plan_run(cfg: Config, location: str, gguf_file: str | None, log: Log) -> ResumePlan:
+def plan_run(cfg: ResumeSettings, location: str, gguf_file: str | None, log: Log) -> ResumePlan:
     """Fingerprint `cfg` and decide what to do with its run directory (nothing is written).
 
     Args:
