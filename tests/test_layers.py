@@ -227,12 +227,13 @@ def test_the_top_layer_imports_no_private_name(top: str) -> None:
     assert private == []
 
 
-def test_the_command_line_and_api_defer_an_import_only_with_a_reason() -> None:
-    """A function-local import of leantune in cli/ or api.py has its reason in a comment at its
-    line, or on the line before it or its block of imports (`leantune --help` stays fast through
+def test_every_import_inside_a_function_says_why() -> None:
+    """A function-local import of leantune's own modules hides a dependency: it stays only where
+    an optional or heavy dependency justifies it, with the reason in a comment at its line, or on
+    the line before it or its block of imports (`leantune --help` stays fast through
     `cli.app.command_function` alone)."""
     silent = []
-    for path in [SRC / "leantune" / "api.py", *(SRC / "leantune" / "cli").rglob("*.py")]:
+    for path in sorted((SRC / "leantune").rglob("*.py")):
         lines = path.read_text(encoding="utf-8").splitlines()
         for node, kind in _imports(ast.parse("\n".join(lines))):
             module = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
@@ -241,5 +242,7 @@ def test_the_command_line_and_api_defer_an_import_only_with_a_reason() -> None:
                 while lines[above].strip().startswith(("from ", "import ")):
                     above -= 1
                 if "#" not in lines[node.lineno - 1] and not lines[above].strip().startswith("#"):
-                    silent.append(f"{module_name(path)}:{node.lineno}")
-    assert silent == []
+                    silent.append(
+                        f"{module_name(path)}:{node.lineno}: {lines[node.lineno - 1].strip()}"
+                    )
+    assert silent == [], "\n".join(silent)
