@@ -25,6 +25,7 @@ import yaml
 from prometheus_client import generate_latest
 
 from leantune.cli.app import main
+from leantune.config import field_roles
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,11 +125,15 @@ def test_config_reference_has_every_field_with_its_default_and_doc() -> None:
     for key, default, doc in listed:
         assert key in rows, f"{key} is not in reference/config.md"
         assert rows[key][2] == default, key
-        assert rows[key][3] == doc.replace("`", ""), key  # `x` renders as code
+        assert rows[key][4] == doc.replace("`", ""), key  # `x` renders as code
     # Dataclasses only reachable through a type hint (None by default) are walked too.
     assert rows["model.rope_scaling.factor"][2] == "required"
-    assert rows["model.rope_scaling.factor"][3].startswith("Context extension factor")
-    assert rows["monitor.wandb.project"][3] == "W&B project to log to (required)."
+    assert rows["model.rope_scaling.factor"][4].startswith("Context extension factor")
+    assert rows["monitor.wandb.project"][4] == "W&B project to log to (required)."
+    # Each field's fingerprint role, from its metadata; a nested field has its section's.
+    for key, role in field_roles().items():
+        assert rows[key][3] == str(role), key
+    assert rows["monitor.wandb.project"][3] == str(field_roles()["monitor.wandb"])
 
 
 def test_metrics_reference_has_every_metric_a_scrape_shows() -> None:

@@ -33,7 +33,8 @@ from typing import Any
 from mkdocs.structure.files import File, Files
 
 import leantune
-from leantune.config import Config
+from leantune.config import Config, field_roles
+from leantune.config.roles import MEANINGS
 
 PACKAGE_DIR = Path(leantune.__file__).parent
 
@@ -215,6 +216,7 @@ class FieldRow:
     type: str
     default: str  # JSON as `validate --help-fields` prints it; "required" when none
     doc: str
+    role: str = ""  # its fingerprint role (config.roles); a nested field's is its section's
 
 
 def field_rows(cls: type, prefix: str) -> Iterator[tuple[str, list[FieldRow]]]:
@@ -231,11 +233,20 @@ def field_rows(cls: type, prefix: str) -> Iterator[tuple[str, list[FieldRow]]]:
             value = dataclasses.MISSING
         default = "required" if value is dataclasses.MISSING else _json(value)
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-        rows.append(FieldRow(f"{prefix}{f.name}", kind, default, docs.get(f.name, "")))
+        key = f"{prefix}{f.name}"
+        rows.append(FieldRow(key, kind, default, docs.get(f.name, ""), role_of(key)))
         nested += [(f"{prefix}{f.name}.", c) for c in nested_dataclasses(hints[f.name])]
     yield prefix.rstrip("."), rows
     for sub_prefix, sub in nested:
         yield from field_rows(sub, sub_prefix)
+
+
+def role_of(key: str) -> str:
+    """The fingerprint role of `key`, or of the section field that holds it (monitor.wandb.x)."""
+    roles = field_roles()
+    while key not in roles and "." in key:
+        key = key.rsplit(".", 1)[0]
+    return str(roles.get(key, ""))
 
 
 def _json(value: Any) -> str:
@@ -263,11 +274,20 @@ def config_page() -> str:
         "the same). Set a field in the YAML file under its section, or on the command line as "
         "`section.field=value` (`monitor.wandb.project=x` for a nested one).",
         "",
+        "Each field's *resume* column is its fingerprint role (`config.roles`, declared on the "
+        "field): what a change to it does to a run that resumes.",
+        "",
+        "| Role | On resume |",
+        "|---|---|",
+        *(f"| {code(str(role))} | {md(meaning)} |" for role, meaning in MEANINGS.items()),
+        "",
     ]
     for section, rows in config_fields():
-        out += [f"## {section}", "", "| Field | Type | Default | What it means |", "|" + "---|" * 4]
+        out += [f"## {section}", "", "| Field | Type | Default | Resume | What it means |"]
+        out += ["|" + "---|" * 5]
         out += [
-            f"| {code(r.key)} | {code(r.type)} | {code(r.default)} | {md(r.doc)} |" for r in rows
+            f"| {code(r.key)} | {code(r.type)} | {code(r.default)} | {code(r.role)} | {md(r.doc)} |"
+            for r in rows
         ]
         out.append("")
     return "\n".join(out)
