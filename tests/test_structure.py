@@ -36,7 +36,9 @@ def _functions(path: Path) -> Iterator[tuple[str, int]]:
             yield node.name, node.end_lineno - node.lineno + 1
 
 
-def test_no_function_over_80_lines_and_no_file_over_800() -> None:
+def test_no_function_over_80_lines_and_no_file_over_600() -> None:
+    """The budgets (issue 33): 600 lines leaves room below STYLE.md's ~800, so that a file grows
+    into a split by responsibility instead of being cut at the cap."""
     long_functions = [
         f"{p.relative_to(SRC)}:{name} ({n} lines)"
         for p in sorted(SRC.rglob("*.py"))
@@ -46,7 +48,7 @@ def test_no_function_over_80_lines_and_no_file_over_800() -> None:
     long_files = [
         f"{p.relative_to(SRC)} ({n} lines)"
         for p in sorted(SRC.rglob("*.py"))
-        if (n := len(p.read_text(encoding="utf-8").splitlines())) > 800
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > 600
     ]
     assert long_functions == [] and long_files == []
 
