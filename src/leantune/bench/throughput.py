@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from leantune.core.allocator import without_leantune_preload
+from leantune.layout import RunPaths
+from leantune.monitor.summary import finished_summary
 
 Log = Callable[[str], None]
 SYSTEMS = ("hf_trainer_peft", "leantune")
@@ -126,9 +128,10 @@ def hf_command(
 def _leantune_result(run_dir: Path) -> dict[str, Any]:
     from leantune.monitor.metrics import read_metrics
 
-    summary = json.loads((run_dir / "summary.json").read_text())
-    metrics = read_metrics(run_dir / "metrics.jsonl")
-    cfg = (run_dir / "config.yaml").read_text()
+    paths = RunPaths(run_dir)
+    summary = finished_summary(run_dir)
+    metrics = read_metrics(paths.metrics)
+    cfg = paths.config.read_text()
     return {
         "train_time_s": float(summary["train_time_s"]),
         "steps": int(summary["steps"]),
@@ -168,7 +171,7 @@ def one_run(
     result.update(system=system, method=method, rep=rep, peak_rss_bytes=rss, wall_s=wall)
     result["useful_tokens_per_s"] = result["useful_tokens"] / result["train_time_s"]
     result["step_time_s"] = result["train_time_s"] / max(1, result["steps"])
-    result["model_dir"] = str(out / ("final" if system == "leantune" else "model"))
+    result["model_dir"] = str(RunPaths(out).final if system == "leantune" else out / "model")
     log(
         f"{system:16s} {method:4s} rep {rep}: {result['useful_tokens_per_s']:.1f} useful tok/s, "
         f"{result['steps']} steps, peak RSS {rss / 2**30:.2f} GiB"

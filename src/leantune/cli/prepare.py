@@ -10,6 +10,7 @@ from typing import Any
 from leantune.data.formats import FORMATS
 from leantune.data.prepare.clean import RULES
 from leantune.data.prepare.settings import engine_options, settings_from_config
+from leantune.layout import PreparedPaths
 
 
 def _default(field: str) -> str:
@@ -188,7 +189,6 @@ def check_kept(report: dict[str, Any], out: str | Path) -> None:
     """
     from leantune.data.errors import DataError
     from leantune.data.formats import format_hint
-    from leantune.data.prepare.pipeline import REJECTED
 
     if report["rows_out"] > 0:
         return
@@ -197,9 +197,10 @@ def check_kept(report: dict[str, Any], out: str | Path) -> None:
     hint = None
     if 2 * report["dropped"].get("missing_field", 0) > report["rows_in"]:
         hint = format_hint(report["files"][0], report["settings"]["format"])
+    rejected = PreparedPaths(Path(out)).rejected
     raise DataError(
         f"prepare: kept 0 of {report['rows_in']} records of {files}; dropped: {dropped}; "
-        f"each rejected record, with its file, line and reason, is in {Path(out) / REJECTED}"
+        f"each rejected record, with its file, line and reason, is in {rejected}"
         + (f"\n{hint}" if hint else "")
     )
 

@@ -59,6 +59,7 @@ from leantune.core.threads import configure_threads
 from leantune.data.dataset import PreparedData
 from leantune.data.loader import SampleStream
 from leantune.data.templates import apply_chat_template
+from leantune.layout import RunPaths
 from leantune.methods.artifacts import save_final
 from leantune.methods.checks import effective_pack
 from leantune.methods.coverage import Coverage, coverage_of
@@ -84,8 +85,6 @@ from leantune.models.loading import (
 from leantune.models.output_head import output_head
 from leantune.models.quantize import Quantization
 from leantune.monitor.events import (
-    EVENTS_FILE,
-    PAUSED_MARKER,
     EventLog,
     OutOfMemoryAtMinimum,
     TrainingHalted,
@@ -194,7 +193,7 @@ def train(cfg: Config, log: Log = print, config_file: Path | None = None) -> dic
         try:
             return _lifecycle(cfg, source, run, stop, inputs, log, started, strategy)
         except Interrupted as exc:
-            raise _explained(exc, cfg.run_dir / "checkpoints") from None
+            raise _explained(exc, RunPaths(cfg.run_dir).checkpoints) from None
 
 
 def _lifecycle(
@@ -215,7 +214,7 @@ def _lifecycle(
         refused = refused_write(exc, cfg.run_dir)
         if refused is None:
             raise
-        raise with_resume_point(refused, cfg.run_dir / "checkpoints") from None
+        raise with_resume_point(refused, RunPaths(cfg.run_dir).checkpoints) from None
     if session.trainer.device.type == "cpu":  # the metrics' peaks are training's from here
         session.load_peak_bytes = start_training_memory()
     run.started = True  # from here on, a failure leaves the run directory as it is
@@ -310,7 +309,7 @@ def set_up(
     for note in notes:  # once the run directory's run is known to be this one
         log(note)
     files = _run_files(cfg, inputs, main)
-    events = EventLog(files.run_dir / EVENTS_FILE if main else None, log)
+    events = EventLog(RunPaths(files.run_dir).events if main else None, log)
     faults = FaultHooks()
     seed_everything(cfg.train.seed)
     # Tokenizer -> data: the data resolves the lengths, the steps and the micro-batch.
@@ -494,7 +493,7 @@ def _run_files(cfg: Config, inputs: list[Path], main: bool = True) -> RunFiles:
     run_dir = cfg.run_dir
     text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
     write = check_config_writable(run_dir, text, inputs) and main
-    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir = RunPaths(run_dir).checkpoints
     ckpt_dir.mkdir(exist_ok=True)
     return RunFiles(run_dir, ckpt_dir, cfg.train.keep_last, text, write)
 
@@ -644,14 +643,14 @@ def start_state(tr: Trainer, cfg: Config, plan: ResumePlan, log: Log) -> None:
                 log=log,
             )
     if files.write_config:
-        write_file(files.run_dir / "config.yaml", files.config_yaml)
+        write_file(RunPaths(files.run_dir).config, files.config_yaml)
     if plan.action == "force":
         # The checkpoint holds the forced settings before the record says the run has them.
         tr.save()
     main = tr.strategy.is_main_process
     if main:
         write_record(files.run_dir, plan.fingerprint, plan.split)
-        lift_pause(files.run_dir / PAUSED_MARKER, tr.events, tr.state.step, log)
+        lift_pause(RunPaths(files.run_dir).paused, tr.events, tr.state.step, log)
     g = cfg.guard
     rollback_on = "rollback" in (g.nonfinite, g.loss_spike, g.grad_norm)
     none_yet = rollback_on and main and latest_checkpoint(files.ckpt_dir) is None
@@ -763,7 +762,7 @@ def finish(session: Session, *, log: Log, started: float) -> dict[str, Any]:
     save_final(
         model,
         s.tokenizer,
-        files.run_dir / "final",
+        RunPaths(files.run_dir).final,
         _base_path(cfg.model.path),
         base_gguf_file=cfg.model.gguf_file,
         rope_scaling=cfg.model.rope_scaling,
@@ -772,7 +771,7 @@ def finish(session: Session, *, log: Log, started: float) -> dict[str, Any]:
     results: dict[str, Any] = {"final_train_loss": tr.progress.last_loss, **memory}
     if s.eval_inputs is not None:
         merge_for_inference(model)
-        preds = files.run_dir / "eval_predictions.jsonl" if cfg.train.eval_exact_match else None
+        preds = RunPaths(files.run_dir).eval_predictions if cfg.train.eval_exact_match else None
         results |= evaluate_after(
             model, s.eval_inputs, s.eval_settings, predictions_file=preds, step=tr.state.step
         )

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from leantune.layout import checkpoint_name
 from leantune.training.guard.divergence import diverged
 from leantune.training.parallel import collectives as c
 from leantune.training.parallel.parts import CheckpointParts, Warn
@@ -61,7 +62,7 @@ def save(world: World, root: Path, model: nn.Module, parts: CheckpointParts) -> 
     if c.nonfinite_anywhere(world, local):
         bad = [n for n, t in zip(parts.params, local, strict=True) if not t.isfinite().all()]
         raise diverged(step, bad or ["(a shard on another rank)"], ck._newest_complete(root))
-    name = ck._step_dir_name(step)
+    name = checkpoint_name(step)
     tmp = root / f"{ck._TMP_PREFIX}{name}-sharded"
     _on_main(world, lambda: _fresh_dir(root, tmp), "prepare the checkpoint folder")
     state: dict[str, Any] = {"model": _trainable_state(model)}

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from leantune.layout import checkpoint_name
 from leantune.models.loss import LossModule, WrappedLoss
 from leantune.training.guard.divergence import diverged
 from leantune.training.parallel import collectives as c
@@ -232,7 +233,7 @@ class ZeroStrategy(c.OverWorld):
             raise diverged(parts.state.step, bad, ck._newest_complete(root))
         optimizer = self._gather_optimizer(parts.params)
         error: BaseException | None = None
-        path = root / ck._step_dir_name(parts.state.step)
+        path = root / checkpoint_name(parts.state.step)
         if self.world.is_main:
             try:
                 path = ck.save_checkpoint(

@@ -56,6 +56,8 @@ from leantune.core.rng import capture_rng_state as capture_rng_state  # re-expor
 from leantune.core.rng import restore_rng_state as restore_rng_state  # re-exported
 from leantune.core.writes import OutputError
 from leantune.errors import UserError
+from leantune.layout import CHECKPOINT_MARKER as MARKER
+from leantune.layout import CHECKPOINT_PREFIX, checkpoint_name, checkpoint_step
 from leantune.training.guard.divergence import diverged
 from leantune.training.state import verify
 
@@ -63,7 +65,6 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2
 """2: the marker records each file's size and SHA-256; 1: sizes only."""
-MARKER = "COMPLETE"
 WEIGHTS_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 TRAINER_STATE_FILE = "trainer_state.pt"
@@ -76,8 +77,7 @@ _SHARDED_FILES = (TRAINER_STATE_FILE, STATE_JSON_FILE, f"{SHARDED_DIR}/.metadata
 
 _TMP_PREFIX = ".tmp-"
 _OLD_PREFIX = ".old-"
-_STEP_RE = re.compile(r"^step-(\d+)$")
-_OLD_RE = re.compile(r"^\.old-(step-\d+)-\d+$")
+_OLD_RE = re.compile(rf"^\.old-({CHECKPOINT_PREFIX}\d+)-\d+$")
 
 
 Warn = Callable[[str], None]
@@ -193,7 +193,7 @@ def save_checkpoint(
     if nonfinite:
         raise diverged(state.step, nonfinite, _newest_complete(root))
 
-    name = _step_dir_name(state.step)
+    name = checkpoint_name(state.step)
     final = root / name
     tmp = root / f"{_TMP_PREFIX}{name}-{os.getpid()}"
     try:
@@ -501,8 +501,8 @@ def resume_checkpoint(
 
 
 def _step_of(path: Path) -> int:
-    match = _STEP_RE.match(path.name)
-    return int(match[1]) if match else -1
+    step = checkpoint_step(path.name)
+    return step if step is not None else -1
 
 
 def load_checkpoint(path: Path, map_location: str = "cpu", warn: Warn | None = None) -> Checkpoint:
@@ -594,7 +594,7 @@ def _clean(root: Path) -> None:
         if entry.name.startswith(_TMP_PREFIX):
             logger.info("removing leftover of an interrupted save or delete: %s", entry)
             shutil.rmtree(entry)
-        elif _STEP_RE.match(entry.name) and not (entry / MARKER).exists():
+        elif checkpoint_step(entry.name) is not None and not (entry / MARKER).exists():
             logger.warning("removing incomplete checkpoint %s (no %s marker)", entry, MARKER)
             _remove_tree(entry)
 
@@ -607,8 +607,8 @@ def _scan(root: Path) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
     if not root.is_dir():
         return complete, damaged
     for entry in root.iterdir():
-        match = _STEP_RE.match(entry.name)
-        if match is None:
+        step = checkpoint_step(entry.name)
+        if step is None:
             continue
         if entry.is_symlink():
             link = f"is a symbolic link (to {os.readlink(entry)}), and leantune does not follow "
@@ -618,7 +618,7 @@ def _scan(root: Path) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
             continue
         problem = _problem(entry)
         if problem is None:
-            complete.append((int(match.group(1)), entry))
+            complete.append((step, entry))
         elif (entry / MARKER).exists():
             damaged.append((entry, problem))
     complete.sort(key=lambda item: item[0])
@@ -710,10 +710,6 @@ def _torch_load(path: Path, map_location: str, mmap: bool = False) -> Any:
 
 # ---------------------------------------------------------------------------------------------
 # Filesystem helpers
-
-
-def _step_dir_name(step: int) -> str:
-    return f"step-{step:06d}"
 
 
 def _write_text_durable(path: Path, text: str) -> str:
