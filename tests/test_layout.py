@@ -6,6 +6,7 @@ dashboard, resume and runs copied from older versions read back.
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -149,3 +150,47 @@ def test_a_run_writes_exactly_the_files_the_layout_names(
     final = ModelPaths(paths.final)
     own = (final.adapter_config, final.adapter_weights, final.base_pointer, final.tokenizer_config)
     assert all(entry.is_file() for entry in own), sorted(p.name for p in final.root.iterdir())
+
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "leantune"
+ALLOWED = {
+    # A checkpoint folder's own weights file, named like an HF model's by choice, not by rule.
+    ("training/state/checkpoint.py", "model.safetensors"),
+}
+
+
+def _spelled_names(tree: ast.Module, names: set[str]) -> list[tuple[int, str]]:
+    """Layout names written as string literals: a file name anywhere but in a docstring, a
+    folder name where a path is joined (``run_dir / "final"``)."""
+    docstrings: set[int] = set()
+    found = set()
+    for node in ast.walk(tree):  # breadth first: a docstring's statement comes before it
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            docstrings.add(id(node.value))
+        elif isinstance(node, ast.Constant) and node.value in names and id(node) not in docstrings:
+            if "." in node.value.strip("."):  # a file name: never a word of something else
+                found.add((node.lineno, node.value))
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            right = node.right
+            if isinstance(right, ast.Constant) and right.value in names:
+                found.add((right.lineno, right.value))
+    return sorted(found)
+
+
+def test_no_module_spells_a_layout_name_itself() -> None:
+    names = {
+        *RunPaths.names().values(),
+        *PreparedPaths.names().values(),
+        *ModelPaths.names().values(),
+    }
+    spelled = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel, text = path.relative_to(SRC).as_posix(), path.read_text(encoding="utf-8")
+        if rel == "layout.py" or not any(f'"{n}"' in text or f"'{n}'" in text for n in names):
+            continue  # parsing only the files that hold one keeps this test fast
+        spelled += [
+            f"{rel}:{line}: {name!r}"
+            for line, name in _spelled_names(ast.parse(text), names)
+            if (rel, name) not in ALLOWED
+        ]
+    assert spelled == [], "name these through leantune.layout:\n" + "\n".join(spelled)

@@ -41,6 +41,7 @@ from leantune.config import Config, configured_global_batch
 from leantune.core.digests import content_digest, local_model_dir, model_digest
 from leantune.data.prepare.pipeline import read_report
 from leantune.data.templates import is_builtin, template_text
+from leantune.layout import ModelPaths
 from leantune.methods.registry import DEFAULT_LR
 
 DATA_FIELDS = (
@@ -176,7 +177,7 @@ def run_fingerprint(cfg: Config, model_location: str, gguf_file: str | None) -> 
         fields["model.architecture"] = None
     else:
         fields["model.files"] = model_digest(model_dir, gguf_file)
-        fields["model.architecture"] = architecture(model_dir / "config.json")
+        fields["model.architecture"] = architecture(ModelPaths(model_dir).config)
         sources["model.files"] = str(model_dir.resolve())
     data = Path(cfg.data.train)
     fields["data.train"] = data_digest(data)
