@@ -99,6 +99,9 @@ def _selected(args: argparse.Namespace) -> list[str]:
 def cmd_bench(args: argparse.Namespace, split_args: SplitArgs) -> int:
     from leantune.bench.methods import (
         BASELINE,
+        JSON_FILE,
+        PLOT_FILE,
+        TABLE_FILE,
         add_retention,
         machine_info,
         run_methods,
@@ -144,8 +147,8 @@ def cmd_bench(args: argparse.Namespace, split_args: SplitArgs) -> int:
     results, base = run_methods(config, methods, lrs, out, overrides, log, args.reuse)
     add_retention(results, base_loss)
     payload = write_outputs(results, base, meta, out, base_loss)
-    print((out / "methods.md").read_text())
-    print(f"wrote {out / 'methods.md'}, {out / 'methods.json'}, {out / 'methods.png'}")
+    print((out / TABLE_FILE).read_text())
+    print(f"wrote {out / TABLE_FILE}, {out / JSON_FILE}, {out / PLOT_FILE}")
     print(json.dumps(payload))
     # A method that failed: its run's exit code (2 when train refused its settings or data).
     failed = [r.exit_code or 1 for r in results if r.status != "ok"]
@@ -161,7 +164,14 @@ def _sweep(
     out: Path,
     meta: dict[str, Any],
 ) -> int:
-    from leantune.bench.sweep import lr_grid, parse_grids, run_sweep, write_sweep
+    from leantune.bench.sweep import (
+        JSON_FILE,
+        TABLE_FILE,
+        lr_grid,
+        parse_grids,
+        run_sweep,
+        write_sweep,
+    )
     from leantune.config import ConfigError
     from leantune.methods.registry import DEFAULT_LR, METHODS
 
@@ -175,8 +185,8 @@ def _sweep(
     log = lambda m: print(m, flush=True)  # noqa: E731
     sweeps = run_sweep(config, grids, DEFAULT_LR, out, overrides, log, args.reuse)
     payload = write_sweep(sweeps, meta, out)
-    print((out / "sweep.md").read_text())
-    print(f"wrote {out / 'sweep.md'}, {out / 'sweep.json'}")
+    print((out / TABLE_FILE).read_text())
+    print(f"wrote {out / TABLE_FILE}, {out / JSON_FILE}")
     print(json.dumps(payload))
     return 0 if all(s.chosen_lr is not None for s in sweeps) else 1
 

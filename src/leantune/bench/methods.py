@@ -24,6 +24,8 @@ from leantune.monitor.summary import finished_summary
 
 Log = Callable[[str], None]
 
+TABLE_FILE, JSON_FILE, PLOT_FILE = "methods.md", "methods.json", "methods.png"
+"""What `write_outputs` writes into the benchmark's --out folder."""
 BASELINE = "full"
 """The method every other one is compared with (retention)."""
 
@@ -277,10 +279,10 @@ def write_outputs(
         "base_eval_loss": base_loss,
         "results": [asdict(r) for r in results],
     }
-    write_file(out / "methods.md", markdown_table(results, base_exact_match, base_loss))
-    write_file(out / "methods.json", json.dumps(payload, indent=2) + "\n")
+    write_file(out / TABLE_FILE, markdown_table(results, base_exact_match, base_loss))
+    write_file(out / JSON_FILE, json.dumps(payload, indent=2) + "\n")
     if any(r.status == "ok" for r in results):
-        plot(results, out / "methods.png")
+        plot(results, out / PLOT_FILE)
     return payload
 
 

@@ -26,6 +26,8 @@ from leantune.layout import RunPaths
 from leantune.monitor.metrics import read_metrics
 from leantune.monitor.summary import finished_summary
 
+TABLE_FILE, JSON_FILE = "sweep.md", "sweep.json"
+"""What `write_sweep` writes into the benchmark's --out folder."""
 SWEEP_OVERRIDES = ("train.eval_exact_match=false", "train.save_every=0")
 """Appended to every sweep run: loss only (no generation), no checkpoints in between."""
 
@@ -210,6 +212,6 @@ def write_sweep(sweeps: list[MethodSweep], meta: dict[str, Any], out: Path) -> d
         "chosen_lr": {s.method: s.chosen_lr for s in sweeps},
         "sweeps": [asdict(s) for s in sweeps],
     }
-    write_file(out / "sweep.md", sweep_table(sweeps))
-    write_file(out / "sweep.json", json.dumps(payload, indent=2) + "\n")
+    write_file(out / TABLE_FILE, sweep_table(sweeps))
+    write_file(out / JSON_FILE, json.dumps(payload, indent=2) + "\n")
     return payload

@@ -38,6 +38,10 @@ Log = Callable[[str], None]
 SYSTEMS = ("hf_trainer_peft", "leantune")
 METHODS = ("lora", "full")
 """What both systems can train the same way."""
+BASELINE_RESULT = "result.json"
+"""What `bench.hf_baseline` writes into its --out folder (the baseline's summary)."""
+RUNS_LOG = "runs.jsonl"
+"""One line per judged run, appended as each finishes."""
 
 
 def matmul_peak(dtype: str, threads: int, size: int = 1024, seconds: float = 1.0) -> float:
@@ -166,7 +170,7 @@ def one_run(
     result = (
         _leantune_result(out)
         if system == "leantune"
-        else json.loads((out / "result.json").read_text())
+        else json.loads((out / BASELINE_RESULT).read_text())
     )
     result.update(system=system, method=method, rep=rep, peak_rss_bytes=rss, wall_s=wall)
     result["useful_tokens_per_s"] = result["useful_tokens"] / result["train_time_s"]
@@ -249,7 +253,7 @@ def run_benchmark(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
 
     work = Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
-    (work / "runs.jsonl").write_text("")  # one line per finished run, as it finishes
+    (work / RUNS_LOG).write_text("")  # one line per finished run, as it finishes
     source = resolve_model(args.model)
     model = source.location
     tokenizer = load_tokenizer(source, False)
@@ -285,7 +289,7 @@ def run_benchmark(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
                 # leaves every finished run whole in runs.jsonl, its held-out loss included.
                 r["heldout_loss"] = heldout_loss(r["model_dir"], heldout, args.max_seq_len)
                 runs.append(r)
-                with (work / "runs.jsonl").open("a") as f:
+                with (work / RUNS_LOG).open("a") as f:
                     f.write(json.dumps(r) + "\n")
     table = _aggregate(runs)
     return {
