@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, overload
+from typing import overload
 
 
 class _Entry:
@@ -38,12 +38,15 @@ class _Entry:
 
 @dataclass(frozen=True)
 class _Dir:
+    """A directory whose entries are `_Entry` attributes: one line names each, so a name and
+    its path cannot drift apart."""
+
     root: Path
 
     @classmethod
     def names(cls) -> dict[str, str]:
         """Every entry's attribute and file name: ``{"summary": "summary.json", ...}``."""
-        entries: dict[str, Any] = {}
+        entries: dict[str, _Entry] = {}
         for klass in reversed(cls.__mro__):
             entries.update((k, v) for k, v in vars(klass).items() if isinstance(v, _Entry))
         return {attr: entry.name for attr, entry in entries.items()}
@@ -51,7 +54,9 @@ class _Dir:
 
 @dataclass(frozen=True)
 class RunPaths(_Dir):
-    """A run directory (``run.dir``) and every file and folder leantune writes into it."""
+    """A run directory (``run.dir``) and every file and folder leantune writes into it (but
+    ``crash-<time>-<pid>.log``, which `leantune.cli.crash` puts in an existing run directory
+    when a command fails with an internal error)."""
 
     lock = _Entry(".leantune.lock")
     """An ``fcntl.flock`` held while a process trains here, with its pid inside."""
