@@ -21,8 +21,10 @@ from typing import Any
 from leantune.bench.chat_corpus import write_corpus
 from leantune.bench.throughput import leantune_command, run_child
 from leantune.core.allocator import ENV, find_tcmalloc, library_dirs
+from leantune.layout import RunPaths
 from leantune.models.loading import load_tokenizer, resolve_model
 from leantune.monitor.metrics import read_metrics
+from leantune.monitor.summary import finished_summary
 
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"  # Debian's libjemalloc2
 RUN_CPU_MALLOC_CONF = (  # torch.backends.xeon.run_cpu's, for jemalloc
@@ -55,8 +57,8 @@ def one_run(
     )
     if code:
         raise RuntimeError(f"{name} rep {rep} failed (exit {code}):\n{tail}")
-    steps = read_metrics(out / "metrics.jsonl")
-    summary = json.loads((out / "summary.json").read_text())
+    steps = read_metrics(RunPaths(out).metrics)
+    summary = finished_summary(out)
     tokens = sum(int(s["tokens"]) for s in steps)
     return {
         "variant": name, "method": method, "rep": rep,

@@ -64,8 +64,9 @@ def batch_for(layout: str, vocab: int) -> dict[str, torch.Tensor]:
 
 def rss_mb() -> float:
     """Resident set size now, MB."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    from leantune.core.process_memory import current_rss_bytes
+
+    return current_rss_bytes() / 2**20
 
 
 def measure(layout: str, precision: str, model_name: str, steps: int) -> dict:

@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from leantune.bench.throughput import run_child
+from leantune.layout import RunPaths
+from leantune.monitor.summary import finished_summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import cpu_name
@@ -51,8 +53,8 @@ def one_run(name: str, work: Path, env: dict[str, str], overrides: list[str]) ->
     code, peak, wall, tail = run_child(cmd, os.cpu_count() or 1, extra_env=env)
     if code != 0:
         raise SystemExit(f"{name} failed ({code}):\n{tail}")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = finished_summary(run_dir)
+    rows = [json.loads(line) for line in RunPaths(run_dir).metrics.read_text().splitlines()]
     steps = [float(r["step_time_s"]) for r in rows if "step_time_s" in r]
     return {
         "arm": name.split("-", 1)[1],

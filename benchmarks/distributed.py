@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from leantune.layout import RunPaths
 
 SETTINGS = [
     "run.progress=false",
@@ -54,15 +55,16 @@ RUNS: dict[str, tuple[int, list[str]]] = {
 def child(out_dir: Path, argv: list[str]) -> int:
     """One rank: `leantune train`, recording its peak RSS as training ends."""
     from leantune.cli import app as cli
+    from leantune.core.process_memory import current_rss_bytes, peak_rss_bytes
     from leantune.training import recipe
 
     finish = recipe.finish
 
     def measured_finish(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = peak_rss_bytes()
         # What the rank holds now (the peak also counts the whole model every rank loads
         # before ZeRO-3 partitions it).
-        now = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        now = current_rss_bytes()
         rank = os.environ.get("RANK", "0")
         record = {"peak_rss_bytes": peak, "rss_at_end_bytes": now}
         (out_dir / f"rank-{rank}.json").write_text(json.dumps(record))
@@ -98,7 +100,7 @@ def run(name: str, nproc: int, extra: list[str], steps: int, work: Path) -> dict
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise SystemExit(f"{name} failed:\n{done.stderr[-4000:]}")
-    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").open()]
+    rows = [json.loads(line) for line in RunPaths(out / "run").metrics.open()]
     ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(nproc)]
     peaks = [r["peak_rss_bytes"] for r in ranks]
     times = [r["step_time_s"] for r in rows[2:]]

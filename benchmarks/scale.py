@@ -33,7 +33,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
+from leantune.layout import RunPaths
 from leantune.models.demo_model import ensure_demo_model
+from leantune.monitor.summary import read_summary
 
 SHAPES: dict[str, dict[str, int]] = {
     "0.5b": {
@@ -213,7 +215,7 @@ def case(
         "peak_rss_gib": round(rss / 2**30, 2),
         "wall_s": round(wall, 1),
     }
-    metrics = run_dir / "metrics.jsonl"
+    metrics = RunPaths(run_dir).metrics
     if metrics.is_file():
         steps = [json.loads(x) for x in metrics.read_text().splitlines()]
         steps = [s for s in steps if "step_time_s" in s]
@@ -223,9 +225,8 @@ def case(
         tokens = sum(s.get("tokens", 0) for s in steps)
         if times and tokens:
             row["tok_per_s"] = round(tokens / sum(times), 1)
-    summary = run_dir / "summary.json"
-    if summary.is_file():
-        s = json.loads(summary.read_text())
+    s = read_summary(run_dir)
+    if s is not None:
         row["setup_s"] = round(s["wall_time_s"] - s["train_time_s"], 1)  # load + data
         # train resets the kernel's high-water mark when training starts (so that its metrics
         # are training's), which wait4 then reports: the load phase's peak is in the summary.

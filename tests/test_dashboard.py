@@ -28,9 +28,7 @@ from leantune.monitor.dashboard.server import DashboardServer
 from leantune.monitor.events import read_events
 from leantune.monitor.metrics import read_metrics
 from leantune.testing.faults import LOSS_SCALE_ENV
-from leantune.training import run_monitoring
 from leantune.training.recipe import train
-from leantune.training.run import rundir
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 SCREENSHOT_ENV = "LEANTUNE_DASHBOARD_SCREENSHOT"
@@ -305,12 +303,6 @@ def test_a_run_folder_that_vanishes_mid_read_is_a_503_not_a_dropped_connection(
         status, _, body = request(server, "/api/runs/live")
         assert status == 503 and b"try again" in body
         assert api(server, "/api/runs")["runs"][0]["name"] == "live"  # the rest still answers
-
-
-def test_the_dashboards_file_names_are_the_run_directorys() -> None:
-    assert dash_status.LOCK_FILE == rundir.LOCK_FILE
-    assert dash_runs.PLAN_FILE == run_monitoring.MEMORY_PLAN_FILE
-    assert (dash_runs.RUN_FILE, dash_runs.CONFIG_FILE) == (rundir.RUN_FILE, rundir.CONFIG_FILE)
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ from leantune.data.loader import SampleStream
 from leantune.monitor.events import (
     EXIT_GUARD_STOPPED,
     EXIT_PAUSED,
-    PAUSED_MARKER,
     TrainingStopped,
     read_events,
 )
@@ -359,7 +358,7 @@ def test_pause_exits_with_a_marker_and_the_same_command_resumes(
     monkeypatch.setenv(LOSS_SCALE_ENV, "5:50")
     assert main(args) == EXIT_PAUSED
     assert "training paused at step 5" in capsys.readouterr().err
-    marker = json.loads((run / PAUSED_MARKER).read_text())
+    marker = json.loads((run / "PAUSED").read_text())
     assert (
         marker["step"] == 5 and marker["detector"] == "grad_norm" and "median" in marker["reason"]
     )
@@ -368,7 +367,7 @@ def test_pause_exits_with_a_marker_and_the_same_command_resumes(
 
     monkeypatch.delenv(LOSS_SCALE_ENV)
     assert main(args) == 0
-    assert not (run / PAUSED_MARKER).exists()
+    assert not (run / "PAUSED").exists()
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(1, 8))
     kinds = [e["kind"] for e in read_events(run / "events.jsonl")]
     assert kinds == ["grad_norm", "pause", "resume"]

@@ -242,12 +242,6 @@ def test_looks_like_hub_id(name: str, hub: bool) -> None:
     assert paths.looks_like_hub_id(name) is hub
 
 
-def test_the_bottleneck_adapter_file_name_agrees() -> None:
-    from leantune.methods.adapter import CONFIG_FILE
-
-    assert paths.BOTTLENECK_CONFIG_FILE == CONFIG_FILE
-
-
 # --- tokenizers ---------------------------------------------------------------------------
 
 

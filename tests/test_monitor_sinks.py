@@ -24,7 +24,7 @@ from leantune.core.signals import Interrupted
 from leantune.monitor.backends import BACKENDS, RunInfo, optional_sinks
 from leantune.monitor.events import TrainingPaused, TrainingStopped, read_events
 from leantune.monitor.metrics import read_metrics
-from leantune.monitor.records import RUN_IDS_FILE, outcome
+from leantune.monitor.records import outcome
 from leantune.testing.faults import LOSS_SCALE_ENV, SIGNAL_ENV
 from leantune.training import recipe
 from leantune.training.checks import load_config
@@ -67,7 +67,7 @@ def mlflow_client(root: Path) -> Any:
 
 
 def run_ids(run: Path) -> dict[str, str]:
-    return json.loads((run / RUN_IDS_FILE).read_text())
+    return json.loads((run / "monitor_runs.json").read_text())
 
 
 def tensorboard_scalars(run: Path) -> dict[str, list[tuple[int, float]]]:

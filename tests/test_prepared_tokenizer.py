@@ -28,7 +28,6 @@ from model_zoo import PLANT_CORPUS, save_family_model
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from leantune.data.dataset import PreparedData, check_token_range, prepared_data
-from leantune.data.prepare.pipeline import REPORT
 from leantune.data.prepare.provenance import (
     TokenizerMismatch,
     tokenizer_digest,
@@ -170,9 +169,9 @@ def test_a_directory_prepared_before_digests_were_recorded_is_refused(
     tmp_path: Path, tiny_llama_dir: Path
 ) -> None:
     prepared = _prepare(tmp_path, tiny_llama_dir)
-    report = json.loads((prepared / REPORT).read_text())
+    report = json.loads((prepared / "prepare_report.json").read_text())
     del report["tokenizer_digest"]
-    (prepared / REPORT).write_text(json.dumps(report))
+    (prepared / "prepare_report.json").write_text(json.dumps(report))
     done = _train(tiny_llama_dir, prepared, tmp_path / "run")
     assert done.code == 2, done
     assert "prepare it again" in done.err and str(prepared) in done.err

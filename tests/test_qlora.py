@@ -14,7 +14,7 @@ from conftest import QA_ROWS, prepare_rows, write_jsonl
 from leantune.config import ConfigError
 from leantune.core.optim import build_optimizer
 from leantune.data.loader import collate
-from leantune.methods.artifacts import BASE_POINTER, load_for_inference, save_final
+from leantune.methods.artifacts import load_for_inference, save_final
 from leantune.methods.registry import (
     apply_method,
     base_quantization,
@@ -105,7 +105,7 @@ def test_adapter_reloads_on_the_requantised_base_with_equal_logits(
     train_steps(model, batch, 1e-2, 3)
     quant = Quantization(double_quant=True, compute_dtype="fp32")
     out = save_final(model, tokenizer, tmp_path / "final", str(tiny_llama_dir), quantization=quant)
-    pointer = json.loads((out / BASE_POINTER).read_text())
+    pointer = json.loads((out / "leantune_base.json").read_text())
     assert pointer["quantization"] == {
         "bits": 4,
         "quant_type": "nf4",
@@ -123,7 +123,7 @@ def test_adapter_reloads_on_the_requantised_base_with_equal_logits(
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
         # The same adapter on the full-precision base is a different model (W vs NF4(W)).
         pointer.pop("quantization")
-        (out / BASE_POINTER).write_text(json.dumps(pointer))
+        (out / "leantune_base.json").write_text(json.dumps(pointer))
         full_precision, _ = load_for_inference(str(out))
         assert not is_quantized(full_precision)
         gap = (full_precision(input_ids=IDS).logits - expected).abs().max()
@@ -219,7 +219,7 @@ def test_recipe_trains_qlora_end_to_end(tiny_llama_dir: Path, tmp_path: Path) ->
     )
     summary = train(cfg, log=lambda _: None)
     final = tmp_path / "run" / "final"
-    assert json.loads((final / BASE_POINTER).read_text())["quantization"]["bits"] == 4
+    assert json.loads((final / "leantune_base.json").read_text())["quantization"]["bits"] == 4
     losses = [m["loss"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")]
     assert len(losses) == 4 and losses[-1] < losses[0]
     assert summary["eval_loss"] > 0

@@ -16,9 +16,8 @@ from conftest import chat_rows, run_cli, tiny_train_args, write_jsonl
 from PIL import Image
 
 from leantune.config import Config, to_dict
-from leantune.monitor import report_data
 from leantune.monitor.events import EXIT_PAUSED
-from leantune.monitor.report import REPORT_FILE, write_report
+from leantune.monitor.report import write_report
 from leantune.testing.faults import LOSS_SCALE_ENV
 
 IMG = re.compile(r'<img alt="([^"]*)" src="data:image/png;base64,([A-Za-z0-9+/=]+)">')
@@ -55,7 +54,7 @@ def test_a_paused_then_finished_run_has_a_report_each_time(
     )  # fmt: skip
     monkeypatch.setenv(LOSS_SCALE_ENV, "5:50")  # step 5's gradients x50: the guard pauses
     assert run_cli(args).code == EXIT_PAUSED
-    paused = (run / REPORT_FILE).read_text()
+    paused = (run / "report.html").read_text()
     assert "Status: paused by the guard at step 5 (grad_norm): loss " in paused
     assert "<td>grad_norm</td><td>pause</td>" in paused
     assert len(images(paused)) == 5
@@ -63,7 +62,7 @@ def test_a_paused_then_finished_run_has_a_report_each_time(
 
     monkeypatch.delenv(LOSS_SCALE_ENV)
     assert run_cli(args).code == 0
-    text = (run / REPORT_FILE).read_text()
+    text = (run / "report.html").read_text()
     summary = json.loads((run / "summary.json").read_text())
     assert "Status: finished" in text
     assert "<th>method</th><td>lora</td>" in text
@@ -95,7 +94,7 @@ def test_a_paused_then_finished_run_has_a_report_each_time(
 
     # `leantune report` rebuilds the same file (but for when it was generated).
     assert run_cli(["report", str(run)]).code == 0
-    rebuilt = (run / REPORT_FILE).read_text()
+    rebuilt = (run / "report.html").read_text()
     assert GENERATED.sub("", rebuilt) == GENERATED.sub("", text)
     assert len(GENERATED.findall(text)) == 1
     elsewhere = tmp_path / "copy.html"
@@ -108,7 +107,7 @@ def test_monitor_report_false_writes_none(tiny_llama_dir: Path, tmp_path: Path) 
     run = tmp_path / "run"
     args = tiny_train_args(tiny_llama_dir, train, run, "train.max_steps=1", "monitor.report=false")
     assert run_cli(args).code == 0
-    assert (run / "summary.json").is_file() and not (run / REPORT_FILE).exists()
+    assert (run / "summary.json").is_file() and not (run / "report.html").exists()
 
 
 def test_report_of_something_that_is_not_a_run_is_exit_2_naming_it(tmp_path: Path) -> None:
@@ -116,11 +115,11 @@ def test_report_of_something_that_is_not_a_run_is_exit_2_naming_it(tmp_path: Pat
     for path in (tmp_path / "folder", tmp_path / "missing"):
         result = run_cli(["report", str(path)])
         assert result.code == 2 and f"error: {path}: not a leantune run directory" in result.err
-        assert not (path / REPORT_FILE).exists()
+        assert not (path / "report.html").exists()
 
 
 def test_a_run_with_no_metrics_yet_still_gets_a_report(tmp_path: Path) -> None:
-    (tmp_path / report_data.RUN_FILE).write_text("{}")
+    (tmp_path / "leantune_run.json").write_text("{}")
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(Config())))
     text = write_report(tmp_path).read_text()
     assert "No metrics yet" in text and "No summary.json yet" in text
@@ -135,7 +134,7 @@ def synthetic_run(path: Path, steps: int) -> Path:
     cfg["data"]["max_seq_len"] = 512
     path.mkdir()
     (path / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    (path / report_data.RUN_FILE).write_text(json.dumps({"fingerprint": {"train.global_batch": 8}}))
+    (path / "leantune_run.json").write_text(json.dumps({"fingerprint": {"train.global_batch": 8}}))
     metrics = [
         {
             "step": s, "loss": 2.0 / (1 + s / 100), "lr": 2e-4 * min(1, s / 50),
@@ -177,17 +176,3 @@ def test_the_report_of_a_demo_sized_run_is_quick_and_shows_memory_against_the_pl
     assert "Rows trained: 79.3%" in text  # a mean 3249.5 tokens / (8 rows x 512)
     assert "<th>trainable</th><td>1,000 of 100,000 parameters (1.000%)</td>" in text
     assert_self_contained(text)
-
-
-def test_the_report_names_the_run_files_as_the_training_code_does() -> None:
-    from leantune.data.prepare import pipeline
-    from leantune.monitor import events
-    from leantune.training import run_monitoring
-    from leantune.training.run import rundir
-
-    assert report_data.RUN_FILE == rundir.RUN_FILE
-    assert report_data.PLAN_FILES == (run_monitoring.MEMORY_PLAN_FILE,)
-    assert report_data.EVENTS_FILE == events.EVENTS_FILE
-    assert report_data.PAUSED_MARKER == events.PAUSED_MARKER
-    assert report_data.PREPARE_REPORT == pipeline.REPORT
-    assert report_data.REJECTED == pipeline.REJECTED

@@ -26,7 +26,7 @@ from leantune.training.checks import load_config
 from leantune.training.recipe import train
 from leantune.training.run.fingerprint import Fingerprint, compare, trajectory_settings
 from leantune.training.run.resume import ResumePlan, RunMismatch, plan_resume
-from leantune.training.run.rundir import RUN_FILE, RunRecord
+from leantune.training.run.rundir import RunRecord
 
 SIGNAL_ENV = "LEANTUNE_SIGNAL_AT_MICRO_BATCH"
 
@@ -399,7 +399,7 @@ def test_without_a_checkpoint_the_run_record_alone_decides(mode: str, tmp_path: 
         plan(record, recorded)
     assert str(tmp_path / "final") in str(finished.value)
     assert "run.resume=never" in str(finished.value)
-    (tmp_path / RUN_FILE).write_text("{truncated")
+    (tmp_path / "leantune_run.json").write_text("{truncated")
     with pytest.raises(RunMismatch) as unreadable:
         plan(None, recorded)
     assert "cannot be read" in str(unreadable.value)

@@ -147,7 +147,7 @@ def test_config_parses_rope_scaling_and_rejects_bad_values(tmp_path: Path) -> No
 def test_scaled_model_loads_and_adapter_pointer_keeps_the_scaling(
     tiny_llama_dir: Path, tokenizer, tmp_path: Path
 ) -> None:
-    from leantune.methods.artifacts import BASE_POINTER, load_for_inference, save_final
+    from leantune.methods.artifacts import load_for_inference, save_final
     from leantune.methods.registry import apply_method
 
     scaling = RopeScalingConfig("linear", 2.0)
@@ -156,7 +156,7 @@ def test_scaled_model_loads_and_adapter_pointer_keeps_the_scaling(
     assert model.config.max_position_embeddings == 1024
     lora = apply_method(model, load_config(None, ["method.name=lora"]).method)
     out = save_final(lora, tokenizer, tmp_path / "final", str(tiny_llama_dir), rope_scaling=scaling)
-    assert json.loads((out / BASE_POINTER).read_text())["rope_scaling"] == {
+    assert json.loads((out / "leantune_base.json").read_text())["rope_scaling"] == {
         "type": "linear",
         "factor": 2.0,
         "original_max_position_embeddings": None,

@@ -21,12 +21,11 @@ from leantune.core import digests
 from leantune.data.prepare.pipeline import cache_key
 from leantune.data.prepare.records import PrepareSettings
 from leantune.errors import UserError
-from leantune.methods.artifacts import BASE_POINTER, load_for_inference, save_final
+from leantune.methods.artifacts import load_for_inference, save_final
 from leantune.training import recipe
 from leantune.training.run import fingerprint
 from leantune.training.run.fingerprint import data_digest
 from leantune.training.run.resume import RunMismatch
-from leantune.training.run.rundir import RUN_FILE
 
 IDS = torch.tensor([[5, 17, 42, 7, 99, 3]])
 
@@ -68,7 +67,7 @@ def test_an_edited_chat_template_file_refuses_the_resume_and_an_older_record_doe
 
     # A record written before the template's contents were recorded: not refused (nothing
     # says which template it read), and the resume records it from then on.
-    record_file = run / RUN_FILE
+    record_file = run / "leantune_run.json"
     record = json.loads(record_file.read_text())
     del record["fingerprint"]["data.chat_template_text"]
     record_file.write_text(json.dumps(record))
@@ -178,7 +177,7 @@ def test_an_adapter_refuses_a_base_whose_files_were_replaced(
     with pytest.raises(UserError) as refused:
         load_for_inference(str(final))
     message = str(refused.value)
-    assert str(final / BASE_POINTER) in message and str(base) in message, message
+    assert str(final / "leantune_base.json") in message and str(base) in message, message
     assert f"model.safetensors (sha256 {recorded[:12]} -> {now[:12]})" in message, message
 
     data = write_jsonl(tmp_path / "eval.jsonl", chat_rows(2))
@@ -196,7 +195,7 @@ def test_an_adapter_saved_without_its_base_digest_loads_with_one_warning(
     tokenizer, tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     final, expected = _lora_final(tiny_llama_dir, tokenizer, tmp_path / "final")
-    pointer = final / BASE_POINTER
+    pointer = final / "leantune_base.json"
     info = json.loads(pointer.read_text())
     info.pop("base_files", None)  # as a leantune before the digest was recorded wrote it
     pointer.write_text(json.dumps(info))

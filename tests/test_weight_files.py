@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+from leantune.core.process_memory import status_bytes
 from leantune.models.loading import ModelSource, load_model
 from leantune.models.weight_files import checkpoint_shards
-from leantune.monitor.metrics import status_bytes
 
 
 def _save(out: Path, config: LlamaConfig, shard: str | None = None) -> Path:

@@ -34,7 +34,7 @@ import leantune.training.state.checkpoint as ck
 from leantune.core import writes
 from leantune.core.writes import NotARegularFile, WriteRefused, append_text, write_file
 from leantune.monitor.metrics import MetricsLog
-from leantune.training.run.rundir import LOCK_FILE, lock_run_dir
+from leantune.training.run.rundir import lock_run_dir
 
 FILLER = "filler"
 
@@ -243,10 +243,10 @@ def test_the_run_dir_lock_is_never_taken_through_a_link(tmp_path: Path) -> None:
     precious.write_text("keep me\n")
     run = tmp_path / "run"
     run.mkdir()
-    (run / LOCK_FILE).symlink_to(precious)
+    (run / ".leantune.lock").symlink_to(precious)
     with pytest.raises(NotARegularFile) as info:
         lock_run_dir(run)  # it used to write its pid into the link's target
-    assert str(run / LOCK_FILE) in str(info.value)
+    assert str(run / ".leantune.lock") in str(info.value)
     assert precious.read_text() == "keep me\n"
 
 

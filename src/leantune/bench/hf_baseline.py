@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from leantune.bench.throughput import BASELINE_RESULT
 from leantune.core.allocator import mapped_allocator
 from leantune.core.writes import write_file
 from leantune.data.dataset import prepared_data
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "grad_accum": args.grad_accum,
     }
     result["allocator"] = mapped_allocator()[0]
-    write_file(out / "result.json", json.dumps(result, indent=2))
+    write_file(out / BASELINE_RESULT, json.dumps(result, indent=2))
     return result
 
 

@@ -18,10 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from leantune.core.writes import write_file
+from leantune.layout import RunPaths
 from leantune.monitor.metrics import read_metrics
+from leantune.monitor.summary import finished_summary
 
 Log = Callable[[str], None]
 
+TABLE_FILE, JSON_FILE, PLOT_FILE = "methods.md", "methods.json", "methods.png"
+"""What `write_outputs` writes into the benchmark's --out folder."""
 BASELINE = "full"
 """The method every other one is compared with (retention)."""
 
@@ -119,8 +123,8 @@ def run_logged(cmd: list[str], log_file: Path) -> tuple[int, str | None]:
 
 def read_run(method: str, lr: float, run_dir: Path) -> MethodResult:
     """Collect one finished run's row from its summary.json and metrics.jsonl."""
-    summary = json.loads((run_dir / "summary.json").read_text())
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    summary = finished_summary(run_dir)
+    rows = read_metrics(RunPaths(run_dir).metrics)
     tokens = sum(r["tokens"] for r in rows)
     step_time = sum(r["step_time_s"] for r in rows)
     peak = max(r["peak_mem_bytes"] for r in rows)
@@ -161,12 +165,11 @@ def run_methods(
     base_exact_match: float | None = None
     for i, method in enumerate(methods):
         run_dir = out_dir / method
-        if reuse and (run_dir / "summary.json").is_file():
+        if reuse and RunPaths(run_dir).summary.is_file():
             log(f"[{i + 1}/{len(methods)}] {method}: reusing the finished run in {run_dir}")
             results.append(read_run(method, lrs[method], run_dir))
             if i == 0:
-                summary = json.loads((run_dir / "summary.json").read_text())
-                base_exact_match = summary.get("base_exact_match")
+                base_exact_match = finished_summary(run_dir).get("base_exact_match")
             continue
         cmd = train_command(config, method, lrs[method], run_dir, overrides, base=i == 0)
         log(f"[{i + 1}/{len(methods)}] {method} (lr {lrs[method]:g}) -> {run_dir}")
@@ -179,8 +182,7 @@ def run_methods(
             continue
         row = read_run(method, lrs[method], run_dir)
         if i == 0:
-            summary = json.loads((run_dir / "summary.json").read_text())
-            base_exact_match = summary.get("base_exact_match")
+            base_exact_match = finished_summary(run_dir).get("base_exact_match")
         log(f"    done in {time.perf_counter() - t0:.0f} s")
         results.append(row)
     add_retention(results)
@@ -277,10 +279,10 @@ def write_outputs(
         "base_eval_loss": base_loss,
         "results": [asdict(r) for r in results],
     }
-    write_file(out / "methods.md", markdown_table(results, base_exact_match, base_loss))
-    write_file(out / "methods.json", json.dumps(payload, indent=2) + "\n")
+    write_file(out / TABLE_FILE, markdown_table(results, base_exact_match, base_loss))
+    write_file(out / JSON_FILE, json.dumps(payload, indent=2) + "\n")
     if any(r.status == "ok" for r in results):
-        plot(results, out / "methods.png")
+        plot(results, out / PLOT_FILE)
     return payload
 
 

@@ -22,10 +22,14 @@ from typing import Any
 
 from leantune.bench.methods import Log, run_overrides
 from leantune.core.writes import write_file
+from leantune.layout import RunPaths
 from leantune.monitor.metrics import read_metrics
+from leantune.monitor.summary import finished_summary
 from leantune.training.checks import load_config
 from leantune.training.recipe import train
 
+TABLE_FILE, JSON_FILE = "sweep.md", "sweep.json"
+"""What `write_sweep` writes into the benchmark's --out folder."""
 SWEEP_OVERRIDES = ("train.eval_exact_match=false", "train.save_every=0")
 """Appended to every sweep run: loss only (no generation), no checkpoints in between."""
 
@@ -114,8 +118,8 @@ def train_in_process(config: str | None, overrides: list[str], log_file: Path) -
 
 
 def _read_point(lr: float, run_dir: Path) -> SweepPoint:
-    summary = json.loads((run_dir / "summary.json").read_text())
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    summary = finished_summary(run_dir)
+    rows = read_metrics(RunPaths(run_dir).metrics)
     return SweepPoint(
         lr=lr,
         status="ok",
@@ -155,7 +159,7 @@ def run_sweep(
         for lr in grid:
             done += 1
             run_dir = run_dir_for(out_dir, method, lr)
-            if reuse and (run_dir / "summary.json").is_file():
+            if reuse and RunPaths(run_dir).summary.is_file():
                 log(f"[{done}/{total}] {method} lr {lr:g}: reusing {run_dir}")
                 sweep.points.append(_read_point(lr, run_dir))
                 continue
@@ -208,6 +212,6 @@ def write_sweep(sweeps: list[MethodSweep], meta: dict[str, Any], out: Path) -> d
         "chosen_lr": {s.method: s.chosen_lr for s in sweeps},
         "sweeps": [asdict(s) for s in sweeps],
     }
-    write_file(out / "sweep.md", sweep_table(sweeps))
-    write_file(out / "sweep.json", json.dumps(payload, indent=2) + "\n")
+    write_file(out / TABLE_FILE, sweep_table(sweeps))
+    write_file(out / JSON_FILE, json.dumps(payload, indent=2) + "\n")
     return payload

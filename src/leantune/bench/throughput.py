@@ -36,14 +36,20 @@ from leantune.core.precision import resolve_precision
 from leantune.data.dataset import prepared_data
 from leantune.data.prepare.records import PrepareSettings
 from leantune.eval.perplexity import evaluate_loss
+from leantune.layout import RunPaths
 from leantune.methods.artifacts import load_for_inference
 from leantune.models.loading import load_tokenizer, resolve_model
 from leantune.monitor.metrics import read_metrics
+from leantune.monitor.summary import finished_summary
 
 Log = Callable[[str], None]
 SYSTEMS = ("hf_trainer_peft", "leantune")
 METHODS = ("lora", "full")
 """What both systems can train the same way."""
+BASELINE_RESULT = "result.json"
+"""What `bench.hf_baseline` writes into its --out folder (the baseline's summary)."""
+RUNS_LOG = "runs.jsonl"
+"""One line per judged run, appended as each finishes."""
 
 
 def matmul_peak(dtype: str, threads: int, size: int = 1024, seconds: float = 1.0) -> float:
@@ -133,9 +139,10 @@ def hf_command(
 
 def _leantune_result(run_dir: Path) -> dict[str, Any]:
 
-    summary = json.loads((run_dir / "summary.json").read_text())
-    metrics = read_metrics(run_dir / "metrics.jsonl")
-    cfg = (run_dir / "config.yaml").read_text()
+    paths = RunPaths(run_dir)
+    summary = finished_summary(run_dir)
+    metrics = read_metrics(paths.metrics)
+    cfg = paths.config.read_text()
     return {
         "train_time_s": float(summary["train_time_s"]),
         "steps": int(summary["steps"]),
@@ -170,12 +177,12 @@ def one_run(
     result = (
         _leantune_result(out)
         if system == "leantune"
-        else json.loads((out / "result.json").read_text())
+        else json.loads((out / BASELINE_RESULT).read_text())
     )
     result.update(system=system, method=method, rep=rep, peak_rss_bytes=rss, wall_s=wall)
     result["useful_tokens_per_s"] = result["useful_tokens"] / result["train_time_s"]
     result["step_time_s"] = result["train_time_s"] / max(1, result["steps"])
-    result["model_dir"] = str(out / ("final" if system == "leantune" else "model"))
+    result["model_dir"] = str(RunPaths(out).final if system == "leantune" else out / "model")
     log(
         f"{system:16s} {method:4s} rep {rep}: {result['useful_tokens_per_s']:.1f} useful tok/s, "
         f"{result['steps']} steps, peak RSS {rss / 2**30:.2f} GiB"
@@ -246,7 +253,7 @@ def run_benchmark(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
 
     work = Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
-    (work / "runs.jsonl").write_text("")  # one line per finished run, as it finishes
+    (work / RUNS_LOG).write_text("")  # one line per finished run, as it finishes
     source = resolve_model(args.model)
     model = source.location
     tokenizer = load_tokenizer(source, False)
@@ -282,7 +289,7 @@ def run_benchmark(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
                 # leaves every finished run whole in runs.jsonl, its held-out loss included.
                 r["heldout_loss"] = heldout_loss(r["model_dir"], heldout, args.max_seq_len)
                 runs.append(r)
-                with (work / "runs.jsonl").open("a") as f:
+                with (work / RUNS_LOG).open("a") as f:
                     f.write(json.dumps(r) + "\n")
     table = _aggregate(runs)
     return {

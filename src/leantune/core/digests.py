@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from leantune.core.writes import OutputError, write_file
+from leantune.layout import ModelPaths
 
 
 def leantune_home() -> Path:
@@ -128,7 +129,7 @@ def base_model_files(model_dir: Path, gguf_file: str | None = None) -> dict[str,
     """
     digests: dict[str, str] = {}
     for file in model_files(model_dir, gguf_file):
-        if file.name == "config.json":
+        if file.name == ModelPaths.config:
             digests[file.name] = _config_digest(file)
         elif file.name.endswith(WEIGHT_SUFFIXES):
             digests[file.name] = content_digest(file)

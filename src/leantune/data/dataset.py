@@ -21,11 +21,12 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from leantune.data.errors import DataError
 from leantune.data.formats import BadLine, Record, format_hint
 from leantune.data.packing import Row
-from leantune.data.prepare.pipeline import REJECTED, cache_key, prepare_dataset, read_report
+from leantune.data.prepare.pipeline import cache_key, prepare_dataset, read_report
 from leantune.data.prepare.provenance import check_tokenizer
 from leantune.data.prepare.records import PrepareSettings
 from leantune.data.prepare.shards import best_fit_decreasing, read_examples, read_rows, rows_of
 from leantune.data.tokenize import Example
+from leantune.layout import PreparedPaths
 
 __all__ = [
     "NOT_BAD",
@@ -162,7 +163,7 @@ def load_prepared(
         raise DataError(f"{out}: not a prepared directory (run `leantune prepare` first)")
     records, examples = _examples(out)
     bad: list[BadLine] = []
-    with (out / REJECTED).open(encoding="utf-8") as f:
+    with PreparedPaths(out).rejected.open(encoding="utf-8") as f:
         for line in f:
             row = json.loads(line)
             if row["kind"] not in NOT_BAD:

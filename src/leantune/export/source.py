@@ -22,6 +22,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.errors import UserError
 from leantune.export.parity import LogitsFn
+from leantune.layout import RunPaths
 from leantune.methods.artifacts import check_model_path, is_adapter_dir, load_for_inference
 from leantune.methods.lora import quiet_peft
 from leantune.models.attention import AttnImplementation
@@ -47,10 +48,8 @@ class ExportSource:
 
 def resolve_export_input(path: str) -> str:
     """A run directory resolves to its `final/`; anything else is returned as given."""
-    p = Path(path).expanduser()
-    if (p / "final").is_dir():
-        return str(p / "final")
-    return path
+    final = RunPaths(Path(path).expanduser()).final
+    return str(final) if final.is_dir() else path
 
 
 def load_source(path: str, attn_implementation: AttnImplementation = "auto") -> ExportSource:

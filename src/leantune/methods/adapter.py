@@ -33,11 +33,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from leantune.layout import ModelPaths
 from leantune.methods.errors import MethodError
 from leantune.methods.freeze import decoder_layers
 
-CONFIG_FILE = "bottleneck_adapter.json"
-WEIGHTS_FILE = "bottleneck_adapter.safetensors"
 # Attribute under which each block holds its adapters (a ModuleDict keyed by site).
 BLOCK_ATTR = "bottleneck_adapters"
 # The sub-layer each site follows, as named in Llama/Qwen2/Mistral-style blocks.
@@ -179,13 +178,9 @@ def save_adapter(model: nn.Module, out_dir: Path) -> None:
         "hidden_size": _hidden_size(model),
         "num_layers": len(decoder_layers(model)),
     }
-    (out_dir / CONFIG_FILE).write_text(json.dumps(info, indent=2) + "\n")
-    save_file(adapter_state_dict(model), str(out_dir / WEIGHTS_FILE))
-
-
-def is_bottleneck_adapter_dir(path: Path) -> bool:
-    """True for a directory written by `save_adapter`."""
-    return (path / CONFIG_FILE).is_file()
+    files = ModelPaths(out_dir)
+    files.bottleneck_config.write_text(json.dumps(info, indent=2) + "\n")
+    save_file(adapter_state_dict(model), str(files.bottleneck_weights))
 
 
 def load_adapter(model: nn.Module, path: Path) -> nn.Module:
@@ -194,19 +189,20 @@ def load_adapter(model: nn.Module, path: Path) -> nn.Module:
     Raises:
         ValueError: the saved adapters do not fit the model (other size or block count).
     """
-    info = json.loads((path / CONFIG_FILE).read_text())
+    files = ModelPaths(path)
+    info = json.loads(files.bottleneck_config.read_text())
     settings = AdapterSettings(
         placement=info["placement"],
         reduction_factor=int(info["reduction_factor"]),
         activation=info.get("activation", "relu"),
     )
     apply_adapter(model, settings)
-    weights = load_file(str(path / WEIGHTS_FILE))
+    weights = load_file(str(files.bottleneck_weights))
     expected = adapter_state_dict(model)
     if set(weights) != set(expected):
         missing, extra = set(expected) - set(weights), set(weights) - set(expected)
         raise ValueError(
-            f"{path / WEIGHTS_FILE}: adapters do not fit the base model "
+            f"{files.bottleneck_weights}: adapters do not fit the base model "
             f"(missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]})"
         )
     with torch.no_grad():
@@ -215,8 +211,8 @@ def load_adapter(model: nn.Module, path: Path) -> nn.Module:
                 saved = weights[f"{prefix}.{name}"]
                 if saved.shape != t.shape:
                     raise ValueError(
-                        f"{path / WEIGHTS_FILE}: {prefix}.{name} has shape {tuple(saved.shape)}, "
-                        f"the model needs {tuple(t.shape)}"
+                        f"{files.bottleneck_weights}: {prefix}.{name} has shape "
+                        f"{tuple(saved.shape)}, the model needs {tuple(t.shape)}"
                     )
                 t.copy_(saved)
     return model

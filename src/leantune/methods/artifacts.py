@@ -35,6 +35,7 @@ from leantune.config import RopeScalingConfig
 from leantune.core.digests import base_model_files, local_model_dir
 from leantune.core.writes import replacing_dir
 from leantune.errors import UserError
+from leantune.layout import ModelPaths
 from leantune.methods.adapter import adapter_settings, load_adapter, save_adapter
 from leantune.methods.lora import quiet_peft
 from leantune.methods.prompt import with_virtual_tokens
@@ -57,7 +58,6 @@ from leantune.models.paths import (
 from leantune.models.paths import check_model_path as check_model_path  # where export finds it
 from leantune.models.quantize import Quantization
 
-BASE_POINTER = "leantune_base.json"
 BASE_FILES_KEY = "base_files"
 """The pointer's ``file name -> sha256`` of the base model's weights and config."""
 ATTN_FLAG = "--attn-implementation"
@@ -109,7 +109,7 @@ def save_final(
             recorded = _base_digests(base_path, base_gguf_file)
             if recorded is not None:
                 pointer[BASE_FILES_KEY] = recorded
-            (tmp / BASE_POINTER).write_text(json.dumps(pointer, indent=2) + "\n")
+            ModelPaths(tmp).base_pointer.write_text(json.dumps(pointer, indent=2) + "\n")
     return out_dir
 
 
@@ -136,7 +136,7 @@ def check_base(adapter_dir: Path, base: ModelSource, info: dict) -> None:
         BaseModelChanged: naming the pointer file, the base, each changed file with both
             digests, and the fixes.
     """
-    pointer = adapter_dir / BASE_POINTER
+    pointer = ModelPaths(adapter_dir).base_pointer
     recorded = info.get(BASE_FILES_KEY)
     if not isinstance(recorded, dict):
         where = pointer if pointer.is_file() else adapter_dir
@@ -169,7 +169,7 @@ def _short(digest: object) -> str:
 
 def _base_of(adapter_dir: Path) -> tuple[ModelSource, dict]:
     """The adapter's base model and its pointer file's contents (empty without one)."""
-    pointer = adapter_dir / BASE_POINTER
+    pointer = ModelPaths(adapter_dir).base_pointer
     if pointer.is_file():
         info = json.loads(pointer.read_text())
         base = info.get("base_model") if isinstance(info, dict) else None
@@ -177,17 +177,19 @@ def _base_of(adapter_dir: Path) -> tuple[ModelSource, dict]:
             raise ModelPathError(f"{pointer}: no 'base_model' naming the adapter's base model")
         return resolve_model(base, info.get("gguf_file")), info
     if not is_adapter_dir(adapter_dir):
-        raise FileNotFoundError(f"{adapter_dir}: no {BASE_POINTER} naming the base model")
-    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
+        raise FileNotFoundError(
+            f"{adapter_dir}: no {ModelPaths.base_pointer} naming the base model"
+        )
+    cfg = json.loads(ModelPaths(adapter_dir).adapter_config.read_text())
     base = cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
     if not isinstance(base, str):
-        raise ModelPathError(f"{adapter_dir}: adapter_config.json names no base model")
+        raise ModelPathError(f"{adapter_dir}: {ModelPaths.adapter_config} names no base model")
     return resolve_model(base), {}
 
 
 def _adapter_tokenizer(adapter_dir: Path, base: ModelSource) -> ModelSource:
     """An adapter saved with its tokenizer uses that one, else its base model's."""
-    own = (adapter_dir / "tokenizer_config.json").is_file()
+    own = ModelPaths(adapter_dir).tokenizer_config.is_file()
     return ModelSource(str(adapter_dir)) if own else base
 
 

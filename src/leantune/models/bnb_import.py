@@ -23,6 +23,8 @@ import json
 import sys
 from pathlib import Path
 
+from leantune.layout import ModelPaths
+
 PACKAGE = "bitsandbytes"
 
 
@@ -31,15 +33,15 @@ def _config_json(model_path: str) -> Path | None:
     # The CLI calls this module before torch or the Hub load; these helpers import them.
     from leantune.models.paths import hub_snapshot, looks_like_hub_id, model_of_run
 
-    local = Path(model_of_run(model_path)).expanduser()
+    local = ModelPaths(Path(model_of_run(model_path)).expanduser()).config
     try:
-        if (local / "config.json").is_file():
-            return local / "config.json"
+        if local.is_file():
+            return local
     except OSError:
         return None
     if looks_like_hub_id(model_path):
         snapshot = hub_snapshot(model_path)
-        return snapshot / "config.json" if snapshot is not None else None
+        return ModelPaths(snapshot).config if snapshot is not None else None
     return None
 
 

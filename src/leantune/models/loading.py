@@ -29,6 +29,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.config import RopeScalingConfig
 from leantune.errors import UserError
+from leantune.layout import ModelPaths
 from leantune.models.attention import (
     FIELD,
     AttnImplementation,
@@ -118,7 +119,7 @@ def resolve_model(path: str, gguf_file: str | None = None) -> ModelSource:
         raise ModelNotFoundError(file_given_message(p, where))
     if not looks_like_hub_id(path):
         raise ModelNotFoundError(missing_path_message(path, where))
-    problem = hub_id_problem(path, where, gguf_file or "config.json")
+    problem = hub_id_problem(path, where, gguf_file or ModelPaths.config)
     if problem is not None:
         raise ModelNotFoundError(problem)
     return ModelSource(path, gguf_file)
@@ -159,9 +160,10 @@ def check_tokenizer_files(source: ModelSource, trust_remote_code: bool = False) 
         return
     if any((folder / f).is_file() for f in TOKENIZER_FILES) or any(folder.glob("*.tiktoken")):
         return
-    if trust_remote_code and (folder / "tokenizer_config.json").is_file():
+    files = ModelPaths(folder)
+    if trust_remote_code and files.tokenizer_config.is_file():
         return  # a tokenizer of its own code may keep its vocabulary under any name
-    if not (folder / "config.json").is_file() and not (folder / "tokenizer_config.json").is_file():
+    if not files.config.is_file() and not files.tokenizer_config.is_file():
         raise ModelPathError(
             f"{_name(source)}: not a model directory (no config.json, no tokenizer files such "
             "as tokenizer.json); give a Hugging Face model directory"
@@ -373,7 +375,7 @@ def _from_shards(
             None, **{"config": config, **kwargs}, state_dict=tensors
         )
     model.name_or_path = model.config.name_or_path = location  # from_pretrained(None): "None"
-    if (Path(location) / "generation_config.json").is_file():
+    if ModelPaths(Path(location)).generation_config.is_file():
         # Read by from_pretrained from a folder; with a state dict there is none to read from.
         model.generation_config = GenerationConfig.from_pretrained(location)
     return model

@@ -17,11 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from leantune.errors import UserError
+from leantune.layout import CHECKPOINT_PREFIX, ModelPaths, RunPaths
 from leantune.models.demo_model import DEMO_MODEL_NAMES
-
-# The file `methods.adapter.save_adapter` writes (kept here, without importing torch; a test
-# checks they agree).
-BOTTLENECK_CONFIG_FILE = "bottleneck_adapter.json"
 
 
 class ModelPathError(UserError):
@@ -71,7 +68,7 @@ def looks_like_hub_id(path: str) -> bool:
     )
 
 
-def hub_snapshot(repo_id: str, filename: str = "config.json") -> Path | None:
+def hub_snapshot(repo_id: str, filename: str = ModelPaths.config) -> Path | None:
     """The local HF cache's snapshot directory of `repo_id` if it holds `filename`, else None.
 
     Reads only the cache directory, never the network.
@@ -117,7 +114,7 @@ def file_given_message(p: Path, where: str) -> str:
     return f"{where}: a file that is not a .gguf model; give a .gguf file or a model directory"
 
 
-def hub_id_problem(path: str, where: str, filename: str = "config.json") -> str | None:
+def hub_id_problem(path: str, where: str, filename: str = ModelPaths.config) -> str | None:
     """None when the hub id `path` can load (in the HF cache, or `downloads_allowed()`), else
     why not: a missing local path when its first part is a local folder (`runs/dmeo` beside
     `runs/`), otherwise a hub id that is not in the cache."""
@@ -169,7 +166,7 @@ def refuse_pickled_weights(directory: Path) -> None:
         return
     found = pickles[0]
     if is_adapter_dir(directory):
-        convert = CONVERT_ADAPTER.format(src=found, out=directory / "adapter_model.safetensors")
+        convert = CONVERT_ADAPTER.format(src=found, out=ModelPaths(directory).adapter_weights)
     else:
         convert = CONVERT_MODEL.format(src=directory, out=f"{directory}-safetensors")
     raise PickledWeights(
@@ -181,33 +178,34 @@ def refuse_pickled_weights(directory: Path) -> None:
 
 def is_adapter_dir(path: Path) -> bool:
     """True for a peft adapter directory."""
-    return (path / "adapter_config.json").is_file()
+    return ModelPaths(path).adapter_config.is_file()
 
 
 def is_bottleneck_adapter_dir(path: Path) -> bool:
     """True for a directory written by `methods.adapter.save_adapter`."""
-    return (path / BOTTLENECK_CONFIG_FILE).is_file()
+    return ModelPaths(path).bottleneck_config.is_file()
 
 
 def _is_run_dir(p: Path) -> bool:
     """True for a leantune run directory (it holds the resolved config or checkpoints)."""
-    return (p / "config.yaml").is_file() or (p / "checkpoints").is_dir()
+    return RunPaths(p).config.is_file() or RunPaths(p).checkpoints.is_dir()
 
 
 def unfinished_run_message(run: Path) -> str:
     """Why a run directory without `final/` has no model, and how to get one."""
-    steps = sorted(c.name for c in (run / "checkpoints").glob("step-*") if c.is_dir())
+    paths = RunPaths(run)
+    steps = sorted(c.name for c in paths.checkpoints.glob(f"{CHECKPOINT_PREFIX}*") if c.is_dir())
     newest = f"newest checkpoint: {steps[-1]}" if steps else "no checkpoint saved yet"
     return (
         f"a leantune run without a final model ({newest}): final/ is written when training "
         "finishes. Run the same `leantune train` command again; it resumes from the newest "
-        f"checkpoint and writes {run / 'final'}. Checkpoints hold what resuming needs "
+        f"checkpoint and writes {paths.final}. Checkpoints hold what resuming needs "
         "(trainable weights, optimizer state), not a model to load"
     )
 
 
 def _holds_model(p: Path) -> bool:
-    return (p / "config.json").is_file() or is_adapter_dir(p) or is_bottleneck_adapter_dir(p)
+    return ModelPaths(p).config.is_file() or is_adapter_dir(p) or is_bottleneck_adapter_dir(p)
 
 
 def model_of_run(path: str) -> str:
@@ -217,8 +215,8 @@ def model_of_run(path: str) -> str:
     """
     p = Path(path).expanduser()
     try:
-        if p.is_dir() and not _holds_model(p) and (p / "final").is_dir():
-            return str(p / "final")
+        if p.is_dir() and not _holds_model(p) and RunPaths(p).final.is_dir():
+            return str(RunPaths(p).final)
     except OSError:  # a name the OS refuses; check_model_path says so
         pass
     return path

@@ -25,21 +25,21 @@ from typing import Any
 
 from safetensors import safe_open
 
-SINGLE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
+from leantune.layout import ModelPaths
 
 
 def checkpoint_shards(location: str) -> list[Path] | None:
     """The safetensors files `from_pretrained` would read from the folder `location`, in the
     same way (the index's shards, else model.safetensors); None when it would read none."""
     folder = Path(location)
-    if (folder / INDEX).is_file():
-        weight_map = json.loads((folder / INDEX).read_text()).get("weight_map", {})
+    files = ModelPaths(folder)
+    if files.weights_index.is_file():
+        weight_map = json.loads(files.weights_index.read_text()).get("weight_map", {})
         names = sorted(set(weight_map.values()))
         shards = [folder / n for n in names]
         return shards if shards and all(s.is_file() for s in shards) else None
-    if (folder / SINGLE).is_file():
-        return [folder / SINGLE]
+    if files.weights.is_file():
+        return [files.weights]
     return None
 
 

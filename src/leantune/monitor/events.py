@@ -16,9 +16,6 @@ from typing import Any
 
 from leantune.core.writes import append_text
 
-EVENTS_FILE = "events.jsonl"
-PAUSED_MARKER = "PAUSED"
-
 EXIT_PAUSED = 3
 """The guard paused the run (``PAUSED`` marker in the run dir); ``leantune train`` resumes it."""
 EXIT_GUARD_STOPPED = 4

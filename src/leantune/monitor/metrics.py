@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import resource
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from leantune.core.process_memory import current_rss_bytes, peak_rss_bytes, status_bytes
 from leantune.core.writes import append_text, write_file
 
 
@@ -18,21 +18,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory so far: CUDA allocator peak on GPU, process peak RSS on CPU."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
-
-
-def status_bytes(field: str) -> int | None:
-    """A memory field of /proc/self/status (VmHWM, RssAnon, ...) in bytes; None off Linux."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                name, _, value = line.partition(":")
-                if name == field:
-                    return int(value.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return peak_rss_bytes()
 
 
 def start_training_memory() -> int | None:
@@ -71,15 +57,6 @@ def memory_stats(device: torch.device) -> dict[str, int]:
     if anon is not None:
         out["rss_anon_bytes"] = anon
     return out
-
-
-def current_rss_bytes() -> int:
-    """Resident set size of this process now (Linux /proc; the peak elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize()
-    except OSError:
-        return peak_memory_bytes(torch.device("cpu"))
 
 
 class MetricsLog:

@@ -26,7 +26,8 @@ from typing import Any
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
-from leantune.monitor.events import EVENTS_FILE, read_events
+from leantune.layout import RunPaths
+from leantune.monitor.events import read_events
 from leantune.monitor.records import (
     EventCounts,
     Record,
@@ -56,7 +57,7 @@ class MlflowSink:
         self.run_dir = run_dir
         self.config = config
         self.uri, self.experiment, self.name = uri, experiment, name
-        self.counts = EventCounts(read_events(run_dir / EVENTS_FILE))
+        self.counts = EventCounts(read_events(RunPaths(run_dir).events))
         self.events: list[Record] = []
         self._client: MlflowClient | None = None
         self._run_id: str | None = None
@@ -134,7 +135,7 @@ class MlflowSink:
         if self._client is None or self._run_id is None:
             return
         client, run_id = self._client, self._run_id
-        events = self.run_dir / EVENTS_FILE
+        events = RunPaths(self.run_dir).events
         if events.is_file():  # every event of the run, also those of earlier attempts
             client.log_artifact(run_id, str(events))
         client.set_tag(run_id, "leantune.outcome", name)

@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Info, ProcessCo
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from leantune.layout import CHECKPOINT_MARKER, checkpoint_step
 from leantune.monitor.hosts import exposure_warning
 from leantune.monitor.server import MetricsServer, check_port
 
@@ -115,14 +116,13 @@ def newest_checkpoint_time(ckpt_dir: Path) -> tuple[int, float] | None:
     except OSError:
         return None
     for path in entries:
-        name = path.name
-        if not name.startswith("step-") or not name[5:].isdigit():
+        step = checkpoint_step(path.name)
+        if step is None:
             continue
         try:
-            when = (path / "COMPLETE").stat().st_mtime
+            when = (path / CHECKPOINT_MARKER).stat().st_mtime
         except OSError:  # incomplete, or removed by keep_last since the listing
             continue
-        step = int(name[5:])
         if best is None or step > best[0]:
             best = (step, when)
     return best

@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from leantune.core.writes import write_file
+from leantune.layout import RunPaths
 
 Record = dict[str, Any]
-RUN_IDS_FILE = "monitor_runs.json"
-"""<run dir>/monitor_runs.json: the W&B and MLflow run ids, so a resume logs to the same run."""
 
 OUTCOMES = {0: "finished", 3: "paused", 4: "stopped", 5: "out_of_memory", 130: "interrupted"}
 OUTCOMES[143] = "interrupted"
@@ -77,7 +76,7 @@ def outcome() -> tuple[str, int]:
 def remembered_id(run_dir: Path, backend: str) -> str | None:
     """The backend's run id recorded by an earlier attempt of this run, if any."""
     try:
-        ids = json.loads((run_dir / RUN_IDS_FILE).read_text(encoding="utf-8"))
+        ids = json.loads(RunPaths(run_dir).monitor_ids.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     value = ids.get(backend) if isinstance(ids, dict) else None
@@ -86,7 +85,7 @@ def remembered_id(run_dir: Path, backend: str) -> str | None:
 
 def remember_id(run_dir: Path, backend: str, run_id: str) -> None:
     """Record the backend's run id for the next attempt (resume) of this run."""
-    path = run_dir / RUN_IDS_FILE
+    path = RunPaths(run_dir).monitor_ids
     try:
         ids = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):

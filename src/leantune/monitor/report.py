@@ -18,12 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 from leantune.core.writes import WriteRefused, check_target, write_file
 from leantune.errors import UserError
+from leantune.layout import RunPaths
 from leantune.monitor.report_data import RunData, read_run, status
 
 if TYPE_CHECKING:
     from leantune.monitor.report_plots import Plot
-
-REPORT_FILE = "report.html"
 
 
 class ReportNotWritten(UserError):
@@ -57,7 +56,7 @@ def write_report(
     """
     from leantune.monitor.report_plots import plots  # matplotlib: only when a report is made
 
-    path = out if out is not None else run_dir / REPORT_FILE
+    path = out if out is not None else RunPaths(run_dir).report
     check_target(path)  # before the work of rendering
     data = read_run(run_dir)
     text = render(data, plots(data), generated or dt.datetime.now(dt.UTC))
@@ -74,7 +73,7 @@ def report_at_end(run_dir: Path, log: Callable[[str], None]) -> Path | None:
     try:
         path = write_report(run_dir)
     except Exception as e:  # the run itself succeeded; say so and how to retry
-        log(f"warning: {run_dir / REPORT_FILE} not written ({e}); `leantune report {run_dir}`")
+        log(f"warning: {RunPaths(run_dir).report} not written ({e}); `leantune report {run_dir}`")
         return None
     log(f"report: {path}")
     return path

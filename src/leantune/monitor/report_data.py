@@ -14,18 +14,10 @@ from typing import Any
 
 from leantune.config.parse import ParseError, load_yaml, memory_size
 from leantune.errors import UserError
+from leantune.layout import PreparedPaths, RunPaths
+from leantune.monitor.summary import read_summary
 
-# The run directory's files (training.run.rundir, monitor.events, data.prepare.pipeline): named
-# here so that reading a report never imports the training or data code (a test keeps them
-# equal).
-RUN_FILE = "leantune_run.json"
-EVENTS_FILE = "events.jsonl"
-PAUSED_MARKER = "PAUSED"
-PREPARE_REPORT = "prepare_report.json"
-REJECTED = "rejected.jsonl"
 BAD_LINES_SHOWN = 20
-PLAN_FILES = ("memory_plan.json",)
-"""Where a run records the memory planner's prediction ({"peak_bytes": N}), when it does."""
 
 
 class NotARun(UserError):
@@ -79,8 +71,8 @@ class RunData:
 
 def is_run_dir(path: Path) -> bool:
     """A leantune run: its record (written once set-up is done), or checkpoints of an older
-    leantune, as `training.run.rundir.is_run` says (without importing torch)."""
-    return (path / RUN_FILE).is_file() or any((path / "checkpoints").glob("step-*"))
+    leantune (`RunPaths.is_run`)."""
+    return RunPaths(path).is_run()
 
 
 def read_run(run_dir: Path) -> RunData:
@@ -90,21 +82,21 @@ def read_run(run_dir: Path) -> RunData:
         NotARun: `run_dir` is not a leantune run directory (exit 2).
     """
     if not run_dir.is_dir() or not is_run_dir(run_dir):
-        what = "does not exist" if not run_dir.exists() else f"holds no {RUN_FILE}"
+        what = "does not exist" if not run_dir.exists() else f"holds no {RunPaths.record}"
         raise NotARun(f"{run_dir}: not a leantune run directory ({what})")
     data = RunData(run_dir)
-    config_file = run_dir / "config.yaml"
-    if config_file.is_file():
-        data.config_text, data.config = _config(config_file)
-    data.record = _json(run_dir / RUN_FILE) or {}
-    data.summary = _json(run_dir / "summary.json")
+    paths = RunPaths(run_dir)
+    if paths.config.is_file():
+        data.config_text, data.config = _config(paths.config)
+    data.record = _json(paths.record) or {}
+    data.summary = read_summary(run_dir)
     # A row is a step only with an integer step (a hand-edited or foreign row is left out).
-    metrics = _jsonl(run_dir / "metrics.jsonl")
+    metrics = _jsonl(paths.metrics)
     data.metrics = [m for m in metrics if type(m.get("step")) is int]
-    data.evals = _jsonl(run_dir / "eval.jsonl")
-    data.events = _jsonl(run_dir / EVENTS_FILE)
-    data.paused = _json(run_dir / PAUSED_MARKER) if (run_dir / PAUSED_MARKER).exists() else None
-    if (run_dir / PAUSED_MARKER).exists() and data.paused is None:
+    data.evals = _jsonl(paths.eval)
+    data.events = _jsonl(paths.events)
+    data.paused = _json(paths.paused) if paths.paused.exists() else None
+    if paths.paused.exists() and data.paused is None:
         data.paused = {"reason": "unknown"}
     data.data = _data_reports(data)
     data.planned_peak_bytes = _planned_peak(run_dir)
@@ -192,7 +184,7 @@ def _data_reports(data: RunData) -> list[DataReport]:
     the data, or the newest matching one in the cache (data.cache_dir, else <run>/prepared)."""
     cache = data.setting("data.cache_dir")
     caches = [Path(cache)] if cache else []
-    caches.append(data.run_dir / "prepared")
+    caches.append(RunPaths(data.run_dir).prepared)
     found = []
     for role in ("train", "eval"):
         source = data.setting(f"data.{role}")
@@ -201,19 +193,20 @@ def _data_reports(data: RunData) -> list[DataReport]:
         report_dir = _prepared_dir(Path(source), caches)
         if report_dir is None:
             continue
-        report = _json(report_dir / PREPARE_REPORT) or {}
-        rejected = _jsonl(report_dir / REJECTED)[:BAD_LINES_SHOWN]
+        prepared = PreparedPaths(report_dir)
+        report = _json(prepared.report) or {}
+        rejected = _jsonl(prepared.rejected)[:BAD_LINES_SHOWN]
         found.append(DataReport(role, report, rejected))
     return found
 
 
 def _prepared_dir(source: Path, caches: list[Path]) -> Path | None:
-    if (source / PREPARE_REPORT).is_file():  # a directory from `leantune prepare`
+    if PreparedPaths(source).report.is_file():  # a directory from `leantune prepare`
         return source
     wanted = str(source.resolve())
     matches = []
     for cache in caches:
-        for report in cache.glob(f"*/{PREPARE_REPORT}"):
+        for report in cache.glob(f"*/{PreparedPaths.report}"):
             files = (_json(report) or {}).get("files") or []
             if wanted in files or str(source) in files:
                 matches.append(report)
@@ -223,9 +216,6 @@ def _prepared_dir(source: Path, caches: list[Path]) -> Path | None:
 
 
 def _planned_peak(run_dir: Path) -> int | None:
-    for name in PLAN_FILES:
-        plan = _json(run_dir / name) or {}
-        value = plan.get("peak_bytes")
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    """The memory planner's predicted peak, when the run recorded one."""
+    value = (_json(RunPaths(run_dir).memory_plan) or {}).get("peak_bytes")
+    return value if isinstance(value, int) and value > 0 else None

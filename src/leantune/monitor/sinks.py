@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from leantune.layout import RunPaths
 from leantune.monitor.metrics import MetricsLog, progress_bar
 
 Record = dict[str, Any]
@@ -72,8 +73,8 @@ class JsonlSink:
     """
 
     def __init__(self, run_dir: Path, with_eval: bool):
-        self.metrics_path = run_dir / "metrics.jsonl"
-        self.eval_path = run_dir / "eval.jsonl" if with_eval else None
+        self.metrics_path = RunPaths(run_dir).metrics
+        self.eval_path = RunPaths(run_dir).eval if with_eval else None
         self._metrics: MetricsLog | None = None
         self._eval: MetricsLog | None = None
 

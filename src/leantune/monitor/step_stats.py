@@ -36,9 +36,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from leantune.core.process_memory import current_rss_bytes
 from leantune.monitor.flops import best_peak_flops, flops_per_token, matmul_parameters
 from leantune.monitor.gpu import GpuProbe, open_gpu_probe
-from leantune.monitor.metrics import current_rss_bytes
 
 ETA_WINDOW = 50
 """Steps whose mean time the ETA uses: recent enough to follow a change of speed."""

@@ -20,10 +20,9 @@ import yaml
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
 
-from leantune.monitor.events import EVENTS_FILE, read_events
+from leantune.layout import RunPaths
+from leantune.monitor.events import read_events
 from leantune.monitor.records import EventCounts, Record, flat_config, numeric_fields, outcome
-
-TENSORBOARD_DIR = "tensorboard"
 
 
 @dataclass
@@ -39,12 +38,13 @@ class TensorBoardSink:
     """Writes the run's records as TensorBoard scalars and text."""
 
     def __init__(self, run_dir: Path, config: dict[str, Any]):
-        self.log_dir = run_dir / TENSORBOARD_DIR
+        self.log_dir = RunPaths(run_dir).tensorboard
         self.config = config
         counts = EventCounts()
         # Every event of the run with its count, and whether this writer has it: a purge at a
         # restart also removes the events beyond it, which (unlike the metrics) still stand.
-        self._events = [_Logged(e, counts.add(e), True) for e in read_events(run_dir / EVENTS_FILE)]
+        events = read_events(RunPaths(run_dir).events)
+        self._events = [_Logged(e, counts.add(e), True) for e in events]
         self._counts = counts
         self._writer: SummaryWriter | None = None
         self._closed = False

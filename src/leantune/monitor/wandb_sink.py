@@ -20,7 +20,8 @@ from typing import Any
 
 import wandb
 
-from leantune.monitor.events import EVENTS_FILE, read_events
+from leantune.layout import RunPaths
+from leantune.monitor.events import read_events
 from leantune.monitor.records import (
     EventCounts,
     Record,
@@ -50,7 +51,7 @@ class WandbSink:
         self.run_dir = run_dir
         self.config = config
         self.project, self.name, self.entity, self.mode = project, name, entity, mode
-        self.counts = EventCounts(read_events(run_dir / EVENTS_FILE))
+        self.counts = EventCounts(read_events(RunPaths(run_dir).events))
         self.events: list[Record] = []
         self._run: Any = None
         self._closed = False

@@ -25,6 +25,7 @@ from leantune.core.signals import StopSignals
 from leantune.data.dataset import PreparedData
 from leantune.data.loader import SampleStream
 from leantune.data.templates import apply_chat_template
+from leantune.layout import RunPaths
 from leantune.methods.coverage import Coverage, coverage_of
 from leantune.methods.registry import (
     DEFAULT_LR,
@@ -40,7 +41,7 @@ from leantune.models.loading import (
 )
 from leantune.models.output_head import output_head
 from leantune.models.quantize import Quantization
-from leantune.monitor.events import PAUSED_MARKER, EventLog, lift_pause
+from leantune.monitor.events import EventLog, lift_pause
 from leantune.monitor.sinks import Sinks
 from leantune.monitor.step_stats import StepStats
 from leantune.objectives.batch import with_reference
@@ -107,7 +108,7 @@ def run_files(cfg: Config, inputs: list[Path], main: bool = True) -> RunFiles:
     run_dir = cfg.run_dir
     text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
     write = check_config_writable(run_dir, text, inputs) and main
-    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir = RunPaths(run_dir).checkpoints
     ckpt_dir.mkdir(exist_ok=True)
     return RunFiles(run_dir, ckpt_dir, cfg.train.keep_last, text, write)
 
@@ -307,14 +308,14 @@ def start_state(tr: Trainer, cfg: Config, plan: ResumePlan, log: Log) -> None:
                 log=log,
             )
     if files.write_config:
-        write_file(files.run_dir / "config.yaml", files.config_yaml)
+        write_file(RunPaths(files.run_dir).config, files.config_yaml)
     if plan.action == "force":
         # The checkpoint holds the forced settings before the record says the run has them.
         tr.save()
     main = tr.strategy.is_main_process
     if main:
         write_record(files.run_dir, plan.fingerprint, plan.split)
-        lift_pause(files.run_dir / PAUSED_MARKER, tr.events, tr.state.step, log)
+        lift_pause(RunPaths(files.run_dir).paused, tr.events, tr.state.step, log)
     g = cfg.guard
     rollback_on = "rollback" in (g.nonfinite, g.loss_spike, g.grad_norm)
     none_yet = rollback_on and main and latest_checkpoint(files.ckpt_dir) is None

@@ -12,6 +12,7 @@ from torch import nn
 
 from leantune.core.allocator import mapped_allocator
 from leantune.core.precision import pick_device
+from leantune.layout import RunPaths
 from leantune.methods.artifacts import save_final
 from leantune.methods.registry import apply_method, merge_for_inference
 from leantune.models.loading import resolve_model
@@ -38,7 +39,7 @@ def finish(session: Session, *, log: Log, started: float) -> dict[str, Any]:
     save_final(
         model,
         s.tokenizer,
-        files.run_dir / "final",
+        RunPaths(files.run_dir).final,
         _base_path(cfg.model.path),
         base_gguf_file=cfg.model.gguf_file,
         rope_scaling=cfg.model.rope_scaling,
@@ -47,7 +48,7 @@ def finish(session: Session, *, log: Log, started: float) -> dict[str, Any]:
     results: dict[str, Any] = {"final_train_loss": tr.progress.last_loss, **memory}
     if s.eval_inputs is not None:
         merge_for_inference(model)
-        preds = files.run_dir / "eval_predictions.jsonl" if cfg.train.eval_exact_match else None
+        preds = RunPaths(files.run_dir).eval_predictions if cfg.train.eval_exact_match else None
         results |= evaluate_after(
             model, s.eval_inputs, s.eval_settings, predictions_file=preds, step=tr.state.step
         )

@@ -19,6 +19,7 @@ from leantune.config import Config
 from leantune.data.dataset import PreparedData
 from leantune.data.preference_dataset import PreferenceData, preference_data
 from leantune.data.preference_packing import PreferenceRow, pack_pairs, pack_unpaired
+from leantune.layout import RunPaths
 from leantune.methods.checks import effective_pack
 from leantune.objectives.batch import PreferenceStep, as_row
 from leantune.objectives.registry import OBJECTIVES, settings_for
@@ -70,7 +71,7 @@ def load_preference_data(
         system_prompt=d.system_prompt,
         system_message=d.system_message,
         max_bad_fraction=d.max_bad_fraction,
-        cache_dir=d.cache_dir or cfg.run_dir / "prepared",
+        cache_dir=d.cache_dir or RunPaths(cfg.run_dir).prepared,
         log=log,
     )
     for bad in data.bad[:20]:

@@ -39,9 +39,10 @@ from torch import nn
 
 from leantune.config import Config
 from leantune.core.signals import Interrupted, StopSignals
+from leantune.layout import RunPaths
 from leantune.methods.registry import base_quantization
 from leantune.models.loading import ModelSource, resolve_model
-from leantune.monitor.events import EVENTS_FILE, EventLog, OutOfMemoryAtMinimum, TrainingHalted
+from leantune.monitor.events import EventLog, OutOfMemoryAtMinimum, TrainingHalted
 from leantune.monitor.metrics import start_training_memory
 from leantune.monitor.report import report_at_end
 from leantune.training.build import (
@@ -125,7 +126,7 @@ def train(cfg: Config, log: Log = print, config_file: Path | None = None) -> dic
         try:
             return _lifecycle(cfg, source, run, stop, inputs, log, started, strategy)
         except Interrupted as exc:
-            raise _explained(exc, cfg.run_dir / "checkpoints") from None
+            raise _explained(exc, RunPaths(cfg.run_dir).checkpoints) from None
 
 
 def _lifecycle(
@@ -149,7 +150,7 @@ def _lifecycle(
         refused = refused_write(exc, cfg.run_dir)
         if refused is None:
             raise
-        raise with_resume_point(refused, cfg.run_dir / "checkpoints") from None
+        raise with_resume_point(refused, RunPaths(cfg.run_dir).checkpoints) from None
     if session.trainer.device.type == "cpu":  # the metrics' peaks are training's from here
         session.load_peak_bytes = start_training_memory()
     run.started = True  # from here on, a failure leaves the run directory as it is
@@ -212,7 +213,7 @@ def set_up(
     for note in notes:  # once the run directory's run is known to be this one
         log(note)
     files = run_files(cfg, inputs, main)
-    events = EventLog(files.run_dir / EVENTS_FILE if main else None, log)
+    events = EventLog(RunPaths(files.run_dir).events if main else None, log)
     seed_everything(cfg.train.seed)
     # Tokenizer -> data: the data resolves the lengths, the steps and the micro-batch.
     tokenizer = tokenizer_for(cfg, source, log)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from leantune.config import AUTO_RUN_NAME, Config, to_dict
+from leantune.layout import RunPaths
 from leantune.methods.registry import count_parameters
 from leantune.monitor.backends import RunInfo, optional_sinks
 from leantune.monitor.events import EventLog
@@ -24,8 +25,6 @@ from leantune.training.run_setup import RunSetup
 from leantune.training.trainer import RunFiles
 
 Log = Callable[[str], None]
-MEMORY_PLAN_FILE = "memory_plan.json"
-"""The planner's predicted peak and the budget (set-up writes it when the planner models it)."""
 
 
 def monitoring(
@@ -60,7 +59,7 @@ def monitoring(
     if main and memory is not None and memory.peak_bytes is not None:
         # The report and the dashboard draw the measured memory against this.
         plan = {"peak_bytes": memory.peak_bytes, "budget_bytes": memory.budget_bytes}
-        write_file(files.run_dir / MEMORY_PLAN_FILE, json.dumps(plan) + "\n")
+        write_file(RunPaths(files.run_dir).memory_plan, json.dumps(plan) + "\n")
     sinks = sinks_for(cfg, files, with_eval=evaluator is not None, log=log, facts=facts, main=main)
     events.listeners.append(sinks.event)
     return stats, sinks

@@ -51,6 +51,7 @@ from leantune.data.dataset import PreparedData, check_token_range, prepared_data
 from leantune.data.packing import longest_example, rows_for
 from leantune.data.prepare.pipeline import read_report
 from leantune.data.prepare.settings import engine_options, settings_from_config
+from leantune.layout import RunPaths
 from leantune.memory.resolve import PlannedMemory, plan_for_run
 from leantune.methods.checks import effective_pack
 from leantune.models.loading import ModelSource
@@ -312,7 +313,7 @@ def load_datasets(
     settings = settings_from_config(
         dataclasses.replace(d, max_seq_len=limit, pack=pack and not auto)
     )
-    cache = d.cache_dir or cfg.run_dir / "prepared"
+    cache = d.cache_dir or RunPaths(cfg.run_dir).prepared
 
     def prepare(path: str, eval_limit: int | None) -> PreparedData:
         data = prepared_data(

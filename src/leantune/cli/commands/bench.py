@@ -11,7 +11,7 @@ from typing import Any
 
 from leantune.bench import methods as method_bench
 from leantune.bench.instructions import write_task
-from leantune.bench.sweep import lr_grid, parse_grids, run_sweep, write_sweep
+from leantune.bench.sweep import JSON_FILE, TABLE_FILE, lr_grid, parse_grids, run_sweep, write_sweep
 from leantune.cli.args import split_config_args
 from leantune.config import DEMO_CONFIG, Config, ConfigError
 from leantune.core.writes import write_file
@@ -118,8 +118,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results, base = method_bench.run_methods(config, methods, lrs, out, overrides, log, args.reuse)
     method_bench.add_retention(results, base_loss)
     payload = method_bench.write_outputs(results, base, meta, out, base_loss)
-    print((out / "methods.md").read_text())
-    print(f"wrote {out / 'methods.md'}, {out / 'methods.json'}, {out / 'methods.png'}")
+    print((out / method_bench.TABLE_FILE).read_text())
+    written = (method_bench.TABLE_FILE, method_bench.JSON_FILE, method_bench.PLOT_FILE)
+    print(f"wrote {', '.join(str(out / name) for name in written)}")
     print(json.dumps(payload))
     # A method that failed: its run's exit code (2 when train refused its settings or data).
     failed = [r.exit_code or 1 for r in results if r.status != "ok"]
@@ -145,7 +146,7 @@ def _sweep(
     log = lambda m: print(m, flush=True)  # noqa: E731
     sweeps = run_sweep(config, grids, DEFAULT_LR, out, overrides, log, args.reuse)
     payload = write_sweep(sweeps, meta, out)
-    print((out / "sweep.md").read_text())
-    print(f"wrote {out / 'sweep.md'}, {out / 'sweep.json'}")
+    print((out / TABLE_FILE).read_text())
+    print(f"wrote {out / TABLE_FILE}, {out / JSON_FILE}")
     print(json.dumps(payload))
     return 0 if all(s.chosen_lr is not None for s in sweeps) else 1

@@ -11,9 +11,10 @@ from leantune.config import Config, ConfigError, DataConfig, set_field
 from leantune.data.errors import DataError
 from leantune.data.formats import format_hint
 from leantune.data.prepare.clean import RULES
-from leantune.data.prepare.pipeline import REJECTED, prepare_dataset
+from leantune.data.prepare.pipeline import prepare_dataset
 from leantune.data.prepare.settings import engine_options, settings_from_config
 from leantune.data.templates import apply_chat_template
+from leantune.layout import PreparedPaths
 from leantune.methods.checks import effective_pack
 from leantune.models.loading import load_tokenizer, resolve_model
 from leantune.models.quiet import quiet_libraries
@@ -129,8 +130,8 @@ def check_kept(report: dict[str, Any], out: str | Path) -> None:
         hint = format_hint(report["files"][0], report["settings"]["format"])
     raise DataError(
         f"prepare: kept 0 of {report['rows_in']} records of {files}; dropped: {dropped}; "
-        f"each rejected record, with its file, line and reason, is in {Path(out) / REJECTED}"
-        + (f"\n{hint}" if hint else "")
+        "each rejected record, with its file, line and reason, is in "
+        f"{PreparedPaths(Path(out)).rejected}" + (f"\n{hint}" if hint else "")
     )
 
 

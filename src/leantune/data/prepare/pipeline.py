@@ -35,13 +35,13 @@ from leantune.data.prepare.records import ChunkResult, Kept, PrepareSettings, Re
 from leantune.data.prepare.shards import SHARD_TOKENS, ShardBuffer, write_shard
 from leantune.data.tokenize import IGNORE_INDEX
 from leantune.errors import UserError
+from leantune.layout import PreparedPaths
 
 # Bump when the output for the same key changes (4: answers found by walking one render, and
 # the tokenizer digest recorded; 5: OpenAI's message weights, function calls and string
 # arguments read).
 PIPELINE_VERSION = 5
-REPORT = "prepare_report.json"
-REJECTED = "rejected.jsonl"
+
 Log = Callable[[str], None]
 
 
@@ -67,7 +67,7 @@ def cache_key(
 
 def read_report(out: str | Path) -> dict[str, Any] | None:
     """The report of a complete prepared directory, or None."""
-    path = Path(out) / REPORT
+    path = PreparedPaths(Path(out)).report
     if not path.is_file():
         return None
     report: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
@@ -82,7 +82,7 @@ class _Writer:
         self.shard_tokens = shard_tokens
         self.settings = settings
         self.dedup = DedupIndex(settings.dedup, settings.near_dup_threshold, settings.num_perm)
-        self.rejected = (out / REJECTED).open("w", encoding="utf-8")
+        self.rejected = PreparedPaths(out).rejected.open("w", encoding="utf-8")
         self.column = "text" if settings.format == "text" else "messages"
         self.buf = ShardBuffer()
         self.shards: list[dict[str, Any]] = []
@@ -198,7 +198,7 @@ def _check_out(out: Path) -> None:
     check_target(out, folder=True)
     if out.is_dir() and any(out.iterdir()) and read_report(out) is None:
         raise OutputExistsError(
-            f"{out}: exists and is not a prepared directory (no {REPORT}); "
+            f"{out}: exists and is not a prepared directory (no {PreparedPaths.report}); "
             "choose another --out or remove it"
         )
 
@@ -237,7 +237,7 @@ def prepare_dataset(
     previous = read_report(out)
     if previous is not None and previous.get("cache_key") == key and not force:
         previous["cache_hit"] = True
-        write_file(out / REPORT, json.dumps(previous, indent=2))
+        write_file(PreparedPaths(out).report, json.dumps(previous, indent=2))
         if log:
             log(f"prepare: cache hit, {out} is up to date (key {key[:12]})")
         return previous
@@ -266,7 +266,7 @@ def prepare_dataset(
         info["chunks_reused"] = partial.reused
         info["resume_data_bytes"] = partial.disk_bytes()  # its peak: gone once `out` is whole
         report = _report(writer, files, settings, tokenizer, key, engine, info, started)
-        write_file(tmp / REPORT, json.dumps(report, indent=2))
+        write_file(PreparedPaths(tmp).report, json.dumps(report, indent=2))
     partial.remove()
     if log:
         log(_summary_line(report, settings.pack, out))

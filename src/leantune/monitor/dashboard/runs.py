@@ -22,21 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from leantune.layout import RunPaths, checkpoint_step
 from leantune.monitor.dashboard.parsed import Parsed, ParsedFiles, parse_config, parse_json
 from leantune.monitor.dashboard.series import JsonlCache
 from leantune.monitor.dashboard.status import run_status
-from leantune.monitor.events import EVENTS_FILE, PAUSED_MARKER
 
-# training.run.rundir's names (see status.LOCK_FILE for why they are not imported from there).
-RUN_FILE = "leantune_run.json"
-CONFIG_FILE = "config.yaml"
-METRICS_FILE = "metrics.jsonl"
-EVAL_FILE = "eval.jsonl"
-SUMMARY_FILE = "summary.json"
-MARKS = (RUN_FILE, CONFIG_FILE, METRICS_FILE)
-PLAN_FILE = "memory_plan.json"
-"""The planner's prediction, written by `train` at set-up
-(`training.run_monitoring.MEMORY_PLAN_FILE`)."""
+MARKS = (RunPaths.record, RunPaths.config, RunPaths.metrics)
+"""Any of these files makes a folder a run that the dashboard lists."""
 Log = Callable[[str], None]
 
 
@@ -112,7 +104,7 @@ class RunsFolder:
 
     def events(self, run: Run) -> list[dict[str, Any]]:
         """`run`'s events, in order."""
-        return [json.loads(x) for x in self.jsonl(run, EVENTS_FILE).lines]
+        return [json.loads(x) for x in self.jsonl(run, RunPaths.events).lines]
 
     def overview(self, run: Run) -> dict[str, Any]:
         """One row of the run list: name, method, model, steps, last loss, status; the status
@@ -125,16 +117,16 @@ class RunsFolder:
         return row
 
     def _overview(self, run: Run) -> dict[str, Any]:
-        config = self._parsed(run, CONFIG_FILE, parse_config)
+        config = self._parsed(run, RunPaths.config, parse_config)
         cfg = config.value or {}
-        record = self._parsed(run, RUN_FILE, parse_json).value
-        metrics = self.jsonl(run, METRICS_FILE)
+        record = self._parsed(run, RunPaths.record, parse_json).value
+        metrics = self.jsonl(run, RunPaths.metrics)
         last = json.loads(metrics.lines[-1]) if metrics.lines else {}
         # The last step that is an integer (a damaged row's step reads as -1).
         last_step = next((s for s in reversed(metrics.steps) if s >= 0), None)
-        evals = self.jsonl(run, EVAL_FILE).lines
+        evals = self.jsonl(run, RunPaths.eval).lines
         last_eval = json.loads(evals[-1]) if evals else {}
-        summary = self._parsed(run, SUMMARY_FILE, parse_json).value
+        summary = self._parsed(run, RunPaths.summary, parse_json).value
         summary = summary if isinstance(summary, dict) else None
         status = run_status(run.path, self.events(run), last_step, summary)
         fingerprint = record.get("fingerprint") if isinstance(record, dict) else None
@@ -159,8 +151,8 @@ class RunsFolder:
 
     def detail(self, run: Run) -> dict[str, Any]:
         """Everything of `run` but its series: the overview, config, summary, checkpoints."""
-        config = self._parsed(run, CONFIG_FILE, parse_config)
-        plan = self._parsed(run, PLAN_FILE, parse_json).value
+        config = self._parsed(run, RunPaths.config, parse_config)
+        plan = self._parsed(run, RunPaths.memory_plan, parse_json).value
         value = plan.get("peak_bytes") if isinstance(plan, dict) else None
         planned = value if isinstance(value, int | float) else None
         return {
@@ -168,10 +160,10 @@ class RunsFolder:
             "config": config.value,
             "config_text": config.text,
             "config_error": config.error,
-            "summary": self._parsed(run, SUMMARY_FILE, parse_json).value,
-            "paused": self._parsed(run, PAUSED_MARKER, parse_json).value,
+            "summary": self._parsed(run, RunPaths.summary, parse_json).value,
+            "paused": self._parsed(run, RunPaths.paused, parse_json).value,
             "checkpoints": self._checkpoints(run),
-            "has_final": self._is_dir(run, "final"),
+            "has_final": self._is_dir(run, RunPaths.final),
             "planned_peak_bytes": planned,
         }
 
@@ -195,19 +187,15 @@ class RunsFolder:
 
     def _checkpoints(self, run: Run) -> list[int]:
         """Steps of the checkpoints kept (`checkpoints/step-NNNNNN`; unfinished ones too)."""
-        if not self._is_dir(run, "checkpoints"):
+        if not self._is_dir(run, RunPaths.checkpoints):
             return []
-        steps = []
-        for e in os.scandir(run.path / "checkpoints"):
-            head, _, digits = e.name.partition("step-")
-            if not head and digits.isdigit():
-                steps.append(int(digits))
-        return sorted(steps)
+        found = (checkpoint_step(e.name) for e in os.scandir(RunPaths(run.path).checkpoints))
+        return sorted(step for step in found if step is not None)
 
     def _updated(self, run: Run) -> float | None:
         """When the run last wrote a step, an eval or an event (seconds since the epoch)."""
         times = []
-        for name in (METRICS_FILE, EVAL_FILE, EVENTS_FILE, SUMMARY_FILE):
+        for name in (RunPaths.metrics, RunPaths.eval, RunPaths.events, RunPaths.summary):
             path = self.file(run, name)
             if path is not None:
                 with contextlib.suppress(OSError):

@@ -37,7 +37,8 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from leantune.core.signals import StopSignals
-from leantune.monitor.dashboard.runs import EVAL_FILE, METRICS_FILE, Log, RunsFolder
+from leantune.layout import RunPaths
+from leantune.monitor.dashboard.runs import Log, RunsFolder
 from leantune.monitor.dashboard.series import line_sig
 from leantune.monitor.hosts import REFUSED, HostCheck
 
@@ -56,7 +57,7 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "X-Frame-Options": "DENY",
 }
-SERIES = {"metrics": METRICS_FILE, "eval": EVAL_FILE}
+SERIES = {"metrics": RunPaths.metrics, "eval": RunPaths.eval}
 PAGES = {"/": "index.html"}
 
 
@@ -197,7 +198,7 @@ class DashboardHandler(BaseHTTPRequestHandler):
             head = json.dumps({"reset": reset, "last": last})[:-1]
             return _raw_json(f'{head}, "rows": [{", ".join(lines)}]}}')
         if endpoint == "events":
-            lines = folder.jsonl(run, "events.jsonl").lines
+            lines = folder.jsonl(run, RunPaths.events).lines
             after = _int_param(query, "after") or 0
             reset = after > len(lines)  # the file was replaced: a new run in this directory
             new = lines if reset else lines[after:]

@@ -22,11 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from leantune.monitor.events import PAUSED_MARKER
+from leantune.layout import RunPaths
 
-LOCK_FILE = ".leantune.lock"
-"""`training.run.rundir.LOCK_FILE` (not imported from there: rundir imports torch, and the
-dashboard starts in a tenth of a second without it; a test checks that they agree)."""
 PROC_LOCKS = Path("/proc/locks")
 # Events after which the process ended; an `oom` event with a new micro-batch size is a
 # recovery, not an end.
@@ -48,7 +45,7 @@ class RunStatus:
 def lock_holder(run_dir: Path) -> int | None:
     """The pid holding the run's lock (0 when held by a process whose pid is unknown), or None
     when no process holds it."""
-    lock = run_dir / LOCK_FILE
+    lock = RunPaths(run_dir).lock
     try:
         st = lock.stat()
     except OSError:
@@ -99,7 +96,7 @@ def run_status(
     pid = lock_holder(run_dir)
     if pid is not None:
         return RunStatus("running", "training" + (f" (pid {pid})" if pid else ""), pid)
-    marker = _paused(run_dir / PAUSED_MARKER)
+    marker = _paused(RunPaths(run_dir).paused)
     if marker is not None:
         return RunStatus("paused", marker)
     done = last_step or 0

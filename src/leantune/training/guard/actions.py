@@ -11,7 +11,8 @@ import json
 
 from leantune.core.writes import write_file
 from leantune.data.dataset import PreparedData
-from leantune.monitor.events import PAUSED_MARKER, TrainingPaused, TrainingStopped
+from leantune.layout import RunPaths
+from leantune.monitor.events import TrainingPaused, TrainingStopped
 from leantune.training.guard.divergence import WeightsDiverged
 from leantune.training.trainer import StepResult, Trainer
 
@@ -59,7 +60,7 @@ def _halt(tr: Trainer, step: int, action: str, kind: str, reason: str) -> None:
     if action == "pause":
         marker = {"reason": reason, "detector": kind, "step": step, "checkpoint": str(path)}
         if tr.strategy.is_main_process:
-            write_file(files.run_dir / PAUSED_MARKER, json.dumps(marker, indent=2) + "\n")
+            write_file(RunPaths(files.run_dir).paused, json.dumps(marker, indent=2) + "\n")
         tr.events.emit("pause", step, f"paused; checkpoint {path}", checkpoint=str(path))
         raise TrainingPaused(
             f"training paused at step {step}: {reason}. Checkpoint {path}; the offending window "

@@ -12,28 +12,16 @@ import contextlib
 import ctypes
 import ctypes.util
 import gc
-import resource
 import sys
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 
+from leantune.core.process_memory import current_rss_bytes
 from leantune.methods.registry import METHODS
 
 T = TypeVar("T")
-
-_PAGE_SIZE = resource.getpagesize()
-
-
-def current_rss_bytes() -> int:
-    """The process's resident set size now (Linux /proc; elsewhere its peak, the best known)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _PAGE_SIZE
-    except OSError:
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
 class MemoryBudget:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from leantune.layout import checkpoint_name
 from leantune.models.loss import LossModule, WrappedLoss
 from leantune.training.guard.divergence import diverged
 from leantune.training.parallel import collectives as c
@@ -31,7 +32,6 @@ from leantune.training.state.checkpoint import (
     load_checkpoint,
     resume_checkpoint,
 )
-from leantune.training.state.format import step_dir_name
 from leantune.training.state.reading import newest_complete
 
 
@@ -102,7 +102,7 @@ class DDPStrategy(c.OverWorld):
         if bad:  # the same weights on every rank: each refuses alike (exit 4 everywhere)
             raise diverged(parts.state.step, bad, newest_complete(root))
         error: BaseException | None = None
-        path = root / step_dir_name(parts.state.step)
+        path = root / checkpoint_name(parts.state.step)
         if self.world.is_main:
             try:
                 path = SingleProcess().save_checkpoint(root, parts)

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from leantune.layout import checkpoint_name
 from leantune.training.guard.divergence import diverged
 from leantune.training.parallel import collectives as c
 from leantune.training.parallel.parts import CheckpointParts, Warn
@@ -37,7 +38,7 @@ from leantune.training.state import checkpoint as ck
 from leantune.training.state import verify
 from leantune.training.state.checkpoint import Checkpoint, CheckpointError
 from leantune.training.state.files import clear, fsync_dir, write_text_durable
-from leantune.training.state.format import TMP_PREFIX, step_dir_name
+from leantune.training.state.format import TMP_PREFIX
 from leantune.training.state.reading import newest_complete
 
 _TRAINABLE = StateDictOptions(ignore_frozen_params=True)
@@ -64,7 +65,7 @@ def save(world: World, root: Path, model: nn.Module, parts: CheckpointParts) -> 
     if c.nonfinite_anywhere(world, local):
         bad = [n for n, t in zip(parts.params, local, strict=True) if not t.isfinite().all()]
         raise diverged(step, bad or ["(a shard on another rank)"], newest_complete(root))
-    name = step_dir_name(step)
+    name = checkpoint_name(step)
     tmp = root / f"{TMP_PREFIX}{name}-sharded"
     _on_main(world, lambda: _fresh_dir(root, tmp), "prepare the checkpoint folder")
     state: dict[str, Any] = {"model": _trainable_state(model)}

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from leantune.layout import checkpoint_name
 from leantune.models.loss import LossModule, WrappedLoss
 from leantune.training.guard.divergence import diverged
 from leantune.training.parallel import collectives as c
@@ -43,7 +44,6 @@ from leantune.training.parallel.parts import CheckpointParts, SyncScope, Warn
 from leantune.training.parallel.world import World, WorldSizeMismatch
 from leantune.training.state import checkpoint as ck
 from leantune.training.state.checkpoint import Checkpoint, CheckpointError
-from leantune.training.state.format import step_dir_name
 from leantune.training.state.reading import newest_complete
 
 _ADAM_STATE = ("exp_avg", "exp_avg_sq")
@@ -235,7 +235,7 @@ class ZeroStrategy(c.OverWorld):
             raise diverged(parts.state.step, bad, newest_complete(root))
         optimizer = self._gather_optimizer(parts.params)
         error: BaseException | None = None
-        path = root / step_dir_name(parts.state.step)
+        path = root / checkpoint_name(parts.state.step)
         if self.world.is_main:
             try:
                 path = ck.save_checkpoint(

@@ -39,6 +39,7 @@ from leantune.config.roles import RECORDED, Role
 from leantune.core.digests import content_digest, local_model_dir, model_digest
 from leantune.data.prepare.pipeline import read_report
 from leantune.data.templates import is_builtin, template_text
+from leantune.layout import ModelPaths
 from leantune.methods.registry import DEFAULT_LR
 
 CONTENT_KEYS = {
@@ -174,7 +175,7 @@ def run_fingerprint(
         fields["model.architecture"] = None
     else:
         fields["model.files"] = model_digest(model_dir, gguf_file)
-        fields["model.architecture"] = architecture(model_dir / "config.json")
+        fields["model.architecture"] = architecture(ModelPaths(model_dir).config)
         sources["model.files"] = str(model_dir.resolve())
     data = Path(cfg.data.train)
     fields["data.train"] = data_digest(data)

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from leantune.core.writes import OutputError, as_write_refused
+from leantune.layout import checkpoint_step
 from leantune.training.parallel.strategy import SingleProcess
 from leantune.training.state.checkpoint import CheckpointWriteError, list_complete_checkpoints
 from leantune.training.trainer import Trainer
@@ -70,7 +71,7 @@ def _newest(ckpt_dir: Path) -> tuple[int, Path] | None:
         return None
     if not complete:
         return None
-    return int(complete[-1].name.removeprefix("step-")), complete[-1]
+    return checkpoint_step(complete[-1].name) or 0, complete[-1]
 
 
 def _reason(exc: BaseException) -> str:

@@ -20,7 +20,6 @@ the same settings; ``never`` moves either aside.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +39,7 @@ from leantune.core.optim import (
 )
 from leantune.core.precision import RESOLVED
 from leantune.errors import UserError
+from leantune.layout import RunPaths, checkpoint_step
 from leantune.training.run.fingerprint import (
     Change,
     Fingerprint,
@@ -47,7 +47,7 @@ from leantune.training.run.fingerprint import (
     compare,
     run_fingerprint,
 )
-from leantune.training.run.rundir import RUN_FILE, RunRecord, read_record
+from leantune.training.run.rundir import RunRecord, read_record
 from leantune.training.state.checkpoint import WEIGHTS_FILE, TrainingState, newest_checkpoint
 from leantune.training.state.progress import RunProgress
 
@@ -82,8 +82,6 @@ FORCE_MEANINGS: dict[str, str] = {
     "model.": "the base model is loaded this way from now on",
 }
 """What `run.resume=force` does with each accepted change (a key ending in "." is a section)."""
-
-_STEP_DIR = re.compile(r"step-(\d+)$")
 
 
 class ResumeSettings(RecordedSections, Protocol):
@@ -139,7 +137,7 @@ def plan_run(cfg: ResumeSettings, location: str, gguf_file: str | None, log: Log
         log: Where the decision is explained.
     """
     run_dir = cfg.run_dir
-    newest = newest_checkpoint(run_dir / "checkpoints")
+    newest = newest_checkpoint(RunPaths(run_dir).checkpoints)
     fingerprint = run_fingerprint(cfg, location, gguf_file)
     split = (cfg.train.micro_batch_size, cfg.train.grad_accum)
     record = read_record(run_dir)
@@ -176,15 +174,14 @@ def plan_resume(
     if checkpoint is None:
         _check_no_checkpoint(run_dir, record, new)
         return ResumePlan("fresh", new, split=split)
-    match = _STEP_DIR.search(checkpoint.name)
-    step = int(match.group(1)) if match else 0
+    step = checkpoint_step(checkpoint.name) or 0
     where = f"{run_dir} (newest checkpoint {checkpoint.name})"
     if record is None:
         if mode != "force":
             why = (
-                f"has a run record {run_dir / RUN_FILE} that cannot be read"
-                if (run_dir / RUN_FILE).exists()
-                else f"was written by an older leantune, without the run record {RUN_FILE}"
+                f"has a run record {RunPaths(run_dir).record} that cannot be read"
+                if RunPaths(run_dir).record.exists()
+                else f"was written by an older leantune, without the run record {RunPaths.record}"
             )
             raise RunMismatch(
                 f"{where} {why}, so this config cannot be checked against it. Continue it "
@@ -242,9 +239,9 @@ def _check_no_checkpoint(run_dir: Path, record: RunRecord | None, new: Fingerpri
     )
     where = f"{run_dir} (no checkpoints)"
     if record is None:
-        if (run_dir / RUN_FILE).exists():
+        if RunPaths(run_dir).record.exists():
             raise RunMismatch(
-                f"{where} has a run record {run_dir / RUN_FILE} that cannot be read, so this "
+                f"{where} has a run record {RunPaths(run_dir).record} that cannot be read, so this "
                 f"config cannot be checked against it. {levers}"
             )
         return
@@ -255,7 +252,7 @@ def _check_no_checkpoint(run_dir: Path, record: RunRecord | None, new: Fingerpri
             f"{where} holds a run with other settings than this config:\n{lines}\n"
             f"Training here would replace that run's record and results. {levers}"
         )
-    final = run_dir / "final"
+    final = RunPaths(run_dir).final
     if final.exists():
         raise RunMismatch(
             f"{where} holds this config's run, finished: {final} is its result and there is "
@@ -371,7 +368,7 @@ def recorded_precision(run_dir: Path) -> str | None:
 def recorded_setting(run_dir: Path, key: str) -> object:
     """Fingerprint field `key` of the run that `train` would resume in `run_dir` (None for a
     fresh start: no checkpoint to resume from, or no record of it)."""
-    if newest_checkpoint(run_dir / "checkpoints") is None:
+    if newest_checkpoint(RunPaths(run_dir).checkpoints) is None:
         return None
     record = read_record(run_dir)
     return record.fingerprint.get(key) if record is not None else None

@@ -34,14 +34,12 @@ from typing import TYPE_CHECKING, Any
 
 from leantune.core import writes
 from leantune.errors import UserError
+from leantune.layout import RunPaths
 from leantune.training.state.checkpoint import list_complete_checkpoints
 
 if TYPE_CHECKING:
     from leantune.training.run.fingerprint import Fingerprint
 
-RUN_FILE = "leantune_run.json"
-LOCK_FILE = ".leantune.lock"
-CONFIG_FILE = "config.yaml"
 RUN_FILE_VERSION = 1
 
 
@@ -74,7 +72,7 @@ class RunDir:
 
 def is_run(path: Path) -> bool:
     """Whether `path` holds a leantune run (a record, or checkpoints from an older leantune)."""
-    return (path / RUN_FILE).is_file() or any((path / "checkpoints").glob("step-*"))
+    return RunPaths(path).is_run()
 
 
 @contextlib.contextmanager
@@ -135,7 +133,7 @@ def lock_run_dir(path: Path) -> int:
 
 def _take_lock(path: Path, create: bool) -> int | None:
     """`lock_run_dir`; without `create`, None when the lock file does not exist."""
-    lock = path / LOCK_FILE
+    lock = RunPaths(path).lock
     writes.check_target(lock)  # the pid is written into it: never through a link
     while True:
         try:
@@ -171,7 +169,7 @@ def _take_lock(path: Path, create: bool) -> int | None:
 def read_record(path: Path) -> RunRecord | None:
     """The run's record, or None when there is none or it cannot be read."""
     try:
-        raw = json.loads((path / RUN_FILE).read_text(encoding="utf-8"))
+        raw = json.loads(RunPaths(path).record.read_text(encoding="utf-8"))
         split = raw["split"]
         return RunRecord(dict(raw["fingerprint"]), dict(raw["sources"]), (split[0], split[1]))
     except (OSError, ValueError, KeyError, TypeError, IndexError):
@@ -187,7 +185,7 @@ def write_record(path: Path, fingerprint: Fingerprint, split: tuple[int | str, i
         "fingerprint": fingerprint.fields,
         "sources": fingerprint.sources,
     }
-    write_file(path / RUN_FILE, json.dumps(record, indent=2, sort_keys=True) + "\n")
+    write_file(RunPaths(path).record, json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
 def write_file(path: Path, text: str) -> None:
@@ -213,7 +211,7 @@ def check_config_writable(path: Path, text: str, inputs: Sequence[Path]) -> bool
     Raises:
         RunDirError: ``config.yaml`` is an input of this command and `text` differs from it.
     """
-    target = path / CONFIG_FILE
+    target = RunPaths(path).config
     if not target.is_file():
         return True
     if not any(p.is_file() and os.path.samefile(p, target) for p in inputs):
@@ -234,13 +232,13 @@ def _refuse_foreign(path: Path) -> None:
         raise RunDirError(f"run.dir={path} is a file, not a folder")
     if not path.is_dir() or is_run(path):
         return
-    entries = [e for e in os.listdir(path) if e != LOCK_FILE]
+    entries = [e for e in os.listdir(path) if e != RunPaths.lock]
     if entries:
         shown = ", ".join(sorted(entries)[:5]) + (", ..." if len(entries) > 5 else "")
         raise RunDirError(
-            f"run.dir={path} is a non-empty folder that is not a leantune run (no {RUN_FILE}; "
-            f"it holds {shown}); leantune writes nothing into it. Use another run.dir or "
-            "run.name, or an empty folder."
+            f"run.dir={path} is a non-empty folder that is not a leantune run (no "
+            f"{RunPaths.record}; it holds {shown}); leantune writes nothing into it. Use another "
+            "run.dir or run.name, or an empty folder."
         )
 
 
@@ -283,7 +281,7 @@ def _move_aside(path: Path) -> Path:
 
 def _undo(path: Path, created: list[Path], before: set[str], aside: Path | None) -> None:
     """Leave `path` as this start found it, unless it has already written a checkpoint."""
-    if path.is_dir() and list_complete_checkpoints(path / "checkpoints"):
+    if path.is_dir() and list_complete_checkpoints(RunPaths(path).checkpoints):
         return
     if aside is not None:  # back where `_move_aside` took it from, a link's target included
         real = path.resolve()

@@ -1,13 +1,13 @@
-"""summary.json: what a finished run achieved."""
+"""What a finished run achieved: the summary's contents (`leantune.monitor.summary` owns the
+file)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from leantune.core.writes import write_file
+from leantune.monitor.summary import write_summary_file
 from leantune.training.state.checkpoint import TrainingState
 from leantune.training.state.progress import RunProgress
 
@@ -35,7 +35,7 @@ def write_summary(
         **results,
     }
     written = summary | ({"adapted": adapted} if adapted is not None else {})
-    write_file(run_dir / "summary.json", json.dumps(written, indent=2) + "\n")
+    write_summary_file(run_dir, written)
     parts = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()]
     log("summary: " + ", ".join(parts))
     if summary.get("base_exact_match") is not None and "eval_exact_match" in summary:

@@ -53,6 +53,7 @@ from safetensors.torch import save_file
 
 from leantune.core.rng import capture_rng_state as capture_rng_state  # re-exported
 from leantune.core.rng import restore_rng_state as restore_rng_state  # re-exported
+from leantune.layout import checkpoint_name
 from leantune.training.guard.divergence import diverged
 from leantune.training.state import verify
 from leantune.training.state.files import (
@@ -79,7 +80,6 @@ from leantune.training.state.format import (
     CheckpointWriteError,
     DamagedCheckpoints,
     TrainingState,
-    step_dir_name,
 )
 from leantune.training.state.reading import (
     checkpoint_problem,
@@ -169,7 +169,7 @@ def save_checkpoint(
     if nonfinite:
         raise diverged(state.step, nonfinite, newest_complete(root))
 
-    name = step_dir_name(state.step)
+    name = checkpoint_name(state.step)
     final = root / name
     tmp = root / f"{TMP_PREFIX}{name}-{os.getpid()}"
     try:

@@ -15,11 +15,12 @@ import torch
 
 from leantune.core.writes import OutputError
 from leantune.errors import UserError
+from leantune.layout import CHECKPOINT_MARKER, CHECKPOINT_PREFIX, ModelPaths, checkpoint_step
 
 FORMAT_VERSION = 2
 """2: the marker records each file's size and SHA-256; 1: sizes only."""
-MARKER = "COMPLETE"
-WEIGHTS_FILE = "model.safetensors"
+MARKER = CHECKPOINT_MARKER
+WEIGHTS_FILE = ModelPaths.weights  # a checkpoint's weights are named as a model folder's
 OPTIMIZER_FILE = "optimizer.pt"
 TRAINER_STATE_FILE = "trainer_state.pt"
 STATE_JSON_FILE = "trainer_state.json"
@@ -31,8 +32,7 @@ SHARDED_FILES = (TRAINER_STATE_FILE, STATE_JSON_FILE, f"{SHARDED_DIR}/.metadata"
 
 TMP_PREFIX = ".tmp-"
 OLD_PREFIX = ".old-"
-STEP_RE = re.compile(r"^step-(\d+)$")
-OLD_RE = re.compile(r"^\.old-(step-\d+)-\d+$")
+OLD_RE = re.compile(rf"^\.old-({CHECKPOINT_PREFIX}\d+)-\d+$")
 
 
 Warn = Callable[[str], None]
@@ -95,13 +95,10 @@ class Checkpoint:
     """A sharded checkpoint: `weights` and `optimizer` are empty, ``path/dcp`` holds them."""
 
 
-def step_dir_name(step: int) -> str:
-    return f"step-{step:06d}"
-
-
 def step_of(path: Path) -> int:
-    match = STEP_RE.match(path.name)
-    return int(match[1]) if match else -1
+    """The step of a checkpoint folder, -1 for a name that is not one."""
+    step = checkpoint_step(path.name)
+    return -1 if step is None else step
 
 
 def manifest_names(manifest: dict[str, Any]) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from leantune.layout import checkpoint_step
 from leantune.training.state import verify
 from leantune.training.state.files import fsync_dir, remove_tree
 from leantune.training.state.format import (
@@ -26,7 +27,6 @@ from leantune.training.state.format import (
     OPTIMIZER_FILE,
     SHARDED_LAYOUT,
     STATE_JSON_FILE,
-    STEP_RE,
     TMP_PREFIX,
     TRAINER_STATE_FILE,
     WEIGHTS_FILE,
@@ -237,7 +237,7 @@ def _clean(root: Path) -> None:
         if entry.name.startswith(TMP_PREFIX):
             logger.info("removing leftover of an interrupted save or delete: %s", entry)
             shutil.rmtree(entry)
-        elif STEP_RE.match(entry.name) and not (entry / MARKER).exists():
+        elif checkpoint_step(entry.name) is not None and not (entry / MARKER).exists():
             logger.warning("removing incomplete checkpoint %s (no %s marker)", entry, MARKER)
             remove_tree(entry)
 
@@ -250,8 +250,8 @@ def _scan(root: Path) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
     if not root.is_dir():
         return complete, damaged
     for entry in root.iterdir():
-        match = STEP_RE.match(entry.name)
-        if match is None:
+        step = checkpoint_step(entry.name)
+        if step is None:
             continue
         if entry.is_symlink():
             link = f"is a symbolic link (to {os.readlink(entry)}), and leantune does not follow "
@@ -261,7 +261,7 @@ def _scan(root: Path) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
             continue
         problem = checkpoint_problem(entry)
         if problem is None:
-            complete.append((int(match.group(1)), entry))
+            complete.append((step, entry))
         elif (entry / MARKER).exists():
             damaged.append((entry, problem))
     complete.sort(key=lambda item: item[0])

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from leantune.layout import checkpoint_name
 from leantune.training.state.progress import VERSION as PROGRESS_VERSION
 
 HASH = "sha256"
@@ -234,7 +235,7 @@ def validate_state(raw: object, step_of_directory: int | None) -> None:
     if step_of_directory is not None and raw["step"] != step_of_directory:
         raise StateValueError(
             f"step is {raw['step']}, but it lies in the directory of step {step_of_directory} "
-            f"(step-{step_of_directory:06d})"
+            f"({checkpoint_name(step_of_directory)})"
         )
     extra = raw.get("extra")
     if not isinstance(extra, dict):
