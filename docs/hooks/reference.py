@@ -10,7 +10,8 @@
 
 The modules that own these facts are found by what they define (`build_parser`,
 `PrometheusSink`, `TIMING_FIELDS`), not by their path, so a module that moves keeps its page.
-tests/integration/test_docs.py calls the page functions in-process; `make docs` builds the site with them.
+tests/integration/test_docs.py calls the page functions in-process; `make docs` builds the site
+with them.
 """
 
 from __future__ import annotations

@@ -92,7 +92,8 @@ def test_tiny_llama_trajectory_matches_the_golden_file(
     if os.environ.get(REGEN_ENV) == "1":
         record = {
             "about": "tests/integration/test_golden.py: first losses and grad norms of the tiny "
-            f"Llama; regenerate with {REGEN_ENV}=1 python -m pytest tests/integration/test_golden.py",
+            f"Llama; regenerate with {REGEN_ENV}=1 python -m pytest "
+            "tests/integration/test_golden.py",
             "seed": SEED,
             "steps": STEPS,
             "overrides": {m: METHODS[m] for m in METHODS},

@@ -13,7 +13,8 @@ module computes the scaled inverse frequencies itself:
 
 The rotary angles are computed in fp32 even under bf16 autocast: transformers' rotary modules
 multiply fp32 `position_ids` by fp32 `inv_freq` (an elementwise product, which autocast leaves in
-fp32), and only the resulting cos/sin are cast to the activations' dtype (tests/unit/models/test_rope.py).
+fp32), and only the resulting cos/sin are cast to the activations' dtype
+(tests/unit/models/test_rope.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ reference's where the objective needs them) and the resolved `ObjectiveSettings`
 an `ObjectiveOutput`: sums and counts, not means, so the loop can normalise by the counts of the
 whole accumulation window (STYLE.md section 6) and metrics add up across micro-batches and
 ranks. `ObjectiveOutput.loss()` with no arguments is the mean over this batch, which is what
-TRL's trainers compute per batch (tests/unit/objectives/test_objectives_trl.py checks them against TRL).
+TRL's trainers compute per batch (tests/unit/objectives/test_objectives_trl.py checks them
+against TRL).
 
 Metric names are TRL's: rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins,
 logps/chosen, logps/rejected (and nll_loss, log_odds_ratio, log_odds_chosen, kl where TRL
