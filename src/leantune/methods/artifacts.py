@@ -12,7 +12,8 @@ recorded loads with a warning that its base is unchecked.
 QLoRA: the saved base stays the unquantised original. Reloading re-quantises it with the recorded
 settings; NF4 quantisation is deterministic, so this rebuilds exactly the 4-bit weights the adapter
 was trained on (logits equal the trained model's; tests/unit/methods/test_qlora.py). Loading the
-adapter on the full-precision base instead would evaluate a different model (W + BA rather than NF4(W) + BA).
+adapter on the full-precision base instead would evaluate a different model (W + BA rather than
+NF4(W) + BA).
 """
 
 from __future__ import annotations
