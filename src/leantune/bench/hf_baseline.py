@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from leantune.bench.throughput import BASELINE_RESULT
+from leantune.bench.throughput_args import BASELINE_RESULT
 from leantune.core.allocator import mapped_allocator
 from leantune.core.writes import write_file
 from leantune.data.dataset import prepared_data

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from leantune.bench.throughput import add_arguments as throughput_arguments
+from leantune.bench.throughput_args import add_arguments as throughput_arguments
 from leantune.cli.args import count, runs
 
 
