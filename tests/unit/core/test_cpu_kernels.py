@@ -187,7 +187,7 @@ def get_kernel(repo_id, version=None, **kwargs):
     raise RuntimeError(f"stand-in kernels, hub offline: {constants.HF_HUB_OFFLINE}")
 
 
-_mine = str(Path(__file__).resolve().parents[3])
+_mine = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _rest = [p for p in sys.path if os.path.abspath(p or ".") != _mine]
 _real = importlib.machinery.PathFinder.find_spec("kernels", _rest)
 if _real is not None:
