@@ -20,7 +20,13 @@ from leantune.objectives.checks import check_objective, check_preference
 def check_config(cfg: Config) -> list[str]:
     """Raise ConfigError (naming the field and the fix) for an invalid config; return warnings
     for risky settings."""
-    warnings = validate(cfg)
+    return validate(cfg) + _owners_checks(cfg)
+
+
+def _owners_checks(cfg: Config) -> list[str]:
+    """The checks that need a registry: a template's, the monitoring backends', the method's and
+    the objective's."""
+    warnings: list[str] = []
     if cfg.data.chat_template is not None:
         template_text(cfg.data.chat_template)  # a ChatTemplateError names the field and file
     check_packages(cfg.monitor)
@@ -44,6 +50,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     Raises:
         ConfigError: unknown keys, wrong types or invalid combinations, naming the field.
     """
-    cfg = read_config(path, overrides)
-    check_config(cfg)
+    cfg = read_config(path, overrides)  # `config.validate` has run on it
+    _owners_checks(cfg)
     return cfg
