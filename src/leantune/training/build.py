@@ -154,11 +154,14 @@ def base_model(
 def wrap_method(
     cfg: Config, model: nn.Module, strategy: ParallelStrategy, log: Log
 ) -> tuple[nn.Module, nn.Module, dict[str, nn.Parameter], Coverage]:
-    """The method's wrapping (seeded, so its initialisation is the seed's, on every rank),
-    checkpointing, then the strategy's: the model with the method, as the loop trains it
-    (the strategy's wrapping around it, or the same model), its trainable
-    parameters (as the strategy left them: FSDP2 replaces them with shards) and what the method
-    adapts, with the (trainable, total) counts."""
+    """The method's wrapping, checkpointing, then the strategy's.
+
+    Returns:
+        The model with the method; the model as the loop trains it (the strategy's wrapping
+        around it, or the same model); its trainable parameters; and what the method adapts,
+        with the (trainable, total) counts.
+    """
+    # Seeded here: the method's new weights start from the seed, the same on every rank.
     seed_everything(cfg.train.seed)
     model = apply_method(model, cfg.method)
     if cfg.train.gradient_checkpointing:
@@ -169,6 +172,7 @@ def wrap_method(
     if cfg.train.compile:
         _compile(model, strategy, log)
     trained = strategy.wrap_model(model)  # in place, or around it: `model` stays unwrapped
+    # Read after the strategy's wrapping: FSDP2 replaces the parameters with shards.
     return model, trained, trainable_named_parameters(model), coverage
 
 
@@ -194,6 +198,7 @@ def periodic_eval(
     """train.eval_every's evaluator, on the unwrapped model (None when it is off)."""
     if not cfg.train.eval_every or inputs is None:
         return None
+    # Plain text has no prompt to answer, so its periodic evaluation is the loss only.
     sample = cfg.train.eval_every_sample if cfg.data.format != "text" else 0
     return PeriodicEval(model, inputs, settings, sample)
 
@@ -221,10 +226,14 @@ def build_trainer(
     """
     t = cfg.train
     assert t.max_steps is not None and t.micro_batch_size != "auto", "resolved by set_up_run"
+    # Unset, the method's own rate: the methods' best rates span 1e-4 (full) to 3e-2 (prompt
+    # tuning), so no one default serves them all.
     lr = t.lr if t.lr is not None else DEFAULT_LR[cfg.method.name]
     optimizer = build_optimizer(params, lr, t.weight_decay, t.optimizer, device.type)
     optimizer = strategy.prepare_optimizer(optimizer)  # DeepSpeed's engine takes it over
     budget = parse_memory_size(t.memory_budget, "train.memory_budget") if t.memory_budget else None
+    # Kept in the run's progress: a resume follows the schedule its checkpoint records
+    # (`recorded_schedule`).
     schedule = default_schedule(t.max_steps, t.warmup_ratio, t.min_lr_ratio)
     return Trainer(
         model=model,
@@ -232,6 +241,7 @@ def build_trainer(
         optimizer=optimizer,
         scheduler=build_scheduler(optimizer, t.max_steps, t.warmup_ratio, t.min_lr_ratio),
         scaler=make_grad_scaler(t.precision, device.type),
+        # The order is the seed's alone: a resume at `samples_seen` reads the same rows.
         stream=SampleStream(len(data.rows), t.seed),
         data=data,
         pad_id=pad_id,
@@ -239,6 +249,7 @@ def build_trainer(
         state=TrainingState(step=0, micro_batches_seen=0),
         progress=RunProgress(schedule=schedule),
         global_batch=global_batch,
+        # Data with fewer rows than the configured batch shrinks the window below it.
         micro_batch_size=min(t.micro_batch_size, global_batch),
         events=events,
         guard=guard_settings(cfg.guard),
@@ -291,7 +302,7 @@ def start_state(tr: Trainer, cfg: Config, plan: ResumePlan, log: Log) -> None:
     rollback has a checkpoint to go to."""
     files = tr.files
     if plan.action != "fresh":
-        check_weights_fit(plan, tr.params)
+        check_weights_fit(plan, tr.params)  # before restore: a mismatch would fail half-way
         tr.restore(log)
         use_schedule(tr.scheduler, recorded_schedule(tr.progress, cfg.train))
         if plan.action == "force":
@@ -316,6 +327,7 @@ def start_state(tr: Trainer, cfg: Config, plan: ResumePlan, log: Log) -> None:
     if main:
         write_record(files.run_dir, plan.fingerprint, plan.split)
         lift_pause(RunPaths(files.run_dir).paused, tr.events, tr.state.step, log)
+    # A rollback before the first periodic save would have nowhere to go: save the start.
     g = cfg.guard
     rollback_on = "rollback" in (g.nonfinite, g.loss_spike, g.grad_norm)
     none_yet = rollback_on and main and latest_checkpoint(files.ckpt_dir) is None

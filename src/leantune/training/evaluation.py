@@ -1,8 +1,7 @@
 """Evaluation inside a training run: before training, every `train.eval_every` steps, at the end.
 
 Held-out loss and perplexity on the eval rows, and greedy exact match on chat/alpaca
-conversations. Evaluation never perturbs training: the model's train/eval mode and every RNG
-are restored afterwards, and an out-of-memory error halves only the eval batch.
+conversations, with an out-of-memory error halving only the eval batch.
 """
 
 from __future__ import annotations
@@ -85,6 +84,7 @@ def exact_match(
     predictions_file: Path | None = None,
 ) -> float:
     """Greedy exact match on the records' conversations; optionally writes every prediction."""
+    # Only conversations have an answer to match; the records are kept to name each line.
     records = [r for r in records if r.messages is not None]
     convs = [list(r.messages) for r in records if r.messages is not None]
     device = next(model.parameters()).device
@@ -95,7 +95,7 @@ def exact_match(
     if predictions_file is not None:
         with replacing(predictions_file) as tmp, tmp.open("x", encoding="utf-8") as f:
             for rec, conv, pred in zip(records, convs, preds, strict=True):
-                ref = conv[-1]["content"]
+                ref = conv[-1]["content"]  # the last turn is the answer the model was asked for
                 row = {"line": rec.line, "reference": ref, "prediction": pred}
                 row["match"] = answers_match(pred, ref)
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -188,12 +188,15 @@ class PeriodicEval:
 
     def __call__(self, step: int) -> dict[str, Any]:
         """Evaluate after `step` updates; returns one row for eval.jsonl."""
+        # Evaluation must not perturb training: the mode and every RNG are put back, so a run
+        # with eval_every draws the same dropout as one without.
         rng = capture_rng_state()
         was_training = self.model.training
         model, inputs, settings = self.model, self.inputs, self.settings
         try:
             row: dict[str, Any] = {"step": step, **_heldout_loss(model, inputs, settings, step)}
             sample = [r for r in inputs.data.records if r.messages is not None]
+            # The same first records every time, so the scores of successive steps compare.
             sample = sample[: self.exact_match_sample]
             if sample:
                 row["eval_exact_match"] = _retrying(

@@ -47,6 +47,8 @@ def finish(session: Session, *, log: Log, started: float) -> dict[str, Any]:
     )
     results: dict[str, Any] = {"final_train_loss": tr.progress.last_loss, **memory}
     if s.eval_inputs is not None:
+        # Only after save_final: final/ keeps the method's own form (an adapter stays one), and
+        # the merge only makes the closing evaluation's generation cheaper.
         merge_for_inference(model)
         preds = RunPaths(files.run_dir).eval_predictions if cfg.train.eval_exact_match else None
         results |= evaluate_after(
@@ -74,10 +76,14 @@ def _rebuilt(s: Session) -> nn.Module:
     """The base model with the method applied again, unsharded (FSDP2's final/ on rank 0)."""
     device = pick_device(s.cfg.train.device)
     source = resolve_model(s.cfg.model.path, s.cfg.model.gguf_file)
+    # Seeded as in wrap_method: only the trainable weights are gathered into this model, so
+    # any weight the method creates and never trains must start as the trained model's did.
     seed_everything(s.cfg.train.seed)
     return apply_method(base_model(s.cfg, source, s.quantization, device), s.cfg.method)
 
 
 def _base_path(path: str) -> str:
+    # A local base is recorded by its absolute path, so final/ still finds it from another
+    # working directory; a hub id stays as given.
     p = Path(path).expanduser()
     return str(p.resolve()) if p.exists() else path

@@ -44,8 +44,7 @@ RowStats = tuple[int | None, int | None, int, int]
 
 def row_stats_from_data(cfg: Config) -> RowStats:
     """The training rows' `RowStats` from the data (tokenizer only, no weights); (None, None,
-    0, 0) when the data cannot be read (the planner then assumes full rows of
-    data.max_seq_len, all supervised, and the configured global batch).
+    0, 0) when the data cannot be read.
 
     Raises:
         TokenizerMismatch: data.train is a prepared directory of another tokenizer.
@@ -57,7 +56,7 @@ def row_stats_from_data(cfg: Config) -> RowStats:
     try:
         source = resolve_model(cfg.model.path, cfg.model.gguf_file)
         tok = load_tokenizer(source)
-        apply_chat_template(tok, d.chat_template)
+        apply_chat_template(tok, d.chat_template)  # the template's tokens are in every row
         auto = d.max_seq_len == "auto"
         limit = (
             int(d.max_seq_len)
@@ -79,6 +78,8 @@ def row_stats_from_data(cfg: Config) -> RowStats:
     except TokenizerMismatch:  # planning another model's token ids would mislead: say so
         raise
     except Exception:
+        # A plan without the data still answers: the planner then assumes full rows of
+        # data.max_seq_len, all supervised, and the configured global batch.
         return None, None, 0, 0
     longest = max((len(r.input_ids) for r in rows), default=0) or None
     supervised = max_supervised_per_row([r.labels for r in rows])
@@ -99,6 +100,7 @@ def plan(
     `allocator` is the CPU allocator `train` would run with (`core.allocator`).
     """
     supervised, longest, rows, examples = row_stats or row_stats_from_data(cfg)
+    # The batch `train` takes: never more than the data's rows (`_batch_and_steps`).
     batch = min(resolved_global_batch(cfg.train, rows, examples), rows) if rows else None
     inputs = plan_inputs(cfg)
     basis = plan_basis(inputs, device, supervised, longest, batch, allocator)

@@ -18,6 +18,7 @@ def plan_inputs(cfg: Config) -> PlanInputs:
         trust_remote_code=m.trust_remote_code,
         attn_implementation=m.attn_implementation,
         method=cfg.method,
+        # Resolved here, not left auto: packing changes the rows' lengths the planner sizes.
         pack=effective_pack(d.pack, cfg.method.name),
         max_seq_len=None if d.max_seq_len == "auto" else d.max_seq_len,
         micro_batch=None if t.micro_batch_size == "auto" else t.micro_batch_size,

@@ -1,10 +1,8 @@
 """A preference run's data and objective, from its config: what `run_setup` and the recipe's
 set-up build instead of the SFT rows when `train.objective` is not sft.
 
-`data.max_seq_len` bounds one sequence (a prompt and one answer), as TRL's `max_length` does; a
-packed row holds whole pairs up to twice that (a pair's two sequences always fit one row), or
-unpaired examples up to it. `auto` is the longest sequence of the data, within the model's
-context.
+`data.max_seq_len` bounds one sequence (a prompt and one answer), as TRL's `max_length` does;
+`auto` is the longest sequence of the data, within the model's context.
 """
 
 from __future__ import annotations
@@ -74,7 +72,7 @@ def load_preference_data(
         cache_dir=d.cache_dir or RunPaths(cfg.run_dir).prepared,
         log=log,
     )
-    for bad in data.bad[:20]:
+    for bad in data.bad[:20]:  # the first 20: a wrong format makes every line a bad one
         log(f"bad line skipped: {bad}")
     if len(data.bad) > 20:
         log(f"... {len(data.bad) - 20} more bad lines in {d.train}")
@@ -83,6 +81,8 @@ def load_preference_data(
         log(f"data.max_seq_len=auto: {max_seq_len} tokens, the longest prompt and answer")
     pack = effective_pack(d.pack, cfg.method.name)
     if data.format == "preference":
+        # Rows of twice the sequence limit: a pair's two sequences always fit one row, so a
+        # pair is never split between rows (its loss compares them).
         rows = pack_pairs(data.pairs, 2 * max_seq_len if pack else None)
     else:
         rows = pack_unpaired(data.unpaired, max_seq_len if pack else None)

@@ -173,6 +173,7 @@ def _claimed(cfg: Config, strategy: ParallelStrategy, log: Log) -> Iterator[RunD
     """The main process claims the run directory (`claim_run_dir`); the others wait until it
     has, and learn whether it could."""
     if not strategy.is_main_process:
+        # Matches rank 0's agree below: a failed claim there fails every rank, not a hang.
         if strategy.agree(0):
             raise RunDirError(f"rank 0 could not claim {cfg.run_dir}: see its error")
         yield RunDir(cfg.run_dir)
@@ -310,6 +311,8 @@ def run_loop(tr: Trainer, loop: LoopSettings, evaluator: PeriodicEval | None = N
     tr.sinks.start(tr.state.step)
     tr.model.train()
     try:
+        # A signal is only recorded from here: the step acts on it at a micro-batch boundary,
+        # where the last applied step can still be checkpointed.
         with tr.stop.deferred():
             while tr.state.step < loop.max_steps:
                 result = _step(tr)
@@ -321,7 +324,7 @@ def run_loop(tr: Trainer, loop: LoopSettings, evaluator: PeriodicEval | None = N
                 if result.decision.applies_update:
                     _after_update(tr, result, loop, evaluator)
     except Interrupted as exc:
-        if not exc.at_boundary:
+        if not exc.at_boundary:  # a second signal: stop at once, without a checkpoint
             raise
         raise _stopped(tr, exc) from None
     finally:
@@ -333,6 +336,8 @@ def _step(tr: Trainer) -> StepResult:
     try:
         return train_step(tr)
     except OutOfMemoryAtMinimum as exc:
+        # The weights are the last applied step's (the failed window's gradients are dropped):
+        # a rerun with more memory, or a shorter max_seq_len, resumes from here.
         path = tr.save()
         tr.events.emit("oom", tr.state.step + 1, f"{exc} Checkpoint {path}.")
         raise

@@ -31,6 +31,8 @@ def parallel_strategy(cfg: Config) -> ParallelStrategy:
     d = cfg.dist
     if d.strategy == "auto" and not launched_by_torchrun():
         return SingleProcess()
+    # The strategy's mixed precision is the run's own, resolved as set-up resolves it (a
+    # resumed run's recorded precision included).
     device, resolved, _ = device_and_precision(cfg)
     return build_strategy(
         "ddp" if d.strategy == "auto" else d.strategy,
@@ -63,6 +65,8 @@ def device_and_precision(cfg: Config) -> tuple[torch.device, Config, list[str]]:
         [configure_threads(), allocator_note()] if device.type == "cpu" else []
     )
     compute = compute_dtype(cfg.method)
+    # auto measures the device, and could choose otherwise on a second start: a resumed run
+    # keeps the precision its checkpoints were trained in.
     recorded = recorded_precision(cfg.run_dir)
     choice = resolve_precision(cfg.train.precision, device.type, recorded, compute)
     resolved = replace(cfg, train=replace(cfg.train, precision=choice.precision))
@@ -79,9 +83,11 @@ def attention_implementation(cfg: Config, source: ModelSource) -> tuple[Config, 
     """
     m = cfg.model
     check_tokenizer_files(source, m.trust_remote_code)  # a folder that is no model, said so
+    # A resumed run keeps the attention it recorded, even where auto now chooses another.
     recorded = recorded_setting(cfg.run_dir, "model.attn_implementation")
     choice = resolve_attention(
         m.attn_implementation,
+        # Packed rows decide auto: only they gain from the segment attention.
         packed=effective_pack(cfg.data.pack, cfg.method.name),
         model_config=load_model_config(source, m.trust_remote_code),
         remote_code=m.trust_remote_code,

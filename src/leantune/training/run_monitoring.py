@@ -61,7 +61,7 @@ def monitoring(
         plan = {"peak_bytes": memory.peak_bytes, "budget_bytes": memory.budget_bytes}
         write_file(RunPaths(files.run_dir).memory_plan, json.dumps(plan) + "\n")
     sinks = sinks_for(cfg, files, with_eval=evaluator is not None, log=log, facts=facts, main=main)
-    events.listeners.append(sinks.event)
+    events.listeners.append(sinks.event)  # guard actions and OOMs reach the dashboards too
     return stats, sinks
 
 
@@ -83,7 +83,7 @@ def sinks_for(
     """
     assert cfg.train.max_steps is not None, "resolved by set_up_run"
     sinks: list[Sink] = []
-    if main:
+    if main:  # one writer for the run's files and one progress bar, not one per rank
         sinks += [
             JsonlSink(files.run_dir, with_eval),
             ConsoleSink(cfg.train.max_steps, cfg.run.progress, log),
@@ -95,6 +95,8 @@ def sinks_for(
                 m.metrics_host, m.metrics_port, facts, files.ckpt_dir, log, m.metrics_allowed_hosts
             )
         )
-    name = cfg.run.name if cfg.run.name != AUTO_RUN_NAME else files.run_dir.name  # run.dir set
+    # The backends show the run by name: with run.dir set, run.name stays auto and the
+    # directory's name stands for it.
+    name = cfg.run.name if cfg.run.name != AUTO_RUN_NAME else files.run_dir.name
     sinks.extend(optional_sinks(m, RunInfo(files.run_dir, name, to_dict(cfg))) if main else [])
     return Sinks(sinks)

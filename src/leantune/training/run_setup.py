@@ -1,15 +1,12 @@
 """What a run derives before it trains: its name, and the settings its model and data decide.
 
-- ``run.name=auto`` (the default without run.dir) becomes ``<data file stem>-<method>-<8 hex>``,
-  the hex digits hashing the run's fingerprint as configured (its settings, and the digests of
-  the model's files and the train data): another run gets another directory, the same command
-  the same one, so it resumes.
+- ``run.name=auto`` (the default without run.dir) becomes ``<data file stem>-<method>-<8 hex>``
+  (`default_run_name`).
 - ``data.pack=auto`` packs unless the method needs one example per row (`effective_pack`).
-- ``data.max_seq_len=auto``: the data is tokenised once with the model's context as the limit
-  (the tokenise-once cache is keyed by that), then packed up to its longest example.
-- The global batch: unset (with micro_batch_size=auto), the rows that hold 8 examples on
-  average (`default_global_batch`); data with fewer rows than one global batch makes every step
-  one pass over all of them (a step's window never crosses an epoch: `SampleStream.window`).
+- ``data.max_seq_len=auto``: the longest train example, within the model's context
+  (`load_datasets`).
+- The global batch, unset with micro_batch_size=auto: `default_global_batch`; never more than
+  the data's rows.
 - ``train.epochs`` and ``train.max_steps`` give the number of steps (`steps_for`).
 
 `set_up_run` does all of this at the start of `train` and returns the config with these values
@@ -96,6 +93,9 @@ class RunSetup:
 def default_run_name(cfg: Config, model_location: str, gguf_file: str | None) -> str:
     """``<data file stem>-<method>-<8 hex digits of the configured fingerprint>``."""
     assert cfg.data.train is not None
+    # The hash of the fingerprint as configured (the settings, the digests of the model's files
+    # and of the train data): another run gets another directory, and the same command the
+    # same one, so that it resumes.
     fields = run_fingerprint(cfg, model_location, gguf_file).fields
     text = json.dumps(fields, sort_keys=True, default=str)
     digest = hashlib.sha256(text.encode()).hexdigest()[:8]
@@ -108,6 +108,7 @@ def _stem(path: str) -> str:
     for compressed in (".gz", ".zst"):
         name = name.removesuffix(compressed)
     stem = Path(name).stem if Path(name).suffix else name
+    # Stripped again after the cut, which may end on a separator; "run" when nothing is left.
     return _STEM_CHARS.sub("_", stem).strip("._-")[:_STEM_MAX].strip("._-") or "run"
 
 
@@ -131,11 +132,6 @@ def with_objective_format(cfg: Config) -> Config:
 def check_resumable(cfg: Config, location: str, gguf_file: str | None) -> None:
     """Refuse a run directory that holds another run before anything is tokenised or written.
 
-    The values this config leaves to the data (data.max_seq_len=auto, data.pack=auto, unset
-    train.max_steps, unset train.global_batch_size with micro_batch_size=auto) are taken as
-    the recorded run's; what they resolve to is compared once the
-    data is read (`plan_run` in `train`).
-
     Raises:
         RunMismatch: the recorded run's fingerprint differs (see `resume_policy.plan_resume`).
     """
@@ -143,6 +139,10 @@ def check_resumable(cfg: Config, location: str, gguf_file: str | None) -> None:
     if record is None or cfg.run.resume == "never":
         return
     recorded, d, t = record.fingerprint, cfg.data, cfg.train
+    # What this config leaves to the data (data.max_seq_len=auto, data.pack=auto, unset
+    # train.max_steps, unset train.global_batch_size with micro_batch_size=auto) is not known
+    # before the data is read: take the recorded run's values, so that only what the config
+    # sets can mismatch here. What they resolve to is compared in `set_up_run`'s `plan_run`.
     data = dataclasses.replace(
         d,
         max_seq_len=recorded.get("data.max_seq_len", "auto")
@@ -166,6 +166,8 @@ def check_resumable(cfg: Config, location: str, gguf_file: str | None) -> None:
 def steps_for(rows: int, global_batch: int, epochs: int | None, max_steps: int | None) -> int:
     """Optimizer steps of a run: `epochs` passes of ceil(rows / global batch) steps, capped at
     `max_steps`; `max_steps` alone is the number of steps; neither is one pass."""
+    # Rounded up: a step never crosses an epoch boundary (`SampleStream.window`), so an
+    # epoch's last step takes the rows left.
     per_epoch = -(-rows // global_batch)
     if epochs is None:
         return max_steps if max_steps is not None else per_epoch
@@ -191,12 +193,13 @@ def describe_steps(rows: int, batch: int, epochs: int | None, max_steps: int | N
 
 def default_global_batch(rows: int, examples: int, processes: int = 1) -> int:
     """The global batch with micro_batch_size=auto and train.global_batch_size unset: the rows
-    that hold DEFAULT_BATCH_EXAMPLES examples on average (HF Trainer's default batch counts
-    examples; a packed row holds several, so 8 packed rows would be several times its tokens
-    per update and a fraction of its updates), at least one row per process and a multiple of
-    `processes` (each takes an equal share)."""
+    that hold DEFAULT_BATCH_EXAMPLES examples on average, at least one row per process and a
+    multiple of `processes`."""
+    # Counted in examples, as HF Trainer's default batch is: a packed row holds several, so
+    # 8 packed rows would be several times its tokens per update and a fraction of its updates.
     rows_per_example = rows / max(examples, 1)
     batch = max(1, round(DEFAULT_BATCH_EXAMPLES * rows_per_example))
+    # Rounded up to a multiple of the processes: each takes an equal share of the window.
     return -(-batch // processes) * processes
 
 
@@ -231,6 +234,8 @@ def _batch_and_steps(
     data is smaller than one batch."""
     rows = len(data.rows)
     configured = _global_batch(t, data, processes, log)
+    # A window never crosses an epoch (`SampleStream.window`): with fewer rows than the batch,
+    # each step is one pass over all of them, and the steps are counted so.
     batch = min(configured, rows)
     if batch < configured:
         log(
@@ -257,6 +262,7 @@ def model_context(location: str, gguf_file: str | None, model: ModelConfig) -> i
         )
     except Exception:  # loading the model reports what is wrong with it
         return None
+    # n_positions: the GPT-2 family's name for it.
     context = getattr(config, "max_position_embeddings", None) or getattr(
         config, "n_positions", None
     )
@@ -264,7 +270,10 @@ def model_context(location: str, gguf_file: str | None, model: ModelConfig) -> i
         return None
     rope = model.rope_scaling
     if rope is not None:
+        # The factor stretches the length the model was pretrained at, which the scaling may
+        # name apart from max_position_embeddings.
         context = int((rope.original_max_position_embeddings or context) * rope.factor)
+    # Some configs name a context of millions of tokens: the limit stays one leantune takes.
     return min(context, MAX_SEQ_LEN)
 
 
@@ -326,6 +335,7 @@ def load_datasets(
             log=log,
             engine=engine_options(d),
         )
+        # The first 20 only: data in the wrong format makes every line a bad one.
         for bad in data.bad[:20]:
             log(f"bad line skipped: {bad}")
         if len(data.bad) > 20:
@@ -334,6 +344,7 @@ def load_datasets(
 
     train = prepare(d.train, None)
     max_seq_len = limit
+    # A prepared directory keeps the rows and length it was packed with.
     if auto and not train_path.is_dir():
         max_seq_len = longest_example(train.examples)
         train.rows = rows_for(train.examples, pack, max_seq_len)
@@ -348,6 +359,9 @@ def load_datasets(
         )
     evaluation = prepare(d.eval, cfg.train.eval_limit) if d.eval is not None else None
     if evaluation is not None and auto and pack:
+        # Tokenised one example per row like the train data; packed to the longer of the train
+        # length and its own longest example, since the packer refuses an example longer than
+        # a row.
         length = max(max_seq_len, longest_example(evaluation.examples))
         evaluation.rows = rows_for(evaluation.examples, True, length)
     for path, data in ((d.train, train), (d.eval, evaluation)):
@@ -443,7 +457,7 @@ def seed_everything(seed: int) -> None:
     try:
         import numpy as np
 
-        np.random.seed(seed % 2**32)
+        np.random.seed(seed % 2**32)  # numpy's legacy seed takes 32 bits only
     except ImportError:
         pass
 

@@ -129,6 +129,7 @@ class Trainer:
     @property
     def grad_accum(self) -> int:
         """Micro-batches per optimizer step at the current micro-batch size."""
+        # Ceiling division: a window that does not split evenly ends in a shorter micro-batch.
         return -(-self.global_batch // self.micro_batch_size)
 
     def save(self) -> Path:
@@ -168,6 +169,8 @@ class Trainer:
         else:
             self.samples_seen = batching.samples_seen
             if batching.global_batch == self.global_batch:  # a shrink after an OOM holds
+                # The smaller of the two: the resumed run does not meet the same OOM again,
+                # and a micro-batch the user lowered since is kept too.
                 self.micro_batch_size = min(self.micro_batch_size, batching.micro_batch_size)
         self.history = self.progress.guard
 
@@ -220,17 +223,20 @@ def train_step(tr: Trainer) -> StepResult:
     if tr.scaler is not None:
         tr.scaler.unscale_(tr.optimizer)
     max_norm = tr.settings.max_grad_norm
+    # max_grad_norm=0 turns clipping off; clipping to inf still measures the norm, which the
+    # guard and the record need.
     clip_to = max_norm if max_norm > 0 else float("inf")
     grad_norm = tr.strategy.clip_grad_norm(list(tr.params.values()), clip_to)
     lr = float(tr.optimizer.param_groups[0]["lr"])  # before the step; a tensor for torchao's
     loss, decision = _guard(tr, loss, grad_norm)
     stepped = _apply_update(tr) if decision.applies_update else _skip_update(tr)
+    # None, not zeros: the gradients' memory is free until the next backward allocates it.
     tr.optimizer.zero_grad(set_to_none=True)
     tr.samples_seen += len(window)
     tr.state.micro_batches_seen += len(batches)
     elapsed = time.perf_counter() - start
     tokens = sum(len(tr.data.rows[i].input_ids) for i in window)  # non-pad: the useful ones
-    local = sum(len(tr.data.rows[i].input_ids) for i in shard)
+    local = sum(len(tr.data.rows[i].input_ids) for i in shard)  # this process's, for its MFU
     elements = sum(b["input_ids"].numel() for b in batches)
     record = {
         "step": step,
@@ -299,21 +305,24 @@ def _skip_update(tr: Trainer) -> bool:
 def replay_on_oom(tr: Trainer, step: int, attempt: Callable[[], T]) -> T:
     """`attempt()`; on an out-of-memory error halve the micro-batch and call it again.
 
-    The replay sees the same samples in the same order with zeroed gradients and the RNG as it
-    was before the failed attempt, so it equals a run that used the smaller micro-batch from
-    the start (up to float rounding of the different split). A stop signal inside the window
-    abandons it alike, leaving the state of the last step.
+    The replay equals a run that used the smaller micro-batch from the start (up to float
+    rounding of the different split). A stop signal inside the window leaves the state of the
+    last step.
 
     Raises:
         OutOfMemoryAtMinimum: one sequence per micro-batch still does not fit.
         Interrupted: a stop signal arrived (`at_boundary`; the state is the last step's).
     """
+    # Each replay starts from this RNG state, the same samples in the same order and zeroed
+    # gradients, so dropout draws what the smaller micro-batch's run would draw.
     rng = capture_rng_state()
     while True:
         error = ""
         try:
             return attempt()
         except Interrupted:
+            # Abandon the window like an OOM does: the checkpoint a stop writes holds the last
+            # step's state, with no half-accumulated gradients or advanced RNG.
             tr.optimizer.zero_grad(set_to_none=True)
             restore_rng_state(rng)
             raise
@@ -408,18 +417,23 @@ def backward_window(
 ) -> float:
     """Accumulate gradients over one optimizer step's micro-batches; returns the window's loss.
 
-    Each micro-batch's summed token loss is divided by the supervised tokens of the whole
-    window (over every process of the `strategy`), so k micro-batches give the same gradient
-    as one k-times larger batch. `memory_check(k)` runs after micro-batch k's forward and after
-    its backward, `after_backward(k)` once it is done. Gradients sync only on the last.
+    `memory_check(k)` runs after micro-batch k's forward and after its backward,
+    `after_backward(k)` once it is done.
     """
     strategy = strategy if strategy is not None else SingleProcess()
     agreed = Agreement(strategy, memory_check)
     local = sum(count_supervised(b["labels"]) for b in batches)
+    # One denominator for the whole window, over every process: each micro-batch's summed
+    # token loss divided by it makes k micro-batches give the gradient of one k-times larger
+    # batch, however the supervised tokens fall between them. max(1, ...): a window with no
+    # supervised token (all prompt) has a zero loss, not a division by zero.
     n_supervised = max(1, strategy.reduce_count(local))
+    # float64 on the CPU: the window's loss is a sum of many small terms.
     loss_sum = torch.zeros((), dtype=torch.float64)
     for k, batch in enumerate(batches):
         batch = {key: v.to(device) for key, v in batch.items()}
+        # Gradients are all-reduced on the last micro-batch only; the earlier ones accumulate
+        # locally, so a window costs one gradient sync.
         with strategy.gradient_sync(model, enabled=k == len(batches) - 1) as scope:
             # Forward -> loss; an OOM or a stop here on any process is every process's.
             with agreed(k), autocast(device.type, precision):
@@ -449,13 +463,14 @@ def preference_window(
 ) -> tuple[float, dict[str, float]]:
     """`backward_window` for a preference objective; returns the window's loss and metrics.
 
-    Each micro-batch's summed per-example loss is divided by the examples (pairs; KTO:
-    completions) of the whole window, and its chosen answers' NLL (RPO, ORPO) by the window's
-    chosen tokens, so k micro-batches give the gradient of one k-times larger batch. The
-    metrics are the window's means: sums and counts added over micro-batches and processes.
+    The metrics are the window's means: sums and counts added over micro-batches and
+    processes.
     """
     strategy = strategy if strategy is not None else SingleProcess()
     agreed = Agreement(strategy, memory_check)
+    # Window-wide denominators, as in backward_window: each micro-batch's summed per-example
+    # loss over the window's examples (pairs; KTO: completions) and its chosen answers' NLL
+    # (RPO, ORPO) over the window's chosen tokens give the gradient of one larger batch.
     examples = max(1, strategy.reduce_count(sum(b.examples for b in batches)))
     nll_tokens = max(1, strategy.reduce_count(sum(b.nll_tokens for b in batches)))
     loss_sum = torch.zeros((), dtype=torch.float64)
@@ -477,6 +492,8 @@ def preference_window(
             counts[name] = counts.get(name, 0) + output.metric_counts[name]
         if after_backward is not None:
             after_backward(k)
+    # Means over the window's counts, not a mean of per-micro-batch means: micro-batches of
+    # different sizes weigh by what they hold.
     metrics = {
         name: strategy.reduce_sum(sums[name]) / n
         for name in sorted(sums)
@@ -490,6 +507,8 @@ def preference_window(
 # ---------------------------------------------------------------------------------------------
 # Cross-process agreement around each forward and backward
 
+# A stop outranks an OOM (agree takes the largest code): replaying the window on the other
+# processes would wait on collectives that the stopping one never joins.
 _OOM, _STOP = 1, 2
 """What `Agreement` decides: an out-of-memory error, or a stop signal (the larger wins)."""
 
