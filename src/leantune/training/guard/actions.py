@@ -29,7 +29,6 @@ def act_on_guard(tr: Trainer, result: StepResult) -> bool:
     step, action, reason = result.record["step"], d.action, d.reason
     rollbacks = tr.progress.rollbacks
     # Bounded so that a run which diverges again after each rollback ends instead of looping.
-
     if action == "rollback" and rollbacks >= g.max_rollbacks:
         action, reason = "stop", f"{reason}; guard.max_rollbacks={g.max_rollbacks} reached"
     kind = d.detector or "guard"
@@ -38,8 +37,7 @@ def act_on_guard(tr: Trainer, result: StepResult) -> bool:
     if action == "warn":
         tr.events.emit(kind, step, f"{reason}; update applied (guard.{kind}=warn)", **info)
         return False
-    # Every action from skip up drops the window's data, so its event names the source lines
-    # a user would inspect.
+    # From skip up the window's update is dropped: its event names the source lines to inspect.
     info.update(rows=result.rows, lines=source_lines(tr.data, result.rows))
     if action == "skip":
         tr.events.emit(kind, step, f"{reason}; update skipped", **info)
@@ -106,7 +104,6 @@ def rollback(tr: Trainer, bad_end: int, lr_factor: float) -> None:
     # Replaying the same data after restoring would likely reproduce the same blow-up.
     skipped = tr.stream.rows(tr.samples_seen, bad_end - tr.samples_seen)
     tr.samples_seen = bad_end
-
     lines = source_lines(tr.data, skipped)
     tr.events.emit(
         "rollback",

@@ -178,7 +178,6 @@ def _detect(
     hits: list[Decision] = []
     for detector, label, value, past, action, sigmas, min_ratio in checks:
         # The median and MAD of only a few steps are too noisy to judge an outlier by.
-
         if action == "off" or len(past) < settings.warmup:
             continue
         hit = _outlier(label, value, past[-settings.window :], sigmas, min_ratio)

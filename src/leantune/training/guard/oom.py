@@ -49,7 +49,6 @@ def is_out_of_memory(exc: BaseException) -> bool:
         return True
     # Older torch versions and some backends (MPS) raise a plain RuntimeError; its text is
     # the only sign.
-
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
@@ -117,7 +116,6 @@ def retry_on_oom(
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             if not is_out_of_memory(exc) or batch_size == 1:
                 raise
-
             error = str(exc).splitlines()[0]
         # Outside the except block: the traceback no longer pins the failed attempt's tensors.
         free_memory(device)
