@@ -126,6 +126,7 @@ def _hashed(value: Any, source: str | None) -> str:
     if not isinstance(value, str) or source is None:
         return format_value(value)
     kind, _, digest = value.partition(":")
+    # 12 hex digits tell two files apart in a message; the record keeps the whole digest.
     return f"{Path(source).name} ({kind} {digest[:12]})"
 
 
@@ -179,6 +180,7 @@ def run_fingerprint(
     else:
         fields["model.files"] = model_digest(model_dir, gguf_file)
         fields["model.architecture"] = architecture(ModelPaths(model_dir).config)
+        # Absolute, so the record names the file wherever the next command is run from.
         sources["model.files"] = str(model_dir.resolve())
     data = Path(cfg.data.train)
     fields["data.train"] = data_digest(data)

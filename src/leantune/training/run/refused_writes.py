@@ -41,6 +41,7 @@ def keep_trained_steps(tr: Trainer, exc: OutputError) -> OutputError:
     with the resume point added to its message."""
     step = tr.state.step
     done = _newest(tr.files.ckpt_dir)
+    # The newest checkpoint already holds every applied step: nothing would be saved.
     if done is not None and done[0] == step:
         return _with(exc, f"Checkpoint {done[1]} holds all {step} steps applied", done[1])
     if step == 0:

@@ -123,6 +123,7 @@ def meaning(key: str) -> str:
     """What forcing a change of `key` does."""
     if key in FORCE_MEANINGS:
         return FORCE_MEANINGS[key]
+    # A section's entry (its key ends in ".") covers the fields that have none of their own.
     section = key.split(".")[0] + "."
     return FORCE_MEANINGS.get(section, "applies from the next step")
 
@@ -210,6 +211,7 @@ def plan_resume(
             "run.name or run.dir (run.resume=never moves this run aside and starts over), or "
             "continue this one with these changes: run.resume=force."
         )
+    # Refused even with force: after these changes the checkpoint's weights cannot be loaded.
     refused = [
         f"{ln} ({REFUSED[c.key]})" for c, ln in zip(changes, lines, strict=True) if c.key in REFUSED
     ]
@@ -373,6 +375,7 @@ def recorded_precision(run_dir: Path) -> str | None:
     """The precision of the run that `train` would resume in `run_dir`: the one its record
     holds, when it has a checkpoint to resume from; None for a fresh start."""
     value = recorded_setting(run_dir, "train.precision")
+    # An unresolved value (auto, or an edited record) names no precision to train in.
     return value if value in RESOLVED else None
 
 

@@ -290,12 +290,13 @@ def _undo(path: Path, created: list[Path], before: set[str], aside: Path | None)
         return
     if aside is not None:  # back where `_move_aside` took it from, a link's target included
         real = path.resolve()
+        # The failed start's folder goes first: a rename cannot replace a non-empty directory.
         shutil.rmtree(real, ignore_errors=True)
         os.replace(aside, real)
         return
     if not path.is_dir():
         return
-    if created:
+    if created:  # the whole tree is this start's
         _remove_made(created)
         return
     for name in set(os.listdir(path)) - before:
@@ -314,5 +315,5 @@ def _remove_made(made: list[Path]) -> None:
     for d in reversed(made[:-1]):
         try:
             d.rmdir()
-        except OSError:
+        except OSError:  # not empty: something else was put there meanwhile, not ours
             return

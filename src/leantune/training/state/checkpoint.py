@@ -198,6 +198,7 @@ def save_checkpoint(
 
 def _write_error(root: Path, final: Path, exc: OSError) -> CheckpointWriteError:
     reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    # The symbolic name too (ENOSPC, EROFS): what a user would search for.
     code = errno.errorcode.get(exc.errno or 0, "")
     where = f" (at {exc.filename})" if exc.filename else ""
     newest = newest_complete(root)

@@ -228,6 +228,7 @@ def load_checkpoint(path: Path, map_location: str = "cpu", warn: Warn | None = N
 
 
 def _warn(message: str) -> None:
+    # 3: past this helper and the public function, to the line that called it.
     warnings.warn(message, stacklevel=3)
 
 
