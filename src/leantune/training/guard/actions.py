@@ -28,6 +28,7 @@ def act_on_guard(tr: Trainer, result: StepResult) -> bool:
     d, g = result.decision, tr.guard
     step, action, reason = result.record["step"], d.action, d.reason
     rollbacks = tr.progress.rollbacks
+    # Bounded so that a run which diverges again after each rollback ends instead of looping.
     if action == "rollback" and rollbacks >= g.max_rollbacks:
         action, reason = "stop", f"{reason}; guard.max_rollbacks={g.max_rollbacks} reached"
     kind = d.detector or "guard"
@@ -36,6 +37,7 @@ def act_on_guard(tr: Trainer, result: StepResult) -> bool:
     if action == "warn":
         tr.events.emit(kind, step, f"{reason}; update applied (guard.{kind}=warn)", **info)
         return False
+    # From skip up the window's update is dropped: its event names the source lines to inspect.
     info.update(rows=result.rows, lines=source_lines(tr.data, result.rows))
     if action == "skip":
         tr.events.emit(kind, step, f"{reason}; update skipped", **info)
@@ -59,6 +61,7 @@ def _halt(tr: Trainer, step: int, action: str, kind: str, reason: str) -> None:
         raise WeightsDiverged(f"training stopped at step {step}: {reason}. Also, {exc}") from None
     if action == "pause":
         marker = {"reason": reason, "detector": kind, "step": step, "checkpoint": str(path)}
+        # One writer for the shared run directory; every rank still raises below.
         if tr.strategy.is_main_process:
             write_file(RunPaths(files.run_dir).paused, json.dumps(marker, indent=2) + "\n")
         tr.events.emit("pause", step, f"paused; checkpoint {path}", checkpoint=str(path))
@@ -87,15 +90,18 @@ def rollback(tr: Trainer, bad_end: int, lr_factor: float) -> None:
     assert ckpt is not None, "the set-up writes a step-0 checkpoint when rollback is configured"
     path = ckpt.path
     tr.load(ckpt)
+    # The checkpoint's micro-batch may predate an OOM halving; going back up would OOM again.
     tr.micro_batch_size = min(micro_batch_size, tr.micro_batch_size)
     restored_scale = tr.progress.lr_scale
     tr.progress = before.rolled_back(tr.progress, lr_factor)  # the fields say what survives
     scale = tr.progress.lr_scale
+    # The restored optimizer LRs already carry the checkpoint's scale; apply only the change.
     ratio = scale / restored_scale
     for group in tr.optimizer.param_groups:
         group["lr"] *= ratio
     # The scheduler's base LRs are checkpointed, so a resumed run keeps the lower LR.
     tr.scheduler.base_lrs = [lr * ratio for lr in tr.scheduler.base_lrs]
+    # Replaying the same data after restoring would likely reproduce the same blow-up.
     skipped = tr.stream.rows(tr.samples_seen, bad_end - tr.samples_seen)
     tr.samples_seen = bad_end
     lines = source_lines(tr.data, skipped)

@@ -9,10 +9,7 @@ Three detectors look at every optimizer step before it is applied:
 
 "Far above" is robust statistics in log space over the last ``window`` accepted steps, active
 after ``warmup`` of them: ``log(x) - median > max(sigmas * 1.4826 * MAD, log(min_ratio))``.
-Log space because losses and gradient norms are positive and their noise is multiplicative;
-median and MAD because one outlier must not hide the next; the ``min_ratio`` floor because a
-run whose values barely move has a tiny MAD, and a 10% wiggle is not a spike. A falling loss
-never triggers (only upward deviations count).
+A falling loss never triggers (only upward deviations count).
 
 The guard never touches tensors or files: the training loop calls :func:`decide` once per step
 and carries out the action.
@@ -33,9 +30,10 @@ exit), ``rollback`` (reload the last checkpoint, lower the LR, skip the data sin
 DetectorAction = Literal["off", "warn", "skip", "pause", "rollback"]
 NonfiniteAction = Literal["skip", "pause", "rollback"]
 
+# Ordered mildest first: when two detectors fire, the later entry wins.
 _SEVERITY: tuple[Action, ...] = ("step", "warn", "skip", "pause", "rollback", "stop")
 _MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
-_TINY = 1e-12
+_TINY = 1e-12  # floor before log(): a zero loss or gradient norm must not raise
 
 
 @dataclass(frozen=True)
@@ -109,7 +107,9 @@ def robust_excess(value: float, history: tuple[float, ...]) -> tuple[float, floa
         ``(excess, sigma, median)``: ``log(value) - median(log h)``, ``1.4826 * MAD(log h)`` and
         the median in linear space.
     """
+    # Log space: losses and gradient norms are positive and their noise is multiplicative.
     logs = [math.log(max(x, _TINY)) for x in history]
+    # Median and MAD rather than mean and std: one outlier in the window must not hide the next.
     med = statistics.median(logs)
     mad = statistics.median(abs(x - med) for x in logs)
     return math.log(max(value, _TINY)) - med, _MAD_TO_SIGMA * mad, math.exp(med)
@@ -119,6 +119,8 @@ def _outlier(
     name: str, value: float, history: tuple[float, ...], sigmas: float, min_ratio: float
 ) -> tuple[str, dict[str, float]] | None:
     excess, sigma, median = robust_excess(value, history)
+    # The min_ratio floor: a run whose values barely move has a tiny MAD, and a 10% wiggle
+    # above it is not a spike.
     threshold = max(sigmas * sigma, math.log(min_ratio))
     if excess <= threshold:
         return None
@@ -162,6 +164,8 @@ def decide(
 def _detect(
     history: GuardHistory, loss: float, grad_norm: float, settings: GuardSettings
 ) -> Decision:
+    # Checked first and never ``warn``: stepping on a NaN/inf would poison the weights, and the
+    # statistics below are meaningless for it.
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         reason = f"non-finite loss {loss} or gradient norm {grad_norm}"
         return Decision(settings.nonfinite, "nonfinite", reason, {})
@@ -173,6 +177,7 @@ def _detect(
     )  # fmt: skip
     hits: list[Decision] = []
     for detector, label, value, past, action, sigmas, min_ratio in checks:
+        # The median and MAD of only a few steps are too noisy to judge an outlier by.
         if action == "off" or len(past) < settings.warmup:
             continue
         hit = _outlier(label, value, past[-settings.window :], sigmas, min_ratio)
@@ -190,13 +195,15 @@ def remember(
 ) -> GuardHistory:
     """The history after ``decision`` was carried out for this step.
 
-    Applied updates join the rolling window (flagged-but-applied ones too: a ``warn`` says the
-    run carries on with it) and end a run of skips; skipped and paused updates only count.
+    Applied updates join the rolling window and end a run of skips; skipped and paused updates
+    only count.
     """
+    # Flagged-but-applied (``warn``) steps join too: a warn says the run carries on with them.
     if decision.applies_update:
         return GuardHistory(
             (*history.losses, loss)[-window:], (*history.grad_norms, grad_norm)[-window:], 0
         )
     if decision.action in ("skip", "pause", "stop"):
         return replace(history, consecutive_skips=history.consecutive_skips + 1)
+    # A rollback restores the checkpoint's own history, so nothing is recorded here.
     return history

@@ -1,7 +1,6 @@
 """A run whose trainable weights went NaN or infinite: never checkpointed, and told so.
 
-A checkpoint of non-finite weights would be a resume point that can only continue the
-divergence, so :func:`leantune.training.state.checkpoint.save_checkpoint` refuses one and the run
+:func:`leantune.training.state.checkpoint.save_checkpoint` refuses such weights and the run
 stops with :class:`WeightsDiverged`, whose message names the last good checkpoint and the fix.
 """
 
@@ -12,6 +11,8 @@ from pathlib import Path
 from leantune.monitor.events import TrainingStopped
 
 
+# A checkpoint of non-finite weights would be a resume point that can only continue the
+# divergence, hence an error rather than a save.
 class WeightsDiverged(TrainingStopped):
     """The trainable weights hold NaN or inf; no checkpoint was written (exit code 4)."""
 

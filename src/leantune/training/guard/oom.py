@@ -1,9 +1,8 @@
 """Out-of-memory recovery: recognise an OOM, free what it left, shrink, explain the last resort.
 
-On CUDA an OOM is ``torch.OutOfMemoryError``. On CPU the kernel kills a process that exhausts
-RAM before Python sees anything, so ``train.memory_budget`` sets a limit below it: the resident
-set size is read after every micro-batch's forward and backward, and a reading above the budget
-raises the same ``torch.OutOfMemoryError`` the GPU would.
+On CUDA an OOM is ``torch.OutOfMemoryError``. On CPU, ``train.memory_budget`` sets a limit: the
+resident set size is read after every micro-batch's forward and backward, and a reading above the
+budget raises the same ``torch.OutOfMemoryError`` the GPU would.
 """
 
 from __future__ import annotations
@@ -24,6 +23,8 @@ from leantune.methods.registry import METHODS
 T = TypeVar("T")
 
 
+# On CPU the kernel's OOM killer ends a process that exhausts RAM before Python sees anything,
+# so the budget sits below it and raises the GPU's error type, letting one recovery path serve.
 class MemoryBudget:
     """Raises ``torch.OutOfMemoryError`` when the process's memory is above ``limit`` bytes."""
 
@@ -46,11 +47,14 @@ def is_out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` reports exhausted device or budget memory."""
     if isinstance(exc, torch.OutOfMemoryError):
         return True
+    # Older torch versions and some backends (MPS) raise a plain RuntimeError; its text is
+    # the only sign.
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
 def free_memory(device: torch.device) -> None:
     """Give back what a failed step left: garbage, cached CUDA blocks, glibc's free heap."""
+    # Collect first: tensors in reference cycles hold blocks that empty_cache cannot release.
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -59,6 +63,7 @@ def free_memory(device: torch.device) -> None:
         # attempt's memory and the halved micro-batch would fail too.
         libc_name = ctypes.util.find_library("c")
         if libc_name:
+            # musl and other libcs lack malloc_trim; the trim is an optimisation only.
             with contextlib.suppress(OSError, AttributeError):
                 ctypes.CDLL(libc_name).malloc_trim(0)
 

@@ -38,7 +38,9 @@ def build_strategy(
     # strategies load only when one is built.
     from leantune.training.parallel.world import init_world
 
-    if cpu_offload and device_type == "cpu":  # train.device=auto found no GPU
+    # Checked here, after device resolution: train.device=auto may have found no GPU, and
+    # offloading to the CPU from the CPU means nothing.
+    if cpu_offload and device_type == "cpu":
         raise ConfigError(CPU_OFFLOAD_ON_CPU)
     world = init_world(backend, device_type, timeout_s)
     if name == "ddp":

@@ -1,9 +1,8 @@
 """The collectives the strategies call, each named, so that a failure says which rank waited
 for what.
 
-A peer that died or hangs makes a collective fail (gloo: the connection closes) or time out
-(after `dist.timeout_s`); either way the error names this rank, the world size and the
-operation, and the other ranks' own errors name theirs.
+A failed or timed-out collective raises an error naming this rank, the world size and the
+operation; the other ranks' own errors name theirs.
 """
 
 from __future__ import annotations
@@ -51,12 +50,14 @@ def named(world: World, operation: str) -> Iterator[None]:
     """Re-raise a failure inside the block as `CollectiveFailed` naming rank and operation."""
     try:
         yield
-    except CollectiveFailed:
+    except CollectiveFailed:  # already named by an inner block: keep the innermost operation
         raise
     except (RuntimeError, dist.DistError) as exc:
         if not _is_collective_error(exc):
             raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        # A peer that died makes the collective fail (gloo: the connection closes); one that
+        # hangs makes it time out after dist.timeout_s. Only the text tells the two apart.
         timed_out = "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
         why = (
             f"did not complete within dist.timeout_s={world.timeout_s:g}s"
@@ -72,6 +73,8 @@ def named(world: World, operation: str) -> Iterator[None]:
 def _is_collective_error(exc: BaseException) -> bool:
     if isinstance(exc, dist.DistError):
         return True
+    # gloo and some NCCL paths raise a plain RuntimeError: its text is the only sign. Anything
+    # else (a shape error in the model) must pass through unrenamed.
     text = str(exc).lower()
     return any(
         word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout", "peer")
@@ -80,7 +83,7 @@ def _is_collective_error(exc: BaseException) -> bool:
 
 def all_reduce(world: World, value: torch.Tensor, op: dist.ReduceOp.RedOpType, what: str) -> Any:
     """`value` reduced over ranks, in place (on the world's device for NCCL)."""
-    tensor = value.to(world.device)
+    tensor = value.to(world.device)  # NCCL reduces only CUDA tensors
     with named(world, f"all_reduce of {what}"):
         dist.all_reduce(tensor, op=op)
     return tensor.cpu()
@@ -91,6 +94,7 @@ def sum_int(world: World, count: int, what: str) -> int:
 
 
 def sum_float(world: World, value: float, what: str) -> float:
+    # float64: the Python float's own precision, so the transfer itself rounds nothing.
     t = torch.tensor([value], dtype=torch.float64)
     return float(all_reduce(world, t, dist.ReduceOp.SUM, what))
 
@@ -101,7 +105,7 @@ def max_int(world: World, value: int, what: str) -> int:
 
 def broadcast(world: World, obj: Any, what: str) -> Any:
     """Rank 0's `obj` on every rank (pickled: small things only)."""
-    box = [obj if world.is_main else None]
+    box = [obj if world.is_main else None]  # the list is filled in place on the other ranks
     with named(world, f"broadcast of {what}"):
         dist.broadcast_object_list(box, src=0)
     return box[0]
@@ -119,6 +123,8 @@ def shard(window: list[int], world: World) -> list[int]:
         ValueError: the window does not divide evenly (the set-up refuses such a batch first).
     """
     n = len(window)
+    # Unequal shares could give the ranks different numbers of micro-batches, and each gradient
+    # sync needs every rank to run the same backward.
     if n % world.world_size:
         raise ValueError(
             f"a window of {n} samples does not divide over {world.world_size} processes: make "
@@ -137,4 +143,5 @@ DECISION = "a decision every rank takes alike (out of memory, stop, non-finite, 
 def nonfinite_anywhere(world: World, tensors: list[torch.Tensor]) -> bool:
     """Whether any rank's local `tensors` hold NaN or inf (every rank gets the same answer)."""
     local = any(t.is_floating_point() and not bool(t.isfinite().all()) for t in tensors)
+    # Sharded weights: one rank may see a NaN that the others cannot, yet all must refuse alike.
     return bool(max_int(world, int(local), "the weights' finiteness check"))

@@ -38,9 +38,9 @@ from leantune.training.state.reading import newest_complete
 def _sum_hook(
     group: dist.ProcessGroup, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """All-reduce a gradient bucket as a sum: each rank's loss is already divided by the
-    supervised tokens of the whole window, so the sum is the one-process gradient (DDP's
-    default would divide by the world size once more)."""
+    """All-reduce a gradient bucket as a sum."""
+    # Each rank's loss is already divided by the supervised tokens of the whole window, so the
+    # sum is the one-process gradient; DDP's default would divide by the world size once more.
     work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
     assert work is not None
     return work.get_future().then(lambda f: f.value()[0])
@@ -74,13 +74,15 @@ class DDPStrategy(c.OverWorld):
             process_group=w.mesh.get_group(),
             forward_sync_buffers=False,  # the buffers (rotary tables) are the same everywhere
         )
-        ddp.register_comm_hook(w.mesh.get_group(), _sum_hook)
+        ddp.register_comm_hook(w.mesh.get_group(), _sum_hook)  # a sum, not DDP's mean
         return WrappedLoss(ddp, model)
 
     @contextlib.contextmanager
     def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[SyncScope]:
         ddp = model.wrapped if isinstance(model, WrappedLoss) else model
         assert isinstance(ddp, DistributedDataParallel)
+        # no_sync on all but the window's last micro-batch: gradients accumulate locally and
+        # are all-reduced once per optimizer step.
         op = "the gradient all-reduce" if enabled else "a micro-batch (no gradient sync)"
         scope = SyncScope()
         try:
@@ -92,12 +94,13 @@ class DDPStrategy(c.OverWorld):
                 # so, it would all-reduce inside the replay's first no-sync backward. Every
                 # rank abandons this same micro-batch (they agreed), so all complete it alike.
                 with c.named(self.world, "the gradient all-reduce of an abandoned micro-batch"):
+                    # Times zero: the sync completes without changing any gradient.
                     (scope.loss * 0).backward()
             raise
 
     def save_checkpoint(self, root: Path, parts: CheckpointParts) -> Path:
         """Rank 0 writes the single-process layout; the others wait for it and learn whether
-        it worked (a refused save, e.g. weights gone NaN, raises on every rank alike)."""
+        it worked."""
         bad = [n for n, p in parts.params.items() if not bool(p.detach().isfinite().all())]
         if bad:  # the same weights on every rank: each refuses alike (exit 4 everywhere)
             raise diverged(parts.state.step, bad, newest_complete(root))
@@ -108,6 +111,8 @@ class DDPStrategy(c.OverWorld):
                 path = SingleProcess().save_checkpoint(root, parts)
             except Exception as exc:  # every rank must hear of it before anyone raises
                 error = exc
+        # Every rank raises alike on a failed save; a rank that carried on alone would hang in
+        # the next collective. repr: the exception itself may not pickle.
         failed = c.broadcast(self.world, None if error is None else repr(error), "save outcome")
         if error is not None:
             raise error
@@ -117,6 +122,8 @@ class DDPStrategy(c.OverWorld):
 
     def resume_checkpoint(self, root: Path, warn: Warn) -> Checkpoint | None:
         """Rank 0 picks (and verifies) the checkpoint; every rank loads the same one."""
+        # One rank chooses: ranks scanning on their own could pick different checkpoints if
+        # one is damaged or a save lands between scans, and the replicas would diverge.
         error: BaseException | None = None
         ckpt = None
         if self.world.is_main:
@@ -136,6 +143,7 @@ class DDPStrategy(c.OverWorld):
             raise CheckpointError(f"rank {self.world.rank}: rank 0 could not resume: {failed}")
         if self.world.is_main or chosen is None:
             return ckpt
+        # The path, not the tensors, is broadcast (pickled): each rank reads the files itself.
         return load_checkpoint(Path(chosen))
 
     def load_checkpoint(
@@ -144,4 +152,4 @@ class DDPStrategy(c.OverWorld):
         load_full_checkpoint(ckpt, params, optimizer)
 
     def final_model(self, model: nn.Module, rebuild: Callable[[], nn.Module]) -> nn.Module | None:
-        return model if self.world.is_main else None
+        return model if self.world.is_main else None  # replicas: rank 0's copy is the model

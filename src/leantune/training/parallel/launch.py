@@ -3,8 +3,7 @@
 It replaces this process with ``python -m torch.distributed.run --standalone
 --nproc-per-node N [--max-restarts R] -m leantune train ...`` (a free rendezvous port on
 localhost) and tells every rank the world size it asked for, which the rank checks when it joins
-the process group: a launcher that silently starts fewer processes fails at once instead of
-training on one. Several machines need torchrun itself (README: "Several processes").
+the process group. Several machines need torchrun itself (README: "Several processes").
 """
 
 from __future__ import annotations
@@ -14,6 +13,8 @@ import sys
 
 from leantune.errors import UserError
 
+# Checked when a rank joins: a launcher that silently starts fewer processes fails at once
+# instead of training on one.
 EXPECTED_WORLD_ENV = "LEANTUNE_EXPECTED_WORLD_SIZE"
 """Set by `leantune train --nproc N`: the world size torchrun must have started."""
 NO_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -22,10 +23,10 @@ NO_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 def torchrun_command(nproc: int, max_restarts: int, train_args: list[str]) -> list[str]:
     """The torchrun command line that runs `leantune <train_args>` on `nproc` processes."""
     return [
-        sys.executable,
+        sys.executable,  # the same interpreter (and venv) as this leantune
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        "--standalone",  # a local rendezvous on a free port: no address or port to configure
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
         "-m",
@@ -49,6 +50,7 @@ def exec_torchrun(nproc: int, max_restarts: int, train_args: list[str]) -> None:
     env.setdefault(NO_SHARED_STORE_ENV, "1")
     # torchrun gives each of several processes 1 thread; the cores are the ranks' to share.
     env.setdefault("OMP_NUM_THREADS", str(rank_threads(nproc)))
+    # execve discards Python's buffers: what was printed before would be lost.
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(command[0], command, env)
@@ -70,6 +72,7 @@ def rank_tag() -> str:
 
 def launched_by_torchrun() -> bool:
     """Whether torchrun (or another env:// launcher) started this process."""
+    # All four: the env:// rendezvous needs each, and a stray RANK alone is no launcher.
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 

@@ -18,9 +18,10 @@ Warn = Callable[[str], None]
 @dataclass
 class SyncScope:
     """One micro-batch inside `gradient_sync`: its loss, from the forward until its backward
-    has run (a strategy that prepared a gradient sync for it completes that sync when the
-    micro-batch is abandoned: an out-of-memory replay or a stop)."""
+    has run."""
 
+    # Kept so that a strategy that prepared a gradient sync for the micro-batch can complete
+    # that sync when it is abandoned (an out-of-memory replay or a stop).
     loss: torch.Tensor | None = None
 
 

@@ -5,8 +5,7 @@ Every rank writes its shard of the trainable weights and of the optimizer state 
 ``COMPLETE`` marker listing every file with its size and SHA-256, and renames the folder to
 ``step-N`` with the same atomic install as a single-process save
 (:mod:`leantune.training.state.checkpoint`). Rank 0 finds and verifies the checkpoint to resume;
-every rank then reads its share with `dcp.load` into the shapes of the current world, so a run
-continues at any number of processes (DCP reshards; the data position is global).
+every rank then reads its share with `dcp.load` into the shapes of the current world.
 """
 
 from __future__ import annotations
@@ -45,9 +44,10 @@ _TRAINABLE = StateDictOptions(ignore_frozen_params=True)
 
 
 def _trainable_state(model: nn.Module) -> dict[str, Any]:
-    """The model's trainable parameters by name, this rank's shards of them. What
-    `ignore_frozen_params` leaves besides (the quantisation state a 4-bit layer adds to its
-    state dict for the whole frozen weight every rank keeps) is not the run's to save."""
+    """The model's trainable parameters by name, this rank's shards of them."""
+    # Filtered again: `ignore_frozen_params` still leaves the quantisation state a 4-bit layer
+    # adds to its state dict for the whole frozen weight every rank keeps, which is not the
+    # run's to save.
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     state = get_model_state_dict(model, options=_TRAINABLE)
     return {k: v for k, v in state.items() if k in trainable}
@@ -61,12 +61,16 @@ def save(world: World, root: Path, model: nn.Module, parts: CheckpointParts) -> 
         CheckpointError: rank 0 could not write or commit it (on every rank).
     """
     step = parts.state.step
+    # Each rank checks only its own shards; the collective makes every rank refuse alike.
     local = [_local(p) for p in parts.params.values()]
     if c.nonfinite_anywhere(world, local):
+        # Empty on a rank whose shards are fine: its message still needs a name.
         bad = [n for n, t in zip(parts.params, local, strict=True) if not t.isfinite().all()]
         raise diverged(step, bad or ["(a shard on another rank)"], newest_complete(root))
     name = checkpoint_name(step)
+    # No pid in the name, unlike a single-process save: every rank must agree on the folder.
     tmp = root / f"{TMP_PREFIX}{name}-sharded"
+    # Rank 0 makes the folder; _on_main's broadcast holds the others until it exists.
     _on_main(world, lambda: _fresh_dir(root, tmp), "prepare the checkpoint folder")
     state: dict[str, Any] = {"model": _trainable_state(model)}
     if parts.optimizer.state:  # a fresh optimizer has none (and DCP would make one up)
@@ -74,6 +78,7 @@ def save(world: World, root: Path, model: nn.Module, parts: CheckpointParts) -> 
     with c.named(world, "dcp.save of the sharded checkpoint"):
         dcp.save(state, checkpoint_id=str(tmp / ck.SHARDED_DIR))
     final = root / name
+    # dcp.save returns once every rank's shard is written, so rank 0 may mark it complete.
     _on_main(world, lambda: _commit(tmp, final, parts), "commit the checkpoint")
     return final
 
@@ -85,6 +90,7 @@ def find(world: World, root: Path, warn: Warn) -> Checkpoint | None:
     def pick() -> None:
         found[0] = ck.resume_checkpoint(root, warn=warn)
 
+    # One rank chooses, so every rank loads the same checkpoint even if one is damaged.
     _on_main(world, pick, "find a checkpoint to resume")
     picked = None if found[0] is None else str(found[0].path)
     path = c.broadcast(world, picked, "the checkpoint to resume")
@@ -111,7 +117,10 @@ def load(
         return
     directory = ckpt.path / ck.SHARDED_DIR
     saved = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    # dcp.load fills the tensors of `state` in place, resharded to this world's shapes; so the
+    # continuing run may have another number of processes (the data position is global).
     state: dict[str, Any] = {"model": _trainable_state(model)}
+    # A checkpoint from before the first update has no optimizer state to ask for.
     with_optim = any(k.startswith("optim.") for k in saved)
     if with_optim:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
@@ -119,12 +128,14 @@ def load(
         try:
             dcp.load(state, checkpoint_id=str(directory))
         except (RuntimeError, KeyError, ValueError) as exc:
+            # Only a missing key means another method or model; other failures pass through.
             if "missing" not in str(exc).lower() and not isinstance(exc, KeyError):
                 raise
             raise CheckpointError(
                 f"{ckpt.path}: checkpoint weights do not match the model's trainable "
                 f"parameters (was it written with another method or model?): {exc}"
             ) from exc
+    # strict=False: the state holds only the trainable weights, not the frozen base.
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
     if with_optim:
         set_optimizer_state_dict(model, optimizer, state["optim"])
@@ -147,9 +158,11 @@ def _load_whole(
             "(was it written with another method or model?)"
         )
     prefix = _prefix(model, params)
+    # full_state_dict: each rank passes whole tensors and keeps only its shard of them.
     whole = StateDictOptions(full_state_dict=True, strict=False)
     weights: dict[str, Any] = {prefix + name: t for name, t in ckpt.weights.items()}
     set_model_state_dict(model, weights, options=whole)
+    # torch.optim numbers parameters by their order in the param groups; DCP wants names.
     name_of = {id(p): prefix + n for n, p in params.items()}
     order = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
     saved = ckpt.optimizer
@@ -159,7 +172,7 @@ def _load_whole(
             {**g, "params": [order[int(i)] for i in g["params"]]} for g in saved["param_groups"]
         ],
     }
-    if state["state"]:
+    if state["state"]:  # a checkpoint from before the first update: nothing to load
         options = StateDictOptions(full_state_dict=True)
         set_optimizer_state_dict(model, optimizer, state, options=options)
 
@@ -170,6 +183,7 @@ def read_whole(
     """A sharded checkpoint read whole by one process (any world size wrote it): the trainable
     weights by name, and the optimizer state numbered as `optimizer` numbers its parameters,
     ready for `optimizer.load_state_dict` (a single process or DDP continuing an fsdp2 run)."""
+    # Through a temporary torch.save file: dcp_to_torch_save needs no process group.
     with tempfile.TemporaryDirectory() as tmp:
         whole = Path(tmp) / "whole.pt"
         dcp_to_torch_save(ckpt.path / ck.SHARDED_DIR, whole)
@@ -180,6 +194,7 @@ def read_whole(
     weights = {k: v for k, v in named.items() if k in params}
     if "optim" not in saved:  # written before the first update
         return weights, {"state": {}, "param_groups": optimizer.state_dict()["param_groups"]}
+    # The inverse of _load_whole's numbering: DCP's names back to the optimizer's indices.
     name_of = {id(p): n for n, p in params.items()}
     index = {
         name_of[id(p)]: i
@@ -203,6 +218,7 @@ def _prefix(model: nn.Module, params: dict[str, nn.Parameter]) -> str:
     raise RuntimeError("the trainable parameters are not the model's")
 
 
+# This rank's shard of a DTensor: checking the whole would gather it from every rank.
 def _local(p: torch.Tensor) -> torch.Tensor:
     t = p.detach()
     return t.to_local() if isinstance(t, DTensor) else t
@@ -238,6 +254,7 @@ def _commit(tmp: Path, final: Path, parts: CheckpointParts) -> None:
         "step": parts.state.step,
         "files": files,
     }
+    # Every file, shards included, is listed with its checksum: verification covers them all.
     ck._write_marker(tmp, manifest)
     fsync_dir(tmp / ck.SHARDED_DIR)
     fsync_dir(tmp)
@@ -255,6 +272,7 @@ def _on_main(world: World, work: Any, what: str) -> None:
             work()
         except Exception as exc:  # every rank must hear of it before anyone raises
             error = exc
+    # A string, not the exception: it may not pickle, and the others only need to say it.
     told = c.broadcast(world, None if error is None else f"{type(error).__name__}: {error}", what)
     if error is not None:
         raise error

@@ -124,13 +124,13 @@ class SingleProcess:
 
     @contextlib.contextmanager
     def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[SyncScope]:
-        yield SyncScope()
+        yield SyncScope()  # one process: no sync to complete, no gradients held outside .grad
 
     def save_checkpoint(self, root: Path, parts: CheckpointParts) -> Path:
         return save_checkpoint(
             root,
             parts.state,
-            weights={n: p.detach() for n, p in parts.params.items()},
+            weights={n: p.detach() for n, p in parts.params.items()},  # no autograd history
             optimizer=parts.optimizer.state_dict(),
             scheduler=parts.scheduler,
             scaler=parts.scaler,
@@ -154,6 +154,8 @@ class SingleProcess:
 def clip_whole(params: list[nn.Parameter], max_norm: float) -> float:
     """`clip_grad_norm_` over parameters whose gradients are whole (or DTensors, whose norm
     torch reduces over the mesh)."""
+    # float(): the norm is a tensor (a DTensor under FSDP2); reading it syncs with the device,
+    # once per step, where the guard needs the number anyway.
     return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
 
@@ -169,12 +171,14 @@ def load_full_checkpoint(
     weights, optim = ckpt.weights, ckpt.optimizer
     if ckpt.sharded:
         weights, optim = read_whole(ckpt, params, optimizer)
+    # Checked before copying: a partial load would leave a mix of two models' weights.
     if set(weights) != set(params):
         raise RuntimeError(
             f"{ckpt.path}: checkpoint weights do not match the model's trainable parameters "
             f"(was it written with another method or model?)"
         )
-    with torch.no_grad():
+    with torch.no_grad():  # an in-place copy into a leaf that requires grad needs it
         for name, tensor in weights.items():
+            # In place: the optimizer holds these very parameter objects.
             params[name].copy_(tensor)
     optimizer.load_state_dict(optim)

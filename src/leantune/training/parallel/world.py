@@ -2,8 +2,7 @@
 
 torchrun (`python -m torch.distributed.run`) sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR
 and MASTER_PORT for every process it starts; `init_process_group` reads them (the env://
-rendezvous). Without them, a `dist.strategy` run is a world of one process, with the same
-code path and the same checkpoints, so a run can continue at another world size.
+rendezvous). Without them, a `dist.strategy` run is a world of one process.
 """
 
 from __future__ import annotations
@@ -59,15 +58,18 @@ def init_world(backend: str, device_type: str, timeout_s: float) -> World:
         backend = "nccl" if device_type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    # Before the process group: otherwise every rank's NCCL communicator would use cuda:0.
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         if launched_by_torchrun():
             dist.init_process_group(backend, timeout=timeout)
-        else:  # a world of one: no rendezvous needed
+        else:
+            # A world of one, with the same code path and checkpoints as a launched run, so a
+            # run can continue at another world size. An in-memory store: no rendezvous.
             store = dist.HashStore()
             dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
-        atexit.register(_destroy)
+        atexit.register(_destroy)  # only for a group this call created, not a caller's
     rank, world_size = dist.get_rank(), dist.get_world_size()
     expected = os.environ.get(EXPECTED_WORLD_ENV)
     if expected is not None and int(expected) != world_size:

@@ -5,21 +5,13 @@ parameters as well (gathered per module for its forward and backward). DeepSpeed
 takes leantune's own torch optimizer and steps it on flat fp32 partitions; everything else
 stays leantune's, as for DDP and FSDP2:
 
-- The loop's arithmetic: each micro-batch's loss is over the whole window's supervised tokens
-  of all ranks, so the engine runs with ``gradient_accumulation_steps=1`` (it divides by
-  nothing) and the window's last micro-batch is its accumulation boundary
-  (`set_gradient_accumulation_boundary`: ZeRO-1 reduces only there, ZeRO-2/3 reduce-scatter
-  every micro-batch into the partitions). DeepSpeed averages gradients over the ranks; the loss
-  is marked so its gradient is `world_size` times larger (its value unchanged), which turns the
-  average into the sum the token normalisation needs.
-- Precision: leantune's autocast around the forward; the engine gets no ``bf16``/``fp16``
-  section, so it never casts the model (fp16, which needs a loss scaler, is refused).
-- Clipping and the guard: the global gradient norm is ZeRO's own, over its partitions,
-  measured before the guard decides; DeepSpeed clips with it inside the step
-  (``gradient_clipping``, the same formula as `clip_grad_norm_`). A skipped step discards
-  the partitions' gradients.
-- Checkpoints: the trainable weights (fp32 masters) and Adam's state are gathered whole and
-  rank 0 writes the single-process layout, so any world size, DDP or one process resumes them.
+- The loop's arithmetic: the engine divides by nothing (``gradient_accumulation_steps=1``); the
+  window's last micro-batch is its accumulation boundary, and gradients are summed over ranks.
+- Precision: leantune's autocast around the forward (fp16 is refused).
+- Clipping and the guard: the global gradient norm is ZeRO's own, measured before the guard
+  decides; DeepSpeed clips with it inside the step. A skipped step discards the partitions'
+  gradients.
+- Checkpoints: gathered whole; rank 0 writes the single-process layout.
 - final/: ZeRO-1/2 keep whole parameters on every rank (rank 0 saves its model); ZeRO-3's
   trained weights are gathered into a model built again on rank 0.
 """
@@ -57,10 +49,15 @@ def engine_config(zero_stage: int, max_grad_norm: float) -> dict[str, Any]:
     return {
         # DeepSpeed's own bookkeeping (its data loader, throughput): the loop makes the batches.
         "train_micro_batch_size_per_gpu": 1,
+        # Each micro-batch's loss is already over the whole window's supervised tokens of all
+        # ranks: an engine that accumulated would divide it once more.
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": zero_stage},
+        # The same formula as clip_grad_norm_, applied inside the engine's step.
         "gradient_clipping": max_grad_norm if max_grad_norm > 0 else 0.0,
-        "steps_per_print": 2**31 - 1,
+        # No bf16/fp16 section: the engine never casts the model; leantune's autocast does the
+        # mixed precision (and fp16, which would need DeepSpeed's loss scaler, is refused).
+        "steps_per_print": 2**31 - 1,  # never: the loop does its own logging
         "wall_clock_breakdown": False,
     }
 
@@ -91,6 +88,9 @@ class _EngineSlot(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor], kl_coef: float) -> torch.Tensor:
         if self.engine is None:
             raise RuntimeError("dist.strategy=deepspeed: the engine is built with the optimizer")
+        # DeepSpeed averages gradients over the ranks; a gradient world_size times larger
+        # (the loss value unchanged) turns that average into the sum the token normalisation
+        # needs.
         return _GradTimes.apply(self.engine(batch, kl_coef), float(self.world_size))
 
 
@@ -122,6 +122,8 @@ class EngineOptimizer(torch.optim.Optimizer):
         self._just_stepped = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        # Right after a step there is nothing to discard; a zero_grad anywhere else means a
+        # skipped or replayed window whose gradients must go.
         if not self._just_stepped:
             discard_gradients(self.engine.optimizer)
         self._just_stepped = False
@@ -130,6 +132,8 @@ class EngineOptimizer(torch.optim.Optimizer):
 def discard_gradients(zero: Any) -> None:
     """Forget the gradients a ZeRO optimizer holds (as its own overflow path does), so that the
     next backward starts the accumulation afresh."""
+    # These are DeepSpeed's private attributes, reset as its own overflow path resets them;
+    # zero_grad alone leaves the accumulated partitions and the micro-step counter.
     zero.zero_grad(set_to_none=True)
     averaged = getattr(zero, "averaged_gradients", None)
     if isinstance(averaged, dict) and hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO-3
@@ -176,6 +180,8 @@ class ZeroStrategy(c.OverWorld):
         import deepspeed
 
         assert self.slot is not None, "wrap_model first"
+        # Recorded before the engine takes the optimizer over (ZeRO puts its flat partitions
+        # in the param groups): torch's own numbering, which the checkpoints keep.
         self.order = [p for g in optimizer.param_groups for p in g["params"]]
         index = {id(p): i for i, p in enumerate(self.order)}
         self.groups = [[index[id(p)] for p in g["params"]] for g in optimizer.param_groups]
@@ -208,6 +214,7 @@ class ZeroStrategy(c.OverWorld):
         from deepspeed.runtime.utils import combine_grad_norm_groups
 
         zero = self.engine.optimizer
+        # Over ZeRO's partitions, not `params`: under ZeRO-2/3 no rank holds whole gradients.
         with c.named(self.world, "the gradient norm"):
             if self.zero_stage == 3:
                 norm = combine_grad_norm_groups(zero._get_norm_groups())
@@ -217,6 +224,8 @@ class ZeroStrategy(c.OverWorld):
 
     @contextlib.contextmanager
     def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[SyncScope]:
+        # ZeRO-1 reduces only at the boundary; ZeRO-2/3 reduce-scatter every micro-batch into
+        # the partitions.
         self.engine.set_gradient_accumulation_boundary(enabled)
         op = "a ZeRO forward/backward" + ("" if enabled else " (no gradient sync)")
         try:
@@ -229,6 +238,8 @@ class ZeroStrategy(c.OverWorld):
     def save_checkpoint(self, root: Path, parts: CheckpointParts) -> Path:
         """Gather the whole trainable state (every rank takes part); rank 0 writes it in the
         single-process layout."""
+        # The single-process layout, so any world size, DDP or one process resumes it. The fp32
+        # masters, not the model's low-precision copies: resuming must lose nothing.
         weights = self._gather(parts.params, None)
         bad = [n for n, t in weights.items() if not bool(t.isfinite().all())]
         if bad:  # the gathered weights are the same on every rank: each refuses alike
@@ -285,6 +296,7 @@ class ZeroStrategy(c.OverWorld):
         zero = self.engine.optimizer
         for name, p in params.items():
             safe_set_full_fp32_param(p, ckpt.weights[name].float())
+        # Setting the masters does not touch the copies the forward uses.
         _copy_masters_to_model(zero, params, ckpt.weights, self.zero_stage)
         groups = ckpt.optimizer["param_groups"]
         for group, was in zip(zero.optimizer.param_groups, groups, strict=True):
@@ -308,6 +320,7 @@ class ZeroStrategy(c.OverWorld):
             for key in _ADAM_STATE:
                 state.setdefault(key, torch.zeros_like(flat))
         if self.zero_stage != 3:
+            # Links each parameter to its slice of the flat state, which the setter below needs.
             zero._lazy_init_hp_params_optimizer_state()
         index = {id(p): i for i, p in enumerate(self.order)}
         for p in params.values():
@@ -345,8 +358,10 @@ class ZeroStrategy(c.OverWorld):
                     if key is None
                     else safe_get_full_optimizer_state(p, key)
                 )
+                # ZeRO-3's parameter is an empty placeholder: ds_shape is the real shape.
                 shape = getattr(p, "ds_shape", p.shape)
                 dtype = p.dtype if key is None else torch.float32
+                # clone: on CPU and in the same dtype, .to() returns the very tensor ZeRO holds.
                 out[name] = got.detach().reshape(shape).to("cpu", dtype).clone()
         return out
 
@@ -396,7 +411,7 @@ def _copy_masters_to_model(
 @contextlib.contextmanager
 def _launcher_local_rank(local_rank: int) -> Iterator[None]:
     """LOCAL_RANK as a launcher sets it, for the duration of the block, where none is set."""
-    if "LOCAL_RANK" in os.environ:
+    if "LOCAL_RANK" in os.environ:  # a launcher's own value wins
         yield
         return
     os.environ["LOCAL_RANK"] = str(local_rank)

@@ -6,9 +6,8 @@ field's `config.roles.Role`, declared on the field (`config.schema.field_roles`)
 under their own keys, as the run resolved them (``train.lr`` unset is the method's default;
 ``data.max_seq_len``, ``data.pack`` and ``train.max_steps`` come from the data and method,
 ``training.run_setup``; ``train.precision`` is the one the run trains in); the ``batch`` fields
-as the ``train.global_batch`` they make (how it is split into micro-batches does not change the
-result beyond float rounding, and an OOM recovery changes the split itself); the ``content``
-fields by the digests of what they name. ``free`` fields are not in it.
+as the ``train.global_batch`` they make; the ``content`` fields by the digests of what they name.
+``free`` fields are not in it.
 
 Every input the run reads is in it by content: the model directory's files (weights, config,
 tokenizer files and chat template: ``model.files``), the train data (``data.train``) and the Jinja
@@ -127,6 +126,7 @@ def _hashed(value: Any, source: str | None) -> str:
     if not isinstance(value, str) or source is None:
         return format_value(value)
     kind, _, digest = value.partition(":")
+    # 12 hex digits tell two files apart in a message; the record keeps the whole digest.
     return f"{Path(source).name} ({kind} {digest[:12]})"
 
 
@@ -141,8 +141,11 @@ def trajectory_settings(cfg: RecordedSections) -> dict[str, Any]:
             continue
         section, name = key.split(".")
         fields[key] = _plain(getattr(getattr(cfg, section), name))
+    # The LR the run uses: an unset lr and the same value set explicitly are the same run.
     if fields[RESOLVED_LR] is None:
         fields[RESOLVED_LR] = DEFAULT_LR[cfg.method.name]
+    # Only the global batch: its split into micro-batches changes the result by float rounding
+    # only, and an OOM recovery changes the split itself, which must not block a resume.
     fields[BATCH_KEY] = configured_global_batch(t)
     return fields
 
@@ -171,20 +174,23 @@ def run_fingerprint(
     sources: dict[str, str] = {}
     model_dir = local_model_dir(model_location)
     if model_dir is None:
+        # Nothing local to hash yet: the hub id stands in for the content.
         fields["model.files"] = f"hub:{model_location}"
         fields["model.architecture"] = None
     else:
         fields["model.files"] = model_digest(model_dir, gguf_file)
         fields["model.architecture"] = architecture(ModelPaths(model_dir).config)
+        # Absolute, so the record names the file wherever the next command is run from.
         sources["model.files"] = str(model_dir.resolve())
     data = Path(cfg.data.train)
     fields["data.train"] = data_digest(data)
     sources["data.train"] = str(data.resolve())
     spec = cfg.data.chat_template
     if spec is not None:  # absent otherwise: a run without one keeps its name (run_setup)
+        # Hash the text, not the path: an edited template file changes what the run renders.
         text = template_text(spec)
         fields[TEMPLATE_KEY] = f"sha256:{hashlib.sha256(text.encode()).hexdigest()}"
-        if not is_builtin(spec):
+        if not is_builtin(spec):  # a built-in has no file to point the user at
             sources[TEMPLATE_KEY] = str(Path(spec).expanduser().resolve())
     return Fingerprint(fields, sources)
 
@@ -207,6 +213,8 @@ def compare(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
     missing from an older record, as its `ADDED_FIELDS` value; an `ADDED_DIGESTS` field missing
     from it is not compared)."""
     old = {**{k: v for k, v in ADDED_FIELDS.items() if k not in old}, **old}
+    # An added digest missing from the old record is unknown, not null: comparing it would
+    # refuse every resume of a run recorded before the digest existed.
     keys = sorted((set(old) | set(new)) - (ADDED_DIGESTS - set(old)))
     return [Change(k, old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)]
 
@@ -216,6 +224,7 @@ def architecture(config_json: Path) -> dict[str, Any] | None:
     try:
         raw = json.loads(config_json.read_text(encoding="utf-8"))
     except (OSError, ValueError):
+        # The model loader reports a broken config.json; the fingerprint just records none.
         return None
     if not isinstance(raw, dict):
         return None

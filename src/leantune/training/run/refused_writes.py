@@ -2,10 +2,8 @@
 
 A full disk (or a link where a log should be) meets `train` first wherever it writes most
 often: ``metrics.jsonl``, ``events.jsonl``, the report, ``final/``. The steps trained since the
-last checkpoint are still in memory then, so they are saved as a checkpoint if the disk takes one
-(a log append needs a page; a checkpoint may still fit where the log did not, or the quota may
-be per file), and the message always ends with where the same command resumes from.
-The checkpoint save's own failure (`CheckpointWriteError`) already says so and passes through.
+last checkpoint are still in memory then, so they are saved as a checkpoint if the disk takes one,
+and the message always ends with where the same command resumes from.
 """
 
 from __future__ import annotations
@@ -23,13 +21,15 @@ from leantune.training.trainer import Trainer
 def refused_write(exc: BaseException, run_dir: Path) -> OutputError | None:
     """`exc` as a refused write outside the checkpoint save, or None when it is anything else.
 
-    A bare OSError (from a writer that does not go through `leantune.core.writes`: a monitoring
-    backend's, a library's) counts when the filesystem refused a write.
+    A bare OSError counts when the filesystem refused a write.
     """
+    # The checkpoint save's own failure already names the resume point; it passes through.
     if isinstance(exc, CheckpointWriteError):
         return None
     if isinstance(exc, OutputError):
         return exc
+    # A bare OSError comes from a writer outside leantune.core.writes (a monitoring backend's,
+    # a library's).
     if isinstance(exc, OSError):
         named = exc.filename if isinstance(exc.filename, str) else None
         return as_write_refused(exc, Path(named) if named else run_dir)
@@ -41,12 +41,15 @@ def keep_trained_steps(tr: Trainer, exc: OutputError) -> OutputError:
     with the resume point added to its message."""
     step = tr.state.step
     done = _newest(tr.files.ckpt_dir)
+    # The newest checkpoint already holds every applied step: nothing would be saved.
     if done is not None and done[0] == step:
         return _with(exc, f"Checkpoint {done[1]} holds all {step} steps applied", done[1])
     if step == 0:
         return _with(exc, "No step was trained yet", None)
     if not isinstance(tr.strategy, SingleProcess):  # a save is collective: no rank saves alone
         return with_resume_point(exc, tr.files.ckpt_dir, f"{step} steps were applied")
+    # Worth trying on a full disk: a log append needs a fresh page, a checkpoint may still fit
+    # where the log did not, or the quota may be per file.
     try:
         path = tr.save()
     except OutputError as failed:
@@ -67,7 +70,7 @@ def with_resume_point(exc: OutputError, ckpt_dir: Path, before: str = "") -> Out
 def _newest(ckpt_dir: Path) -> tuple[int, Path] | None:
     try:
         complete = list_complete_checkpoints(ckpt_dir)
-    except OSError:
+    except OSError:  # an unreadable directory must not hide the original error
         return None
     if not complete:
         return None
@@ -75,6 +78,7 @@ def _newest(ckpt_dir: Path) -> tuple[int, Path] | None:
 
 
 def _reason(exc: BaseException) -> str:
+    # An OutputError other than WriteRefused has no errno of its own; its OSError cause may.
     code = getattr(exc, "errno", None) or getattr(exc.__cause__, "errno", None)
     return os.strerror(code) if isinstance(code, int) else type(exc).__name__
 
@@ -82,5 +86,6 @@ def _reason(exc: BaseException) -> str:
 def _with(exc: OutputError, where: str, resume_from: Path | None) -> OutputError:
     """The same error, its message ending with `where` and what the same command does."""
     then = "the same command resumes from it" if resume_from else "the same command starts over"
+    # Rewritten in place so the exception keeps its type, traceback and cause.
     exc.args = (f"{exc} {where[0].upper()}{where[1:]}: {then}.",)
     return exc

@@ -123,6 +123,7 @@ def meaning(key: str) -> str:
     """What forcing a change of `key` does."""
     if key in FORCE_MEANINGS:
         return FORCE_MEANINGS[key]
+    # A section's entry (its key ends in ".") covers the fields that have none of their own.
     section = key.split(".")[0] + "."
     return FORCE_MEANINGS.get(section, "applies from the next step")
 
@@ -169,8 +170,9 @@ def plan_resume(
             ``train.max_steps`` below the checkpoint's step; without a checkpoint, either
             mode when the record differs or cannot be read, or the run finished.
     """
-    if mode == "never":
+    if mode == "never":  # the run directory's claim has already moved any run aside
         return ResumePlan("fresh", new, split=split)
+    # Nothing to continue, but the record alone still says whose directory this is.
     if checkpoint is None:
         _check_no_checkpoint(run_dir, record, new)
         return ResumePlan("fresh", new, split=split)
@@ -194,6 +196,7 @@ def plan_resume(
     changes = compare(record.fingerprint, new.fields)
     lines = [f"  {c.describe(record.sources, new.sources)}" for c in changes]
     if not changes:
+        # The split is not fingerprinted (an OOM recovery changes it), so it is only reported.
         if tuple(record.split) != tuple(split):
             log(
                 f"micro-batch split {record.split[0]} x {record.split[1]} -> {split[0]} x "
@@ -208,6 +211,7 @@ def plan_resume(
             "run.name or run.dir (run.resume=never moves this run aside and starts over), or "
             "continue this one with these changes: run.resume=force."
         )
+    # Refused even with force: after these changes the checkpoint's weights cannot be loaded.
     refused = [
         f"{ln} ({REFUSED[c.key]})" for c, ln in zip(changes, lines, strict=True) if c.key in REFUSED
     ]
@@ -262,6 +266,7 @@ def _check_no_checkpoint(run_dir: Path, record: RunRecord | None, new: Fingerpri
 
 def _check_max_steps(plan: ResumePlan, new: Fingerprint, run_dir: Path) -> ResumePlan:
     max_steps = int(new.fields["train.max_steps"])
+    # The schedule cannot end before the step the checkpoint has already reached.
     if max_steps < plan.step:
         raise RunMismatch(
             f"train.max_steps={max_steps} is below step {plan.step}, which {run_dir} has "
@@ -280,10 +285,12 @@ def check_weights_fit(plan: ResumePlan, params: dict[str, torch.nn.Parameter]) -
     """
     assert plan.checkpoint is not None
     try:
+        # Shapes from the safetensors header only: no tensor is read.
         with safe_open(str(plan.checkpoint / WEIGHTS_FILE), framework="pt") as f:
             saved = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
     except Exception:  # unreadable: loading the checkpoint reports what is wrong with it
         return
+    # Checked before loading: a mismatch found by the load itself would fail half-way.
     # A ZeRO-3 parameter is an empty placeholder; its ds_shape is the whole one.
     now = {name: list(getattr(p, "ds_shape", p.shape)) for name, p in params.items()}
     if saved == now:
@@ -293,6 +300,7 @@ def check_weights_fit(plan: ResumePlan, params: dict[str, torch.nn.Parameter]) -
     parts = [f"{other[0]} is {saved[other[0]]} there, {now[other[0]]} here"] if other else []
     parts += [f"{missing} missing there"] if missing else []
     parts += [f"{unexpected} not in this model"] if unexpected else []
+    # Method and model changes are the ones that reshape trainable weights: name them as causes.
     likely = [c for c in plan.changes if c.key.startswith(("method.", "model."))]
     changed = "".join(f"\n  {c.describe({}, {})}" for c in likely)
     raise RunMismatch(
@@ -310,6 +318,7 @@ def recorded_schedule(progress: RunProgress, t: TrainConfig) -> Schedule:
     if schedule is None:
         assert t.max_steps is not None, "train() resolves it from train.epochs and the data"
         schedule = default_schedule(t.max_steps, t.warmup_ratio, t.min_lr_ratio)
+    # Written back so the next checkpoint records it, and a later resume need not guess.
     progress.schedule = schedule
     return schedule
 
@@ -328,23 +337,26 @@ def apply_force(
 ) -> None:
     """Make forced changes take effect on a restored optimizer and schedule.
 
-    A restored optimizer and scheduler carry the old peak LR and weight decay, so both are set
-    from the config (`lr`, resolved; times a rollback's ``lr_scale``). A change of max_steps,
-    min_lr_ratio or warmup_ratio continues the schedule from where it is
-    (:meth:`Schedule.continued`); the new schedule goes into `progress` so that resuming the
-    continued run is exact.
+    The peak LR (`lr`, resolved; times a rollback's ``lr_scale``) and weight decay are set from
+    the config. A change of max_steps, min_lr_ratio or warmup_ratio continues the schedule from
+    where it is (:meth:`Schedule.continued`); the new schedule goes into `progress`.
     """
     assert t.max_steps is not None, "train() resolves it from train.epochs and the data"
     schedule = recorded_schedule(progress, t)
     at = scheduler.last_epoch
     if plan.changed("train.max_steps", "train.min_lr_ratio", "train.warmup_ratio"):
+        # None keeps the schedule's own warmup: only a changed ratio may move it.
         warmup = round(t.max_steps * t.warmup_ratio) if plan.changed("train.warmup_ratio") else None
+        # Continue from the multiplier actually reached, so the LR does not jump at the resume.
         reached = current_multiplier(optimizer, scheduler)
         schedule = schedule.continued(at, reached, t.max_steps, t.min_lr_ratio, warmup)
+    # The restored optimizer and scheduler carry the old peak LR and weight decay; the rollback
+    # scale still applies, as the checkpointed LRs carried it.
     peak = lr * progress.lr_scale
     use_schedule(scheduler, schedule)
     now = set_peak_lr(optimizer, scheduler, peak, schedule)
     set_weight_decay(optimizer, params, t.weight_decay)
+    # Recorded so that resuming the continued run follows the same schedule exactly.
     progress.schedule = schedule
     if state.step >= t.max_steps:
         log(
@@ -352,6 +364,7 @@ def apply_force(
             "left to train (raise train.max_steps to train on)"
         )
         return
+    # The multiplier of the final step, counted in the scheduler's own steps from `at`.
     last = peak * schedule.multiplier(at + t.max_steps - state.step - 1)
     log(
         f"run.resume=force: LR {now:.4g} at step {state.step + 1}, {last:.4g} at step {t.max_steps}"
@@ -362,12 +375,14 @@ def recorded_precision(run_dir: Path) -> str | None:
     """The precision of the run that `train` would resume in `run_dir`: the one its record
     holds, when it has a checkpoint to resume from; None for a fresh start."""
     value = recorded_setting(run_dir, "train.precision")
+    # An unresolved value (auto, or an edited record) names no precision to train in.
     return value if value in RESOLVED else None
 
 
 def recorded_setting(run_dir: Path, key: str) -> object:
     """Fingerprint field `key` of the run that `train` would resume in `run_dir` (None for a
     fresh start: no checkpoint to resume from, or no record of it)."""
+    # A record without a checkpoint is a fresh start: its settings do not carry over.
     if newest_checkpoint(RunPaths(run_dir).checkpoints) is None:
         return None
     record = read_record(run_dir)

@@ -6,11 +6,7 @@
   non-empty folder is refused before anything is written into it.
 - ``.leantune.lock``: an ``fcntl.flock`` held for the whole ``train`` call, with the holder's
   pid inside. A second process on the same directory exits 2 naming that pid, before it
-  deletes or writes anything; the kernel drops the lock when its process dies (even by SIGKILL),
-  so the next start takes a stale lock over. leantune creates the lock file only in a new or
-  empty folder or a run, so a folder that holds one is leantune's: its lock is asked before
-  the folder is judged, and a start that is still preparing its data (no record yet) is named
-  as the holder, or, killed then, taken over.
+  deletes or writes anything; a stale lock (its holder died) is taken over.
 - ``run.resume=never`` on a directory that holds a run moves that run aside to
   ``<run dir>.old-<YYYYmmdd-HHMMSS>`` (and says so) instead of mixing the two. A run.dir that
   is a symbolic link keeps it: the folder it points at is moved aside and made anew.
@@ -89,7 +85,8 @@ def claim_run_dir(path: Path, start_over: bool, log: Callable[[str], None]) -> I
         RunDirError: `path` is a file, a non-empty folder that is not a leantune run, locked by
             another process, or cannot be created.
     """
-    # A folder with leantune's lock file was claimed before: its lock comes first, so a start
+    # leantune creates the lock file only in a new or empty folder or a run, so a folder that
+    # holds one is leantune's. Its lock comes first, so a start
     # that has not written its run record yet (it is preparing its data) is named as the
     # holder, and one that was killed then is taken over.
     fd = _take_lock(path, create=False) if path.is_dir() else None
@@ -109,9 +106,9 @@ def claim_run_dir(path: Path, start_over: bool, log: Callable[[str], None]) -> I
             _make_dirs(path.resolve())
             fd, old = lock_run_dir(path), fd
             os.close(old)
-            before = set()
+            before = set()  # the folder is new: everything in it is this start's
         yield run
-    except BaseException:
+    except BaseException:  # KeyboardInterrupt too: a start stopped by Ctrl-C cleans up as well
         if not run.started:
             _undo(path, created, before, run.moved_aside)
         raise
@@ -144,6 +141,8 @@ def _take_lock(path: Path, create: bool) -> int | None:
                 return None
             raise RunDirError(f"run.dir={path}: cannot create {lock}: {exc.strerror}") from None
         try:
+            # flock, not a pid file alone: the kernel drops it when its process dies (even by
+            # SIGKILL), so a stale lock needs no clean-up and the next start takes it over.
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
@@ -158,6 +157,7 @@ def _take_lock(path: Path, create: bool) -> int | None:
                 break
         os.close(fd)
     try:
+        # Truncate first: a shorter pid must not leave the stale holder's digits behind.
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     except OSError as exc:
@@ -170,9 +170,11 @@ def read_record(path: Path) -> RunRecord | None:
     """The run's record, or None when there is none or it cannot be read."""
     try:
         raw = json.loads(RunPaths(path).record.read_text(encoding="utf-8"))
-        split = raw["split"]
+        split = raw["split"]  # a JSON list: the record's field is a pair
         return RunRecord(dict(raw["fingerprint"]), dict(raw["sources"]), (split[0], split[1]))
     except (OSError, ValueError, KeyError, TypeError, IndexError):
+        # Unreadable and absent read alike here; the callers tell them apart by the file's
+        # existence to word their refusal.
         return None
 
 
@@ -214,6 +216,7 @@ def check_config_writable(path: Path, text: str, inputs: Sequence[Path]) -> bool
     target = RunPaths(path).config
     if not target.is_file():
         return True
+    # samefile, not path equality: the input may be named through another path or a link.
     if not any(p.is_file() and os.path.samefile(p, target) for p in inputs):
         return True
     if target.read_text(encoding="utf-8") == text:
@@ -263,7 +266,8 @@ def _make_dirs(path: Path) -> list[Path]:
 
 
 def _move_aside(path: Path) -> Path:
-    path = path.resolve()
+    path = path.resolve()  # a run.dir that is a link keeps it: its target moves
+    # Moving the working directory away would leave the process in a renamed folder.
     if Path.cwd().resolve().is_relative_to(path):
         raise RunDirError(
             f"run.resume=never would move the run in {path} aside, but it holds the current "
@@ -272,7 +276,7 @@ def _move_aside(path: Path) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside = path.with_name(f"{path.name}.old-{stamp}")
     n = 1
-    while aside.exists():
+    while aside.exists():  # two never-starts within a second must not collide
         aside = path.with_name(f"{path.name}.old-{stamp}-{n}")
         n += 1
     os.replace(path, aside)
@@ -281,21 +285,23 @@ def _move_aside(path: Path) -> Path:
 
 def _undo(path: Path, created: list[Path], before: set[str], aside: Path | None) -> None:
     """Leave `path` as this start found it, unless it has already written a checkpoint."""
+    # A checkpoint is a resume point: removing it would throw away trained steps.
     if path.is_dir() and list_complete_checkpoints(RunPaths(path).checkpoints):
         return
     if aside is not None:  # back where `_move_aside` took it from, a link's target included
         real = path.resolve()
+        # The failed start's folder goes first: a rename cannot replace a non-empty directory.
         shutil.rmtree(real, ignore_errors=True)
         os.replace(aside, real)
         return
     if not path.is_dir():
         return
-    if created:
+    if created:  # the whole tree is this start's
         _remove_made(created)
         return
     for name in set(os.listdir(path)) - before:
         entry = path / name
-        if entry.is_dir() and not entry.is_symlink():
+        if entry.is_dir() and not entry.is_symlink():  # never rmtree through a link
             shutil.rmtree(entry, ignore_errors=True)
         else:
             entry.unlink(missing_ok=True)
@@ -309,5 +315,5 @@ def _remove_made(made: list[Path]) -> None:
     for d in reversed(made[:-1]):
         try:
             d.rmdir()
-        except OSError:
+        except OSError:  # not empty: something else was put there meanwhile, not ours
             return

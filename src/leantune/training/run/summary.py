@@ -25,7 +25,7 @@ def write_summary(
     """Write run_dir/summary.json and print the headline numbers.
 
     `adapted` (what the method adapts, `methods.coverage.Coverage.as_dict`) is written, not
-    printed: the run's log said it once when the method was applied."""
+    printed."""
     summary: dict[str, Any] = {
         "steps": state.step,
         "train_time_s": round(progress.train_time_s, 2),
@@ -34,6 +34,7 @@ def write_summary(
         "base_exact_match": progress.base_exact_match,
         **results,
     }
+    # Kept out of the printed line: the run's log said it once when the method was applied.
     written = summary | ({"adapted": adapted} if adapted is not None else {})
     write_summary_file(run_dir, written)
     parts = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()]

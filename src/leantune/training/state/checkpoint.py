@@ -19,12 +19,8 @@ holds ``dcp/`` (a ``torch.distributed.checkpoint`` folder: every rank's shard of
 weights and optimizer state) instead of ``model.safetensors`` and ``optimizer.pt``; its marker
 says ``"layout": "sharded"`` and lists every file, shards included, with size and SHA-256.
 
-Why a SIGKILL at any moment is harmless: everything is written and fsynced inside a temporary
-sibling ``root/.tmp-step-000012-<pid>``, which becomes ``step-000012`` with one rename, so a
-``step-*`` directory is either absent or whole. Re-saving an existing complete step moves the old
-one aside to ``.old-step-000012-<pid>`` first, and :func:`latest_checkpoint` puts it back if the
-new one never arrived. Directories are deleted by first renaming them to ``.tmp-del-*``, so a
-half-deleted checkpoint never keeps its ``step-*`` name.
+A SIGKILL at any moment is harmless: a ``step-*`` directory is either absent or whole (the
+comments in `save_checkpoint`, `_install` and `files.remove_tree` say how).
 
 Why a checkpoint is trusted: listing (:func:`list_complete_checkpoints`, :func:`latest_checkpoint`)
 compares sizes with the marker, which catches truncation; :func:`load_checkpoint`, and so
@@ -162,25 +158,32 @@ def save_checkpoint(
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     if state.step < 0 or state.micro_batches_seen < 0:
         raise ValueError(f"step and micro_batches_seen must be >= 0, got {state}")
+    # Every input is checked before the first byte is written, so a bad call leaves no trace.
     header = _safetensors_metadata(metadata)
     state_json = _state_to_json(state)
     tensors = _prepare_weights(weights)
+    # A NaN/inf checkpoint would be a resume point that can only continue the divergence.
     nonfinite = [k for k, t in tensors.items() if t.is_floating_point() and not t.isfinite().all()]
     if nonfinite:
         raise diverged(state.step, nonfinite, newest_complete(root))
 
     name = checkpoint_name(state.step)
     final = root / name
+    # Everything is written and fsynced in a temporary sibling that becomes `final` with one
+    # rename: a SIGKILL at any moment leaves no half-written ``step-*``. A sibling, so the
+    # rename stays on one filesystem; the pid keeps two processes' leftovers apart.
     tmp = root / f"{TMP_PREFIX}{name}-{os.getpid()}"
     try:
         root.mkdir(parents=True, exist_ok=True)
-        clear(tmp)
+        clear(tmp)  # an earlier save's leftover under the same pid (failed, or pid reused)
         tmp.mkdir()
         files = _write_payload(tmp, tensors, header, optimizer, scheduler, scaler, rng, state_json)
+        # The marker goes last: its presence vouches for the files above it.
         _write_marker(tmp, {"format_version": FORMAT_VERSION, "step": state.step, "files": files})
+        # The directory entries must be on disk before the rename makes them a checkpoint.
         fsync_dir(tmp)
         _install(tmp, final)
-    except BaseException as exc:
+    except BaseException as exc:  # Ctrl-C mid-save too: no partial temporary is left behind
         try:
             clear(tmp)
         except OSError as cleanup:
@@ -188,12 +191,14 @@ def save_checkpoint(
         if isinstance(exc, OSError):
             raise _write_error(root, final, exc) from exc
         raise
+    # Only once the new checkpoint is installed: a failed save must never cost an old one.
     _rotate(root, keep_last, final)
     return final
 
 
 def _write_error(root: Path, final: Path, exc: OSError) -> CheckpointWriteError:
     reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    # The symbolic name too (ENOSPC, EROFS): what a user would search for.
     code = errno.errorcode.get(exc.errno or 0, "")
     where = f" (at {exc.filename})" if exc.filename else ""
     newest = newest_complete(root)
@@ -242,6 +247,8 @@ def _write_payload(
     for file_name, obj in ((OPTIMIZER_FILE, optimizer), (TRAINER_STATE_FILE, trainer_state)):
         path = directory / file_name
         with open(path, "wb") as f:
+            # Hashed while torch.save streams it: the optimizer state can be larger than the
+            # weights, and reading it back only to hash it would be a second pass.
             writer = verify.HashingWriter(f)
             try:
                 torch.save(obj, cast(IO[bytes], writer))  # it needs only write and flush
@@ -272,10 +279,13 @@ def _install(tmp: Path, final: Path) -> None:
     """Rename the finished ``tmp`` to ``final``, replacing what is there without a gap.
 
     A complete checkpoint (or a link) at ``final`` is moved aside first and put back if the
-    rename fails, so a failing disk never costs the checkpoint that was there.
+    rename fails.
     """
     root = final.parent
     if final.is_symlink() or (final.exists() and checkpoint_problem(final) is None):
+        # os.replace cannot replace a non-empty directory, and deleting first would leave a gap
+        # with no checkpoint of this step: a failing disk must never cost the one that was
+        # there. latest_checkpoint puts an ``.old-*`` back if the new one never arrived.
         aside = root / f"{OLD_PREFIX}{final.name}-{os.getpid()}"
         clear(aside)
         _move_aside(final, aside)
@@ -290,7 +300,7 @@ def _install(tmp: Path, final: Path) -> None:
         except OSError as exc:  # the new checkpoint is in; latest_checkpoint tidies up later
             logger.warning("could not remove the replaced checkpoint %s: %s", aside, exc)
         return
-    if final.exists():
+    if final.exists():  # an incomplete leftover: nothing in it is worth keeping
         remove_tree(final)
     os.replace(tmp, final)
     fsync_dir(root)
@@ -306,6 +316,7 @@ def _rotate(root: Path, keep_last: int, just_written: Path) -> None:
     new checkpoint is already complete."""
     try:
         others = [p for p in list_complete_checkpoints(root) if p != just_written]
+        # Oldest first: the list is in step order, and the new one counts towards keep_last.
         for victim in others[: max(len(others) - (keep_last - 1), 0)]:
             logger.info("removing old checkpoint %s (keep_last=%d)", victim, keep_last)
             remove_tree(victim)
@@ -324,6 +335,7 @@ def _prepare_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
         if t.device.type != "cpu":
             t = t.to("cpu")
         ptr = t.untyped_storage().data_ptr()
+        # safetensors refuses tensors that share storage (tied weights) and non-contiguous views.
         if ptr in seen or ptr == 0 or not t.is_contiguous():
             t = t.clone(memory_format=torch.contiguous_format)
         seen.add(ptr)
@@ -332,7 +344,7 @@ def _prepare_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def _safetensors_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
-    header = {"format": "pt"}
+    header = {"format": "pt"}  # what transformers' safetensors loader expects of a torch file
     for key, value in (metadata or {}).items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise ValueError(

@@ -28,11 +28,13 @@ DATA_FILES = (WEIGHTS_FILE, OPTIMIZER_FILE, TRAINER_STATE_FILE, STATE_JSON_FILE)
 SHARDED_LAYOUT = "sharded"
 SHARDED_DIR = "dcp"
 """The torch.distributed.checkpoint folder of a sharded checkpoint."""
+# Always vouched for in a sharded marker, whatever its list says: without them nothing loads.
 SHARDED_FILES = (TRAINER_STATE_FILE, STATE_JSON_FILE, f"{SHARDED_DIR}/.metadata")
 
+# No leftover with these prefixes parses as a ``step-*`` checkpoint; the dot hides it from ls.
 TMP_PREFIX = ".tmp-"
 OLD_PREFIX = ".old-"
-OLD_RE = re.compile(rf"^\.old-({CHECKPOINT_PREFIX}\d+)-\d+$")
+OLD_RE = re.compile(rf"^\.old-({CHECKPOINT_PREFIX}\d+)-\d+$")  # group 1: the step it belongs to
 
 
 Warn = Callable[[str], None]
@@ -104,6 +106,8 @@ def step_of(path: Path) -> int:
 def manifest_names(manifest: dict[str, Any]) -> tuple[str, ...]:
     """The files a marker vouches for: the fixed four, or every file of a sharded one."""
     if manifest.get("layout") == SHARDED_LAYOUT and isinstance(manifest.get("files"), dict):
-        listed = {n for n in manifest["files"] if ".." not in Path(n).parts}  # stays inside
+        # A marker is plain JSON a user may edit: a ".." entry must not reach outside the
+        # checkpoint when its files are hashed.
+        listed = {n for n in manifest["files"] if ".." not in Path(n).parts}
         return tuple(sorted(listed | set(SHARDED_FILES)))
     return DATA_FILES

@@ -90,12 +90,14 @@ class RunProgress:
         """The progress after rolling back to a checkpoint whose progress is `restored`: the
         ``kept`` fields from this one, the ``restored`` ones from it, the LR scale times
         `lr_factor` and one rollback more."""
+        # Driven by the field metadata, so a new field must declare what a rollback does to it.
         kept = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
             if f.metadata[ROLLBACK] == "kept"
         }
         after = dataclasses.replace(restored, **kept)
+        # Compounds over rollbacks: each one lowers the LR the run had reached, not the config's.
         after.lr_scale *= lr_factor
         after.rollbacks += 1
         return after
@@ -126,12 +128,12 @@ class RunProgress:
 
         The values are trusted: a loaded checkpoint's were checked by
         :func:`leantune.training.state.verify.validate_state`. A schedule that cannot be
-        read counts as unrecorded, so the config's applies.
+        read counts as unrecorded.
 
         Raises:
             ValueError: The layout is newer than this leantune reads.
         """
-        version = raw.get("version", 1)
+        version = raw.get("version", 1)  # version 1 had no version key
         if version > VERSION:
             raise ValueError(f"run progress version {version} is newer than {VERSION}")
         batching = raw.get("batching")
@@ -155,4 +157,5 @@ def _schedule(raw: object) -> Schedule | None:
     try:
         return Schedule.from_json(raw)
     except (KeyError, TypeError, ValueError):
+        # Unreadable counts as unrecorded: the config's schedule applies, as for version 1.
         return None

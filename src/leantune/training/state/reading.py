@@ -57,7 +57,7 @@ def list_complete_checkpoints(root: Path) -> list[Path]:
 def newest_complete(root: Path) -> Path | None:
     try:
         complete = list_complete_checkpoints(root)
-    except OSError:
+    except OSError:  # only named in error messages: an unreadable root must not mask the error
         return None
     return complete[-1] if complete else None
 
@@ -80,6 +80,8 @@ def latest_checkpoint(root: Path) -> Path | None:
         return None
     _clean(root)
     complete, damaged = _scan(root)
+    # Marked but mismatched: its save finished, so it is skipped, not deleted, and the damage
+    # can be inspected or repaired.
     for path, problem in damaged:
         warnings.warn(f"skipping damaged checkpoint {path}: it {problem}", stacklevel=2)
     return complete[-1][1] if complete else None
@@ -101,6 +103,7 @@ def newest_checkpoint(root: Path) -> Path | None:
     complete, damaged = _scan(root)
     if complete:
         return complete[-1][1]
+    # Not "no run": starting over here would write on top of checkpoints a user may repair.
     if damaged:
         problems = [f"{path} cannot be used: it {why}" for path, why in damaged]
         raise DamagedCheckpoints(root, problems)
@@ -135,6 +138,8 @@ def resume_checkpoint(
     _clean(root)
     complete, damaged = _scan(root)
     problems = [(step_of(path), f"{path} cannot be used: it {why}") for path, why in damaged]
+    # Newest first, each file verified right before it is used: checksums are the costly part,
+    # and an older checkpoint is only read when every newer one failed.
     for step, path in reversed(complete):
         try:
             ckpt = load_checkpoint(path, map_location, warn)
@@ -182,7 +187,8 @@ def load_checkpoint(path: Path, map_location: str = "cpu", warn: Warn | None = N
             f"{path} is not a complete checkpoint: it {problem}. "
             "Use resume_checkpoint(root) to load the newest one that checks out."
         )
-    manifest = json.loads((path / MARKER).read_text())
+    manifest = json.loads((path / MARKER).read_text())  # checkpoint_problem parsed it already
+    # Format 1 recorded sizes only: still loadable, but nothing to verify the bytes against.
     if manifest.get("format_version", 1) < 2:
         (warn or _warn)(
             f"{path} was written by an older leantune (checkpoint format 1, sizes only): its "
@@ -199,9 +205,11 @@ def load_checkpoint(path: Path, map_location: str = "cpu", warn: Warn | None = N
     weights: dict[str, torch.Tensor] = {}
     metadata: dict[str, str] = {}
     optimizer: dict[str, Any] = {}
+    # A sharded checkpoint's weights and optimizer are loaded per rank from dcp/ by the caller.
     if not sharded:
         weights, metadata = _load_weights(path / WEIGHTS_FILE, map_location)
         optimizer = torch_load(path / OPTIMIZER_FILE, map_location)
+    # CPU always: RNG states must be CPU ByteTensors to be restored.
     trainer_state = torch_load(path / TRAINER_STATE_FILE, "cpu")
     missing = {"scheduler", "scaler", "rng"} - set(trainer_state)
     if missing:
@@ -220,14 +228,17 @@ def load_checkpoint(path: Path, map_location: str = "cpu", warn: Warn | None = N
 
 
 def _warn(message: str) -> None:
+    # 3: past this helper and the public function, to the line that called it.
     warnings.warn(message, stacklevel=3)
 
 
 def _clean(root: Path) -> None:
     """Undo interrupted saves and delete their leftovers; unlink (never follow) stray links."""
+    # First: an ``.old-*`` that a killed re-save left is the only copy of its step.
     _recover_moved_aside(root)
     for entry in sorted(root.iterdir()):
         if entry.is_symlink():
+            # leantune never makes these names links; whatever one points at is not ours.
             if entry.name.startswith((TMP_PREFIX, OLD_PREFIX)):
                 logger.warning("removing the symbolic link %s (its target is left alone)", entry)
                 entry.unlink()
@@ -237,6 +248,8 @@ def _clean(root: Path) -> None:
         if entry.name.startswith(TMP_PREFIX):
             logger.info("removing leftover of an interrupted save or delete: %s", entry)
             shutil.rmtree(entry)
+        # No marker: the save never finished (the marker is written last). The root has one
+        # writer at a time, so no save of another process is in progress here.
         elif checkpoint_step(entry.name) is not None and not (entry / MARKER).exists():
             logger.warning("removing incomplete checkpoint %s (no %s marker)", entry, MARKER)
             remove_tree(entry)
@@ -264,7 +277,7 @@ def _scan(root: Path) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
             complete.append((step, entry))
         elif (entry / MARKER).exists():
             damaged.append((entry, problem))
-    complete.sort(key=lambda item: item[0])
+    complete.sort(key=lambda item: item[0])  # by step number: iterdir order is arbitrary
     return complete, damaged
 
 
@@ -289,6 +302,7 @@ def checkpoint_problem(path: Path) -> str | None:
             f"has checkpoint format {version!r}, newer than this leantune reads "
             f"({FORMAT_VERSION}): upgrade leantune to resume from it"
         )
+    # Sizes only here (cheap: catches truncation); checksums wait for load_checkpoint.
     for name in manifest_names(manifest):
         file = path / name
         if not file.is_file():
@@ -306,6 +320,8 @@ def _recover_moved_aside(root: Path) -> None:
         if match is None or entry.is_symlink() or not entry.is_dir():
             continue
         final = root / match.group(1)
+        # Put back only when the new one never arrived whole; otherwise the aside copy is the
+        # replaced one, which the finished save meant to delete.
         if checkpoint_problem(final) is not None and checkpoint_problem(entry) is None:
             logger.warning("restoring %s from %s after an interrupted save", final, entry.name)
             if final.exists() or final.is_symlink():

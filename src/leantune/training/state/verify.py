@@ -1,15 +1,9 @@
 """What makes a checkpoint trustworthy before resume uses it: checksums and checked values.
 
-Checksums. ``COMPLETE`` records, per file, its size and its SHA-256. SHA-256 because it is in the
-standard library, runs at about 1.3 GB/s per core with the SHA extensions of current x86 and ARM
-CPUs (measured here), and anyone can check a file by hand with ``sha256sum``. A CRC or xxHash
-would catch random corruption as well, but a crafted file can match them, and the time they would
-save is small next to writing the files (below). ``torch.save``'s
-output and the small JSON files are hashed as they are written (:class:`HashingWriter`, which
-sees the bytes without copying them). safetensors' ``save_file`` takes only a path, so the
-weights file is read back in chunks right after it is written (from the page cache; no second
-copy of the weights is held in memory). Verification reads every file once more before it is
-loaded.
+Checksums. ``COMPLETE`` records, per file, its size and its SHA-256. ``torch.save``'s output and
+the small JSON files are hashed as they are written (:class:`HashingWriter`); the weights file is
+read back in chunks right after it is written. Verification reads every file once more before it
+is loaded.
 
 Cost, measured for a checkpoint the size of the demo model's full fine-tune (SmolLM2-135M: 538 MB
 of fp32 weights plus 1,076 MB of AdamW moments, 1.61 GB in all; random tensors) on a shared
@@ -37,6 +31,10 @@ from typing import IO, Any
 from leantune.layout import checkpoint_name
 from leantune.training.state.progress import VERSION as PROGRESS_VERSION
 
+# SHA-256: in the standard library, about 1.3 GB/s per core with the SHA extensions of current
+# x86 and ARM CPUs (measured here), and checkable by hand with ``sha256sum``. A CRC or xxHash
+# would catch random corruption as well, but a crafted file can match them, and the time they
+# would save is small next to writing the files (the module docstring's cost).
 HASH = "sha256"
 """The manifest key of each file's checksum (and the hashlib algorithm)."""
 
@@ -44,8 +42,7 @@ HASH = "sha256"
 class HashingWriter:
     """A binary file wrapper that hashes every byte written through it.
 
-    ``torch.save`` reports an exception raised by ``write`` only as a RuntimeError about the
-    stream position; the original OSError is kept in ``error`` so that the caller can raise it.
+    An OSError from the file is kept in ``error`` so that the caller can raise it.
     """
 
     def __init__(self, file: IO[bytes]) -> None:
@@ -59,9 +56,13 @@ class HashingWriter:
         try:
             self._file.write(data)
         except OSError as exc:
+            # torch.save reports a failed write only as a RuntimeError about the stream
+            # position; the caller needs the OSError (ENOSPC, EROFS) to explain it.
             self.error = exc
             raise
+        # hashlib takes the buffer as is: no copy of the (possibly huge) chunk is made.
         self._hash.update(data)
+        # nbytes, not len: a memoryview's len counts items, which may be wider than a byte.
         size = memoryview(data).nbytes
         self.written += size
         return size
@@ -81,6 +82,8 @@ class HashingWriter:
 
 def file_digest(path: Path) -> str:
     """The checksum of a file, read in chunks."""
+    # safetensors' save_file takes only a path, so its output is hashed here, from the page
+    # cache in chunks: no second copy of the weights is held in memory.
     with open(path, "rb") as f:
         return hashlib.file_digest(f, HASH).hexdigest()
 
@@ -120,6 +123,8 @@ def checksum_problem(path: Path, files: dict[str, Any], names: tuple[str, ...]) 
 
 def as_os_error(exc: Exception, path: Path) -> OSError | None:
     """The OSError behind a safetensors (Rust) I/O error, which carries only ``(os error N)``."""
+    # The Rust error crosses into Python as text only; the errno inside it is what lets a full
+    # disk be reported as one.
     match = re.search(r"\(os error (\d+)\)", str(exc))
     if match is None:
         return None
@@ -128,11 +133,9 @@ def as_os_error(exc: Exception, path: Path) -> OSError | None:
 
 
 def refused_pickle_message(path: Path, exc: Exception) -> str:
-    """What a file that ``torch.load(weights_only=True)`` refused holds, for the user.
-
-    torch's own message recommends loading with ``weights_only=False``, which would run the
-    file's code; that advice is never passed on.
-    """
+    """What a file that ``torch.load(weights_only=True)`` refused holds, for the user."""
+    # torch's own message recommends weights_only=False, which would run the file's code; only
+    # the offending global is taken from it, never that advice.
     text = str(exc)
     if "Weights only load failed" not in text and "WeightsUnpickler" not in text:
         first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
@@ -158,9 +161,11 @@ Check = tuple[str, Callable[[object], bool]]
 
 
 def _is_int(value: object) -> bool:
+    # bool is an int subclass, and JSON true must not pass as step 1.
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# Finite only: a NaN or inf LR scale or guard history would poison the run that resumes with it.
 def _is_number(value: object) -> bool:
     return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)  # type: ignore[arg-type]
 
@@ -204,7 +209,7 @@ class StateValueError(ValueError):
 
 def _refuse(name: str, value: object, wanted: str) -> StateValueError:
     shown = repr(value)
-    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."  # an edited list may be huge
     return StateValueError(f"{name} is {shown}, but must be {wanted}")
 
 
@@ -240,12 +245,14 @@ def validate_state(raw: object, step_of_directory: int | None) -> None:
     extra = raw.get("extra")
     if not isinstance(extra, dict):
         raise _refuse("extra", extra, "a JSON object")
+    # Not required: a version-1 progress left out whatever it had not learned yet.
     _check(extra, _EXTRA, "extra.", required=False)
     batching = extra.get("batching")
     if batching is not None:
         if not isinstance(batching, dict):
             raise _refuse("extra.batching", batching, "a JSON object")
         _check(batching, _BATCHING, "extra.batching.", required=True)
+        # The trainer splits a global batch into micro-batches; a larger one cannot be split.
         if batching["micro_batch_size"] > batching["global_batch"]:
             raise _refuse(
                 "extra.batching.micro_batch_size",
