@@ -196,8 +196,7 @@ def kto_kl(policy_logps: torch.Tensor, reference_logps: torch.Tensor) -> torch.T
     (prompt, completion) pairs, at least 0. In a data-parallel run, average the mean over ranks
     before the clamp (TRL gathers first).
     """
-    # The clamp: a true KL is >= 0, and a negative sample estimate would reward moving away
-    # from the reference.
+    # The clamp: a true KL is >= 0, while a small batch's estimate can dip below it.
     return (policy_logps - reference_logps).mean().detach().clamp(min=0)
 
 
