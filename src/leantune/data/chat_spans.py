@@ -369,8 +369,8 @@ def _answer_span(facts: TemplateFacts, msg: Message, i: int, full: str, cursor: 
 def _answer_start(facts: TemplateFacts, msg: Message, full: str, head: int, at: int) -> int:
     """Where the model's part of an answer starts: at or after the generation prompt (`head`)."""
     gap = full[head:at]
-    # An answer with reasoning or tool calls: the model writes all of its markup after the
-    # header, so everything from the header's end is learned.
+    # An answer with reasoning or tool calls (the model writes all of its markup after the
+    # header), or one only whitespace separates from the header: learned from the header's end.
     if _writes_markup(msg) or not gap.strip():
         return head
     # A plain answer skips the markup the template writes itself (Qwen3's empty think block).
