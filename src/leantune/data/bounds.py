@@ -4,19 +4,9 @@ before tokenising them (one 50 MB line took 130 s and 12.8 GB to tokenise only t
 For a BPE tokenizer with no unknown token (byte-level pre-tokenisation, or byte fallback), the
 tokens of a text partition its normalised form, and no token covers more bytes than the
 longest one in the vocabulary, L (added tokens included). So a text of B normalised bytes has
-at least ceil(B / L) tokens, and a record whose bound is above `data.max_seq_len` would be
-rejected as too long after tokenising anyway. `token_floor` offers the bound only when every
-step of the tokenizer keeps this true:
-
-- normalisers that work character by character (Unicode normal forms, lowercasing, one-character
-  replacements, a prepended marker): normalising the whole text then gives no more bytes than
-  the pieces the tokenizer really normalises between its added tokens;
-- pre-tokenisers that split without removing anything (byte-level, metaspace, regex splits that
-  keep what they match);
-- added tokens that absorb no whitespace beside them (where one does, spaces are not counted).
-
-Anything else (WordPiece or Unigram models, whitespace-removing pre-tokenisers, stripping
-normalisers, slow tokenizers) gets no bound, and its records are tokenised as before.
+at least ceil(B / L) tokens. `token_floor` offers the bound only when every step of the
+tokenizer keeps this true (see `_build`); any other tokenizer gets no bound, and its records
+are tokenised.
 """
 
 from __future__ import annotations
@@ -29,11 +19,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+# Normalisers that work character by character: normalising the whole text then gives no more
+# bytes than the pieces the tokenizer really normalises between its added tokens.
 _NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend", "Replace", "Sequence"}
+# Pre-tokenisers that split without removing anything.
 _PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation", "Sequence"}
 _MAX_GROWTH = 18  # NFKC/NFKD turn one character into at most 18 (U+FDFA)
 _SPACE = re.compile(r"\s+")  # a superset of what an added token's lstrip/rstrip absorbs
 
+# Weak keys: the cache must not keep a tokenizer (and its vocabulary) alive after its run.
 _FLOORS: weakref.WeakKeyDictionary[Any, TokenFloor | None] = weakref.WeakKeyDictionary()
 
 
@@ -56,10 +50,11 @@ class TokenFloor:
                 text = _SPACE.sub("", text)
             data = text.encode("utf-8")
             size = len(data.translate(None, self.dropped) if self.dropped else data)
+            # The marker is not the text's own: leaving it out keeps the bound a lower one.
             size -= self.prepended
         except (UnicodeEncodeError, TypeError, ValueError):  # not text the tokenizer takes
             return 0
-        return max(0, -(-size // self.max_token_bytes))
+        return max(0, -(-size // self.max_token_bytes))  # ceil division on ints
 
     def exceeds(self, text: str, limit: int) -> int | None:
         """The bound when it is above `limit` (the text is certainly too long), else None."""
@@ -108,6 +103,8 @@ def _build(tokenizer: Any) -> TokenFloor | None:
         return None
     spec = json.loads(backend.to_str())
     model = spec.get("model") or {}
+    # Only BPE: the argument above (pieces partition the text, no unknown token) is checked
+    # against BPE's options alone.
     pre = _types(spec.get("pre_tokenizer"), "pretokenizers")
     norm = _types(spec.get("normalizer"), "normalizers")
     if model.get("type") != "BPE" or not _char_local_normalizer(norm):
@@ -133,7 +130,9 @@ def _build(tokenizer: Any) -> TokenFloor | None:
     count_spaces = True
     for added in spec.get("added_tokens") or []:
         content = added.get("content", "")
-        sizes.append(len(content.encode("utf-8")))
+        sizes.append(len(content.encode("utf-8")))  # an added token can be the longest piece
+        # A token that absorbs the whitespace beside it covers more bytes than its content:
+        # spaces are then not counted at all.
         if added.get("lstrip") or added.get("rstrip"):
             count_spaces = False
         if normalize is not None and not added.get("normalized", False):

@@ -1,24 +1,13 @@
 """Where the assistant turns of a rendered conversation are, from one render of it.
 
-A conversation is rendered once. A template that marks the assistant's text with
-`{% generation %}` says itself where that text is (transformers' assistant-mask renderer). Any
-other template is walked once, in order: each message's own text is found in the render after
-the previous one's, so a template may trim text, drop the reasoning of earlier turns (Qwen3),
-move the system message (Mistral), write a default system prompt or date lines (Qwen2.5,
-SmolLM2, Llama 3.1) or end an unprompted conversation with an extra token (Phi-3), and the
-answers are still found, in time linear in the conversation's length.
+A template that marks the assistant's text with `{% generation %}` says itself where that text
+is (transformers' assistant-mask renderer); any other template's render is walked once, in
+order. What a template writes around an answer (its header and end of turn) is learned once per
+template from renders of sentinel conversations (`TemplateFacts`).
 
-What a template writes around an answer is learned once per template from renders of sentinel
-conversations (`TemplateFacts`): the generation prompt that precedes an answer (its header) and
-the text that closes one (`end_of_turn`: `<|im_end|>\\n`, `<|eot_id|>`, `<end_of_turn>\\n`,
-`<|end|>\\n`, `</s>`), cut at a token boundary.
-
-A span covers what the model writes after the generation prompt: the answer's text (with the
-space a template without a generation prompt writes before it, as Mistral's) and the end of
-turn, so the model also learns to stop; nothing else the template writes (headers, default
-system prompts, date lines, the empty think block Qwen3 writes before a final answer). An
-answer with reasoning or tool calls is everything the model writes after the header, its
-markup included, so its span starts at the header's end.
+A span covers what the model writes after the generation prompt: the answer's text and the end
+of turn; nothing else the template writes (headers, default system prompts, date lines, the
+empty think block Qwen3 writes before a final answer).
 """
 
 from __future__ import annotations
@@ -125,6 +114,8 @@ def _common_prefix(a: str, b: str) -> int:
 
 def _token_floor(tokenizer: Any, text: str, n: int) -> int:
     """The last token boundary of `text` at or before character `n`."""
+    # Headers and ends of turn are cut here so a span never starts or ends inside a token:
+    # the character prefix two renders share can stop mid-token.
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     return max([0, *(end for _, end in enc["offset_mapping"] if end <= n)])
 
@@ -140,6 +131,8 @@ def probe_facts(tokenizer: Any) -> TemplateFacts:
     """Learn a template's headers, end of turn and system handling from sentinel renders."""
     render = renderer(tokenizer)
     headers: list[str] = []
+    # A generation prompt can follow a user or an assistant message: both are probed, and a
+    # conversation the template refuses is skipped.
     for conv in ([_msg("user", _A)], [_msg("user", _A), _msg("assistant", _B)]):
         plain, gen = _attempt(render, conv, False), _attempt(render, conv, True)
         if plain is None or gen is None:
@@ -148,6 +141,8 @@ def probe_facts(tokenizer: Any) -> TemplateFacts:
         cut = _token_floor(tokenizer, gen, _common_prefix(plain, gen))
         if gen[cut:] and gen[cut:] not in headers:
             headers.append(gen[cut:])
+    # The end of turn is what follows the answer both when it is the last message and when
+    # another follows: their common prefix, so the next turn's header is not included.
     end_of_turn = ""
     last = _attempt(render, [_msg("user", _A), _msg("assistant", _B)], False)
     more = _attempt(render, [_msg("user", _A), _msg("assistant", _B), _msg("user", _S)], False)
@@ -169,6 +164,8 @@ _FACTS: dict[tuple[str, str], TemplateFacts] = {}
 
 def template_facts(tokenizer: Any) -> TemplateFacts:
     """The facts of the tokenizer's chat template, probed once per (template, special tokens)."""
+    # The special tokens are part of the key: templates render bos_token/eos_token, so one
+    # template text gives different facts with another tokenizer's tokens.
     key = (repr(tokenizer.chat_template), repr(sorted(tokenizer.special_tokens_map.items())))
     facts = _FACTS.get(key)
     if facts is None:
@@ -178,6 +175,7 @@ def template_facts(tokenizer: Any) -> TemplateFacts:
 
 # --- system messages --------------------------------------------------------------------------
 
+# (model, handling) pairs already warned about: the warning would otherwise repeat per record.
 _SAID: set[tuple[str, str]] = set()
 
 
@@ -222,8 +220,10 @@ def apply_system_policy(
                 pending = []
             out.append(msg)
             continue
+        # An empty system message folds to nothing, not to a stray blank line.
         if policy == "fold" and msg["content"].strip():
             pending.append(msg["content"])
+        # Removed messages before supervise_from shift it so it still names the same message.
         if i < supervise_from:
             shift += 1
     if pending:
@@ -277,6 +277,8 @@ def render_conversation(
         return render(conversation, add_generation_prompt)
     except TemplateError as e:
         name = template or f"of {getattr(tokenizer, 'name_or_path', '') or 'this model'}"
+        # The Jinja error (the template's raise_exception text) is the useful part, not the
+        # TemplateError wrapping it; whitespace is collapsed to keep it on one line.
         cause = e.__cause__ or e
         raise ConversationRefused(
             f"{where}the chat template {name} refuses {_refused_at(render, messages)}the "
@@ -312,6 +314,8 @@ def _own_text(msg: Message) -> str:
     """The part of a message's text every template writes verbatim (trimmed): for an answer
     that holds its reasoning in `<think>...</think>`, what follows it."""
     content: str = msg["content"]
+    # Templates such as Qwen3's drop or rewrite earlier turns' reasoning, so only the text
+    # after </think> is certain to appear verbatim.
     if msg["role"] == "assistant" and "</think>" in content:
         content = content.split("</think>")[-1]
     return content.strip()
@@ -329,7 +333,7 @@ def _after_header(facts: TemplateFacts, full: str, cursor: int) -> int:
     found = [(at, len(h)) for h in facts.headers if (at := full.find(h, cursor)) >= 0]
     if not found:
         return cursor
-    at, n = min(found)
+    at, n = min(found)  # the nearest header; on a tie at one place, the shorter one
     return at + n
 
 
@@ -343,7 +347,10 @@ def _answer_span(facts: TemplateFacts, msg: Message, i: int, full: str, cursor: 
             "its tokens cannot be located"
         )
     end = at + len(text)
+    # The end of turn is part of the span, so the model also learns to stop.
     close = full.find(facts.end_of_turn, end) if facts.end_of_turn else end
+    # Text between the answer and its end of turn means the template changed the answer; tool
+    # calls are the exception, as templates write them after the text.
     between = full[end:close] if close >= 0 else ""
     if close < 0 or (between.strip() and not msg.get("tool_calls")):
         raise TemplateError(
@@ -360,18 +367,24 @@ def _answer_span(facts: TemplateFacts, msg: Message, i: int, full: str, cursor: 
 
 
 def _answer_start(facts: TemplateFacts, msg: Message, full: str, head: int, at: int) -> int:
-    """Where the model's part of an answer starts: after the generation prompt (`head`), less
-    the markup a template writes there itself for a plain answer (Qwen3's empty think block);
-    without a generation prompt (Mistral ends the prompt at "[/INST]"), with the space the
-    template writes before the answer, which the model has to write at inference."""
+    """Where the model's part of an answer starts: at or after the generation prompt (`head`)."""
     gap = full[head:at]
+    # An answer with reasoning or tool calls (the model writes all of its markup after the
+    # header), or one only whitespace separates from the header: learned from the header's end.
     if _writes_markup(msg) or not gap.strip():
         return head
+    # A plain answer skips the markup the template writes itself (Qwen3's empty think block).
+    # Without a generation prompt (Mistral ends the prompt at "[/INST]") the span keeps the
+    # space before the answer, which the model has to write at inference.
     return at if facts.headers else at - (len(gap) - len(gap.rstrip()))
 
 
 def spans_by_walk(facts: TemplateFacts, messages: list[Message], full: str) -> list[Span]:
     """The assistant spans of `full`, finding each message's text after the previous one's.
+
+    Linear in the conversation's length; tolerates templates that trim text, drop earlier
+    reasoning (Qwen3), move the system message (Mistral), add a default system prompt or date
+    lines (Qwen2.5, SmolLM2, Llama 3.1) or end with an extra token (Phi-3).
 
     Raises:
         TemplateError: a user, tool or assistant message's text is not in the render, or an
@@ -412,6 +425,8 @@ def spans_by_tags(tokenizer: Any, messages: list[Message], full: str) -> list[Sp
         **tokenizer.special_tokens_map,
     )
     rendered, indices = result
+    # Only trusted when the tagged render is the very text tokenized (same template, same
+    # special tokens) and marks one span per answer; anything else is refused, not guessed.
     spans = [(int(s), int(e)) for s, e in indices[0]]
     answers = sum(m["role"] == "assistant" for m in messages)
     if rendered[0] != full or len(spans) != answers:
@@ -425,10 +440,10 @@ def spans_by_tags(tokenizer: Any, messages: list[Message], full: str) -> list[Sp
 def answer_spans(
     tokenizer: Any, messages: list[Message], full: str, supervise_from: int = 0
 ) -> list[Span]:
-    """The character spans of the assistant turns in `full`, the rendered `messages`, that are
-    learned: from message `supervise_from` on (the ones before it are context), and not those
-    of `weight` 0 (`record_checks.UNWEIGHTED`). Every answer is located all the same, so the
-    others' spans are where they would be without weights.
+    """The character spans of the learned assistant turns in `full`, the rendered `messages`.
+
+    Learned: from message `supervise_from` on (the ones before it are context), and not those
+    of `weight` 0 (`record_checks.UNWEIGHTED`).
 
     Raises:
         TemplateError: the answers cannot be located (see the module docstring).
@@ -438,6 +453,8 @@ def answer_spans(
         spans = spans_by_tags(tokenizer, messages, full)
     else:
         spans = spans_by_walk(facts, messages, full)
+    # Every answer is located and only then filtered: the walk's cursor moves past each one,
+    # so the kept spans are where they would be without weights.
     answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     return [
         s

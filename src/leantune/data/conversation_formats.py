@@ -2,17 +2,11 @@
 
 ShareGPT, as LLaMA-Factory documents it: `conversations`, a list of `{"from", "value"}` turns
 (`{"role", "content"}` is read too) with `from` one of human/gpt/system (user/assistant also),
-and an optional `system` field. Its tool turns (`function_call`, `observation`), `tools`,
-multimodal fields and preference pairs (`chosen`/`rejected`) are refused with the reason: leantune
-trains the system, user and assistant turns of text conversations, and training without what
-those fields say would teach something else than the data means.
+and an optional `system` field. Tool turns, `tools`, multimodal fields and preference pairs are
+refused with the reason.
 
-TRL's prompt/completion: `prompt` and `completion`, each a string or a list of messages. A
-string prompt is one user message and a string completion one assistant message; either way the
-record is rendered with the chat template, like every conversation, so that `generate` (which
-applies the template) sees what was trained. (TRL tokenises its string form as plain text
-without a template; for a plain continuation use data.format=text.) Only the completion is
-supervised: an assistant message inside the prompt is context, as in TRL.
+TRL's prompt/completion: `prompt` and `completion`, each a string or a list of messages. Only the
+completion is supervised: an assistant message inside the prompt is context, as in TRL.
 """
 
 from __future__ import annotations
@@ -51,6 +45,8 @@ def _turn(turn: Any, i: int) -> Message:
     from_value = turn.get("from") is not None or turn.get("value") is not None
     role_key, content_key = ("from", "value") if from_value else ("role", "content")
     who = turn.get(role_key)
+    # Refused, not skipped: training on a conversation with its tool turns removed would teach
+    # answers without the results they were based on.
     if isinstance(who, str) and who in TOOL_ROLES:
         raise BadRecordError(
             f"{where}.{role_key}={who!r}: tool calls and tool results are not supported "
@@ -77,6 +73,8 @@ def parse_sharegpt(obj: dict[str, Any], system_prompt: str | None) -> list[Messa
     turns = obj.get("conversations")
     if turns is None:
         raise BadRecordError("missing field 'conversations'")
+    # CSV and some exports store the list as a JSON string; one that failed to parse is named
+    # as such rather than as "not a list".
     if isinstance(turns, str):
         raise BadRecordError(
             "field 'conversations' must be a list of turns, got text that is not JSON"
@@ -104,6 +102,9 @@ def _side(obj: dict[str, Any], key: str, role: str) -> list[Message]:
     if key not in obj:
         raise BadRecordError(f"missing field '{key}'")
     value = obj[key]
+    # A string becomes one message and is rendered with the chat template like every
+    # conversation, so `generate` (which applies the template) sees what was trained. TRL
+    # tokenises its string form as plain text; for a plain continuation use data.format=text.
     if isinstance(value, str):
         if not value.strip():
             raise BadRecordError(f"field '{key}' is empty")
@@ -119,6 +120,8 @@ def parse_prompt_completion(obj: dict[str, Any], system_prompt: str | None) -> d
     """`prompt` + `completion` -> `{"messages": ...}`, plus `supervise_from` (the index of the
     completion's first message) when the prompt holds an assistant message not to be learned."""
     refuse_unsupported(obj)
+    # A boolean label is KTO data, which shares prompt/completion's fields: learning its
+    # undesirable completions by SFT would teach exactly what the data says to avoid.
     if isinstance(obj.get("label"), bool):
         raise BadRecordError(
             "field 'label': unpaired preference data (label) is not supported: leantune does "
@@ -137,6 +140,8 @@ def parse_prompt_completion(obj: dict[str, Any], system_prompt: str | None) -> d
     messages = with_system_prompt([*prompt, *completion], system_prompt)
     start = len(messages) - len(completion)
     parsed: dict[str, Any] = {"messages": messages}
+    # Without an assistant turn in the prompt every assistant turn is the completion's, and
+    # the default (supervise all) says the same: the field is kept only when it matters.
     if any(m["role"] == "assistant" for m in messages[:start]):
         parsed["supervise_from"] = start
     return parsed

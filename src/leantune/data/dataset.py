@@ -1,10 +1,7 @@
 """From a data file to training rows: the one path that `train`, `eval` and `plan` share.
 
-`prepared_data` runs the prepare pipeline (`leantune.data.prepare.pipeline.prepare_dataset`:
-read, validate, clean, tokenise, length-filter, dedup, pack) into a directory and reads it back
-as `PreparedData`. `train` keeps that directory as a cache keyed by (input contents, tokenizer,
-template, settings), so a re-run or a run resumed after a crash reads the shards instead of
-tokenising again; `eval` and `plan` give no cache directory and leave nothing behind.
+`prepared_data` runs the prepare pipeline (`leantune.data.prepare.pipeline.prepare_dataset`)
+into a directory and reads it back as `PreparedData`.
 """
 
 from __future__ import annotations
@@ -93,11 +90,15 @@ def prepared_data(
     if path.is_dir():
         _check_prepared_with(path, settings, tokenizer, log)
         return _load(path, path, settings, max_bad_fraction, limit)
+    # eval and plan give no cache directory: nothing is left behind.
     if cache_dir is None:
         with tempfile.TemporaryDirectory(prefix="leantune-prepared-") as tmp:
             out = Path(tmp) / "data"
             prepare_dataset([str(path)], settings, tokenizer, out, log=log, **(engine or {}))
             return _load(out, path, settings, max_bad_fraction, limit)
+    # train keeps the directory, keyed by (contents, tokenizer, template, settings): a re-run or
+    # a resume after a crash reads the shards instead of tokenising again. 24 hex characters
+    # (96 bits) make a collision between two datasets negligible while keeping paths short.
     out = Path(cache_dir) / cache_key([str(path)], settings, tokenizer)[:24]
     prepare_dataset([str(path)], settings, tokenizer, out, log=log, **(engine or {}))
     return _load(out, path, settings, max_bad_fraction, limit)
@@ -115,12 +116,14 @@ def _check_prepared_with(
     if report is None:
         return  # `load_prepared` says it is not a prepared directory
     made = report.get("settings", {})
+    # A report without a field (an older directory) is given the benefit of the doubt.
     if made.get("format", settings.format) != settings.format:
         raise DataError(
             f"{out}: prepared as data.format={made['format']}, but data.format="
             f"{settings.format}; prepare it again or fix data.format"
         )
     check_tokenizer(out, report, tokenizer, settings.format)
+    # Only a warning: rows packed to another length still train correctly, at another shape.
     if made.get("max_seq_len", settings.max_seq_len) != settings.max_seq_len and log:
         log(
             f"warning: {out} was packed with max_seq_len={made['max_seq_len']}, "
@@ -134,11 +137,14 @@ def _load(
     """The prepared directory `out` (called `name` in messages), cut to `limit` records."""
     if limit is None:
         return load_prepared(out, max_bad_fraction=max_bad_fraction, name=name)
+    # Load tolerating every bad line, then check the bad fraction on the cut alone: bad lines
+    # past the limit are not this run's business.
     data = load_prepared(out, max_bad_fraction=1.0, name=name)
     data.examples, data.records = data.examples[:limit], data.records[:limit]
     last = data.records[-1].line if data.records else 0
     data.bad = [b for b in data.bad if b.line <= last]
     data.total_lines = len(data.examples) + len(data.bad)
+    # The stored rows pack all examples; a cut set is packed again with the same packer.
     lengths = [len(e.input_ids) for e in data.examples]
     groups = best_fit_decreasing(lengths, settings.max_seq_len) if settings.pack else None
     data.rows = rows_of(data.examples, groups)
@@ -166,6 +172,7 @@ def load_prepared(
     with PreparedPaths(out).rejected.open(encoding="utf-8") as f:
         for line in f:
             row = json.loads(line)
+            # Empty lines and duplicates are in rejected.jsonl for the report, not bad data.
             if row["kind"] not in NOT_BAD:
                 bad.append(BadLine(row["file"], row["line"], row["reason"]))
     data = PreparedData(read_rows(out), examples, records, bad, len(examples) + len(bad))
@@ -178,6 +185,8 @@ def _examples(out: Path) -> tuple[list[Record], list[Example]]:
     table = read_examples(out)
     if table is None:
         return [], []
+    # Text data stores its text; chat data its messages as JSON (one string column for any
+    # conversation shape).
     column = "text" if "text" in table.column_names else "messages"
     records = [
         Record(source=s, line=n, text=r) if column == "text" else _chat_record(s, n, r)
@@ -256,13 +265,16 @@ def _hint(where: str | Path, total: int, bad: list[BadLine], fmt: str | None) ->
 
 
 def check_token_range(data: PreparedData, vocab_size: int, where: str | Path) -> None:
-    """Refuse token ids outside [0, vocab_size): an embedding of `vocab_size` rows would fail on
-    them with an IndexError (or, on some devices, read other memory). The labels are the same
-    ids shifted, so checking the inputs covers them.
+    """Refuse token ids outside [0, vocab_size).
+
+    An embedding of `vocab_size` rows would fail on them with an IndexError (or, on some
+    devices, read other memory).
 
     Raises:
         DataError: naming `where`, the first record with such an id, the id and the size.
     """
+    # Inputs only: the labels are the same ids shifted, so checking the inputs covers them.
+    # A whole-data min/max first: the per-example search below runs only when one is bad.
     ids = [e.input_ids for e in data.examples if e.input_ids]
     if not ids or (min(map(min, ids)) >= 0 and max(map(max, ids)) < vocab_size):
         return

@@ -1,11 +1,8 @@
 """Read training data in the alpaca, chat, text, sharegpt or prompt_completion format.
 
 Every record is validated, and every bad one is reported with its file, line number, field and
-reason; nothing is dropped silently. Alpaca, ShareGPT and prompt/completion records are
-normalised to chat messages (`leantune.data.conversation_formats`) so one tokeniser path serves
-them all. Files are read by `leantune.data.prepare.readers` (JSONL, gzip/zstd JSONL, JSON arrays,
-Parquet, CSV), the same readers `leantune prepare` uses. When most records lack the field that
-data.format needs, `format_hint` names the format the file is really in.
+reason; nothing is dropped silently. Files are read by `leantune.data.prepare.readers` (JSONL,
+gzip/zstd JSONL, JSON arrays, Parquet, CSV).
 """
 
 from __future__ import annotations
@@ -77,20 +74,26 @@ class BadLine:
 
 
 def parse_alpaca(obj: dict[str, Any], system_prompt: str | None) -> list[dict[str, str]]:
-    """`instruction`, optional `input`, `output` -> system?/user/assistant messages; with
-    LLaMA-Factory's optional `system` (the system message) and `history` (earlier
-    `[instruction, answer]` pairs, learned like the last answer, as LLaMA-Factory does)."""
+    """`instruction`, optional `input`, `output` -> system?/user/assistant messages.
+
+    Also reads LLaMA-Factory's optional `system` (the system message) and `history` (earlier
+    `[instruction, answer]` pairs, learned like the last answer, as LLaMA-Factory does).
+    """
+    # Alpaca is normalised to chat messages, so one tokeniser path serves every format.
     refuse_unsupported(obj)
     instruction = require_str(obj, "instruction")
     extra = obj.get("input", "")
+    # Exported datasets often write a missing input as null.
     if extra is None:
         extra = ""
     if not isinstance(extra, str):
         raise BadRecordError(f"field 'input' must be a string, got {type(extra).__name__}")
     check_text(extra, "field 'input'")
     output = require_str(obj, "output")
+    # Stanford Alpaca's prompt puts the input after the instruction, separated by a blank line.
     user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
     system = obj.get("system")
+    # The record's own system message takes precedence over data.system_prompt.
     if system not in (None, ""):
         system_prompt = require_str(obj, "system")
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
@@ -104,6 +107,7 @@ def parse_alpaca(obj: dict[str, Any], system_prompt: str | None) -> list[dict[st
 
 def _alpaca_history(value: Any) -> list[dict[str, str]]:
     """LLaMA-Factory's `history`: `[[instruction, answer], ...]` before the record's own turn."""
+    # "[]": CSV and some exports write an empty list as its JSON text.
     if value in (None, "", "[]", []):
         return []
     if not isinstance(value, list):
@@ -128,6 +132,7 @@ def parse_chat(obj: dict[str, Any], system_prompt: str | None) -> list[dict[str,
     out = parse_messages(messages, "messages")
     if out[-1]["role"] != "assistant":
         raise BadRecordError("the last message must be from the assistant (the answer to learn)")
+    # An empty answer anywhere, not only the last: it would teach the model to stop at once.
     for i, msg in enumerate(out):
         if is_empty_answer(msg):
             raise BadRecordError(f"messages[{i}].content: empty assistant answer")
@@ -153,6 +158,7 @@ def parse_record(obj: Any, fmt: str, system_prompt: str | None = None) -> dict[s
         "sharegpt": parse_sharegpt,
     }
     parsed: dict[str, Any] = {"messages": parsers[fmt](obj, system_prompt)}
+    # Only chat records carry tools; the other formats refuse the field (refuse_unsupported).
     tools = parse_tools(obj.get("tools"), obj.get("functions")) if fmt == "chat" else None
     if tools:
         parsed["tools"] = tools
@@ -173,6 +179,7 @@ def read_records(
     records: list[Record] = []
     bad: list[BadLine] = []
     for item, obj in decoded_items(path):
+        # A line that is not JSON is a bad line like any other, not an error for the file.
         if isinstance(obj, DecodeError):
             bad.append(BadLine(item.source, item.line, str(obj)))
             continue
@@ -195,10 +202,11 @@ def read_records(
     return records, bad
 
 
-read_jsonl = read_records  # the name it had when only JSONL was read
+read_jsonl = read_records  # an alias kept for callers of the JSONL-only name
 
 
-# The fields that mark each format, in the order detection tries them.
+# The fields that mark each format, in the order detection tries them: the most specific first
+# (a chat record may also carry a "text" field, which only marks text when nothing else does).
 SIGNATURES: dict[str, tuple[str, ...]] = {
     "chat": ("messages",),
     "sharegpt": ("conversations",),
@@ -230,7 +238,7 @@ def detect_format(path: str | Path) -> str:
             found = formats_of(obj)
             if found:
                 return found[0]
-        break
+        break  # the first record only: detection must not read a large file
     return "text"
 
 
@@ -254,6 +262,7 @@ def format_hint(path: str | Path, fmt: str) -> str | None:
     if not other:
         return None
     best, n = other.most_common(1)[0]
+    # Only a majority earns a hint: a few stray records of another shape are just bad lines.
     if 2 * n <= seen:
         return None
     lacks, has = lacking[best], SIGNATURES[best][0]

@@ -1,14 +1,8 @@
 """`leantune inspect`: what a run would train on, computed as training does, without writing.
 
-The data goes through the same per-record work as `leantune prepare` and the tokenise-once cache
-(validate, clean, tokenise, length filters, dedup), in memory; rows are packed as the cache packs
-them. The report shows the first examples with their supervised tokens marked, token counts, the
-length histogram, packing efficiency and the bad lines by kind; the memory plan is the
-planner's own text (`leantune.training.plan_report`), added by the command.
-
-Supervised tokens are the ones whose loss is trained: each answer and the end-of-turn text
-after it (the model learns to stop). On a terminal they are bright green; elsewhere they are
-enclosed in `[[` and `]]`.
+The report shows the first examples with their supervised tokens marked (bright green on a
+terminal, `[[` `]]` elsewhere), token counts, the length histogram, packing efficiency and the
+bad lines by kind; the memory plan is added by the command (`leantune.training.plan_report`).
 """
 
 from __future__ import annotations
@@ -90,9 +84,13 @@ def inspect_file(
         FileNotFoundError: no such file. DataError: a file that cannot be read as its kind.
     """
     result = Inspection()
+    # The same per-record work as `leantune prepare` (run_local) and the same dedup index, so
+    # what is shown is what training would keep; only nothing is written.
     index = DedupIndex(settings.dedup, settings.near_dup_threshold, settings.num_perm)
     for chunk in run_local([str(path)], settings, tokenizer):
         result.rows_in += len(chunk.order)
+        # chunk.order interleaves kept and rejected records in file order, so the dedup index
+        # sees the same first occurrence that prepare keeps.
         kept, rejected = iter(chunk.kept), iter(chunk.rejected)
         for is_kept in chunk.order:
             if not is_kept:
@@ -115,9 +113,11 @@ def inspect_file(
 
 
 def fit_rows(ins: Inspection, settings: PrepareSettings) -> PrepareSettings:
-    """data.max_seq_len=auto, as `train` resolves it: rows as long as the longest kept example
-    (the examples were filtered at the model's context). Re-packs `ins`; returns the settings
-    with the resolved length."""
+    """data.max_seq_len=auto, as `train` resolves it: rows as long as the longest kept example.
+
+    Re-packs `ins`; returns the settings with the resolved length.
+    """
+    # The examples were already filtered at the model's context, so the longest fits it.
     longest = max((int(e.input_ids.size) for e in ins.examples), default=1)
     resolved = replace(settings, max_seq_len=longest)
     if settings.pack:
@@ -135,11 +135,9 @@ def _drop(result: Inspection, r: Rejection) -> None:
 def render_example(
     tokenizer: PreTrainedTokenizerBase, ids: np.ndarray, labels: np.ndarray, colour: bool
 ) -> str:
-    """The example's text with its supervised tokens marked (colour, or `[[` `]]`).
-
-    Labels are shifted (`labels[i]` is the target of position `i`, token `i + 1`), so token `t`
-    is supervised when `labels[t - 1]` is not IGNORE_INDEX; the first token never is.
-    """
+    """The example's text with its supervised tokens marked (colour, or `[[` `]]`)."""
+    # Labels are shifted (`labels[i]` is the target of position `i`, token `i + 1`), so token
+    # `t` is supervised when `labels[t - 1]` is set; the first token never is.
     supervised = np.zeros(ids.size, dtype=bool)
     supervised[1:] = labels[:-1] != IGNORE_INDEX
     return _marked(tokenizer, ids, supervised, colour)
@@ -158,6 +156,8 @@ def _marked(
         text = str(
             tokenizer.decode(
                 ids[start:end].tolist(),
+                # Show exactly what the model sees: end-of-turn tokens are supervised too,
+                # and no spaces are tidied away.
                 skip_special_tokens=False,
                 clean_up_tokenization_spaces=False,
             )
@@ -192,6 +192,7 @@ def _marked_answer(
     tokenizer: PreTrainedTokenizerBase, ids: list[int], labels: list[int], colour: bool
 ) -> str:
     """Labels aligned with `ids` (not shifted): a token is supervised where its label is set."""
+    # The prompt passes no labels: all of its tokens stay unmarked.
     flags = np.zeros(len(ids), dtype=bool)
     flags[: len(labels)] = np.asarray(labels, dtype=np.int64) != IGNORE_INDEX
     return _marked(tokenizer, np.asarray(ids, dtype=np.int64), flags, colour) if ids else ""
@@ -202,13 +203,14 @@ def histogram(lengths: list[int], bins: int = 8, width: int = 40) -> list[str]:
     if not lengths:
         return []
     lo, hi = min(lengths), max(lengths)
-    step = max(1, -(-(hi - lo + 1) // bins))
+    step = max(1, -(-(hi - lo + 1) // bins))  # ceil: `bins` bins cover lo..hi inclusive
     counts = Counter((n - lo) // step for n in lengths)
     top = max(counts.values())
     lines = []
     for b in range(-(-(hi - lo + 1) // step)):
         a, z = lo + b * step, min(hi, lo + (b + 1) * step - 1)
         label = str(a) if a == z else f"{a}-{z}"
+        # A non-empty bin gets at least one '#', so a rare length stays visible next to a large one.
         bar = "#" * max(1 if counts[b] else 0, round(width * counts[b] / top))
         lines.append(f"  {label:>13} |{bar} {counts[b]}")
     return lines
@@ -251,6 +253,7 @@ def _lengths(ins: Inspection) -> list[str]:
 
 def _packing(ins: Inspection, settings: PrepareSettings) -> str:
     rows, seq = len(ins.groups), settings.max_seq_len
+    # max(1, ...): no rows at all reads as 0%, not a ZeroDivisionError.
     efficiency = ins.tokens / max(1, rows * seq)
     if settings.pack:
         return (

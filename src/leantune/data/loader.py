@@ -1,8 +1,7 @@
 """Deterministic micro-batches addressable by index, so resuming needs only one integer.
 
 Micro-batch `k` of a run is a pure function of (rows, micro_batch_size, seed, k): epoch
-`k // batches_per_epoch` uses its own seeded permutation. A checkpoint stores `k` and the resumed
-run sees exactly the batches the uninterrupted run would have seen.
+`k // batches_per_epoch` uses its own seeded permutation.
 """
 
 from __future__ import annotations
@@ -23,13 +22,18 @@ class BatchSchedule:
         self.micro_batch_size = micro_batch_size
         self.seed = seed
         self.shuffle = shuffle
+        # ceil: the last micro-batch of an epoch may be short rather than wrap into the next.
         self.batches_per_epoch = -(-num_rows // micro_batch_size)
         self._epoch = -1
         self._perm: list[int] = []
 
     def _permutation(self, epoch: int) -> list[int]:
+        # Only the current epoch's permutation is kept: memory stays one list of row indices.
         if epoch != self._epoch:
             if self.shuffle:
+                # A private generator, seeded from (seed, epoch) alone: the order does not depend
+                # on the global RNG or on how many batches came before, so a resume from `k`
+                # alone reproduces it. 1_000_003 (a prime) keeps (seed, epoch) pairs apart.
                 g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
                 self._perm = torch.randperm(self.num_rows, generator=g).tolist()
             else:
@@ -49,13 +53,12 @@ class SampleStream:
 
     Position `p` of the stream is a pure function of (num_rows, seed, p), so a step's window of
     samples (`window`) can be split into micro-batches of any size without changing which
-    samples it holds or their order (OOM recovery halves the micro-batch and replays the same
-    window), and a checkpoint needs only the position to resume exactly. For
-    micro-batch sizes that divide `num_rows`, micro-batch `k` of `BatchSchedule` is the stream's
-    positions `[k * size, (k + 1) * size)`.
+    samples it holds or their order, and a checkpoint needs only the position to resume exactly.
     """
 
     def __init__(self, num_rows: int, seed: int, shuffle: bool = True):
+        # One "micro-batch" per epoch: the stream reuses BatchSchedule's seeded permutations,
+        # so for micro-batch sizes that divide `num_rows` the two orders agree.
         self._order = BatchSchedule(num_rows, num_rows, seed, shuffle)
 
     @property
@@ -65,12 +68,10 @@ class SampleStream:
     def window(self, start: int, size: int) -> list[int]:
         """The rows of the step that starts at stream position `start`: the next `size`
         positions, cut at the end of the epoch.
-
-        A step never crosses an epoch boundary, so it never holds a row twice: the last step
-        of an epoch takes the rows left (fewer than `size`), and with fewer rows than `size`
-        every step is one pass over all of them.
         """
         n = self._order.num_rows
+        # Cut at the epoch's end so a step never holds a row twice: the last step of an epoch
+        # takes the rows left, and with fewer rows than `size` every step is one full pass.
         end = min(start + size, (start // n + 1) * n)
         return self.rows(start, end - start)
 
@@ -92,11 +93,10 @@ def split_window(indices: list[int], micro_batch_size: int) -> list[list[int]]:
 
 
 def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad rows into tensors. Padding gets its own restarting position ids and no labels.
-
-    No attention mask is returned: right padding is never attended by real tokens under a causal
-    mask, and restarting position ids keep packed examples apart.
-    """
+    """Right-pad rows into tensors. Padding gets its own restarting position ids and no labels."""
+    # No attention mask: right padding is never attended by real tokens under a causal mask,
+    # and restarting position ids keep packed examples apart (a mask would also stop
+    # transformers from deriving the block-diagonal mask from the positions).
     width = max(len(r.input_ids) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
@@ -106,5 +106,7 @@ def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
         ids[b, :n] = torch.tensor(r.input_ids)
         labels[b, :n] = torch.tensor(r.labels)
         pos[b, :n] = torch.tensor(r.position_ids)
+        # The padding restarts at 0: a segment of its own, which objectives.logps counts as an
+        # empty sequence, and no real token's position run is extended by it.
         pos[b, n:] = torch.arange(width - n)
     return {"input_ids": ids, "labels": labels, "position_ids": pos}

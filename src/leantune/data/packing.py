@@ -1,9 +1,4 @@
-"""Pack examples into rows of at most `seq_len` tokens without letting them see each other.
-
-Each row carries position ids that restart at 0 for every example; with no attention mask and
-no KV cache, transformers turns restarting positions into a block-diagonal causal mask (sdpa,
-eager), or the segment attention cuts the row into its examples there (`models.attention`).
-"""
+"""Pack examples into rows of at most `seq_len` tokens without letting them see each other."""
 
 from __future__ import annotations
 
@@ -63,6 +58,7 @@ def best_fit_decreasing(lengths: Sequence[int], seq_len: int) -> list[list[int]]
     Raises:
         ValueError: an item is longer than `seq_len`.
     """
+    # Leaves are free capacities 0..seq_len, padded to a power of two for a complete tree.
     size = 1
     while size < seq_len + 1:
         size *= 2
@@ -76,6 +72,7 @@ def best_fit_decreasing(lengths: Sequence[int], seq_len: int) -> list[list[int]]
             tree[node] += delta
             node //= 2
 
+    # The smallest free capacity >= n that has an open bin: the fullest bin the item fits.
     def smallest_at_least(n: int, node: int = 1, lo: int = 0, hi: int = size - 1) -> int:
         if hi < n or tree[node] == 0:
             return -1
@@ -85,6 +82,8 @@ def best_fit_decreasing(lengths: Sequence[int], seq_len: int) -> list[list[int]]
         found = smallest_at_least(n, 2 * node, lo, mid)
         return found if found >= 0 else smallest_at_least(n, 2 * node + 1, mid + 1, hi)
 
+    # Longest first, ties by index: the same input always gives the same rows (the prepared
+    # shards and a resumed run must agree).
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         n = lengths[i]
         if n > seq_len:
@@ -94,9 +93,10 @@ def best_fit_decreasing(lengths: Sequence[int], seq_len: int) -> list[list[int]]
             b, cap = len(bins), seq_len
             bins.append([])
         else:
-            b = by_cap[cap].pop()
+            b = by_cap[cap].pop()  # the last-opened bin of that capacity
             update(cap, -1)
         bins[b].append(i)
+        # A full bin leaves the tree: it can take nothing more.
         if cap - n > 0:
             by_cap[cap - n].append(b)
             update(cap - n, 1)
@@ -114,6 +114,10 @@ def rows_from_groups(examples: Sequence[Example], groups: list[list[int]]) -> li
             ex = examples[i]
             ids += ex.input_ids
             labels += ex.labels
+            # Positions restart at 0 per example: with no attention mask and no KV cache,
+            # transformers turns them into a block-diagonal causal mask (sdpa, eager), and the
+            # segment attention cuts the row there (`models.attention`). They are also what
+            # objectives.logps reads as sequence boundaries.
             pos += range(len(ex.input_ids))
         rows.append(Row(ids, labels, pos, tuple(members)))
     return rows

@@ -2,10 +2,7 @@
 
 `preference_data` reads and validates the file (`preference_formats`), tokenises it under the
 length rules (`preference_tokenize`) and refuses data that is mostly bad or has nothing to learn
-from, as `dataset.check_usable` does for SFT data. With a `cache_dir` the result is kept there,
-keyed by (file contents, tokenizer and chat template, settings), so a re-run or a resumed run
-reads it instead of tokenising again. What the reading says (the form of the pairs, the `auto`
-lengths) is said through `log` on every run, from the cache too.
+from, as `dataset.check_usable` does for SFT data.
 """
 
 from __future__ import annotations
@@ -94,6 +91,8 @@ def _tokenise(
     path: Path, s: _Settings, tokenizer: PreTrainedTokenizerBase, lengths: Lengths
 ) -> PreferenceData:
     data = PreferenceData(s.format)
+    # What the reading says is recorded, not logged directly, so a run served from the cache
+    # says the same lines (the form of the pairs, the auto lengths).
     say = data.said.append
     if s.format == "preference":
         records, bad = read_pairs(path, s.system_prompt, say)
@@ -105,6 +104,7 @@ def _tokenise(
         data.unpaired, later, resolved = encode_unpaired_records(
             tokenizer, unpaired, lengths, s.max_seq_len, s.system_message, say
         )
+    # Reading and tokenising each find bad lines; merged, the report reads in file order.
     data.bad = sorted([*bad, *later], key=lambda b: b.line)
     data.total_lines = len(data.examples) + len(data.bad)
     data.max_prompt_len, data.max_completion_len = resolved
@@ -122,6 +122,7 @@ def _write_cache(file: Path, data: PreferenceData) -> None:
         "said": data.said,
     }
     file.parent.mkdir(parents=True, exist_ok=True)
+    # write_file replaces the file whole, so a crash mid-write leaves no half cache to read.
     write_file(file, json.dumps(payload))
 
 
@@ -139,6 +140,8 @@ def _read_cache(file: Path) -> PreferenceData | None:
             raw["lengths"][1],
             raw["said"],
         )
+    # Any damage (truncated JSON, an entry of another shape) is a cache miss, never an error:
+    # the data is tokenised again.
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return None
 
@@ -196,6 +199,9 @@ def preference_data(
         system_prompt,
         system_message,
     )
+    # Keyed by (file contents, tokenizer and chat template, settings): a re-run or a resumed run
+    # reads the cache instead of tokenising again; the format in the name keeps a preference
+    # and a kto reading of one file apart at a glance.
     file = None
     if cache_dir is not None:
         key = preference_cache_key(path, asdict(s), tokenizer)
@@ -211,5 +217,6 @@ def preference_data(
     try:
         check_usable(path, data.total_lines, data.bad, data.examples, max_bad_fraction)
     except DataError as e:
+        # The hint reads the file again, so it runs only on failure.
         raise DataError(f"{e}{_hint(path, fmt)}") from None
     return data

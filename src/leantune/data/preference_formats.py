@@ -15,8 +15,7 @@ An unpaired example (KTO) is `{"prompt", "completion", "label"}`: a prompt, one 
 or a list of messages) and whether that answer is desirable (`true`) or not (`false`).
 
 Every record is rendered with the chat template like an SFT conversation (a string prompt is a
-user message), so `generate`, which applies the template, sees what was trained. Every bad
-record is a `BadLine` with its file, line and reason, as for SFT data (`leantune.data.formats`).
+user message). Every bad record is a `BadLine` with its file, line and reason.
 """
 
 from __future__ import annotations
@@ -91,6 +90,8 @@ def _side(obj: dict[str, Any], key: str, role: str) -> list[Message]:
     if key not in obj or obj[key] is None:
         raise BadRecordError(f"missing field '{key}'")
     value = obj[key]
+    # A string becomes one message, so it is rendered with the chat template like any
+    # conversation: `generate`, which applies the template, then sees what was trained.
     if isinstance(value, str):
         if not value.strip():
             raise BadRecordError(f"field '{key}' is empty" + (" (empty answer)" * (role != "user")))
@@ -124,6 +125,7 @@ def _split_implicit(
     n = 0
     while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
         n += 1
+    # No shared prefix: the answers would be compared without a common context.
     if n == 0:
         raise BadRecordError(
             "chosen and rejected share no prompt (their first messages differ): give 'prompt', "
@@ -137,6 +139,7 @@ def _split_implicit(
                 f"{key} has no message after the prompt it shares with the other answer "
                 "(empty answer)"
             )
+        # A divergence at a user turn means two different conversations, not two answers.
         if side[n]["role"] != "assistant":
             raise BadRecordError(
                 f"chosen and rejected first differ at message {n}, a {side[n]['role']} message: "
@@ -155,8 +158,12 @@ def parse_pair(
     """
     if not isinstance(obj, dict):
         raise BadRecordError(f"expected a JSON object, got {type(obj).__name__}")
+    # chosen/rejected are what refuse_unsupported turns away from SFT data; here they are the
+    # data, so only the other refusals (media, tools) apply.
     refuse_unsupported({k: v for k, v in obj.items() if k not in ("chosen", "rejected")})
     has_prompt = obj.get("prompt") is not None
+    # Without a prompt, the prompt is the common prefix of two conversations; plain strings
+    # have no message structure to take it from.
     if not has_prompt and (
         isinstance(obj.get("chosen"), str) or isinstance(obj.get("rejected"), str)
     ):
@@ -176,6 +183,7 @@ def parse_pair(
         kind = "implicit"
     _check_answer(chosen, "chosen")
     _check_answer(rejected, "rejected")
+    # Identical answers give a zero margin: a pair with no preference in it.
     if chosen == rejected:
         raise BadRecordError("chosen and rejected are identical: nothing to prefer")
     return with_system_prompt(prompt, system_prompt), chosen, rejected, kind
@@ -195,6 +203,7 @@ def parse_unpaired(
     if "label" not in obj:
         raise BadRecordError("missing field 'label' (true: a desirable completion, false: not)")
     label = obj["label"]
+    # Strictly a JSON boolean: a number may be a rating, which is not a desirability label.
     if not isinstance(label, bool):
         raise BadRecordError(f"field 'label' must be true or false, got {describe(label)}")
     prompt = _side(obj, "prompt", "user")
@@ -214,6 +223,7 @@ def _read(
     bad: list[BadLine] = []
     for item, obj in decoded_items(path):
         try:
+            # Raised so that an undecodable line and a refused record share one handler.
             if isinstance(obj, DecodeError):
                 raise obj
             records.append(parse(item, obj))
@@ -275,7 +285,8 @@ def detect_preference_format(path: str | Path) -> str | None:
         if isinstance(obj, dict):
             if "chosen" in obj and "rejected" in obj:
                 return "preference"
+            # label is what tells KTO data from SFT prompt_completion data.
             if all(k in obj for k in ("prompt", "completion", "label")):
                 return "kto"
-        break
+        break  # the first record only
     return None

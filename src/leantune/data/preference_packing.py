@@ -1,15 +1,10 @@
 """Pack preference pairs padding-free: a pair's chosen and rejected sequences (and several pairs)
 in one row, each sequence its own segment.
 
-A sequence is the prompt followed by one answer, so the prompt is written once per answer. Its
-position ids restart at 0, which is how the segment attention (`models.attention`) and
-transformers' masked attention keep it from seeing the other sequences of the row; its labels
-are shifted within it (`PreferencePair.sequence`), so no position learns the next sequence's
-first token. `segment_ids` numbers the sequences of a row per token and `segments` says which
-sequence each is (which answer of which pair), so the per-sequence log-probs the objectives need
-are sums of the row's per-token log-probs over each segment.
-
-A pair never straddles two rows: its two answers are compared with each other in one step.
+A sequence is the prompt followed by one answer, so the prompt is written once per answer.
+`segment_ids` numbers the sequences of a row per token and `segments` says which sequence each
+is (which answer of which pair), so the per-sequence log-probs the objectives need are sums of
+the row's per-token log-probs over each segment.
 """
 
 from __future__ import annotations
@@ -71,7 +66,11 @@ def _row(sequences: Sequence[tuple[int, AnswerName, Example]]) -> PreferenceRow:
     for k, (example, answer, seq) in enumerate(sequences):
         start = len(ids)
         ids += seq.input_ids
+        # Labels are shifted within each sequence (`PreferencePair.sequence`), so no position
+        # learns the next sequence's first token.
         labels += seq.labels
+        # Restarting positions are how the segment attention (`models.attention`) and
+        # transformers' masked attention keep a sequence from seeing the others in the row.
         pos += range(len(seq.input_ids))
         seg += [k] * len(seq.input_ids)
         segments.append(Segment(example, answer, start, len(ids)))
@@ -85,6 +84,8 @@ def pack_pairs(pairs: Sequence[PreferencePair], seq_len: int | None) -> list[Pre
     Raises:
         ValueError: a pair is longer than `seq_len`.
     """
+    # Whole pairs are the packing unit: a pair never straddles two rows, because its two
+    # answers are compared with each other in one step.
     groups = (
         [[i] for i in range(len(pairs))]
         if seq_len is None

@@ -1,15 +1,8 @@
 """Turn preference records into token ids: a shared prompt and each answer with its labels.
 
 Each side of a pair (prompt + chosen, prompt + rejected) is rendered with the chat template and
-its answer located exactly as an SFT conversation's assistant turns are
-(`leantune.data.tokenize.answer_spans`): the supervised tokens are the answer's text and its end
-of turn, nothing the template writes around them. The prompt is every token before the answer's
-first supervised token; both sides must give the same prompt tokens, which are kept once.
-
-Lengths follow TRL's rules: a prompt longer than `max_prompt_len` keeps its end (`keep_end`, the
-part next to the answer) or its start (`keep_start`); an answer longer than `max_completion_len`
-keeps its start; with truncation `none` such records are bad lines instead. `auto` takes the
-longest prompt and the longest answer of the data, shared out within data.max_seq_len.
+its answer located as an SFT conversation's assistant turns are
+(`leantune.data.tokenize.answer_spans`). Lengths follow TRL's rules (`_fit`, `resolve_lengths`).
 """
 
 from __future__ import annotations
@@ -55,15 +48,22 @@ BATCH = 512
 
 def _sequence(prompt: Sequence[int], ids: Sequence[int], labels: Sequence[int]) -> Example:
     """prompt + answer as an `Example`, its labels shifted as leantune stores them."""
+    # Shift by one: position t is trained to predict token t + 1, so the last position has
+    # no target.
     targets = [IGNORE_INDEX] * len(prompt) + list(labels)
     return Example([*prompt, *ids], [*targets[1:], IGNORE_INDEX])
 
 
 @dataclass(frozen=True)
 class PreferencePair:
-    """One tokenised pair. Each answer's labels are aligned with its ids (not shifted): the
-    token where it is supervised, IGNORE_INDEX where it is not (a user turn inside a multi-turn
-    answer); `sequence` gives the shifted form the trainer reads."""
+    """One tokenised pair; each answer's labels are aligned with its ids (not shifted).
+
+    A label is the token where it is supervised, IGNORE_INDEX where it is not (a user turn
+    inside a multi-turn answer); `sequence` gives the shifted form the trainer reads.
+    """
+
+    # Unshifted labels: truncation cuts ids and labels at the same index, and the prompt is
+    # shared by both answers, so the shift is applied only when a sequence is assembled.
 
     prompt_ids: list[int]
     chosen_ids: list[int]
@@ -139,6 +139,7 @@ def _render_side(
         _TooLong: the render is certainly longer than `limit` tokens.
     """
     full, spans = answer_spans(tokenizer, [*prompt, *answer], len(prompt), system_message)
+    # Checked on the text before tokenising: a certainly-too-long record skips the tokenizer.
     rejected = too_long(tokenizer, full, limit)
     if rejected is not None:
         raise _TooLong(str(rejected))
@@ -146,8 +147,10 @@ def _render_side(
 
 
 def _cut(ids: np.ndarray, offsets: Any, spans: list[Span]) -> Side:
-    """A tokenised side cut where its answer's first supervised token is; what follows its last
-    one (a template's trailing text) is not kept.
+    """A tokenised side cut where its answer's first supervised token is.
+
+    The prompt is every token before that one; what follows the last supervised token (a
+    template's trailing text) is not kept.
 
     Raises:
         TemplateError: no token of the answer is left after tokenisation.
@@ -157,6 +160,8 @@ def _cut(ids: np.ndarray, offsets: Any, spans: list[Span]) -> Side:
     if where.size == 0:
         raise TemplateError("the answer has no token of its own after tokenisation")
     first, last = int(where[0]), int(where[-1]) + 1
+    # Unsupervised tokens inside the answer (a user turn of a multi-turn answer) stay in the
+    # ids as context but get IGNORE_INDEX.
     labels = np.where(mask[first:last], ids[first:last], IGNORE_INDEX)
     return ids[:first].tolist(), ids[first:last].tolist(), labels.tolist()
 
@@ -170,6 +175,7 @@ def encode_sides(
     """Each (prompt, answer) rendered and tokenised untruncated, in one tokenizer call; a
     string where it cannot be (the reason: the template refuses it, its answer cannot be
     located, or it is certainly longer than `limit` tokens)."""
+    # Results stay at their input index: the caller pairs sides 2k and 2k + 1.
     out: list[Side | str] = ["" for _ in sides]
     rendered: list[tuple[int, str, list[Span]]] = []
     for i, (prompt, answer) in enumerate(sides):
@@ -179,6 +185,8 @@ def encode_sides(
             out[i] = str(e)
     if not rendered:
         return out
+    # One batched call: a fast tokenizer parallelises a batch, one call per side is slow.
+    # No special tokens: the chat template writes its own BOS.
     enc: Any = tokenizer(
         [full for _, full, _ in rendered], add_special_tokens=False, return_offsets_mapping=True
     )
@@ -200,6 +208,7 @@ def _fit(
     if truncation == "none":
         return f"{what} has {len(ids)} tokens > {field}={limit} (truncation none)"
     if what == "prompt":
+        # keep_end keeps the part of the prompt next to the answer (TRL's default).
         return ids[-limit:] if truncation == "keep_end" else ids[:limit]
     return ids[:limit]  # an answer keeps its start, as TRL cuts completions
 
@@ -221,11 +230,13 @@ def _longest(encoded: Sequence[tuple[str, Side]]) -> _Longest:
 def resolve_lengths(
     lengths: Lengths, longest_prompt: int, longest_answer: int, max_seq_len: int | None
 ) -> tuple[int, int]:
-    """(max_prompt_len, max_completion_len) with `auto` taken from the data: the longest prompt
-    and the longest answer when both fit in `max_seq_len` (None: no limit). When they do not,
-    the prompt keeps what the longest answer leaves, but at least half of `max_seq_len` (TRL's
-    defaults give it 512 of 1024 tokens), and the answer the rest; an auto value beside a set
-    one takes what that one leaves."""
+    """(max_prompt_len, max_completion_len) with `auto` taken from the data.
+
+    The longest prompt and the longest answer when both fit in `max_seq_len` (None: no limit).
+    When they do not, the prompt keeps what the longest answer leaves, but at least half of
+    `max_seq_len`, and the answer the rest; an auto value beside a set one takes what that one
+    leaves.
+    """
     p, c = lengths.max_prompt_len, lengths.max_completion_len
     room = max_seq_len if max_seq_len is not None else longest_prompt + longest_answer
     if isinstance(p, int) and isinstance(c, int):
@@ -234,6 +245,8 @@ def resolve_lengths(
         return max(min(longest_prompt, room - c), 1), c
     if isinstance(p, int):
         return p, max(min(longest_answer, room - p), 1)
+    # At least half for the prompt, as TRL's defaults give it (512 of 1024 tokens), so one
+    # very long answer in the data does not squeeze every prompt to nothing.
     prompt = min(longest_prompt, max(room // 2, room - longest_answer))
     return max(prompt, 1), max(min(longest_answer, room - prompt), 1)
 
@@ -260,6 +273,8 @@ def _fit_answer(side: Side, limit: int, truncation: Truncation, name: str) -> Si
     if isinstance(ids, str):
         return ids
     labels = side[2][: len(ids)]
+    # A cut that keeps only unsupervised tokens would give a sequence with no log-prob to
+    # compare; such a record is dropped.
     if all(t == IGNORE_INDEX for t in labels):
         return f"{name} truncated to nothing supervised"
     return side[0], ids, labels
@@ -292,6 +307,7 @@ def _pair_problem(chosen: Side | str, rejected: Side | str) -> str | None:
         return f"chosen: {chosen}"
     if isinstance(rejected, str):
         return f"rejected: {rejected}"
+    # The prompt is stored once per pair, so both sides must give the same prompt tokens.
     if chosen[0] != rejected[0]:
         return (
             "the prompt renders to other tokens before chosen than before rejected (the chat "
@@ -322,6 +338,7 @@ def encode_pairs(
         batch = records[start : start + BATCH]
         sides = encode_sides(
             tokenizer,
+            # Interleaved: record k's sides are 2k (chosen) and 2k + 1 (rejected).
             [(r.prompt, answer) for r in batch for answer in (r.chosen, r.rejected)],
             system_message,
             limit,
@@ -334,6 +351,8 @@ def encode_pairs(
                 continue
             assert not isinstance(chosen, str) and not isinstance(rejected, str)
             encoded.append((r, chosen, rejected))
+    # The auto lengths need the whole data's longest prompt and answer, so fitting waits until
+    # every record is encoded.
     named = [(f"{r.source}:{r.line}", s) for r, c, j in encoded for s in (c, j)]
     longest = _longest(named)
     resolved = resolve_lengths(lengths, longest.prompt, longest.answer, max_seq_len)
@@ -347,6 +366,7 @@ def encode_pairs(
             continue
         prompt, (fc, fr) = fitted
         pairs.append(PreferencePair(prompt, fc[1], fc[2], fr[1], fr[2], r.source, r.line))
+    # Bad lines come from two passes (encoding, fitting); sorted, the report reads in file order.
     bad.sort(key=lambda b: (b.file, b.line))
     return pairs, bad, resolved
 

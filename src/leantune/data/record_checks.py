@@ -42,6 +42,7 @@ def check_text(value: str, where: str) -> str:
 
 def describe(value: Any) -> str:
     """A short description of a wrong value for a message (never the whole of it)."""
+    # Cut at 40 characters: a bad line's reason must stay one readable line in the report.
     if isinstance(value, str):
         return repr(value if len(value) <= 40 else value[:40] + "...")
     return f"a {type(value).__name__}" if value is not None else "nothing"
@@ -60,12 +61,13 @@ def require_str(obj: dict[str, Any], key: str, allow_empty: bool = False) -> str
 
 
 def parse_messages(value: Any, key: str) -> list[Message]:
-    """An OpenAI-shaped message list: objects with a `role` in ROLES and a `content` that is a
-    string or a list of `{"type": "text", "text": ...}` parts (joined into one string). Assistant
-    messages may carry `tool_calls` (then `content` may be empty or null), `reasoning_content`
-    and a `weight` of 0 or 1; tool results a `tool_call_id` and `name`. OpenAI's older form is
-    read as the newer one: an assistant's `function_call` as one tool call, a `function`
-    message as a tool result. Other fields are not kept."""
+    """An OpenAI-shaped message list, validated and normalised to `Message`s.
+
+    Each object has a `role` in ROLES and a `content` that is a string or a list of
+    `{"type": "text", "text": ...}` parts (joined into one string). Assistant messages may carry
+    `tool_calls`, `reasoning_content` and a `weight` of 0 or 1; tool results a `tool_call_id`
+    and `name`. Other fields are not kept.
+    """
     if not isinstance(value, list) or not value:
         raise BadRecordError(f"field '{key}' must be a non-empty list")
     return [_message(msg, f"{key}[{i}]") for i, msg in enumerate(value)]
@@ -74,6 +76,7 @@ def parse_messages(value: Any, key: str) -> list[Message]:
 def _message(msg: Any, where: str) -> Message:
     if not isinstance(msg, dict):
         raise BadRecordError(f"{where} must be an object")
+    # OpenAI's older form is read as the newer one: a `function` message is a tool result.
     role = "tool" if msg.get("role") == "function" else msg.get("role")
     if role not in ROLES:
         raise BadRecordError(
@@ -81,6 +84,7 @@ def _message(msg: Any, where: str) -> Message:
         )
     calls = _calls_of(msg, role, where)
     content = msg.get("content")
+    # OpenAI writes null content beside tool calls; templates expect a string.
     if content is None and calls:
         content = ""
     parsed: Message = {"role": role, "content": _content(content, f"{where}.content")}
@@ -92,6 +96,8 @@ def _message(msg: Any, where: str) -> Message:
     for field in extra:
         if msg.get(field) is not None:
             parsed[field] = check_text(_string(msg[field], f"{where}.{field}"), where)
+    # Only a 0 is kept: 1 is the default, and keeping it would make otherwise equal records
+    # differ (dedup, the stored messages).
     if parse_weight(msg.get("weight"), role, where) == UNWEIGHTED and role == "assistant":
         parsed["weight"] = UNWEIGHTED
     return parsed
@@ -101,6 +107,7 @@ def _number(value: Any) -> str:
     """A short form of a value that should have been a number."""
     if isinstance(value, float):
         return f"{value:g}"
+    # Huge ints are described, not printed: the message must stay short.
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 10**9:
         return str(value)
     return describe(value)
@@ -109,6 +116,7 @@ def _number(value: Any) -> str:
 def _calls_of(msg: dict[str, Any], role: str, where: str) -> list[dict[str, Any]] | None:
     """The message's tool calls, from `tool_calls` or OpenAI's older `function_call`."""
     legacy = msg.get("function_call")
+    # Both forms at once would be ambiguous about which calls the model made.
     if legacy is not None and msg.get("tool_calls") not in (None, []):
         raise BadRecordError(f"{where}: both 'tool_calls' and 'function_call': keep one of them")
     value = (
@@ -126,10 +134,15 @@ def _calls_of(msg: dict[str, Any], role: str, where: str) -> list[dict[str, Any]
 
 def parse_weight(value: Any, role: str, where: str) -> int:
     """A message's `weight`: 0 (rendered, not learned) or 1 (learned, the default for an
-    assistant turn). Any other value, or 1 on a turn leantune never learns, is refused: the
-    record would train differently from what it says."""
+    assistant turn).
+
+    Raises:
+        BadRecordError: any other value, or 1 on a turn leantune never learns.
+    """
     if value is None:
         return 1
+    # Refused rather than rounded: a fractional or non-assistant weight would train differently
+    # from what the record says. bool is excluded because True == 1 in Python.
     if isinstance(value, bool) or not isinstance(value, int | float) or value not in (0, 1):
         raise BadRecordError(
             f"{where}.weight: must be 0 (do not learn this turn) or 1 (learn it), "
@@ -190,14 +203,15 @@ def _tool_calls(value: Any, where: str) -> list[dict[str, Any]] | None:
 
 
 def _arguments(value: Any, where: str, j: int) -> dict[str, Any]:
-    """A call's arguments as an object. OpenAI writes them as a JSON string; chat templates
-    expect the object (Qwen2.5's and Llama 3.1's pass it through `tojson`, which would write
-    the string JSON-escaped, and teach the model to call with a string)."""
+    """A call's arguments as an object (OpenAI writes them as a JSON string)."""
     field = f"{where}.tool_calls[{j}].function.arguments"
+    # Parsed, because chat templates expect the object: Qwen2.5's and Llama 3.1's pass it
+    # through `tojson`, which would write a string JSON-escaped and teach the model to call
+    # with a string.
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except (ValueError, RecursionError):
+        except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
             raise BadRecordError(f"{field}: a string that is not JSON") from None
     if not isinstance(value, dict):
         raise BadRecordError(f"{field} must be a JSON object (or a string of one)")
@@ -270,6 +284,8 @@ UNSUPPORTED = "not supported"
 
 def refuse_unsupported(obj: dict[str, Any]) -> None:
     """Refuse a record with a non-empty field of `_REFUSED` (preference pairs, media, tools)."""
+    # Empty values ("[]" included, as CSV writes an empty list) are what exports leave in
+    # unused columns: they carry nothing to refuse.
     for key, reason in _REFUSED.items():
         if obj.get(key) not in (None, "", "[]", [], {}):
             raise BadRecordError(f"field '{key}': {reason}")

@@ -1,9 +1,7 @@
 """data.chat_template: a chat template for a tokenizer that has none (a base model), or another one.
 
-The value is a built-in name or the path of a Jinja file. It replaces the tokenizer's template
-before anything is tokenised, so the tokenise-once cache (keyed by the tokenizer's fingerprint,
-template included) and the trained model's saved tokenizer (`final/`) both carry it: eval,
-generate and export then render prompts the way the model was trained.
+The value is a built-in name or the path of a Jinja file; it replaces the tokenizer's template
+before anything is tokenised.
 
 The built-ins are the templates as their authors publish them:
 - chatml: the ChatML template of the transformers chat-templating documentation (as Qwen2 and
@@ -90,6 +88,8 @@ def template_text(spec: str) -> str:
     if is_builtin(spec):
         return BUILTIN_TEMPLATES[spec].text
     path = Path(spec).expanduser()
+    # A bare word (no separator, no extension) that is no file is most likely a mistyped
+    # built-in name: say so, rather than "no such file".
     names = ", ".join(BUILTIN_TEMPLATES)
     try:
         if not any(c in spec for c in "/\\.") and not path.exists():
@@ -113,9 +113,11 @@ def template_text(spec: str) -> str:
 
 def _check_syntax(text: str, path: Path) -> None:
     """Parse `text` as transformers does (its loop controls and `{% generation %}` included)."""
-    import jinja2
+    import jinja2  # only when a template file is given
 
     try:
+        # transformers' own compiler, so a template that parses here renders there too
+        # (plain jinja2 does not know `{% generation %}`); a private name, hence the fallback.
         from transformers.utils.chat_template_utils import _compile_jinja_template
 
         _compile_jinja_template(text)
@@ -135,18 +137,19 @@ def _syntax_message(path: Path, e: Any) -> str:
 def apply_chat_template(tokenizer: Any, spec: str | None) -> list[str]:
     """Give `tokenizer` the template `spec` (None: keep its own); returns warnings to show.
 
-    A built-in that writes special tokens the tokenizer does not have still works, but the
-    model then learns to write each of them as several pieces and generation stops only at the
-    eos token: the warning says so and names the built-in that uses the tokenizer's own eos.
-
     Raises:
         ChatTemplateError: `spec` is no built-in and no readable Jinja template file.
     """
     if spec is None:
         return []
+    # Set before anything is tokenised: the tokenise-once cache (keyed by the tokenizer's
+    # fingerprint, template included) and the saved tokenizer in `final/` both carry it, so
+    # eval, generate and export render prompts the way the model was trained.
     tokenizer.chat_template = template_text(spec)
     builtin = BUILTIN_TEMPLATES.get(spec)
     warnings: list[str] = []
+    # A warning, not an error: a built-in whose special tokens the tokenizer lacks still works,
+    # but the model learns each as several pieces and generation stops only at the eos token.
     if builtin is not None and builtin.tokens:
         vocab = tokenizer.get_vocab()
         missing = [t for t in builtin.tokens if t not in vocab]

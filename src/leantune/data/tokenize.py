@@ -1,12 +1,8 @@
 """Turn records into token ids with labels that supervise only the answers.
 
 Labels are stored already shifted: `labels[i]` is the token that position `i` must predict, or
--100. Shifting per example (not per packed row) means no position ever learns to predict the
-first token of the next packed example.
-
-A chat record is rendered once with the tokenizer's chat template and its assistant turns are
-found in that render (`leantune.data.chat_spans`); `too_long` says when a text is certainly
-longer than a limit before tokenising it (`leantune.data.bounds`).
+-100. A chat record is rendered once with the tokenizer's chat template and its assistant turns
+are found in that render (`leantune.data.chat_spans`).
 """
 
 from __future__ import annotations
@@ -45,7 +41,7 @@ __all__ = [
     "too_long",
 ]
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # torch's cross_entropy default ignore_index
 
 
 @dataclass(frozen=True)
@@ -96,9 +92,6 @@ def answer_spans(
 ) -> tuple[str, list[Span]]:
     """Render the conversation (its system messages handled as data.system_message says) and
     find the character span of each assistant turn (from message `supervise_from` on).
-
-    A span holds the answer's text and the turn's closing tokens, so the model also learns to
-    stop (`leantune.data.chat_spans`).
     """
     messages, supervise_from = for_template(tokenizer, messages, system_message, supervise_from)
     full = render_chat(tokenizer, messages, tools)
@@ -116,21 +109,31 @@ def too_long(tokenizer: PreTrainedTokenizerBase, text: str, limit: int | None) -
 
 
 def supervised_mask(offsets: np.ndarray, spans: list[Span]) -> np.ndarray:
-    """Which tokens overlap one of `spans` (sorted, disjoint); `offsets` holds each token's
-    (start, end) characters. A token that straddles a span's start (a word piece that takes
-    the space the template wrote before the answer, as Mistral's " " + answer) is the answer's
-    first token, so it is supervised. A merge, not tokens x spans."""
+    """Which tokens overlap one of `spans` (sorted, disjoint).
+
+    `offsets` holds each token's (start, end) characters. A token that straddles a span's
+    start is the answer's first token, so it is supervised.
+    """
+    # reshape: an empty offset list must still be (0, 2) for the column slices below.
     offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
     if not spans:
         return np.zeros(len(offsets), dtype=bool)
     bounds = np.asarray(spans, dtype=np.int64)
+    # Overlap, not containment: a word piece that takes the space the template wrote before
+    # the answer (Mistral's " " + answer) starts outside the span yet is the answer's first
+    # token. A zero-width offset (some tokenizers give one to added tokens) is widened to one
+    # character so that it can still fall inside a span.
     starts, ends = offsets[:, 0], np.maximum(offsets[:, 1], offsets[:, 0] + 1)
+    # A merge by binary search (the last span starting before each token's end), not a
+    # tokens x spans comparison, which long multi-turn conversations make quadratic.
     k = np.searchsorted(bounds[:, 0], ends, side="left") - 1
     return (k >= 0) & (starts < bounds[np.maximum(k, 0), 1])
 
 
 def shifted_labels(ids: np.ndarray, supervised: np.ndarray) -> np.ndarray:
     """Labels for `ids`: the next token where it is supervised, else IGNORE_INDEX."""
+    # Shifted per example, not per packed row: no position learns to predict the first token
+    # of the next packed example.
     labels = np.full(ids.size, IGNORE_INDEX, dtype=ids.dtype)
     labels[:-1] = np.where(supervised[1:], ids[1:], IGNORE_INDEX)
     return labels
@@ -138,6 +141,7 @@ def shifted_labels(ids: np.ndarray, supervised: np.ndarray) -> np.ndarray:
 
 def encode_rendered(tokenizer: PreTrainedTokenizerBase, full: str, spans: list[Span]) -> Example:
     """Tokenise a rendered conversation; supervise the tokens that start inside `spans`."""
+    # No special tokens: the chat template writes its own BOS; adding one would double it.
     enc: Any = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = np.asarray(enc["input_ids"], dtype=np.int64)
     labels = shifted_labels(ids, supervised_mask(enc["offset_mapping"], spans))
@@ -160,6 +164,8 @@ def encode_chat(
 def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> Example:
     """Tokenise plain text (with BOS if the tokenizer uses one, and EOS); supervise all of it."""
     ids: list[int] = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    # Tokenizers rarely add EOS themselves; without it the model never learns where a document
+    # ends. Not doubled where the tokenizer does add one.
     if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
         ids.append(tokenizer.eos_token_id)
     return _shift(ids, [True] * len(ids))

@@ -1,14 +1,8 @@
 """What a preference objective's micro-batch is, and its loss from the model's log-probs.
 
 The rows are packed pairs (or unpaired KTO examples, `data.preference_packing`): every sequence
-of a row is a prompt and one answer, its own segment. A micro-batch numbers the sequences of its
-rows in order (`PreferenceMicroBatch.tensors["segments"]`), so one forward of the policy gives
-every answer's summed log-probs (`objectives.logps.sequence_logps`), and one forward with the
-adapters off gives the reference's (`models.loss.reference_token_logps`). The objective
-is then called through its spec (`objectives.registry.OBJECTIVES`).
-
-The window's arithmetic (each micro-batch's loss over the examples of the whole accumulation
-window) is `trainer.preference_window`, next to the token loss's.
+of a row is a prompt and one answer, its own segment. The window's arithmetic (each micro-batch's
+loss over the whole accumulation window) is `trainer.preference_window`.
 """
 
 from __future__ import annotations
@@ -88,6 +82,8 @@ class PreferenceStep:
         """The rows at `indices`, right-padded, with their sequences numbered in order."""
         rows = [self.rows[i] for i in indices]
         tensors = collate([as_row(r) for r in rows], pad_id)
+        # Sequences are numbered across the whole micro-batch, so one forward of the policy
+        # gives every answer's summed log-probs in one `sequence_logps` call.
         segments = torch.zeros_like(tensors["input_ids"])
         chosen: list[int] = []
         rejected: list[int] = []
@@ -104,6 +100,8 @@ class PreferenceStep:
                 if s.answer == "chosen":
                     nll_tokens += sum(t != -100 for t in row.labels[s.start : s.end])
                 n += 1
+        # All padding becomes one extra sequence numbered after the real ones: the real ids
+        # stay 0..n-1, which `chosen` and `rejected` index, and padding has no labels.
         segments[segments < 0] = n
         tensors["segments"] = segments
         paired = self.spec.data == "paired"
@@ -120,8 +118,9 @@ class PreferenceStep:
         )
 
     def _kl_sequences(self, rows: list[PreferenceRow], pad_id: int) -> dict[str, torch.Tensor]:
-        """KTO's mismatched pairs, as TRL makes them: each prompt with the next example's
-        completion (rotated by one within the micro-batch), one sequence per row."""
+        """KTO's mismatched pairs, as TRL makes them, one sequence per row."""
+        # Each prompt with the next example's completion (rotated by one within the
+        # micro-batch): the pairs are deliberately unrelated, to estimate the KL baseline.
         members = [self.unpaired[s.example] for r in rows for s in r.segments]
         shifted = [*members[1:], *members[:1]]
         mismatched = [
@@ -131,8 +130,11 @@ class PreferenceStep:
         return collate([as_row(r) for r in pack_unpaired(mismatched, None)], pad_id)
 
     def output(self, model: nn.Module, mb: PreferenceMicroBatch) -> ObjectiveOutput:
-        """The objective's loss and metrics for `mb`: the policy's per-sequence log-probs from
-        one forward, the reference's (adapters off) from another when the objective needs it."""
+        """The objective's loss and metrics for `mb`.
+
+        The policy's per-sequence log-probs come from one forward, the reference's (adapters
+        off) from another when the objective needs it.
+        """
         batch = {k: mb.tensors[k] for k in MODEL_INPUTS}
         labels, segments = batch["labels"], mb.tensors["segments"]
         count = mb.num_sequences + 1  # the padding's sequence, empty
@@ -140,6 +142,8 @@ class PreferenceStep:
         ref_chosen = ref_rejected = kl = None
         if self.spec.needs_reference:
             ref = mb.reference
+            # Precomputed for full and freeze (`with_reference`); adapter methods get the
+            # reference from the same model with its adapters switched off.
             if ref is None:
                 off = reference_token_logps(model, batch)
                 ref = sequence_logps(off, labels, segments, count).sums
@@ -162,23 +166,30 @@ def with_reference(
     pad_id: int,
     batch_size: int = 8,
 ) -> PreferenceStep:
-    """`step` with the reference's log-probs of every sequence, computed now by `model` (the
-    model before training: full fine-tuning and freeze have no adapters to switch off, and
-    keeping them spares a second copy of the weights). Call it before a resume restores the
-    trained weights; it runs again, the same way, on every start."""
+    """`step` with the reference's log-probs of every sequence, computed now by `model`.
+
+    Call it before training and before a resume restores the trained weights: the model as it
+    is now is the reference. It runs again, the same way, on every start.
+    """
+    # Full fine-tuning and freeze have no adapters to switch off; keeping the reference's
+    # per-sequence sums spares a second copy of the weights.
     sums: list[torch.Tensor] = []
     was_training = model.training
-    model.eval()
+    model.eval()  # no dropout: the reference is the deterministic model
     with torch.no_grad():
         for start in range(0, len(step.rows), batch_size):
             indices = list(range(start, min(start + batch_size, len(step.rows))))
             mb = step.collate(indices, pad_id).to(device)
             batch = {k: mb.tensors[k] for k in MODEL_INPUTS}
+            # The same autocast as the training forward, so reference and policy log-probs
+            # differ by the weights, not by numerics.
             with autocast(device.type, precision):
                 token_logps = supervised_token_logps(model, batch)
             logps = sequence_logps(
                 token_logps, batch["labels"], mb.tensors["segments"], mb.num_sequences + 1
             )
+            # Per row, on the CPU: the step collates rows in any order later, and the GPU
+            # memory belongs to training.
             counts = [len(step.rows[i].segments) for i in indices]
             sums += [t.cpu() for t in torch.split(logps.sums[: mb.num_sequences], counts)]
     model.train(was_training)
@@ -188,6 +199,7 @@ def with_reference(
 def _kl_estimate(model: nn.Module, kl: dict[str, torch.Tensor]) -> torch.Tensor:
     """KTO's KL term from the mismatched sequences (one per row), without gradient."""
     batch = {k: kl[k] for k in MODEL_INPUTS}
+    # KTO treats the KL estimate as a baseline: no gradient flows through it (as in TRL).
     with torch.no_grad():
         policy = sequence_logps(supervised_token_logps(model, batch), batch["labels"])
     reference = sequence_logps(reference_token_logps(model, batch), batch["labels"])

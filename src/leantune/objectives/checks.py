@@ -1,6 +1,7 @@
-"""The config checks an objective owns: `train.objective` and the `preference:` section against
-the objectives' registry, and the data format and method a preference objective can train with.
-Run by `training.checks.check_config` with the config's own checks.
+"""The config checks an objective owns, run by `training.checks.check_config`.
+
+`train.objective` and the `preference:` section against the objectives' registry, and the data
+format and method a preference objective can train with.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def check_preference(p: PreferenceConfig, objective: str, kl_coef: float = 0.0) 
             f"train.objective: unknown objective {objective!r}; valid: "
             f"{', '.join([SFT, *OBJECTIVES])}"
         )
+    # Preference objectives stay near the reference through beta; a second KL penalty on top
+    # would double-count it.
     if objective != SFT and kl_coef:
         raise ConfigError(
             f"train.kl_coef: applies to train.objective=sft; {objective} keeps near the "
@@ -33,6 +36,7 @@ def check_preference(p: PreferenceConfig, objective: str, kl_coef: float = 0.0) 
         )
     if p.beta is not None and not p.beta > 0:
         raise ConfigError(f"preference.beta: must be > 0, got {p.beta}")
+    # A flip probability of 0.5 makes chosen and rejected interchangeable: no signal left.
     if not 0 <= p.label_smoothing < 0.5:
         raise ConfigError(
             f"preference.label_smoothing: must be in [0, 0.5), got {p.label_smoothing}"
@@ -48,6 +52,8 @@ def check_preference(p: PreferenceConfig, objective: str, kl_coef: float = 0.0) 
     for key in ("desirable_weight", "undesirable_weight"):
         if not getattr(p, key) > 0:
             raise ConfigError(f"preference.{key}: must be > 0, got {getattr(p, key)}")
+    # "Set" means different from the dataclass default: a YAML that repeats a default value
+    # does not warn.
     default = PreferenceConfig()
     changed = [f.name for f in fields(p) if getattr(p, f.name) != getattr(default, f.name)]
     reads = OBJECTIVES[objective].settings if objective in OBJECTIVES else ()

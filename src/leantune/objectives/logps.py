@@ -1,11 +1,7 @@
 """Per-sequence log-probs: what every preference objective is a function of.
 
-The model gives log p(label) at its supervised positions only
-(`models.loss.supervised_token_logps`, through the chunked output projection; the full
-logits of a batch never exist). Here those per-token values are summed per sequence: per row,
-or per packed segment when several answers share a row (a pair's chosen and rejected answers,
-and several pairs, in one row). The token counts come with the sums, for the objectives that
-compare per-token means (SimPO, ORPO, IPO).
+Per-token log p(label) at the supervised positions (`models.loss.supervised_token_logps`) are
+summed per row or per packed segment, with the token counts next to the sums.
 """
 
 from __future__ import annotations
@@ -28,6 +24,8 @@ class SequenceLogps:
 
     def means(self) -> torch.Tensor:
         """Per-token mean log-probs (length-normalised); 0 for a sequence without tokens."""
+        # Used by the length-normalised objectives (SimPO, ORPO, IPO); the clamp keeps an
+        # all-padding segment at 0/1 = 0 instead of NaN.
         return self.sums / self.counts.clamp(min=1)
 
     def __len__(self) -> int:
@@ -39,9 +37,13 @@ class SequenceLogps:
 
 
 def segments_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) sequence ids for packed rows: a new sequence starts wherever the position ids
-    restart at 0 (leantune's packing and padding, `data.packing`), numbered 0.. in row-major
-    order. Right padding is a sequence of its own, without supervised tokens."""
+    """(B, T) sequence ids for packed rows, numbered 0.. in row-major order.
+
+    A new sequence starts wherever the position ids restart at 0. Right padding is a sequence
+    of its own, without supervised tokens.
+    """
+    # `data.packing` restarts position ids at 0 for every packed segment and for the padding
+    # tail, so a 0 is the only boundary marker needed (no separate cu_seqlens).
     starts = (position_ids == 0).flatten().long()
     starts[0] = 1  # a row that does not start at position 0 still starts a sequence
     return (starts.cumsum(0) - 1).view_as(position_ids)
@@ -66,6 +68,8 @@ def sequence_logps(
     Returns:
         Sums and token counts per sequence; a sequence without supervised tokens has 0 and 0.
     """
+    # Boolean indexing walks (B, T) in row-major order, the same order in which
+    # supervised_token_logps emits its values, so `at[i]` is the sequence of token_logps[i].
     mask = labels != IGNORE_INDEX
     if segments is None:
         index = torch.arange(labels.shape[0], device=labels.device).unsqueeze(1).expand_as(labels)
@@ -78,6 +82,8 @@ def sequence_logps(
         raise ValueError(
             f"token_logps has {tuple(token_logps.shape)} values, labels supervise {at.numel()}"
         )
+    # Sums in fp32 whatever the model dtype: a long answer's sum of many small bf16 values
+    # loses the small differences between chosen and rejected that the losses compare.
     sums = torch.zeros(n, dtype=torch.float32, device=token_logps.device)
     sums = sums.index_add(0, at, token_logps.float())
     counts = torch.zeros(n, dtype=torch.long, device=labels.device).index_add_(
@@ -87,10 +93,14 @@ def sequence_logps(
 
 
 def logits_token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log p(label) at the supervised positions from full (B, T, V) logits whose labels are
-    already shifted: the plain computation, for models whose logits exist anyway (and as the
-    reference the chunked path is tested against)."""
+    """log p(label) at the supervised positions from full (B, T, V) logits.
+
+    The labels are already shifted. For models whose logits exist anyway, and as the reference
+    the chunked path is tested against.
+    """
     mask = labels != IGNORE_INDEX
+    # Select the supervised rows before upcasting, so only those rows are copied to fp32;
+    # logsumexp in fp32 keeps the normaliser accurate over a large vocabulary.
     picked = logits[mask].float()
     targets = labels[mask]
     return picked.gather(1, targets.unsqueeze(1)).squeeze(1) - torch.logsumexp(picked, dim=-1)

@@ -1,9 +1,4 @@
-"""The one place that maps `train.objective` to its `ObjectiveSpec`.
-
-The specs are declared here, in one table; each `loss` is a plain function that imports the
-torch module of the losses when it is called, so the config validates against this table before
-torch loads (as `methods.registry` does for the methods).
-"""
+"""The one place that maps `train.objective` to its `ObjectiveSpec`: one table of specs."""
 
 from __future__ import annotations
 
@@ -19,6 +14,8 @@ SFT = "sft"
 """`train.objective` of supervised fine-tuning: the token loss, no spec here."""
 
 
+# Each loss is a thin wrapper that imports objectives.preference (torch) only when called:
+# the config validates against OBJECTIVES before torch loads, as methods.registry does.
 def _dpo(batch: PreferenceBatch, s: ObjectiveSettings) -> ObjectiveOutput:
     from leantune.objectives.preference import dpo_loss  # torch: at the first loss
 
@@ -52,7 +49,7 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
             loss=_dpo,
             data="paired",
             needs_reference=True,
-            default_beta=0.1,
+            default_beta=0.1,  # the DPO paper's and TRL's default
             settings=("beta", "label_smoothing", "loss_type", "sft_weight"),
         ),
         ObjectiveSpec(
@@ -61,7 +58,7 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
             loss=_simpo,
             data="paired",
             needs_reference=False,
-            default_beta=2.0,
+            default_beta=2.0,  # SimPO's beta scales mean log-probs, so it is larger than DPO's
             settings=("beta", "label_smoothing", "simpo_gamma", "sft_weight"),
             length_normalised=True,
         ),

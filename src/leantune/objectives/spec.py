@@ -2,8 +2,7 @@
 
 `objectives.registry.OBJECTIVES` holds one `ObjectiveSpec` per preference value of
 `train.objective` (`sft`, the default, is the token loss of `models.loss`); the config,
-the loop and the planner read an objective's facts from there instead of comparing names. This
-module imports nothing heavy: the config reads these facts before torch loads.
+the loop and the planner read an objective's facts from there instead of comparing names.
 """
 
 from __future__ import annotations
@@ -12,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+# Type-only: the config reads these facts before torch loads, and objectives.preference
+# imports torch.
 if TYPE_CHECKING:
     from leantune.objectives.preference import ObjectiveOutput, PreferenceBatch
 

@@ -1,8 +1,7 @@
 """Clean text in one pass per record: HTML, control and zero-width characters, NFKC, whitespace.
 
-Every rule can be switched off. HTML goes through the stdlib `html.parser` (a real tokenizer,
-not a regex), and only tags that HTML actually defines are removed: text that merely contains
-`<` or `&` ("a < b & c", "x<y and y>z", "AT&T") comes out unchanged.
+Every rule can be switched off. Only tags that HTML defines are removed: text that merely
+contains `<` or `&` ("a < b & c", "x<y and y>z", "AT&T") comes out unchanged.
 """
 
 from __future__ import annotations
@@ -13,6 +12,8 @@ from collections.abc import Iterable
 from html.parser import HTMLParser
 from typing import Any
 
+# The order the rules run in: HTML first, since decoded entities (&nbsp;, &#8203;) produce
+# the characters the later rules normalise; whitespace last, to collapse what the others leave.
 RULES = ("html", "control", "nfkc", "whitespace")
 
 # Elements defined by HTML (WHATWG living standard plus common obsolete ones). A "tag" with any
@@ -33,6 +34,7 @@ BLOCK_ELEMENTS = frozenset(
     footer form h1 h2 h3 h4 h5 h6 header hr li main nav ol p pre section summary table tbody td
     tfoot th thead tr ul""".split()  # noqa: SIM905
 )
+# Elements whose content is code or markup, not text a reader sees: dropped with their tags.
 DROP_CONTENT = frozenset({"script", "style", "noscript", "template"})
 
 # `&` that does not start a complete reference (`&amp;`, `&#169;`, `&#xA9;`) is literal text;
@@ -54,7 +56,7 @@ class _TextExtractor(HTMLParser):
     def __init__(self) -> None:
         super().__init__(convert_charrefs=True)
         self.parts: list[str] = []
-        self._skip = 0
+        self._skip = 0  # a depth, not a flag: <script> inside <noscript> must not end early
 
     def handle_data(self, data: str) -> None:
         if not self._skip:
@@ -94,8 +96,11 @@ class _TextExtractor(HTMLParser):
 
 def strip_html(text: str) -> str:
     """Remove HTML tags, comments and script/style content; decode entities."""
+    # Most records hold no markup at all: skip the parser for them.
     if "<" not in text and "&" not in text:
         return text
+    # The stdlib parser (a real tokenizer, not a regex) copes with quoted attributes that hold
+    # '>', comments and CDATA, which a regex gets wrong.
     parser = _TextExtractor()
     parser.feed(_BARE_AMP.sub("&amp;", text))
     parser.close()
@@ -104,6 +109,8 @@ def strip_html(text: str) -> str:
 
 def strip_control(text: str) -> str:
     """Drop control and zero-width characters; CRLF and CR become LF."""
+    # Line ends first: \r is a control character and would otherwise be deleted, gluing the
+    # lines of an old Mac file together.
     if "\r" in text:
         text = text.replace("\r\n", "\n").replace("\r", "\n")
     return _CONTROL.sub("", text) if _CONTROL.search(text) else text
@@ -111,6 +118,7 @@ def strip_control(text: str) -> str:
 
 def nfkc(text: str) -> str:
     """NFKC normalisation (full-width forms, ligatures, NBSP); every script is kept."""
+    # ASCII is always NFKC; is_normalized is a quick check that avoids a copy of the text.
     if text.isascii() or unicodedata.is_normalized("NFKC", text):
         return text
     return unicodedata.normalize("NFKC", text)
@@ -124,6 +132,7 @@ def normalize_whitespace(text: str) -> str:
     lines = []
     for line in text.split("\n"):
         body = line.lstrip()
+        # split() with no argument also drops trailing whitespace.
         lines.append(line[: len(line) - len(body)] + " ".join(body.split()) if body else "")
     return _BLANK_LINES.sub("\n\n", "\n".join(lines)).strip()
 
@@ -142,6 +151,8 @@ def check_rules(rules: Iterable[str]) -> tuple[str, ...]:
     Raises:
         ValueError: an unknown rule, naming the valid ones.
     """
+    # Returned in RULES order whatever order they were given in: the order matters for the
+    # output, and a canonical tuple keeps the cache key the same for the same set.
     rules = tuple(rules)
     unknown = [r for r in rules if r not in RULES]
     if unknown:

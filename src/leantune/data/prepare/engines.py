@@ -1,10 +1,7 @@
 """Run `process_chunk` over the input: in this process (local) or on a Dask cluster.
 
 Both engines yield chunk results in input order and keep only a bounded number of chunks in
-flight, so memory stays flat however large the input is. Measured on the 2-core dev machine:
-process start-up and pickling make parallel tokenisation of small inputs slower than one
-process (`datasets.map(num_proc=2)` was 1.6x slower), so `local` is the default and `dask` is
-for inputs big enough to amortise a cluster; benchmarks/prepare.py measures both.
+flight, so memory stays flat however large the input is.
 """
 
 from __future__ import annotations
@@ -18,6 +15,9 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from leantune.data.prepare.readers import RawItem, read_items
 from leantune.data.prepare.records import ChunkResult, PrepareSettings, process_chunk
 
+# local is the default: on the 2-core dev machine, process start-up and pickling made parallel
+# tokenisation of small inputs slower than one process (`datasets.map(num_proc=2)` was 1.6x
+# slower); dask is for inputs big enough to amortise a cluster (benchmarks/prepare.py).
 ENGINES = ("local", "dask")
 # Chunk results already computed by an interrupted run: index -> result, or None to compute.
 Done = Callable[[int], ChunkResult | None]
@@ -31,6 +31,8 @@ def iter_chunks(files: Iterable[str], chunk_bytes: int) -> Iterator[list[RawItem
     """Group the raw items of `files` (in order) into chunks of about `chunk_bytes`."""
     chunk: list[RawItem] = []
     size = 0
+    # Chunks may span files: boundaries depend only on the inputs and `chunk_bytes`, which is
+    # what lets a resumed run find its saved chunks by index.
     for path in files:
         for item in read_items(path):
             chunk.append(item)
@@ -50,6 +52,7 @@ def run_local(
     done: Done = _none,
 ) -> Iterator[ChunkResult]:
     """Process chunks of about `partition_mb` MB one after another in this process."""
+    # The chunk is still read when it is reused: iteration must advance past it either way.
     for i, chunk in enumerate(iter_chunks(files, int(partition_mb * (1 << 20)))):
         yield done(i) or process_chunk(chunk, settings, tokenizer)
 
@@ -79,12 +82,14 @@ def run_dask(
 
     cluster = None
     if scheduler is None:
+        # Single-threaded worker processes: much of the per-record work (validation, template
+        # rendering, span search) is Python holding the GIL, so threads would not parallelise it.
         cluster = LocalCluster(
             n_workers=workers,
             threads_per_worker=1,
             processes=True,
             dashboard_address=None,
-            silence_logs=40,
+            silence_logs=40,  # logging.ERROR: the cluster's INFO lines would drown the progress
         )
     client = Client(cluster if cluster is not None else scheduler)
     try:
@@ -100,11 +105,14 @@ def run_dask(
             if cached is not None:
                 window.append(cached)
             else:
+                # pure=False: a random task key, instead of hashing the whole chunk for one.
                 window.append(client.submit(process_chunk, chunk, settings, tok, pure=False))
             if len(window) >= limit:
                 yield _result(window.popleft())
         while window:
             yield _result(window.popleft())
+    # Closed however the generator ends (a consumer that stops early included), so no worker
+    # processes outlive the call.
     finally:
         client.close()
         if cluster is not None:

@@ -1,10 +1,7 @@
 """`prepare_dataset`: input files -> a prepared directory that `train` reads directly.
 
 Stream chunks through an engine (validate, clean, hash, tokenise), dedup on the driver in input
-order, write Parquet shards with packed rows, `rejected.jsonl` and `prepare_report.json`. The
-directory is built under a temporary name and renamed when complete, and is keyed by
-(input contents, tokenizer, chat template, settings): a re-run with the same key is a cache hit
-that tokenises nothing, and a run killed half-way resumes from its finished chunks.
+order, write Parquet shards with packed rows, `rejected.jsonl` and `prepare_report.json`.
 """
 
 from __future__ import annotations
@@ -37,9 +34,8 @@ from leantune.data.tokenize import IGNORE_INDEX
 from leantune.errors import UserError
 from leantune.layout import PreparedPaths
 
-# Bump when the output for the same key changes (4: answers found by walking one render, and
-# the tokenizer digest recorded; 5: OpenAI's message weights, function calls and string
-# arguments read).
+# Part of the cache key: bump it whenever the same inputs and settings would give other output,
+# so that directories prepared by an older leantune are prepared again instead of reused.
 PIPELINE_VERSION = 5
 
 Log = Callable[[str], None]
@@ -52,10 +48,9 @@ class OutputExistsError(FileExistsError, UserError):
 def cache_key(
     files: list[str], settings: PrepareSettings, tokenizer: PreTrainedTokenizerBase
 ) -> str:
-    """The key of a prepared directory: input contents, tokenizer, template and settings.
-
-    The contents are `content_digest`'s, as in a run's fingerprint: one definition of the same
-    data for `prepare`, the tokenise-once cache and resume."""
+    """The key of a prepared directory: input contents, tokenizer, template and settings."""
+    # content_digest, as in a run's fingerprint: one definition of "the same data" for
+    # `prepare`, the tokenise-once cache and resume. sort_keys makes the JSON canonical.
     parts = {
         "version": PIPELINE_VERSION,
         "files": [content_digest(f) for f in files],
@@ -67,6 +62,8 @@ def cache_key(
 
 def read_report(out: str | Path) -> dict[str, Any] | None:
     """The report of a complete prepared directory, or None."""
+    # The report is written last, inside the directory swapped in whole: its presence is what
+    # marks a directory complete.
     path = PreparedPaths(Path(out)).report
     if not path.is_file():
         return None
@@ -90,6 +87,9 @@ class _Writer:
         self.cleaned: Counter[str] = Counter()
         self.rows_in = 0
         self.supervised = 0
+        # Where each kept record came from, to name the original of a duplicate. Compact
+        # arrays, and each source name stored once per run of records, since millions of
+        # records are kept on the driver.
         self.kept_sources: list[str] = []
         self.kept_src = array("i")
         self.kept_line = array("q")
@@ -106,6 +106,7 @@ class _Writer:
         self.rows_in += len(result.order)
         self.cleaned.update(result.cleaned)
         self.worker_s += result.seconds
+        # Replayed in input order, so dedup keeps the first occurrence whatever engine ran it.
         kept, rejected = iter(result.kept), iter(result.rejected)
         for is_kept in result.order:
             if is_kept:
@@ -125,6 +126,7 @@ class _Writer:
                 reason += f" (estimated Jaccard {verdict.similarity:.2f})"
             self.reject(Rejection(k.source, k.line, verdict.kind, reason), {"duplicate_of": of})
             return
+        # Records arrive file by file, so a new source is always the last one seen.
         if not self.kept_sources or self.kept_sources[-1] != k.source:
             self.kept_sources.append(k.source)
         self.kept_src.append(len(self.kept_sources) - 1)
@@ -145,6 +147,7 @@ class _Writer:
             return
         t0 = time.perf_counter()
         s = self.settings
+        # The index of the shard's first example in the whole dataset, so rows can name examples.
         first = sum(int(sh["examples"]) for sh in self.shards)
         self.shards.append(
             write_shard(
@@ -174,6 +177,8 @@ def _engine_results(
     else:
         options = {**dask_options, "partition_mb": partition_mb}
         results = run_dask(files, settings, tokenizer, info=info, done=partial.load, **options)
+    # Each chunk is saved before the writer sees it: a run killed half-way resumes from its
+    # finished chunks (`done=partial.load` skips them).
     for i, result in enumerate(results):
         partial.save(i, result)
         yield result
@@ -185,6 +190,8 @@ def _remove_stale_tmp(out: Path) -> None:
         pid = tmp.name.rsplit("-", 1)[-1]
         if not pid.isdigit():
             continue
+        # Signal 0 checks that the process exists without touching it: a live one is still
+        # preparing into its directory.
         try:
             os.kill(int(pid), 0)
         except ProcessLookupError:
@@ -220,7 +227,7 @@ def prepare_dataset(
 
     A complete `out` with the same cache key is reused as is (`cache_hit: true`). Partitions
     are `partition_mb` MB of input (default 4 locally, 64 on Dask); a shard holds about
-    `shard_tokens` tokens. Neither changes the output (packing is per shard: keep the default).
+    `shard_tokens` tokens (packing is per shard: keep the default).
 
     Raises:
         ValueError: unknown engine. FileNotFoundError: a missing input.
@@ -230,13 +237,14 @@ def prepare_dataset(
         OutputError: `out` is a link, or the disk refused a write; an earlier `out` is kept
             whole (`leantune.core.writes.replacing_dir`).
     """
+    # Inputs are checked before anything is written or any cache is touched.
     _check_inputs(files, engine)
     started = time.perf_counter()
     out = Path(out)
     key = cache_key(files, settings, tokenizer)
     previous = read_report(out)
     if previous is not None and previous.get("cache_key") == key and not force:
-        previous["cache_hit"] = True
+        previous["cache_hit"] = True  # rewritten so the report says this run reused it
         write_file(PreparedPaths(out).report, json.dumps(previous, indent=2))
         if log:
             log(f"prepare: cache hit, {out} is up to date (key {key[:12]})")
@@ -246,6 +254,8 @@ def prepare_dataset(
     _remove_stale_tmp(out)
     info: dict[str, Any] = {}
     dask_options = {"scheduler": scheduler, "workers": workers}
+    # Small partitions locally (steady progress, little memory per worker); large ones on Dask,
+    # where each task has a scheduling overhead.
     mb = partition_mb or (4.0 if engine == "local" else 64.0)
     # Built under a temporary name and swapped in whole: a failure (a full disk included)
     # leaves an earlier `out` as it was; the finished chunks stay for the next attempt.
@@ -258,6 +268,8 @@ def prepare_dataset(
             ):
                 writer.add_chunk(result)
             writer.close()
+        # BaseException: a Ctrl-C must close the file too; the chunks already saved are kept for
+        # the next attempt.
         except BaseException as e:
             writer.rejected.close()
             if isinstance(e, DataError):  # an input refused whole: its chunks are of no use
@@ -267,7 +279,7 @@ def prepare_dataset(
         info["resume_data_bytes"] = partial.disk_bytes()  # its peak: gone once `out` is whole
         report = _report(writer, files, settings, tokenizer, key, engine, info, started)
         write_file(PreparedPaths(tmp).report, json.dumps(report, indent=2))
-    partial.remove()
+    partial.remove()  # only once `out` is whole: until then the chunks are the way to resume
     if log:
         log(_summary_line(report, settings.pack, out))
     return report
@@ -282,7 +294,7 @@ def _check_inputs(files: list[str], engine: str) -> None:
             raise ReaderError(f"{f}: is a directory, not a data file")
         if not Path(f).is_file():
             raise FileNotFoundError(f"{f}: no such data file")
-        file_kind(f)
+        file_kind(f)  # raises for an unknown suffix, before any work is done
 
 
 def _summary_line(d: dict[str, Any], pack: bool, out: Path) -> str:

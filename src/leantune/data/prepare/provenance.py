@@ -1,16 +1,9 @@
 """Which tokenizer made a prepared directory, and the check that a model's tokenizer is that one.
 
-A prepared directory holds token ids, and ids mean text only to the tokenizer that made them:
-read by a model with another vocabulary of the same size they train it on other text without a
-sound, and with a smaller one they index past its embedding. So `prepare_dataset` records the
-`TokenizerDigest` of its tokenizer in prepare_report.json (``tokenizer_digest``, beside
-``tokenizer``, where it was loaded from), and `check_tokenizer` refuses a model whose tokenizer
-has another one. A directory prepared before the digest was recorded is refused too: nothing
-says which tokenizer made it.
-
-`tokenizer_digest` is the one definition of a tokenizer's identity; the tokenise-once cache key
-hashes the same digest (`tokenizer_fingerprint`), so a cache can never be read with another
-tokenizer either.
+`prepare_dataset` records the `TokenizerDigest` of its tokenizer in prepare_report.json
+(``tokenizer_digest``, beside ``tokenizer``, where it was loaded from), and `check_tokenizer`
+refuses a model whose tokenizer has another one. `tokenizer_digest` is the one definition of a
+tokenizer's identity, which the tokenise-once cache key hashes too (`tokenizer_fingerprint`).
 """
 
 from __future__ import annotations
@@ -47,6 +40,8 @@ class TokenizerDigest:
 
 def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> TokenizerDigest:
     """The digest of `tokenizer` as it is now (its chat template included)."""
+    # The class is part of it: a slow and a fast tokenizer of one vocabulary can tokenise
+    # differently.
     h = hashlib.sha256(type(tokenizer).__name__.encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
@@ -61,10 +56,14 @@ def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> TokenizerDigest:
             text = bare.to_str()
         h.update(text.encode())
     else:
+        # A slow tokenizer has no serialised form: its vocabulary (sorted, so the digest does
+        # not depend on dict order) and, where it has one, its SentencePiece model.
         h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
         sp_model = getattr(tokenizer, "sp_model", None)  # a slow SentencePiece tokenizer
         if sp_model is not None and hasattr(sp_model, "serialized_model_proto"):
             h.update(sp_model.serialized_model_proto())
+    # The special tokens and their ids decide what the template renders and the EOS appended
+    # to text records, and can be changed without touching the backend.
     specials = {k: str(v) for k, v in tokenizer.special_tokens_map.items()}
     h.update(json.dumps([specials, tokenizer.eos_token_id, tokenizer.bos_token_id]).encode())
     template = getattr(tokenizer, "chat_template", None)
@@ -94,7 +93,7 @@ def check_tokenizer(
 ) -> None:
     """Refuse to read the prepared directory `out` (its `report`) with `tokenizer`, the model's,
     unless the tokenizer that made it was the same; its chat template counts unless `fmt` is
-    text (plain text is never rendered through one).
+    text.
 
     Raises:
         TokenizerMismatch: naming the directory and its tokenizer, the model and its tokenizer,
@@ -103,6 +102,9 @@ def check_tokenizer(
     made_with = str(report.get("tokenizer") or "an unrecorded tokenizer")
     model = str(getattr(tokenizer, "name_or_path", "") or "the model")
     recorded = recorded_digest(report)
+    # Ids mean text only to the tokenizer that made them: with another vocabulary of the same
+    # size they train the model on other text without a sound, with a smaller one they index
+    # past its embedding. So a directory that does not say which tokenizer made it is refused.
     if recorded is None:
         again = _prepare_again(out, report, model)
         raise TokenizerMismatch(
@@ -112,6 +114,7 @@ def check_tokenizer(
         )
     current = tokenizer_digest(tokenizer)
     ids_differ = recorded.ids != current.ids
+    # Plain text is never rendered through a template, so its template cannot matter.
     template_differs = fmt != "text" and recorded.chat_template != current.chat_template
     if not ids_differ and not template_differs:
         return

@@ -2,14 +2,10 @@
 
 Each item keeps its source file and line so a rejected record can be found: the physical line
 for JSONL and JSON arrays, the row number for Parquet (1-based) and the line a CSV record starts
-on (the header is line 1). JSONL, Parquet and CSV are read in bounded memory; a JSON array is
-parsed whole (the standard library has no streaming JSON parser), so use JSONL at scale.
+on (the header is line 1).
 
-A file that is not what its name says (a damaged or truncated archive, a file that is not
-Parquet, a JSON array that does not parse, a CSV whose quoting breaks) is refused whole with a
-`ReaderError` naming the file and where: what it holds is not what the user thinks. A bad
-record in a readable file becomes an item that `decode_item` rejects, to be counted. A UTF-8
-byte order mark at the start of a file is skipped.
+A file that is not what its name says is refused whole with a `ReaderError` naming the file and
+where; a bad record in a readable file becomes an item that `decode_item` rejects, to be counted.
 """
 
 from __future__ import annotations
@@ -40,11 +36,12 @@ SUFFIXES = {
     ".parquet": "parquet",
     ".csv": "csv",
 }
-BOM = b"\xef\xbb\xbf"
+BOM = b"\xef\xbb\xbf"  # the UTF-8 byte order mark some Windows tools write; skipped
 # csv's own limit (128 KiB) refused real long conversations; past this, an unclosed quote is
 # the likely cause, and the rest of the file would be read as one field.
 CSV_FIELD_LIMIT = 64 << 20
 _SURROGATE = re.compile("[\ud800-\udfff]")  # what undecodable bytes become (surrogateescape)
+# A cheap pre-test before json.loads: only text that opens like a list of objects is parsed.
 _JSON_LIST = re.compile(r"\s*\[\s*\{")
 _REFUSED = "the whole file is refused"
 
@@ -90,6 +87,8 @@ def file_kind(path: str | Path) -> str:
         ReaderError: unknown suffix, listing the supported ones.
     """
     name = str(path).lower()
+    # Longest suffix first, so ".jsonl.gz" is not taken for something ending in ".gz" alone
+    # and ".jsonl" is matched before ".json" could be.
     for suffix in sorted(SUFFIXES, key=len, reverse=True):
         if name.endswith(suffix):
             return SUFFIXES[suffix]
@@ -99,13 +98,18 @@ def file_kind(path: str | Path) -> str:
 def _read_jsonl(path: Path, kind: str) -> Generator[RawItem, None, None]:
     lineno = 0
     try:
+        # Checked up front: a truncated zstd stream can otherwise end quietly at a frame
+        # boundary, and its missing records would pass unnoticed.
         if kind == "jsonl.zst":
             check_zstd_frames(path)
         with open_jsonl(path, kind) as f:
+            # Lines stay bytes: decoding and JSON parsing happen per record in the workers,
+            # where a bad line is one rejection, not a failure of the reader.
             for lineno, raw in enumerate(f, start=1):
                 if lineno == 1 and raw.startswith(BOM):
                     raw = raw[len(BOM) :]
                 yield RawItem(str(path), lineno, raw, len(raw))
+    # A damaged archive is refused whole: what it holds is not the data that was compressed.
     except ArchiveError as e:
         raise ReaderError(
             f"{path}: {e}; {_REFUSED}, since it is not the data that was compressed: "
@@ -120,6 +124,8 @@ def _read_jsonl(path: Path, kind: str) -> Generator[RawItem, None, None]:
 
 
 def _read_json_array(path: Path) -> Generator[RawItem, None, None]:
+    # Read whole: the standard library has no streaming JSON parser (use JSONL at scale).
+    # raw_decode one element at a time still gives each record its own line number.
     raw = path.read_bytes()
     raw = raw[len(BOM) :] if raw.startswith(BOM) else raw
     try:
@@ -134,6 +140,8 @@ def _read_json_array(path: Path) -> Generator[RawItem, None, None]:
     pos = _skip_ws(text, pos + 1)
     line, counted = 1, 0
     while pos >= len(text) or text[pos] != "]":
+        # Newlines are counted incrementally from the last position: counting from 0 for each
+        # record would make a large array quadratic.
         line += text.count("\n", counted, pos)
         counted = pos
         if pos >= len(text):
@@ -169,6 +177,7 @@ def _read_parquet(path: Path) -> Generator[RawItem, None, None]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    # Batches of row groups keep memory bounded however large the file is.
     try:
         batches = pq.ParquetFile(path).iter_batches(batch_size=4096)
     except (pa.ArrowException, OSError) as e:
@@ -178,6 +187,7 @@ def _read_parquet(path: Path) -> Generator[RawItem, None, None]:
         for batch in batches:
             for obj in batch.to_pylist():
                 row += 1
+                # Size estimate for partitioning: the text of the values plus a per-row overhead.
                 yield RawItem(str(path), row, obj, 64 + sum(len(str(v)) for v in obj.values()))
     except (pa.ArrowException, OSError) as e:
         raise ReaderError(f"{path}: damaged after row {row} ({e}); {_REFUSED}") from e
@@ -200,6 +210,7 @@ def _csv_payload(obj: dict[Any, Any], columns: int) -> dict[str, Any] | Unreadab
     if None in obj:  # DictReader puts the fields past the header's under None
         n = columns + len(obj[None])
         return Unreadable("bad_csv_row", f"{n} fields, but the header has {columns}")
+    # Keys too: a header that is not UTF-8 would otherwise reach the parser as a field name.
     if any(isinstance(v, str) and _SURROGATE.search(v) for v in (*obj, *obj.values())):
         return Unreadable("not_utf8", "not valid UTF-8")
     # A CSV cell is text: prompt/completion are TRL's message lists when they hold one as JSON,
@@ -213,10 +224,13 @@ def _csv_payload(obj: dict[Any, Any], columns: int) -> dict[str, Any] | Unreadab
 
 
 def _read_csv(path: Path) -> Generator[RawItem, None, None]:
+    # Only ever raised (the limit is process-wide): another caller's higher limit stays.
     if csv.field_size_limit() < CSV_FIELD_LIMIT:
         csv.field_size_limit(CSV_FIELD_LIMIT)
     # surrogateescape: a record with bytes that are not UTF-8 is dropped alone (see
     # `_csv_payload`), not the file; the quoting, in ASCII, is unaffected.
+    # utf-8-sig skips a byte order mark; newline="" is what the csv module needs to read
+    # newlines inside quoted cells. strict=True raises on broken quoting instead of guessing.
     with path.open(encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
         reader = csv.DictReader(f, strict=True)
         start = 1
@@ -224,6 +238,7 @@ def _read_csv(path: Path) -> Generator[RawItem, None, None]:
             columns = len(reader.fieldnames or [])
             start = reader.line_num + 1
             for obj in reader:
+                # A record may span several lines (quoted newlines): it is named by its first.
                 size = 64 + sum(len(v or "") for v in obj.values() if isinstance(v, str))
                 yield RawItem(str(path), start, _csv_payload(obj, columns), size)
                 start = reader.line_num + 1
@@ -242,6 +257,7 @@ def read_items(path: str | Path) -> Generator[RawItem, None, None]:
             directory, or a file that cannot be read as its kind (raised while iterating).
     """
     path = Path(path)
+    # Checked here, eagerly: the readers are generators, which would raise only when iterated.
     if path.is_dir():
         raise ReaderError(f"{path}: is a directory, not a data file")
     if not path.is_file():
@@ -283,9 +299,11 @@ def decode_item(item: RawItem) -> Any:
             text = payload.decode("utf-8")
         except UnicodeDecodeError as e:
             raise DecodeError("not_utf8", f"not valid UTF-8 (byte {e.start})") from e
+        # A blank line is its own kind: it is dropped, but not counted as bad data.
         if not text.strip():
             raise DecodeError("empty_line", "empty line")
         payload = parse_json(text)
+    # CSV cells are text, so a chat record's messages arrive as a JSON string.
     if isinstance(payload, dict) and isinstance(payload.get("messages"), str):
         payload = {**payload, "messages": parse_json(payload["messages"], "field 'messages': ")}
     if isinstance(payload, dict) and isinstance(payload.get("conversations"), str):
@@ -298,6 +316,8 @@ def decode_item(item: RawItem) -> Any:
 
 def decoded_items(path: str | Path) -> Iterator[tuple[RawItem, Any]]:
     """(item, decoded value or DecodeError) for every record of a file; blank lines skipped."""
+    # closing(): a caller that stops early (format detection reads one record) closes the
+    # generator, and with it the file it holds open.
     with contextlib.closing(read_items(path)) as items:
         for item in items:
             try:

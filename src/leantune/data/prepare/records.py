@@ -1,7 +1,6 @@
 """Per-record work, identical on every engine: validate, clean, hash, tokenise, length-filter.
 
-`process_chunk` is a pure function of (raw items, settings, tokenizer), so the local engine and
-Dask workers produce the same results whatever the partitioning; only the driver's dedup pass
+`process_chunk` is a pure function of (raw items, settings, tokenizer); the driver's dedup pass
 and packing, which need the whole dataset, run after it.
 """
 
@@ -49,6 +48,8 @@ class PrepareSettings:
     truncate: bool = False
 
     def __post_init__(self) -> None:
+        # Checked at construction: the settings are part of the cache key, so a bad value must
+        # not produce a directory keyed by it.
         if self.format not in FORMATS:
             raise ValueError(f"data.format: {self.format!r} is not one of {' | '.join(FORMATS)}")
         if self.dedup not in DEDUP_MODES:
@@ -60,6 +61,8 @@ class PrepareSettings:
             )
         if self.max_seq_len < 1 or self.min_tokens < 0:
             raise ValueError("data.max_seq_len must be >= 1 and data.min_tokens >= 0")
+        # Normalised (frozen dataclass, hence object.__setattr__) so that equal rule sets give
+        # equal cache keys.
         object.__setattr__(self, "clean", check_rules(self.clean))
 
     def as_dict(self) -> dict[str, Any]:
@@ -104,6 +107,8 @@ class ChunkResult:
 
 
 def _bad_kind(reason: str) -> str:
+    # Kinds from the parser's message text: the record checks raise one exception type with a
+    # readable reason, and the report wants them counted by kind.
     if reason.startswith("expected a JSON object"):
         return "not_object"
     if reason.startswith("missing field"):
@@ -149,6 +154,7 @@ def encode_batch(
     A record certainly longer than `max_tokens` (None: no limit) is `Dropped` as too long
     before tokenising; one whose chat template fails is `Dropped` as a template error.
     """
+    # Batched: one fast-tokenizer call per kind is much quicker than one call per record.
     out: list[Encoded | Dropped | None] = [None] * len(parsed)
     chats: list[tuple[int, str, list[tuple[int, int]]]] = []
     texts: list[int] = []
@@ -175,9 +181,11 @@ def encode_batch(
             [full for _, full, _ in chats], add_special_tokens=False, return_offsets_mapping=True
         )
         for j, (i, _, spans) in enumerate(chats):
+            # int32 halves the memory of int64 and holds any vocabulary size in use.
             ids = np.asarray(enc["input_ids"][j], dtype=np.int32)
             out[i] = (ids, shifted_labels(ids, supervised_mask(enc["offset_mapping"][j], spans)))
     if texts:
+        # As encode_text: the tokenizer's BOS, and an EOS added unless it wrote one.
         enc = tokenizer([parsed[i]["text"] for i in texts], add_special_tokens=True)
         eos = tokenizer.eos_token_id
         for j, i in enumerate(texts):
@@ -202,6 +210,7 @@ def _length_check(
                 "too_long",
                 f"too long: {n} tokens > data.max_seq_len={s.max_seq_len}",
             )
+        # copy(): the slice is a view, and the last label is overwritten below.
         ids, labels = ids[: s.max_seq_len], labels[: s.max_seq_len].copy()
         labels[-1] = IGNORE_INDEX  # it pointed at a token that was cut off
         if not (labels != IGNORE_INDEX).any():
@@ -235,6 +244,8 @@ def process_chunk(
         except BadRecordError as e:
             outcome[pos] = Rejection(item.source, item.line, _bad_kind(str(e)), str(e))
             continue
+        # Cleaning comes before hashing and tokenising, so dedup compares and training sees
+        # the cleaned text.
         parsed = clean_record(parsed, settings.clean, result.cleaned)
         empty = _after_cleaning(parsed)
         if empty:
@@ -254,11 +265,13 @@ def process_chunk(
         if kind:
             outcome[pos] = Rejection(item.source, item.line, kind, reason)
             continue
+        # Hashes are computed here, in the workers; the driver only compares them.
         sig = None
         if settings.dedup == "near":
             sig = minhash(record_text(parsed), settings.num_perm)
         record = parsed["text"] if "text" in parsed else json.dumps(parsed, ensure_ascii=False)
         kept_at[pos] = Kept(item.source, item.line, record, content_hash(parsed), sig, ids, labels)
+    # Rebuilt in input order so the driver's dedup sees records as the file has them.
     for pos, rejection in enumerate(outcome):
         if rejection is not None:
             result.rejected.append(rejection)

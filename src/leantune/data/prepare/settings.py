@@ -23,7 +23,7 @@ def settings_from_config(data: DataConfig) -> PrepareSettings:
     return PrepareSettings(
         format=data.format,
         max_seq_len=PREPARE_MAX_SEQ_LEN if data.max_seq_len == "auto" else data.max_seq_len,
-        pack=data.pack is not False,
+        pack=data.pack is not False,  # "auto" packs: only an explicit false does not
         system_prompt=data.system_prompt,
         system_message=data.system_message,
         clean=tuple(data.clean),
