@@ -39,6 +39,8 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Matched exactly: llama.cpp picks its splitter by this name, not by the pattern, so a regex
+# that differs by one character would split text differently from the source tokenizer.
 PRE_TOKENIZER_NAMES = {_QWEN2_SPLIT: "qwen2", _LLAMA3_SPLIT: "llama-bpe"}
 
 

@@ -241,6 +241,7 @@ def export_model(
         OutputError: `out` is a link or not a folder, or the disk refused a write; an earlier
             export there is kept whole (each export replaces `out` whole when it is done).
     """
+    # Cheap refusals first: loading the source model can take minutes.
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r}: choose one of {sorted(FORMATS)}")
     if fmt == "gguf" and gguf_type not in GGUF_TYPES:

@@ -79,6 +79,7 @@ def model_logits_fn(model: nn.Module) -> LogitsFn:
 
 def is_4bit(module: nn.Module) -> bool:
     """True when some weight is a bitsandbytes 4-bit parameter."""
+    # By name: bitsandbytes is optional, and a model without 4-bit weights need not import it.
     return any(type(p).__name__ == "Params4bit" for p in module.parameters())
 
 

@@ -23,6 +23,7 @@ from leantune.export.parity import LogitsFn
 
 MODEL_FILE = "model.pt"
 EXAMPLE_FILE = "example_input.pt"
+# Short: the traced module serves any length, so the example only has to run the graph once.
 EXAMPLE_LEN = 8
 
 
@@ -73,6 +74,7 @@ def write_torchscript(
     """Trace and save `model.pt`, `example_input.pt`, and the tokenizer and config beside them."""
     traced = trace_logits(model, example)
     save_traced(traced, example, out)
+    # Beside model.pt: the tokenizer makes its input ids; the config describes the model.
     model.config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return {"example_input_shape": list(example.shape), "usage": _USAGE}
