@@ -11,7 +11,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from leantune.eval.generation import GREEDY, generate_texts, render_prompt
 
+# Models often wrap a JSON answer in a ```json fence; the fence is no part of the value.
 _FENCE = re.compile(r"\A```(?:json)?[ \t]*\n?(.*?)\n?[ \t]*```\Z", re.DOTALL | re.IGNORECASE)
+# A sentinel, not None: "null" parses to None, a valid JSON answer.
 _NOT_JSON = object()
 
 
@@ -75,6 +77,7 @@ def exact_match_score(predictions: list[str], references: list[str]) -> float:
     Raises:
         ValueError: If the lists differ in length.
     """
+    # zip(strict=True) below would raise too, but without saying which list is short.
     if len(predictions) != len(references):
         raise ValueError(
             f"{len(predictions)} predictions but {len(references)} references; "

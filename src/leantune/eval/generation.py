@@ -2,9 +2,7 @@
 
 `generate_texts` is the one place that calls `model.generate`: it left-pads sorted batches, stops at
 every end-of-turn token the tokenizer and model know, and returns only the new text, in the order
-of the prompts. It works the same for a plain transformers model and a peft `PeftModel`; the
-virtual tokens of prompt-learning adapters are added by `methods.prompt`, which peft's own
-generate gets wrong under transformers 5.
+of the prompts. It works the same for a plain transformers model and a peft `PeftModel`.
 """
 
 from __future__ import annotations
@@ -160,6 +158,8 @@ def _template_end_of_turn(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     except (TemplateError, NoChatTemplateError):
         return []
     ids = tokenizer(end, add_special_tokens=False)["input_ids"] if end else []
+    # Only a special token: an end written in plain text starts with an ordinary token (a newline,
+    # a "<"), and stopping on that would cut answers that merely contain it.
     added = tokenizer.get_added_vocab()
     first = tokenizer.convert_ids_to_tokens(ids[0]) if ids else None
     return [ids[0]] if first in added else []
@@ -186,7 +186,7 @@ def stop_token_ids(
     ids += _template_end_of_turn(tokenizer)
     if model_generation_config is not None:
         ids += _as_id_list(model_generation_config.eos_token_id)
-    return list(dict.fromkeys(ids))
+    return list(dict.fromkeys(ids))  # dedupe, keeping the documented order
 
 
 def render_prompt(
@@ -225,6 +225,8 @@ def _decoding_kwargs(settings: SamplingSettings) -> dict[str, Any]:
     }
 
 
+# Left, not right: a decoder-only model continues from the last column, which must be every
+# prompt's own last token rather than padding.
 def _left_pad(rows: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(row) for row in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -235,6 +237,8 @@ def _left_pad(rows: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
     return input_ids, attention_mask
 
 
+# generate keeps the stop token, and in a batch pads the rows that finished early (the pad may
+# be eos, or not a stop token at all): everything from the first stop token goes.
 def _cut_at_stop(ids: list[int], stop_ids: set[int]) -> list[int]:
     for position, token in enumerate(ids):
         if token in stop_ids:
@@ -243,6 +247,7 @@ def _cut_at_stop(ids: list[int], stop_ids: set[int]) -> list[int]:
 
 
 def _encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[list[int]]:
+    # The rendered prompts hold the template's BOS already; adding special tokens would double it.
     encoded: list[list[int]] = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     for index, ids in enumerate(encoded):
         if not ids:
@@ -259,6 +264,8 @@ def _generate_batch(
     pad_id: int,
 ) -> list[list[int]]:
     """The new token ids of one left-padded batch (prompt-learning methods add their tokens)."""
+    # Prompt-learning adapters decode through the base model with their virtual tokens added
+    # by hand: peft's own generate gets them wrong under transformers 5.
     runner, inputs = prompt_learning_generate_inputs(model, input_ids, attention_mask) or (
         model,
         {"input_ids": input_ids, "attention_mask": attention_mask},
@@ -274,6 +281,8 @@ def _generate_batch(
         use_cache=True,
         **_decoding_kwargs(settings),
     )
+    # The output starts with input_ids (prompt-learning inputs too), and left padding ends every
+    # prompt at the same column, so one slice keeps exactly the new tokens of each row.
     new_tokens: list[list[int]] = generated[:, input_ids.shape[1] :].tolist()
     return new_tokens
 
@@ -315,6 +324,7 @@ def generate_texts(
     if not prompts:
         return []
     stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
+    # Padding with eos is safe: the attention mask hides it, and new tokens are cut at stops.
     pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     )
@@ -332,6 +342,7 @@ def generate_texts(
     model.eval()
     # A seeded call runs on a forked RNG so that the caller's random stream is left as it was;
     # an unseeded call draws from (and advances) the global stream like any other sampling.
+    # Only the model's GPU: by default fork_rng saves and restores every visible device.
     rng_devices = [device.index or 0] if device.type == "cuda" else []
     rng = torch.random.fork_rng(devices=rng_devices) if seed is not None else nullcontext()
     try:

@@ -26,11 +26,11 @@ class TaskDataUnavailable(UserError):
 
 @contextmanager
 def _datasets_offline_unless_allowed() -> Iterator[None]:
-    """The hub offline for the harness's dataset loads too, unless the user opted in: datasets
-    reads its own copy of HF_HUB_OFFLINE at import, and would otherwise retry the network for
-    half a minute before it fails."""
+    """The hub offline for the harness's dataset loads too, unless the user opted in."""
     import datasets.config
 
+    # datasets reads its own copy of HF_HUB_OFFLINE at import, so setting the environment
+    # variable is too late; left online, it would retry the network for half a minute first.
     saved = datasets.config.HF_HUB_OFFLINE
     datasets.config.HF_HUB_OFFLINE = saved or not downloads_allowed()
     try:
@@ -74,10 +74,11 @@ def run_lm_eval(
         from lm_eval.tasks import TaskManager
     except ImportError as e:
         raise ImportError("--lm-eval needs lm-eval: pip install 'leantune[eval]'") from e
-    if isinstance(model, PeftModel):
+    if isinstance(model, PeftModel):  # HFLM expects a plain transformers model
         model = model.merge_and_unload()
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     if include_defaults is None:
+        # Indexing the built-in tasks takes about a minute: skip it when include_path has them all.
         include_defaults = include_path is None or not set(tasks) <= set(
             TaskManager(include_path=include_path, include_defaults=False).all_tasks
         )
@@ -106,8 +107,10 @@ def summarize(output: dict[str, Any]) -> dict[str, dict[str, float]]:
     for task, metrics in output.get("results", {}).items():
         summary[task] = {}
         for key, value in metrics.items():
+            # bool is an int subclass, but a flag is no metric; strings (alias) are skipped too.
             if isinstance(value, bool) or not isinstance(value, int | float):
                 continue
+            # The harness keys metrics "name,filter"; the default filter "none" adds nothing.
             name, _, filter_name = key.partition(",")
             summary[task][name if filter_name in ("", "none") else key] = float(value)
     return summary

@@ -56,6 +56,7 @@ def evaluate_file(
     Raises:
         DataError: unpaired (KTO) data, which has no preference accuracy.
     """
+    # An explicit fmt is a non-preference format: only auto-detection routes to the pair scorer.
     found = detect_preference_format(path) if fmt is None else None
     if found == "preference":
         return evaluate_preference(
@@ -81,12 +82,14 @@ def evaluate_file(
     for bad in data.bad:
         if on_bad_line is not None:
             on_bad_line(str(bad))
+    # The limit applies after preparation, so bad_lines counts the whole file's bad lines.
     if limit is not None:
         data.rows, data.records = data.rows[:limit], data.records[:limit]
     result: dict[str, Any] = {"data": str(path), "format": fmt}
     result.update(evaluate_loss(model, data.rows, int(tokenizer.pad_token_id), batch_size))
     result["examples"] = len(data.rows)
     result["bad_lines"] = len(data.bad)
+    # Only chat records carry a reference assistant turn to compare a generated answer with.
     conversations = [list(r.messages) for r in data.records if r.messages is not None]
     if conversations:
         score, _ = evaluate_exact_match(model, tokenizer, conversations, batch_size, max_new_tokens)

@@ -30,5 +30,5 @@ def write_adapter(adapter_dir: Path | None, out: Path) -> dict[str, Any]:
 
 def load_adapter(out: Path) -> LogitsFn:
     """Rebuild base + adapter from the exported directory, as `eval`/`generate` would."""
-    model, _ = load_for_inference(str(out), "fp32")
+    model, _ = load_for_inference(str(out), "fp32")  # the parity reference is float32 too
     return model_logits_fn(model)

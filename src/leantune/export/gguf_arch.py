@@ -2,8 +2,7 @@
 
 An architecture is listed only when llama.cpp runs it (its `convert_hf_to_gguf.py` maps the model
 type to a GGUF architecture) and transformers' GGUF loader reads it back, so that every export is
-checked by the parity check. OLMo 2, Mixtral and SmolLM3 convert in llama.cpp but transformers
-cannot load their GGUF files, so they are refused rather than written unchecked.
+checked by the parity check.
 
 Each entry holds the facts of llama.cpp's conversion (the GGUF architecture, the Llama Q/K row
 permutation, Gemma's norm offset, the extra metadata), the configurations llama.cpp cannot run
@@ -72,6 +71,7 @@ def _gemma_attention_scalar(n_layers: int, hidden: int, heads: int, head_dim: in
 
 def _head_dim(config: Any) -> int:
     head_dim = getattr(config, "head_dim", None)
+    # A config may hold head_dim = None, which means the derived value too.
     return int(head_dim or config.hidden_size // config.num_attention_heads)
 
 
@@ -84,6 +84,7 @@ def _refuse_gemma(config: Any, big: int, pattern: int) -> list[str]:
         _head_dim(config),
         big,
     )
+    # A config without the field runs as llama.cpp does: only a different value is refused.
     if getattr(config, "query_pre_attn_scalar", want) != want:
         reasons.append(
             f"query_pre_attn_scalar {config.query_pre_attn_scalar} (llama.cpp scales queries "
@@ -102,6 +103,7 @@ def _refuse_gemma(config: Any, big: int, pattern: int) -> list[str]:
 
 
 def _refuse_gemma2(config: Any) -> list[str]:
+    # 46 layers is the 27B shape; Gemma 2 alternates sliding and full attention.
     reasons = _refuse_gemma(config, big=46, pattern=2)
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, name, None) is None:
@@ -110,6 +112,7 @@ def _refuse_gemma2(config: Any) -> list[str]:
 
 
 def _refuse_gemma3(config: Any) -> list[str]:
+    # 62 layers is the 27B shape; Gemma 3 has five sliding-window layers per full one.
     reasons = _refuse_gemma(config, big=62, pattern=6)
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, name, None) is not None:
@@ -207,6 +210,8 @@ def _read_sliding_window(fields: Fields) -> dict[str, Any]:
     return {"sliding_window": int(window)} if window else {}
 
 
+# OLMo 2, Mixtral and SmolLM3 convert in llama.cpp, but transformers cannot load their GGUF
+# files: they are left out, so refused rather than written without a parity check.
 ARCHITECTURES: dict[str, GgufArch] = {
     "llama": GgufArch(gguf.MODEL_ARCH.LLAMA, permute_qk=True, label="Llama, SmolLM2"),
     # llama.cpp writes Mistral as Llama; its Llama has no sliding window (see `context_length`).
@@ -215,6 +220,7 @@ ARCHITECTURES: dict[str, GgufArch] = {
     "qwen3": GgufArch(
         gguf.MODEL_ARCH.QWEN3,
         refuse=_refuse_qwen_sliding,
+        # Qwen3's head_dim is its own setting, not hidden_size / heads.
         readback=_read_head_dim,
         label="Qwen3",
     ),
@@ -227,7 +233,7 @@ ARCHITECTURES: dict[str, GgufArch] = {
     ),
     "gemma2": GgufArch(
         gguf.MODEL_ARCH.GEMMA2,
-        norm_offset=1.0,
+        norm_offset=1.0,  # RMSNorm scales by (1 + w) in transformers, by w in llama.cpp
         refuse=_refuse_gemma2,
         write_extra=_write_gemma2,
         readback=_read_gemma2,

@@ -2,9 +2,8 @@
 
 Tensor names, the Llama Q/K row permutation and the tokenizer metadata follow llama.cpp's
 `convert_hf_to_gguf.py`; what differs per architecture is in `gguf_arch.ARCHITECTURES`. The
-tokenizer must be byte-level BPE (GPT-2 style, as SmolLM2, Qwen, Llama 3 and Phi-4 use). Tensor
-types follow llama.cpp: 1-D tensors (norms, biases) stay float32; the others are f16, bf16 or
-q8_0 (a q8_0 tensor whose rows are not a multiple of the 32-value block falls back to f16).
+tokenizer must be byte-level BPE (GPT-2 style, as SmolLM2, Qwen, Llama 3 and Phi-4 use). 1-D
+tensors (norms, biases) stay float32; the others are f16, bf16 or q8_0.
 """
 
 from __future__ import annotations
@@ -40,6 +39,8 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Matched exactly: llama.cpp picks its splitter by this name, not by the pattern, so a regex
+# that differs by one character would split text differently from the source tokenizer.
 PRE_TOKENIZER_NAMES = {_QWEN2_SPLIT: "qwen2", _LLAMA3_SPLIT: "llama-bpe"}
 
 
@@ -79,6 +80,7 @@ def _context_length(config: Any, spec: GgufArch) -> int:
 def _write_hparams(
     w: gguf.GGUFWriter, config: Any, spec: GgufArch, name: str, ftype: gguf.LlamaFileType
 ) -> None:
+    # A config may lack head_dim or hold None, both meaning hidden_size / heads.
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     w.add_name(name)
     w.add_context_length(_context_length(config, spec))
@@ -100,10 +102,13 @@ def _write_hparams(
 
 def _encode(array: np.ndarray, qtype: gguf.GGMLQuantizationType) -> tuple[np.ndarray, Any]:
     """Array to store and its raw GGML type (None: numpy dtype decides)."""
+    # As llama.cpp's converter: 1-D tensors (norms, biases) are tiny and stay float32.
     if array.ndim < 2:
         return array.astype(np.float32), None
     if qtype == gguf.GGMLQuantizationType.F16:
         return array.astype(np.float16), None
+    # q8_0 quantises blocks of 32 values along a row; a row that does not divide falls back to
+    # f16, as llama.cpp's converter does.
     if qtype == gguf.GGMLQuantizationType.Q8_0 and array.shape[-1] % 32 != 0:
         return array.astype(np.float16), None
     return gguf.quants.quantize(array.astype(np.float32), qtype), qtype
@@ -151,6 +156,7 @@ def _write_tensors(
     for hf_name, tensor in model.state_dict().items():
         if tied and hf_name == "lm_head.weight":
             continue  # a GGUF without output.weight means tied embeddings
+        # numpy has no bfloat16, and every GGUF type is encoded from float32.
         array = tensor.detach().to(torch.float32).cpu().numpy()
         for gguf_name, part in _gguf_tensors(hf_name, array, spec, config, name_map):
             data, raw_dtype = _encode(np.ascontiguousarray(part), qtype)
@@ -194,6 +200,7 @@ def _pre_tokenizer_name(tok_json: dict[str, Any]) -> str:
 
 def _merges(tok_json: dict[str, Any]) -> list[str]:
     merges = tok_json["model"].get("merges") or []
+    # tokenizer.json holds merges as "a b" strings (older files) or as [a, b] pairs (newer).
     if merges and isinstance(merges[0], list):
         # llama.cpp spells a space inside a merge part as chr(ord(' ') + 256) (convert_hf_to_gguf).
         return [
@@ -223,7 +230,7 @@ def _tokenizer_json(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
             "ones, as Mistral, Gemma and Phi-3 ship); export --format hf and convert with "
             "llama.cpp's convert_hf_to_gguf.py"
         )
-    _pre_tokenizer_name(tok_json)
+    _pre_tokenizer_name(tok_json)  # for its refusal, before any weight is written
     return tok_json
 
 
@@ -233,11 +240,14 @@ def _write_tokenizer(w: gguf.GGUFWriter, tokenizer: PreTrainedTokenizerBase, n_v
     added = tokenizer.added_tokens_decoder
     tokens: list[str] = []
     types: list[int] = []
+    # One token per embedding row: a vocab_size padded past the tokenizer gets UNUSED fillers,
+    # so that llama.cpp's token list and the tensors agree.
     for i in range(n_vocab):
         if i not in by_id:
             tokens.append(f"[PAD{i}]")
             types.append(gguf.TokenType.UNUSED)
         elif i in added:
+            # Special added tokens are CONTROL: llama.cpp treats them as markers, not text.
             tokens.append(by_id[i])
             special = added[i].special
             types.append(gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED)
@@ -253,6 +263,8 @@ def _write_tokenizer(w: gguf.GGUFWriter, tokenizer: PreTrainedTokenizerBase, n_v
         token_id = getattr(tokenizer, f"{kind}_token_id", None)
         if token_id is not None and token_id < n_vocab:
             getattr(w, f"add_{kind}_token_id")(int(token_id))
+    # Probed rather than read: tokenizers keep this in a flag or in tokenizer.json's
+    # post-processor, and the probe covers both.
     bos = tokenizer.bos_token_id
     adds_bos = bos is not None and tokenizer("a", add_special_tokens=True)["input_ids"][:1] == [bos]
     w.add_add_bos_token(bool(adds_bos))
@@ -282,7 +294,7 @@ def check_gguf_config(config: Any) -> GgufArch:
             f"--format gguf: this {model_type} model cannot run the same in llama.cpp: "
             f"{'; '.join(reasons)}. Export --format hf instead"
         )
-    _rope_theta(config)
+    _rope_theta(config)  # for its refusal (unsupported rope scaling), before weights load
     return spec
 
 
@@ -320,6 +332,7 @@ def write_gguf(
     _write_hparams(w, model.config, spec, name or out.name or "model", ftype)
     _write_tokenizer(w, tokenizer, model.config.vocab_size)
     n = _write_tensors(w, model, spec, qtype)
+    # GGUFWriter's required order: header, metadata, then tensor data.
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -334,6 +347,7 @@ def read_fields(path: Path) -> Fields:
     prefix = f"{arch}."
     out: Fields = {}
     for key, fld in reader.fields.items():
+        # An array field lists two types (the array's and its items'): only scalars and strings.
         if key.startswith(prefix) and len(fld.types) == 1:
             out[key[len(prefix) :]] = fld.contents()
     return out
@@ -355,7 +369,9 @@ def load_gguf(out: Path) -> LogitsFn:
         model = AutoModelForCausalLM.from_pretrained(
             out, gguf_file=MODEL_FILE, config=config, dtype=torch.float32
         )
-    except (ValueError, RuntimeError) as e:  # e.g. tensor shapes the config does not describe
+    # e.g. tensor shapes the config does not describe. ParityError, not a user error: the
+    # file was written by leantune, so failing to read it back is the export's failure.
+    except (ValueError, RuntimeError) as e:
         raise ParityError(f"{out / MODEL_FILE}: transformers cannot read it back: {e}") from e
     return model_logits_fn(model.eval())
 
@@ -369,6 +385,7 @@ def check_gguf_tokenizer(
     mismatched = [
         i
         for i, text in enumerate(samples.texts)
+        # The samples' ids are cut at build_samples' max_tokens: compare that prefix.
         if list(loaded(text, add_special_tokens=True)["input_ids"])[: len(samples.ids[i])]
         != samples.ids[i]
     ]

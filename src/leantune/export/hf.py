@@ -24,6 +24,7 @@ def write_hf(
     if gen is not None and gen.eos_token_id is None and tokenizer.eos_token_id is not None:
         # Without it, generation in other tools runs past the end of the turn.
         gen.eos_token_id = tokenizer.eos_token_id
+    # Batched generation in other tools needs a pad id; the tokenizer's is what training used.
     if gen is not None and gen.pad_token_id is None and tokenizer.pad_token_id is not None:
         gen.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)
@@ -33,5 +34,6 @@ def write_hf(
 
 def load_hf(out: Path) -> LogitsFn:
     """Load the export with plain `AutoModelForCausalLM` (no leantune, no peft)."""
+    # float32 whatever the saved dtype: parity compares with the float32 source.
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     return model_logits_fn(model)

@@ -107,6 +107,7 @@ def build_samples(
     else:
         texts = [_render(tokenizer, c) for c in BUILTIN_CONVERSATIONS] + list(BUILTIN_TEXTS)
     ids = [list(tokenizer(t, add_special_tokens=True)["input_ids"])[:max_tokens] for t in texts]
+    # A one-token sample has no next-token position for the perplexity.
     kept = [(t, i) for t, i in zip(texts, ids, strict=True) if len(i) >= 2]
     return Samples([t for t, _ in kept], [i for _, i in kept])
 
@@ -115,14 +116,17 @@ def build_samples(
 def sample_logits(fn: LogitsFn, samples: Samples) -> list[torch.Tensor]:
     """Logits of each sample alone, then of the first two as one batch (cut to equal length), so
     the check also covers a batch size and lengths other than any example input."""
+    # float32 whatever the artefact computes in, so the differences are of values, not dtypes.
     out = [fn(torch.tensor([ids])).float()[0] for ids in samples.ids]
     if len(samples.ids) >= 2:
+        # Cut, not padded: a LogitsFn takes no attention mask.
         n = min(len(samples.ids[0]), len(samples.ids[1]))
         batch = torch.tensor([samples.ids[0][:n], samples.ids[1][:n]])
         out.extend(fn(batch).float().unbind(0))
     return out
 
 
+# The ids matching `sample_logits`'s outputs, its two-row batch included.
 def _ids_for(samples: Samples) -> list[list[int]]:
     ids = list(samples.ids)
     if len(ids) >= 2:
@@ -138,6 +142,7 @@ def perplexity(logits: Sequence[torch.Tensor], ids: Sequence[list[int]]) -> floa
         target = torch.tensor(row[1:])
         total += float(F.cross_entropy(lg[:-1], target, reduction="sum"))
         count += len(row) - 1
+    # math.exp overflows past ~709; the cap keeps a broken export's perplexity finite.
     return math.exp(min(total / max(1, count), 50.0))
 
 
@@ -156,6 +161,8 @@ def compare(
                 f"exported logits have shape {tuple(e.shape)}, source {tuple(r.shape)}"
             )
         d = (r - e).abs().max()
+        # NaN compares false with everything, so max() would drop it and a NaN export would
+        # pass: a non-finite difference counts as infinite.
         diff = max(diff, float(d) if torch.isfinite(d) else math.inf)
     ids = _ids_for(samples)
     ppl_src, ppl_exp = perplexity(reference, ids), perplexity(exported, ids)
@@ -193,8 +200,10 @@ def check_and_report(
         ParityError: a threshold is exceeded or `extra_failures` is not empty.
     """
     failures = list(extra_failures)
+    # Neither would write a passing report for an export nobody checked.
     if not metrics and not failures:
         raise ValueError("check_and_report: no metrics and no failure to report")
+    # `not x <= limit` rather than `x > limit`: a NaN metric fails.
     if metrics and not metrics["max_abs_logit_diff"] <= thresholds.max_abs_logit_diff:
         failures.append(
             f"max abs logit difference {metrics['max_abs_logit_diff']:.3g} > "

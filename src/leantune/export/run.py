@@ -68,6 +68,8 @@ class ExportJob:
 
     def merged(self) -> PreTrainedModel:
         """The source with adapters folded in (consumes the source model)."""
+        # On first use only: the adapter format never merges, and merging consumes the source
+        # model, so it can happen once at most.
         if self._merged is None:
             self._merged, self.merge_info = merge_into_base(
                 self.source.model, self.source.adapter_dir
@@ -94,6 +96,7 @@ class ExportFormat:
 # max |dlogit| 0.039 and ppl change 1e-5, bf16 (LoRA-merged) 0.25 and 0.0031, q8_0 1.17 and 0.0046.
 FORMATS: dict[str, ExportFormat] = {
     "hf": ExportFormat(
+        # The merge folds the adapter into W in float32: only rounding separates the two.
         write=lambda j: write_hf(j.merged(), j.source.tokenizer, j.out),
         load=load_hf,
         thresholds={"": Thresholds(max_abs_logit_diff=1e-3, max_ppl_rel_change=1e-4)},
@@ -101,6 +104,7 @@ FORMATS: dict[str, ExportFormat] = {
     "adapter": ExportFormat(
         write=lambda j: write_adapter(j.source.adapter_dir, j.out),
         load=load_adapter,
+        # The same base and adapter files, reloaded the same way: nothing should differ.
         thresholds={"": Thresholds(max_abs_logit_diff=1e-5, max_ppl_rel_change=1e-6)},
     ),
     "gguf": ExportFormat(
@@ -237,6 +241,7 @@ def export_model(
         OutputError: `out` is a link or not a folder, or the disk refused a write; an earlier
             export there is kept whole (each export replaces `out` whole when it is done).
     """
+    # Cheap refusals first: loading the source model can take minutes.
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r}: choose one of {sorted(FORMATS)}")
     if fmt == "gguf" and gguf_type not in GGUF_TYPES:
@@ -261,7 +266,8 @@ def export_model(
         samples = build_samples(source.tokenizer, data, num_samples)
     except ValueError as e:  # no valid record in --data
         raise ExportError(str(e)) from None
-    _make_parent(out)
+    _make_parent(out)  # only now: a refused or failed load creates no folders
+    # Before any writer runs: merging consumes the source model these logits come from.
     reference = sample_logits(_model_logits_fn(source.model), samples)
     failed: ParityError | None = None
     with replacing_dir(out) as tmp:  # written and checked beside `out`, then swapped in
@@ -280,6 +286,8 @@ def export_model(
             report = check_export(tmp, fmt, reference, samples, source, info, gguf_type, out)
         except ParityError as e:  # the export stays, with its report, for inspection
             failed = e
+    # Raised after the block, so that replacing_dir swaps the failed export in (with its report)
+    # rather than discarding it as it would on an exception.
     if failed is not None:
         raise failed
     return report

@@ -3,9 +3,7 @@
 A run directory exports its `final/`; a model or adapter directory exports itself. Adapter methods
 (LoRA, DoRA, IA3) are folded into the base with peft's `merge_and_unload`. A 4-bit base
 (bitsandbytes `Params4bit`, as QLoRA trains on) is dequantised to float32 first and the adapter is
-merged into those dequantised weights, which are the weights the adapter was trained against; a
-weight that bitsandbytes repacked for its AVX512-BF16 CPU kernel is unpacked first
-(`models.quantize.canonical_4bit`).
+merged into those dequantised weights.
 """
 
 from __future__ import annotations
@@ -64,6 +62,7 @@ def load_source(path: str, attn_implementation: AttnImplementation = "auto") -> 
     check_model_path(resolved)
     model, tokenizer = load_for_inference(resolved, "fp32", attn_implementation=attn_implementation)
     p = Path(resolved)
+    # Kept for the adapter format's copy and for a 4-bit merge, which reloads the adapter.
     adapter_dir = p if p.is_dir() and is_adapter_dir(p) else None
     return ExportSource(resolved, model, tokenizer, adapter_dir)
 
@@ -80,6 +79,7 @@ def model_logits_fn(model: nn.Module) -> LogitsFn:
 
 def is_4bit(module: nn.Module) -> bool:
     """True when some weight is a bitsandbytes 4-bit parameter."""
+    # By name: bitsandbytes is optional, and a model without 4-bit weights need not import it.
     return any(type(p).__name__ == "Params4bit" for p in module.parameters())
 
 
@@ -91,8 +91,10 @@ def dequantize_4bit(model: nn.Module) -> int:
         weight = getattr(module, "weight", None)
         if type(weight).__name__ != "Params4bit":
             continue
+        # Imported only here: bitsandbytes is optional, and only a 4-bit model needs it.
         import bitsandbytes.functional as bnb_f
 
+        # A weight that bitsandbytes repacked for its AVX512-BF16 CPU kernel is unpacked first.
         data, state = canonical_4bit(weight)
         dense = bnb_f.dequantize_4bit(data, state).to(torch.float32)
         bias = getattr(module, "bias", None)
@@ -103,6 +105,8 @@ def dequantize_4bit(model: nn.Module) -> int:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, linear)
         replaced += 1
+    # With the quantisation marks left, the saved config would still name bitsandbytes, and
+    # from_pretrained would quantise the float export again (and need bitsandbytes to load it).
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -134,7 +138,9 @@ def merge_into_base(
     if not isinstance(model, PeftModel):
         if is_4bit(model):
             info["dequantized_layers"] = dequantize_4bit(model)
+        # Every writer and the parity reference assume float32 weights in eval mode.
         return model.float().eval(), info  # type: ignore[return-value]
+    # Prompt-learning adapters add virtual tokens, not weight deltas: nothing to fold in.
     if (
         not callable(getattr(model, "merge_and_unload", None))
         or model.peft_config[model.active_adapter].is_prompt_learning
@@ -146,6 +152,9 @@ def merge_into_base(
     if is_4bit(model):
         if adapter_dir is None:
             raise ExportError("a 4-bit base can only be merged from an adapter directory on disk")
+        # Merging into 4-bit weights would requantise the sum. unload() drops the adapter
+        # unmerged, so it is reloaded from disk onto the dequantised float32 weights: the values
+        # it was trained against.
         base = model.unload()
         info["dequantized_layers"] = dequantize_4bit(base)
         with quiet_peft():

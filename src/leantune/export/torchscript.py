@@ -2,10 +2,8 @@
 
     logits = torch.jit.load("model.pt")(input_ids)   # [batch, seq] int64 -> [batch, seq, vocab]
 
-The trace is made with `example_input.pt` (saved beside it). transformers builds its attention
-mask with shape-dependent Python code that a trace freezes, so the wrapper passes an explicit
-causal mask and position ids computed with tensor ops; the parity check then runs other batch
-sizes and lengths than the example's.
+The trace is made with `example_input.pt` (saved beside it) and works for any batch size and
+length; the parity check runs other shapes than the example's.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ from leantune.export.parity import LogitsFn
 
 MODEL_FILE = "model.pt"
 EXAMPLE_FILE = "example_input.pt"
+# Short: the traced module serves any length, so the example only has to run the graph once.
 EXAMPLE_LEN = 8
 
 
@@ -36,10 +35,15 @@ class LogitsModule(nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # transformers builds its own mask with shape-dependent Python code that a trace would
+        # freeze at the example's shape; a causal mask and position ids made with tensor ops
+        # stay symbolic, so the traced module serves any batch size and length.
         batch, length = input_ids.shape[0], input_ids.shape[1]
         positions = torch.arange(length, device=input_ids.device).unsqueeze(0).expand(batch, -1)
         keep = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
         mask = torch.zeros(length, length, device=input_ids.device)
+        # Additive, as transformers' own masks: the float minimum rather than -inf, which turns
+        # a fully masked softmax row into NaN.
         mask = mask.masked_fill(~keep, torch.finfo(torch.float32).min)
         mask = mask[None, None].expand(batch, 1, length, length)
         out = self.model(
@@ -54,6 +58,7 @@ def trace_logits(model: nn.Module, example: torch.Tensor) -> torch.jit.ScriptMod
         # Tracer and deprecation warnings are expected here; parity on other shapes is the check.
         warnings.simplefilter("ignore")
         with torch.no_grad():
+            # check_trace would rerun the same example; parity runs other shapes instead.
             traced = torch.jit.trace(LogitsModule(model).eval(), example, check_trace=False)
     return traced
 
@@ -69,18 +74,17 @@ def write_torchscript(
     """Trace and save `model.pt`, `example_input.pt`, and the tokenizer and config beside them."""
     traced = trace_logits(model, example)
     save_traced(traced, example, out)
+    # Beside model.pt: the tokenizer makes its input ids; the config describes the model.
     model.config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return {"example_input_shape": list(example.shape), "usage": _USAGE}
 
 
 def save_traced(traced: torch.jit.ScriptModule, example: torch.Tensor, out: Path) -> None:
-    """`model.pt` and `example_input.pt`, written from Python.
-
-    `torch.jit.save` to a path ends the process (std::terminate, exit 134) when the disk
-    fills; serialised to memory first, the write is Python's, and a full disk is an error
-    (`leantune.core.writes`). It holds the module's bytes once more while they are written.
-    """
+    """`model.pt` and `example_input.pt`, written from Python."""
+    # `torch.jit.save` to a path ends the process (std::terminate, exit 134) when the disk
+    # fills; serialised to memory first, the write is Python's, and a full disk is an error
+    # (`leantune.core.writes`). The cost: the module's bytes are held once more meanwhile.
     write_file(out / MODEL_FILE, traced.save_to_buffer())
     buffer = io.BytesIO()
     torch.save(example, buffer)
@@ -94,7 +98,7 @@ def load_torchscript(out: Path) -> LogitsFn:
 
     def fn(input_ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return module(input_ids).float()
+            return module(input_ids).float()  # parity compares float32 logits
 
     return fn
 

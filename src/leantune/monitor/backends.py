@@ -109,6 +109,7 @@ def check_packages(m: MonitorConfig) -> None:
         ConfigError: naming the setting and the pip extra to install.
     """
     for backend in BACKENDS.values():
+        # find_spec, not import: validation stays quick and free of the package's import cost.
         if backend.enabled(m) and importlib.util.find_spec(backend.package) is None:
             raise _missing(backend)
 
@@ -126,6 +127,8 @@ def optional_sinks(m: MonitorConfig, run: RunInfo) -> list[Sink]:
         try:
             sinks.append(backend.build(m, run))
         except ImportError as e:
+            # Some other module missing (a broken dependency of the package, or a bug) is no
+            # missing extra: the install hint would mislead, so the error stays as it is.
             if e.name is None or e.name.split(".")[0] != backend.package:
                 raise
             raise _missing(backend) from None

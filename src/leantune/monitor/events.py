@@ -1,8 +1,7 @@
 """What the guard and the OOM recovery decided: ``events.jsonl``, the console, and exit codes.
 
-Every decision is one JSON object appended to ``run_dir/events.jsonl`` (never truncated, so it
-also keeps the decisions of attempts that were later rolled back or resumed over) and one line
-on the console. A run that has to stop raises a :class:`TrainingHalted` subclass whose
+Every decision is one JSON object appended to ``run_dir/events.jsonl`` and one line on the
+console. A run that has to stop raises a :class:`TrainingHalted` subclass whose
 ``exit_code`` the CLI returns.
 """
 
@@ -77,8 +76,11 @@ class EventLog:
         event = {"time": round(time.time(), 3), "step": step, "kind": kind, "message": message}
         event.update(fields)
         if self.path is not None:
+            # Appended, never truncated (unlike metrics.jsonl on resume): the file also keeps
+            # the decisions of attempts that were later rolled back or resumed over.
             append_text(self.path, json.dumps(event) + "\n")
         self.log(f"[{kind}] step {step}: {message}")
+        # Listeners last: a sink that fails cannot cost the event its line in the file.
         for listener in self.listeners:
             listener(event)
         return event
@@ -87,8 +89,7 @@ class EventLog:
 def lift_pause(marker: Path, events: EventLog, step: int, log: Callable[[str], None]) -> None:
     """Resume a paused run: record why it was paused (a ``resume`` event), remove the marker.
 
-    A marker that is not a JSON object (hand-edited, truncated) is reported and removed: the
-    checkpoint, not the marker, holds the run's state.
+    A marker that is not a JSON object (hand-edited, truncated) is reported and removed.
     """
     if not marker.is_file():
         return
@@ -99,9 +100,11 @@ def lift_pause(marker: Path, events: EventLog, step: int, log: Callable[[str], N
     if isinstance(info, dict):
         reason = str(info.get("reason", ""))
     else:
+        # Resumed anyway: the checkpoint, not the marker, holds the run's state.
         reason = "unknown"
         log(f"warning: {marker} is not a pause record (a JSON object); resuming anyway")
     marker.unlink(missing_ok=True)
+    # `step` is the checkpoint's last applied step; events name the step being computed.
     events.emit("resume", step + 1, f"resuming a paused run (paused for: {reason})")
 
 

@@ -2,9 +2,7 @@
 
 torch's allocator counters say what this process's tensors hold; NVML says what the device
 does: how busy its kernels keep it and how much memory every process on it uses (the CUDA
-context and other processes included). Nothing here is needed to train, so a missing library,
-a driver NVML cannot talk to or a device it cannot find all mean "no GPU figures", never an
-error.
+context and other processes included). Any failure here means "no GPU figures", never an error.
 """
 
 from __future__ import annotations
@@ -30,17 +28,15 @@ class GpuProbe:
             memory = self.nvml.nvmlDeviceGetMemoryInfo(self.handle)
         except Exception:  # a driver hiccup must not stop training
             return {}
+        # NVML gives a percentage; the metrics hold ratios in 0-1 (as mfu).
         return {"gpu_utilization": util.gpu / 100, "gpu_memory_used_bytes": int(memory.used)}
 
 
 def open_gpu_probe(device: torch.device) -> GpuProbe | None:
-    """An NVML probe for `device`, or None off CUDA, without pynvml or when NVML fails.
-
-    The device is found by its UUID, since CUDA_VISIBLE_DEVICES renumbers devices for torch but
-    not for NVML; by its index when torch cannot give the UUID.
-    """
+    """An NVML probe for `device`, or None off CUDA, without pynvml or when NVML fails."""
     if device.type != "cuda":
         return None
+    # Nothing here is needed to train: no library, no driver or no device means no figures.
     try:
         nvml: Any = importlib.import_module("pynvml")
         nvml.nvmlInit()
@@ -48,9 +44,12 @@ def open_gpu_probe(device: torch.device) -> GpuProbe | None:
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     try:
+        # By UUID: CUDA_VISIBLE_DEVICES renumbers devices for torch but not for NVML, so the
+        # index is only a fallback for a torch that cannot give the UUID.
         uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
         if uuid is not None:
             text = str(uuid)
+            # NVML wants the "GPU-" prefix, which torch's UUID text may lack.
             handle = nvml.nvmlDeviceGetHandleByUUID(
                 text if text.startswith("GPU-") else f"GPU-{text}"
             )

@@ -1,20 +1,18 @@
 """Which Host headers the two servers (the dashboard and a run's /metrics) answer.
 
-A web page can have its own domain re-pointed at 127.0.0.1 or at the machine's address (DNS
-rebinding): the browser then sends that page's requests to the server, with the page's domain
-in the Host header, and lets the page read the answers (run names, model paths, losses). The
-page cannot choose that header, so each server answers only requests that name it, as Jupyter
-does for loopback:
+Each server answers only requests that name it, as Jupyter does for loopback:
 
-- a loopback address in the Host header (127.0.0.1, [::1]) or `localhost`, on any port: a tunnel
-  (`ssh -L 9999:localhost:8470`) sends its own local port, and the name, not the port, is what a
-  rebinding page cannot fake;
-- when bound beyond loopback, also any IP address (a browser that sends an IP address connected
-  to that address: no name was resolved, so none was rebound), the bound name, this machine's
-  host name, and the names given (`--allow-host`, `monitor.metrics_allowed_hosts`).
+- a loopback address in the Host header (127.0.0.1, [::1]) or `localhost`, on any port;
+- when bound beyond loopback, also any IP address, the bound name, this machine's host name, and
+  the names given (`--allow-host`, `monitor.metrics_allowed_hosts`).
 
-A request without a Host header (HTTP/1.0, `nc`) is answered: every browser sends one.
+A request without a Host header (HTTP/1.0, `nc`) is answered.
 """
+
+# The threat is DNS rebinding: a web page can have its own domain re-pointed at 127.0.0.1 or at
+# the machine's address; the browser then sends that page's requests to the server, with the
+# page's domain in the Host header, and lets the page read the answers (run names, model paths,
+# losses). The page cannot choose that header, so the header decides.
 
 from __future__ import annotations
 
@@ -48,10 +46,13 @@ def host_name(header: str) -> str | None:
         if not bracket or (rest and not (rest.startswith(":") and rest[1:].isdigit())):
             return None
         return address if _address(address) is not None else None
+    # The port is dropped: a tunnel (`ssh -L 9999:localhost:8470`) sends its own local port,
+    # and the name, not the port, is what a rebinding page cannot fake.
     name, colon, port = text.partition(":")
     if colon and not port.isdigit():
         return None
     name = name.removesuffix(".")  # "localhost." is the same name, fully qualified
+    # Anything but a plain host name is refused rather than matched loosely.
     return name if name and all(c.isalnum() or c in "-._" for c in name) else None
 
 
@@ -70,11 +71,13 @@ class HostCheck:
         names = {n.strip().lower().removesuffix(".") for n in allowed if n.strip()}
         if is_loopback(host):
             return cls(frozenset(names | LOCAL_NAMES), any_address=False)
+        # The names a user on another machine would type: the bound one and the host's own.
         names |= {host.lower(), socket.gethostname().lower()}
         return cls(frozenset(names | LOCAL_NAMES), any_address=True)
 
     def allows(self, header: str | None) -> bool:
         """Whether to answer a request whose Host header is `header` (None: there is none)."""
+        # HTTP/1.0 clients and nc send none; every browser sends one, so no rebound page lacks it.
         if header is None:
             return True
         name = host_name(header)
@@ -83,6 +86,8 @@ class HostCheck:
         address = _address(name)
         if address is None:
             return name in self.names
+        # A browser that sends an IP address connected to that address: no name was resolved,
+        # so none was rebound. Behind a loopback bind, only loopback addresses name this server.
         return self.any_address or address.is_loopback
 
 

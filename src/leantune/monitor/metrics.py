@@ -22,16 +22,16 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def start_training_memory() -> int | None:
-    """At the start of training on CPU: the process's peak so far (the load phase, whose RSS
-    counts the checkpoint's file pages while they are mapped), with the kernel's high-water
-    mark (VmHWM) then reset, so that the peaks `memory_stats` reports from here on are
-    training's. None where /proc/self cannot say or reset it (the peak then stays the
-    process's, load included)."""
+    """At the start of training on CPU: the process's peak so far (the load phase), with the
+    kernel's high-water mark (VmHWM) then reset, so that the peaks `memory_stats` reports from
+    here on are training's. None where /proc/self cannot say or reset it."""
+    # The load phase's RSS counts the checkpoint's file pages while they are mapped, a peak
+    # training never reaches again; without the reset it would stand for training's.
     peak = status_bytes("VmHWM")
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current RSS (Linux 4.0+, proc(5))
-    except OSError:
+    except OSError:  # not Linux, or /proc read-only: the peak stays the process's, load included
         return None
     return peak
 
@@ -53,6 +53,8 @@ def memory_stats(device: torch.device) -> dict[str, int]:
     peak = hwm if hwm is not None else peak_memory_bytes(device)  # ru_maxrss is never reset
     # The kernel updates its high-water mark lazily, so it can trail the current RSS.
     out = {"rss_bytes": rss, "peak_mem_bytes": max(rss, peak)}
+    # The anonymous part is the run's tensors and heap; the rest of RSS is file pages (a mapped
+    # checkpoint) that the kernel can drop, so it is the better measure of what training holds.
     anon = status_bytes("RssAnon")
     if anon is not None:
         out["rss_anon_bytes"] = anon
@@ -65,6 +67,8 @@ class MetricsLog:
 
     def __init__(self, path: Path, resume_step: int = 0):
         self.path = path
+        # The resumed run recomputes every step after resume_step: their old rows go, and a
+        # fresh start (resume_step 0) empties the file of an earlier attempt's rows.
         kept: list[str] = []
         if resume_step > 0 and path.is_file():
             for line in path.read_text().splitlines():

@@ -12,8 +12,7 @@ After a rollback (`start(step)` with a smaller step) the steps after `step` are 
 MLflow keeps every value of a metric, so its history holds both attempts at those steps (in
 the order logged); metrics.jsonl holds the one trajectory.
 
-A `file:` URI (or a plain path) is a local store that needs no server; MLflow 3 refuses it
-unless MLFLOW_ALLOW_FILE_STORE is set, so it is set (when unset) for a URI that asks for one.
+A `file:` URI (or a plain path) is a local store that needs no server.
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ BATCH = 100
 
 
 def _is_file_store(uri: str) -> bool:
+    # A plain path has no scheme; "databricks" (or "databricks-uc") has none either, but is remote.
     return uri.startswith("file:") or ("://" not in uri and not uri.startswith("databricks"))
 
 
@@ -71,6 +71,7 @@ class MlflowSink:
 
     def _open(self) -> None:
         if _is_file_store(self.uri):
+            # MLflow 3 refuses a file store unless this is set; a user's own setting wins.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         client = MlflowClient(tracking_uri=self.uri)
         run_id = remembered_id(self.run_dir, "mlflow")
@@ -78,6 +79,7 @@ class MlflowSink:
         if run_id is not None:
             run = client.get_run(run_id)
             logged = dict(run.data.params)
+            # The earlier attempt's close() ended it (KILLED or FAILED); it runs again.
             client.update_run(run_id, status="RUNNING")
         else:
             found = client.get_experiment_by_name(self.experiment)
@@ -95,18 +97,20 @@ class MlflowSink:
         assert self._client is not None and self._run_id is not None
         params, tags = [], []
         for key, value in flat_config(self.config).items():
+            # Cut rather than refused: one value too long would fail the whole batch.
             text = str(value)[:PARAM_LIMIT]
             if key not in logged:
                 params.append(Param(key, text))
             elif logged[key] != text:
                 tags.append(RunTag(f"changed.{key}", text))
+        # One loop for both lists: a slice past a list's end is empty.
         for i in range(0, max(len(params), len(tags)), BATCH):
             batch = slice(i, i + BATCH)
             self._client.log_batch(self._run_id, params=params[batch], tags=tags[batch])
 
     def _log(self, values: dict[str, float], step: int) -> None:
         assert self._client is not None and self._run_id is not None, "start() first"
-        now = int(time.time() * 1000)
+        now = int(time.time() * 1000)  # MLflow timestamps are milliseconds
         metrics = [Metric(k, v, now, step) for k, v in values.items()]
         self._client.log_batch(self._run_id, metrics=metrics)
 
@@ -139,6 +143,8 @@ class MlflowSink:
         if events.is_file():  # every event of the run, also those of earlier attempts
             client.log_artifact(run_id, str(events))
         client.set_tag(run_id, "leantune.outcome", name)
+        # KILLED for every outcome OUTCOMES names (a pause, a guard stop, out of memory at the
+        # minimum, a signal): stopped on purpose, with a message; FAILED for the rest, a crash.
         status = "FINISHED" if code == 0 else "FAILED" if name == "failed" else "KILLED"
         client.set_terminated(run_id, status)
         self._client = self._run_id = None

@@ -7,8 +7,7 @@ identity in one ``leantune_run_info`` metric, and labels only with a few fixed v
 a value the run does not have (eval loss before the first evaluation, GPU figures on CPU, the
 planner's prediction when it could not model the run) is NaN.
 
-Each sink has its own `CollectorRegistry`, so two runs in one process never share a metric. In
-a distributed run only the main process (rank 0) builds the sink, and it reports its own
+In a distributed run only the main process (rank 0) builds the sink, and it reports its own
 figures: memory, MFU and padding are rank 0's (loss and grad norm are the reduced ones).
 """
 
@@ -120,6 +119,7 @@ def newest_checkpoint_time(ckpt_dir: Path) -> tuple[int, float] | None:
         if step is None:
             continue
         try:
+            # The marker is written last: its time is when the checkpoint became complete.
             when = (path / CHECKPOINT_MARKER).stat().st_mtime
         except OSError:  # incomplete, or removed by keep_last since the listing
             continue
@@ -147,6 +147,7 @@ class PrometheusSink:
         check_port(host, port)
         self.host, self.port, self.log = host, port, log
         self.allowed_hosts = tuple(allowed_hosts)
+        # Its own registry, not the global one: two runs in one process never share a metric.
         self.registry = CollectorRegistry()
         self.lock = threading.Lock()
         """Held while one record's values are written, and by each scrape (`server`)."""
@@ -170,6 +171,7 @@ class PrometheusSink:
         self.gauges = {
             name: Gauge(name, doc, registry=r) for name, (_, doc) in RECORD_GAUGES.items()
         }
+        # NaN until a record sets them: a value the run does not have must not read as a real 0.
         for gauge in self.gauges.values():
             gauge.set(math.nan)
         self.memory = Gauge(
@@ -185,6 +187,7 @@ class PrometheusSink:
             "Unix time of the last applied step (or of the loop's start)",
             registry=r,
         )
+        # prometheus_client appends the counters' `_total` suffix itself.
         self.tokens = Counter("leantune_tokens", "Non-pad tokens trained on", registry=r)
         constants = {
             "leantune_max_steps": ("Steps the run trains for", facts.max_steps),
@@ -212,6 +215,8 @@ class PrometheusSink:
             registry=r,
         )
         self.events = Counter("leantune_events", "Events of events.jsonl", ["kind"], registry=r)
+        # Every label value exists at 0 from the first scrape: a series that first appears at 1
+        # shows no increase(), and the alert rules would miss the first event of a kind.
         for kind in GUARD_KINDS:
             self.guard.labels(kind=kind)
         for kind in ("train", "eval"):
@@ -219,6 +224,7 @@ class PrometheusSink:
         for kind in EVENT_KINDS:
             self.events.labels(kind=kind)
         r.register(_CheckpointCollector(ckpt_dir))
+        # A private registry lacks the default process metrics (CPU, memory, open files).
         ProcessCollector(namespace="leantune", registry=r)
 
     @property
@@ -236,6 +242,8 @@ class PrometheusSink:
         }
 
     def start(self, step: int) -> None:
+        # The loop's (re)start stands for the last step's time, so a stall alert measures from
+        # here rather than from a step of an earlier attempt, or from nothing (NaN).
         with self.lock:
             self._last_step, self._last_time = step, time.time()
             self.gauges["leantune_step"].set(step)

@@ -15,6 +15,7 @@ from leantune.layout import RunPaths
 
 Record = dict[str, Any]
 
+# The CLI's exit codes (events.EXIT_*) as the names the backends show; anything else failed.
 OUTCOMES = {0: "finished", 3: "paused", 4: "stopped", 5: "out_of_memory", 130: "interrupted"}
 OUTCOMES[143] = "interrupted"
 
@@ -37,7 +38,7 @@ def flat_config(config: dict[str, Any], prefix: str = "") -> dict[str, str | int
             flat.update(flat_config(value, f"{name}."))
         elif isinstance(value, (bool, int, float, str)):
             flat[name] = value
-        else:
+        else:  # the backends take only scalars as parameters
             flat[name] = json.dumps(value)
     return flat
 
@@ -61,13 +62,14 @@ class EventCounts:
 def outcome() -> tuple[str, int]:
     """How the run's loop ended, for a sink's `close()`: (name, exit code).
 
-    `close()` runs in the loop's `finally`, so the exception on its way out (a guard pause or
-    stop, a signal, a crash), if any, is the one `sys.exc_info` holds; its `exit_code` is the
-    CLI's.
+    Only meaningful when called from the loop's `finally`.
     """
+    # `close()` runs in the loop's `finally`, so the exception on its way out (a guard pause or
+    # stop, a signal, a crash), if any, is the one sys.exc_info holds; its exit_code is the CLI's.
     exc = sys.exc_info()[1]
     if exc is None:
         return "finished", 0
+    # An exception without an int exit_code (a crash) exits 1, as the CLI does.
     code = getattr(exc, "exit_code", 1)
     code = code if isinstance(code, int) else 1
     return OUTCOMES.get(code, "failed"), code
@@ -88,7 +90,7 @@ def remember_id(run_dir: Path, backend: str, run_id: str) -> None:
     path = RunPaths(run_dir).monitor_ids
     try:
         ids = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # none yet, or damaged: the other backends' ids are lost
         ids = {}
     ids = ids if isinstance(ids, dict) else {}
     ids[backend] = run_id

@@ -59,6 +59,7 @@ def write_report(
     path = out if out is not None else RunPaths(run_dir).report
     check_target(path)  # before the work of rendering
     data = read_run(run_dir)
+    # UTC, as every time in the report: a run copied elsewhere reads the same.
     text = render(data, plots(data), generated or dt.datetime.now(dt.UTC))
     try:
         write_file(path, text)
@@ -81,6 +82,7 @@ def report_at_end(run_dir: Path, log: Callable[[str], None]) -> Path | None:
 
 def render(data: RunData, charts: list[Plot], generated: dt.datetime) -> str:
     """The report's HTML."""
+    # Resolved: a run given as "." or "runs/x/" still shows its folder's name.
     name = html.escape(data.run_dir.resolve().name)
     parts = [
         "<!DOCTYPE html>",
@@ -104,6 +106,7 @@ def render(data: RunData, charts: list[Plot], generated: dt.datetime) -> str:
 
 
 def _fmt(value: Any) -> str:
+    # bool first: it is an int, and True would otherwise print as 1.
     if isinstance(value, bool) or value is None:
         return html.escape(str(value))
     if isinstance(value, float):
@@ -131,6 +134,7 @@ def _grid(header: list[str], rows: Iterable[list[Any]]) -> str:
 
 def _overview(data: RunData) -> str:
     s = data.summary or {}
+    # The last row of the one trajectory metrics.jsonl holds, also for an unfinished run.
     steps = data.metrics[-1]["step"] if data.metrics else 0
     rows: list[tuple[str, Any]] = [
         ("method", data.setting("method.name")),
@@ -158,6 +162,7 @@ def _results(data: RunData) -> str:
         if last is not None:
             text += f" Last step {last['step']}: loss {_fmt(last.get('loss'))}."
         return "<h2>Final metrics</h2>" + text + "</p>"
+    # Scalars only: a table cell cannot show a nested entry.
     out = "<h2>Final metrics</h2>" + _table(
         (k, v) for k, v in s.items() if isinstance(v, (int, float)) or v is None
     )
@@ -213,6 +218,7 @@ def _data(data: RunData) -> str:
         rows: list[tuple[str, Any]] = [
             ("records in", r.get("rows_in")),
             ("kept", r.get("rows_out")),
+            # Only counts: a hand-edited report must not break the sum.
             ("bad lines", sum(v for v in dropped.values() if isinstance(v, int))),
             *((f"  dropped: {k}", v) for k, v in dropped.items()),
             ("rows", r.get("packed_rows")),
@@ -246,6 +252,7 @@ def _row_fill(data: RunData) -> float | None:
     rows = data.record.get("fingerprint", {}).get("train.global_batch")
     length = data.setting("data.max_seq_len")
     tokens = [m["tokens"] for m in data.metrics if isinstance(m.get("tokens"), int)]
+    # Any figure missing or zero (an older run, a hand-edited config): no fill rather than an error.
     if not (isinstance(rows, int) and isinstance(length, int) and tokens and rows and length):
         return None
     return sum(tokens) / (len(tokens) * rows * length)
@@ -253,6 +260,7 @@ def _row_fill(data: RunData) -> float | None:
 
 def _times(data: RunData) -> str:
     s = data.summary or {}
+    # Only this trajectory's steps: a rolled-back attempt's rows left metrics.jsonl.
     step_times = [m["step_time_s"] for m in data.metrics if isinstance(m.get("step_time_s"), float)]
     rows: list[tuple[str, Any]] = [
         ("wall time of the last invocation (s)", s.get("wall_time_s")),

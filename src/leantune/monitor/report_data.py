@@ -17,7 +17,7 @@ from leantune.errors import UserError
 from leantune.layout import PreparedPaths, RunPaths
 from leantune.monitor.summary import read_summary
 
-BAD_LINES_SHOWN = 20
+BAD_LINES_SHOWN = 20  # enough to see the pattern; the full list is in the prepared folder
 
 
 class NotARun(UserError):
@@ -96,6 +96,7 @@ def read_run(run_dir: Path) -> RunData:
     data.evals = _jsonl(paths.eval)
     data.events = _jsonl(paths.events)
     data.paused = _json(paths.paused) if paths.paused.exists() else None
+    # A marker that cannot be read still means paused: `leantune train` would resume it.
     if paths.paused.exists() and data.paused is None:
         data.paused = {"reason": "unknown"}
     data.data = _data_reports(data)
@@ -103,7 +104,7 @@ def read_run(run_dir: Path) -> RunData:
     budget = data.setting("train.memory_budget")
     try:
         data.budget_bytes = memory_size(str(budget)) if budget else None
-    except ParseError:
+    except ParseError:  # a hand-edited budget only costs the memory chart its budget line
         data.budget_bytes = None
     return data
 
@@ -116,6 +117,7 @@ def status(data: RunData) -> str:
         return (
             f"paused by the guard at step {p.get('step')} ({p.get('detector')}): {p.get('reason')}"
         )
+    # A summary from an earlier finish is stale once a resumed attempt logged further steps.
     if data.summary is not None and data.summary.get("steps") == last_step:
         return "finished"
     ends = [e for e in data.events if e.get("kind") in ("stop", "signal", "oom", "pause")]
@@ -126,6 +128,8 @@ def status(data: RunData) -> str:
             return f"stopped by the guard at step {last.get('step')}"
         if kind == "signal":
             return f"interrupted by a signal at step {last.get('step')}"
+        # Only the final OOM (micro-batch 1) saves a checkpoint and says so; the ones the run
+        # recovered from (micro-batch halved) are no end.
         if kind == "oom" and "Checkpoint" in str(last.get("message")):
             return f"out of memory at step {last.get('step')} (micro-batch 1)"
     return "in progress, or ended without a summary"
@@ -145,6 +149,7 @@ def _config(path: Path) -> tuple[str, dict[str, Any]]:
         raise DamagedRun(f"{path}: {_RESTORE} ({' '.join(str(e).split())})") from None
     if not isinstance(loaded, dict) or not all(isinstance(v, dict) for v in loaded.values()):
         raise DamagedRun(f"{path}: not a mapping of config sections; {_RESTORE}")
+    # These become paths (`_data_reports`), where another type would fail with a traceback.
     for key in ("data.train", "data.eval", "data.cache_dir"):
         section, name = key.split(".")
         value = loaded.get(section, {}).get(name)
@@ -208,10 +213,12 @@ def _prepared_dir(source: Path, caches: list[Path]) -> Path | None:
     for cache in caches:
         for report in cache.glob(f"*/{PreparedPaths.report}"):
             files = (_json(report) or {}).get("files") or []
+            # The report may record the file resolved or as it was given.
             if wanted in files or str(source) in files:
                 matches.append(report)
     if not matches:
         return None
+    # The newest is the one this run most likely used; the name breaks ties deterministically.
     return max(matches, key=lambda p: (p.stat().st_mtime, str(p))).parent
 
 

@@ -20,6 +20,7 @@ GIB = 2**30
 EVENT_COLORS = {"rollback": "tab:red", "oom": "tab:purple", "oom_eval": "tab:purple"}
 GUARD_COLOR = "tab:orange"
 """Loss spikes, gradient-norm anomalies, non-finite steps, pauses and stops."""
+# Small images: every chart is inlined as base64 in one self-contained HTML file.
 SIZE = (6.0, 3.0)
 DPI = 80
 
@@ -54,6 +55,7 @@ def _png(title: str, draw: Callable[[Axes], None], ylabel: str) -> bytes:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="best", fontsize="small")
     buf = io.BytesIO()
+    # Without matplotlib's version stamp, the same data draws the same bytes on any install.
     fig.savefig(buf, format="png", metadata={"Software": None})
     return buf.getvalue()
 
@@ -63,10 +65,11 @@ def _mark_events(ax: Axes, data: RunData) -> None:
     labelled: set[str] = set()
     for event in data.events:
         kind, step = str(event.get("kind")), event.get("step")
+        # A resume or a signal marks where a process started or stopped, not a training anomaly.
         if kind in ("resume", "signal") or not isinstance(step, int):
             continue
         color = EVENT_COLORS.get(kind, GUARD_COLOR)
-        label = kind if kind not in labelled else None
+        label = kind if kind not in labelled else None  # a legend entry per kind, not per line
         labelled.add(kind)
         ax.axvline(step, color=color, linestyle=":", linewidth=1.2, label=label)
 
@@ -86,6 +89,8 @@ def _line(data: RunData, key: str, log: bool = False) -> Callable[[Axes], None]:
     def draw(ax: Axes) -> None:
         steps, values = _series(data.metrics, key)
         ax.plot(steps, values, linewidth=1.0)
+        # Log scale only over a wide positive range: one gradient-norm spike would otherwise
+        # flatten every other step into the axis.
         if log and values and min(values) > 0 and max(values) / min(values) > 100:
             ax.set_yscale("log")
 
@@ -127,5 +132,5 @@ def plots(data: RunData) -> list[Plot]:
     return [
         Plot(title, _png(title, draw, ylabel))
         for title, key, ylabel, draw in charts
-        if _series(data.metrics, key)[0]
+        if _series(data.metrics, key)[0]  # no empty axes for a field this run never logged
     ]

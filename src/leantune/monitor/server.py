@@ -1,12 +1,7 @@
 """The HTTP endpoint of a run's metrics: /metrics (Prometheus text format) and /health.
 
-A small threaded WSGI server on a daemon thread, so a scrape never waits on the training step.
-A scrape reads the registry under the sink's lock, which the sink holds while it writes one
-record's values: a scrape sees all of one step or all of the next, never a step's number with
-the previous step's loss. `stop()` shuts it down and closes its
-socket, so the next run can bind the same port at once. A request whose Host header names
-another server is refused (403), so that a web page re-pointed at this machine (DNS rebinding)
-cannot read the run's name and model (`hosts`).
+A small threaded WSGI server on a daemon thread; `stop()` shuts it down and frees the port. A
+request whose Host header names another server is refused (403, `hosts`).
 """
 
 from __future__ import annotations
@@ -32,11 +27,13 @@ class MetricsPortInUse(UserError):
     """The configured metrics port cannot be bound (exit 2, before training starts)."""
 
 
+# Threaded on a daemon thread, so a scrape never waits on the training step, and a request
+# still open cannot keep the process alive once training ends.
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
 
 
-class _Server6(_Server):
+class _Server6(_Server):  # the socketserver classes are IPv4 unless told otherwise
     address_family = socket.AF_INET6
 
 
@@ -46,13 +43,11 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 def check_port(host: str, port: int) -> None:
-    """Raise `MetricsPortInUse` when `host:port` cannot be bound now (port 0 always can).
-
-    The server binds the same way (SO_REUSEADDR, so a port a previous run just closed is free;
-    a port another process listens on is not).
-    """
+    """Raise `MetricsPortInUse` when `host:port` cannot be bound now (port 0 always can)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
+        # As the server binds (wsgiref sets SO_REUSEADDR): a port a previous run just closed
+        # is free, one another process listens on is not.
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
@@ -77,9 +72,13 @@ def wsgi_app(
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
+        # Checked first, for every path: a web page re-pointed at this machine (DNS rebinding)
+        # must not read the run's name and model, nor learn which paths exist.
         if not hosts.allows(environ.get("HTTP_HOST")):
             body, kind, status = REFUSED, "text/plain", "403 Forbidden"
         elif path == "/metrics":
+            # The sink holds the lock while it writes one record's values: a scrape sees all of
+            # one step or all of the next, never a step's number with the previous step's loss.
             with lock:
                 body = generate_latest(registry)
             kind, status = CONTENT_TYPE_LATEST, "200 OK"
@@ -121,6 +120,7 @@ class MetricsServer:
         self.host = host
         self.port = int(self._server.server_address[1])
         """The bound port (the one picked when `port` was 0)."""
+        # shutdown() waits up to one poll interval: 0.1 s, not the default 0.5, keeps stop() quick.
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True
         )
@@ -135,5 +135,6 @@ class MetricsServer:
     def stop(self) -> None:
         """Stop serving and free the port."""
         self._server.shutdown()
+        # Closing the socket lets the next run in this process bind the same port at once.
         self._server.server_close()
         self._thread.join()

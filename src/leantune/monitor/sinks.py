@@ -66,11 +66,7 @@ class Sinks:
 
 
 class JsonlSink:
-    """`metrics.jsonl` and `eval.jsonl`: exactly one trajectory, cut back on (re)start.
-
-    Events have their own append-only file (`monitor.events.EventLog`), which keeps the
-    decisions of attempts that were later rolled back, so they are not written here.
-    """
+    """`metrics.jsonl` and `eval.jsonl`: exactly one trajectory, cut back on (re)start."""
 
     def __init__(self, run_dir: Path, with_eval: bool):
         self.metrics_path = RunPaths(run_dir).metrics
@@ -91,10 +87,12 @@ class JsonlSink:
             self._eval.write(row)
 
     def event(self, event: Record) -> None:
+        # Events have their own append-only file (`monitor.events.EventLog`), which keeps the
+        # decisions of attempts later rolled back; cutting back on restart would lose them.
         pass
 
     def close(self) -> None:
-        pass
+        pass  # every write is appended and closed at once: nothing is left open
 
 
 class ConsoleSink:
@@ -118,6 +116,7 @@ class ConsoleSink:
         self._bar.update(1)
 
     def eval(self, row: Record) -> None:
+        # Floats only: the scores, not the step number.
         self.log(", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)))
 
     def event(self, event: Record) -> None:

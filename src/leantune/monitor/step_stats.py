@@ -77,6 +77,7 @@ class DataClock:
 
 
 def _cores() -> int:
+    # The cores this process may run on (taskset, a container's cpuset), not the machine's.
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -118,13 +119,13 @@ class StepStats:
         """The record's extra fields for step `step` (1-based), which took `elapsed` seconds and
         whose collated batches held `tokens` non-pad tokens in `elements` positions (this
         process's share of the window)."""
-        elapsed = max(elapsed, 1e-9)
+        elapsed = max(elapsed, 1e-9)  # a clock too coarse for the step reads 0
         cpu = (_cpu_seconds() - self._cpu_start) / max(time.perf_counter() - self._wall_start, 1e-9)
         self._times.append(elapsed)
         mfu = None
         if self.flops_per_token is not None and self.peak_flops:
             achieved = self.flops_per_token * tokens / elapsed
-            if achieved > self.peak_flops:
+            if achieved > self.peak_flops:  # so that MFU never exceeds 1
                 self._raise_peak(achieved)
             mfu = achieved / self.peak_flops
         eta = None
@@ -137,6 +138,7 @@ class StepStats:
             "data_wait_s": self.data.seconds,
             "data_wait_ratio": min(1.0, self.data.seconds / elapsed),
             "eta_s": eta,
+            # os.times counts in clock ticks (10 ms): over a short step the ratio can overshoot.
             "cpu_utilization": min(1.0, cpu / self.cores),
         }
         if self.rss:

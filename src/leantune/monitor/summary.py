@@ -34,7 +34,7 @@ def read_summary(run_dir: Path) -> dict[str, Any] | None:
         value = json.loads(RunPaths(run_dir).summary.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):  # RecursionError: nested thousands deep
         return None
-    return value if isinstance(value, dict) else None
+    return value if isinstance(value, dict) else None  # valid JSON, but no summary: damaged
 
 
 def finished_summary(run_dir: Path) -> dict[str, Any]:

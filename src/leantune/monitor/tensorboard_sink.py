@@ -3,11 +3,8 @@
 Scalars: `train/<field>` for each numeric field of a metrics record, `eval/<field>` for each
 periodic evaluation, `events/<kind>` (how many of that kind so far) for each event, at the
 record's step; each event's message is also text under `events`. The resolved config is
-logged once, as hyper-parameters (the HPARAMS tab) and as text (`config`).
-
-A rollback or resume (`start(step)`) opens a new event file with a purge at step + 1:
-TensorBoard then drops what the earlier attempt wrote beyond `step`, so its curves show the one
-trajectory that metrics.jsonl holds.
+logged once, as hyper-parameters (the HPARAMS tab) and as text (`config`). After a rollback
+or resume the curves show the one trajectory that metrics.jsonl holds.
 """
 
 from __future__ import annotations
@@ -53,11 +50,14 @@ class TensorBoardSink:
         first = self._writer is None
         if self._writer is not None:
             self._writer.close()
-        # purge_step: TensorBoard discards the earlier events at and after it (a restart).
+        # A rollback or resume opens a new event file with a purge at step + 1: TensorBoard then
+        # drops what the earlier attempt wrote beyond `step`. A fresh run's first start has
+        # nothing to purge; any later start does, even back to step 0.
         purge = step + 1 if step or not first else None
         self._writer = SummaryWriter(str(self.log_dir), purge_step=purge)
         if first:
             self._log_config()
+        # Events the purge just removed are written again: unlike metrics, they still stand.
         for item in self._events:
             if not item.written or (purge is not None and int(item.event.get("step", 0)) >= purge):
                 self._write_event(item.event, item.count)
@@ -65,9 +65,12 @@ class TensorBoardSink:
 
     def _log_config(self) -> None:
         assert self._writer is not None and self._writer.file_writer is not None
+        # Through the file writer: SummaryWriter.add_hparams would put them in a sub-run of
+        # their own, apart from this run's scalars.
         for summary in hparams(flat_config(self.config), {}):
             self._writer.file_writer.add_summary(summary)
         text = yaml.safe_dump(self.config, sort_keys=False)
+        # Text is rendered as Markdown: the fence keeps the YAML's indentation.
         self._writer.add_text("config", "```\n" + text + "```")
 
     def metrics(self, record: Record) -> None:
@@ -80,12 +83,14 @@ class TensorBoardSink:
         assert self._writer is not None, "start() first"
         step = int(row["step"])
         for key, value in numeric_fields(row).items():
+            # `eval/loss`, not `eval/eval_loss`: the section already says it.
             self._writer.add_scalar(f"eval/{key.removeprefix('eval_')}", value, step)
 
     def event(self, event: Record) -> None:
         if self._closed:
             return  # the closing evaluation's events: the loop's records have ended
         count = self._counts.add(event)
+        # One before the first start() is written when that opens the writer.
         self._events.append(_Logged(event, count, self._writer is not None))
         if self._writer is not None:
             self._write_event(event, count)

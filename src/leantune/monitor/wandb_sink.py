@@ -6,11 +6,9 @@ against the step metric `train/step`; the events also go, as a table, into the r
 when it closes. The resolved config is the W&B run's config. The W&B run id is kept in
 <run dir>/monitor_runs.json, so a resumed run goes on logging to the same W&B run.
 
-After a rollback (`start(step)` with a smaller step) the steps after `step` are logged again:
-W&B's history only grows (its own `_step` must increase), so the records are plotted against
-`train/step` (`define_metric`), where the rolled-back attempt's points stay, ahead of the new
-ones; the `events/rollback` counter marks where it happened. metrics.jsonl holds the one
-trajectory.
+After a rollback (`start(step)` with a smaller step) the steps after `step` are logged again;
+the rolled-back attempt's points stay, and the `events/rollback` counter marks where it
+happened. metrics.jsonl holds the one trajectory.
 """
 
 from __future__ import annotations
@@ -72,12 +70,16 @@ class WandbSink:
             dir=str(self.run_dir),
             config=self.config,
             id=run_id,
+            # "allow": continue the remembered run if W&B still has it, else start that id anew.
             resume="allow" if run_id else None,
             # Never hand back (or finish) another W&B run this process has open.
             settings=wandb.Settings(reinit="create_new"),
         )
+        # A disabled run's id is a stand-in with nothing behind it to continue.
         if self.mode != "disabled" and run.id and run.id != run_id:  # no run to continue
             remember_id(self.run_dir, "wandb", run.id)
+        # W&B's own `_step` must only increase, so a rollback's repeated steps cannot reuse it:
+        # everything is plotted against train/step instead.
         run.define_metric(STEP)
         for prefix in ("train", "eval", "events"):
             run.define_metric(f"{prefix}/*", step_metric=STEP)
@@ -102,6 +104,8 @@ class WandbSink:
 
     def _log_event(self, event: Record) -> None:
         kind = str(event.get("kind"))
+        # The count since the run began (earlier attempts' events included), so the counter
+        # goes on where a resumed W&B run left it.
         self._run.log({f"events/{kind}": self.counts.add(event), STEP: int(event.get("step", 0))})
 
     def close(self) -> None:

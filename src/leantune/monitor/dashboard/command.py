@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
             f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; "
             "pick another --port (0: any free one)"
         ) from None
-    port = int(server.server_address[1])
+    port = int(server.server_address[1])  # the one picked when --port was 0
     what = "every run's config, metrics and events"
     warning = exposure_warning(args.host, port, what, "--host", "--allow-host")
     if warning is not None:
@@ -88,6 +88,7 @@ def _port(text: str) -> int:
 
 
 def _host_name(text: str) -> str:
+    # The characters `hosts.host_name` accepts in a Host header: any other name never matches.
     if not text or not all(c.isalnum() or c in "-._" for c in text):
         raise argparse.ArgumentTypeError(
             f"expected a host name (runs.example.org), without scheme, port or path; got {text!r}"

@@ -1,11 +1,9 @@
 """A run's small files (`config.yaml`, `leantune_run.json`, `summary.json`, ...), parsed once
 per version and within limits.
 
-The run list is polled every two seconds for every run, and a run's config rarely changes: each
-file is parsed again only when its identity, size or modification time changed. A file larger
-than `MAX_TEXT` is not read (a run writes a few kB); `config.yaml` is parsed by the config
-loader `train` uses (`config.parse.load_yaml`), which refuses aliases that expand past a bound.
-What cannot be parsed is kept as an error, which the run's row shows.
+Each file is parsed again only when its identity, size or modification time changed. A file
+larger than `MAX_TEXT` is not read. What cannot be parsed is kept as an error, which the run's
+row shows.
 """
 
 from __future__ import annotations
@@ -55,17 +53,23 @@ class ParsedFiles:
         """`path` parsed by `parse` (`ABSENT` for None or a missing file)."""
         if path is None:
             return ABSENT
+        # The run list is polled every two seconds for every run, and a run's files rarely
+        # change: the parse is the cost worth caching.
         try:
+            # fstat of the open file, not a stat before opening: the key then belongs to the
+            # very bytes read, even when the file is replaced in between.
             with path.open("rb") as f:
                 st = os.fstat(f.fileno())
+                # Device and inode too: an atomic replace can keep the size and mtime.
                 key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
                 with self._lock:
                     cached = self._entries.get(path)
                 if cached is not None and cached[0] == key:
                     return cached[1]
+                # One byte past the limit tells an oversized file without reading all of it.
                 parsed = self._parse(f.read(MAX_TEXT + 1), path.name, parse)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError):
-            with self._lock:
+            with self._lock:  # gone: forget it, so the cache holds only files that exist
                 self._entries.pop(path, None)
             return ABSENT
         with self._lock:
@@ -88,11 +92,12 @@ class ParsedFiles:
 
 def parse_config(text: str, name: str) -> dict[str, Any]:
     """A config.yaml as a mapping of sections, non-finite numbers as their names."""
+    # The loader `train` uses, which refuses aliases that expand past a bound.
     data, _ = load_yaml(text, name)  # ParseError is a ValueError naming the file
     if not isinstance(data, dict):
         raise ValueError(f"{name}: expected a mapping of sections, got {type(data).__name__}")
     try:
-        return dict(finite_json(data))
+        return dict(finite_json(data))  # the page's JSON has no NaN or Infinity
     except RecursionError:
         raise ValueError(f"{name}: nested too deeply") from None
 

@@ -2,9 +2,7 @@
 
 A run is a directory holding `leantune_run.json`, `config.yaml` or `metrics.jsonl`, directly
 under the runs folder or one level deeper (`runs/<group>/<run>`). Nothing outside the runs
-folder is ever read: a run is found only by listing the folder, never by joining a requested
-name to a path, and a run directory or run file whose real path (symbolic links resolved)
-leaves the folder is skipped. Hidden entries (a leading dot) are never runs.
+folder is ever read. Hidden entries (a leading dot) are never runs.
 
 Whatever is wrong with one run (a config that does not parse or expands past its bound, files
 in shapes nothing expected) shows in that run's row as the status "error" with the reason, and
@@ -44,7 +42,7 @@ class RunsFolder:
     """The runs folder being served, and the cached reads of its runs' files."""
 
     def __init__(self, root: Path, log: Log):
-        self.root = root.resolve()
+        self.root = root.resolve()  # real, as `inside` compares real paths with it
         self.log = log
         """Where a run's problems go, one line when one appears, changes or clears."""
         self.cache = JsonlCache()
@@ -66,6 +64,8 @@ class RunsFolder:
 
     def find(self, name: str) -> Run | None:
         """The run called `name` (a name `runs()` lists), or None for any other string."""
+        # A request's name is never joined to a path: it must equal a name that listing the
+        # folder gives. The checks here only spare that listing for names it could never give.
         parts = name.split("/")
         if len(parts) > 2 or any(not p or p.startswith(".") or "\\" in p for p in parts):
             return None
@@ -80,6 +80,7 @@ class RunsFolder:
         out = []
         for e in entries:
             path = Path(e.path)
+            # is_dir follows a link; `inside` then refuses one that leads out of the folder.
             if not e.name.startswith(".") and path.is_dir() and self.inside(path):
                 out.append((prefix + e.name, path))
         return out
@@ -94,6 +95,7 @@ class RunsFolder:
     def file(self, run: Run, name: str) -> Path | None:
         """`run`'s file `name` when it is a file inside the runs folder, else None."""
         path = run.path / name
+        # A run file may be a link too (metrics.jsonl -> /etc/passwd): it must stay inside.
         return path if path.is_file() and self.inside(path) else None
 
     # --- reading a run ---------------------------------------------------------------------
@@ -132,6 +134,7 @@ class RunsFolder:
         fingerprint = record.get("fingerprint") if isinstance(record, dict) else None
         fingerprint = fingerprint if isinstance(fingerprint, dict) else {}
         state, reason = status.state, status.reason
+        # Without its config a run's row would be mostly blanks: the reason says why.
         if config.error is not None:
             state, reason = "error", config.error
         return {
@@ -172,6 +175,7 @@ class RunsFolder:
 
     def _note(self, name: str, problem: str | None) -> None:
         """Log a run's problem when it appears or changes, and when it clears: not per poll."""
+        # The run list is polled every two seconds: a lasting problem is said once.
         with self._problems_lock:
             if self._problems.get(name) == problem:
                 return

@@ -6,9 +6,7 @@ again. `JsonlCache` keeps each file's complete lines parsed once and on the next
 only what was appended; it starts over when the file was replaced or rewritten. A last line
 without its newline is a write in progress: it is never cached, and it is skipped while it does
 not parse (a torn line is not an error). A line that is not a JSON object is skipped.
-
-Python's `json` writes a non-finite float as `NaN`/`Infinity`, which a browser's `JSON.parse`
-refuses; such values are kept as the strings "NaN", "Infinity" and "-Infinity".
+Non-finite numbers are kept as the strings "NaN", "Infinity" and "-Infinity".
 """
 
 from __future__ import annotations
@@ -23,11 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-NON_FINITE = ("NaN", "Infinity")
+NON_FINITE = ("NaN", "Infinity")  # "-Infinity" contains "Infinity"
 
 
 def finite_json(value: Any) -> Any:
     """`value` with every non-finite float replaced by its name ("NaN", "Infinity", ...)."""
+    # Python's json writes a non-finite float as NaN/Infinity, which a browser's JSON.parse
+    # refuses: the whole row would be lost to the page for one value.
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     if isinstance(value, dict):
@@ -47,9 +47,11 @@ def parse_line(raw: bytes) -> tuple[str, int] | None:
         return None
     if not isinstance(obj, dict):
         return None
+    # A text search first: only the rare line that may hold one pays for a re-serialisation.
     if any(word in text for word in NON_FINITE):
         text = json.dumps(finite_json(obj))
     step = obj.get("step")
+    # bool is an int, but `"step": true` is no step.
     return text, step if isinstance(step, int) and not isinstance(step, bool) else -1
 
 
@@ -88,6 +90,8 @@ class Rows:
         if step is None:
             return self.lines, False
         i = bisect.bisect_left(self.steps, step)
+        # The step alone is not enough: after a rollback the same step number holds another
+        # row, and only the checksum tells the client's copy from the file's.
         ok = i < len(self.steps) and self.steps[i] == step and line_sig(self.lines[i]) == sig
         if not ok:
             return self.lines, True
@@ -108,6 +112,7 @@ class JsonlCache:
         try:
             with path.open("rb") as f:
                 st = os.fstat(f.fileno())
+                # The request threads share the entries: an update is one critical section.
                 with self._lock:
                     entry = self._update(path, f, (st.st_dev, st.st_ino), st.st_size)
                     return self._rows(entry, f)
@@ -118,19 +123,24 @@ class JsonlCache:
 
     def _update(self, path: Path, f: Any, ident: tuple[int, int], size: int) -> _Entry:
         entry = self._entries.get(path)
+        # A new inode is a replaced file (a resume rewrites metrics.jsonl atomically); same
+        # inode but other bytes is an in-place rewrite: either way, start over.
         if entry is None or entry.ident != ident or not _unchanged(f, entry, size):
             entry = _Entry(ident)
             self._entries[path] = entry
         f.seek(entry.offset)
+        # Up to the size fstat saw: what the run appends meanwhile waits for the next read.
         data = f.read(max(0, size - entry.offset))
         end = data.rfind(b"\n")
-        if end < 0:
+        if end < 0:  # no complete new line yet
             return entry
         for raw in data[:end].split(b"\n"):
             parsed = parse_line(raw) if raw.strip() else None
             if parsed is not None:
                 entry.lines.append(parsed[0])
                 entry.steps.append(parsed[1])
+        # The last complete line is kept to check, next time, that the file still begins with
+        # what was read (`_unchanged`).
         start = data.rfind(b"\n", 0, end) + 1
         entry.last_line = data[start : end + 1]
         entry.offset += end + 1
@@ -151,8 +161,9 @@ class JsonlCache:
 
 def _unchanged(f: Any, entry: _Entry, size: int) -> bool:
     """Whether the bytes read so far are still the file's prefix (checked by the last line)."""
-    if size < entry.offset:
+    if size < entry.offset:  # truncated: certainly rewritten
         return False
+    # The last line read must still end where it did; comparing all bytes would cost a full read.
     n = len(entry.last_line)
     f.seek(entry.offset - n)
     return bool(f.read(n) == entry.last_line)

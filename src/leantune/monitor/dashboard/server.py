@@ -12,13 +12,9 @@
 `sig` is the checksum of the client's row at step N (each answer gives the last row's): when
 that row is no longer in the file (a resume or rollback rewrote it), the answer holds every row
 and `"reset": true`. Only GET and HEAD are served (anything else: 405). Nothing outside the
-runs folder is served: the static files are read from the package at start and looked up by
-exact name, and a run is looked up among the runs `RunsFolder` lists, never joined to a path.
-Requests must name this machine in their Host header (`monitor.hosts`: on a loopback bind a
-loopback name; beyond it also an address, the host name or an `--allow-host` name), so that a
-web page whose domain was re-pointed at this machine (DNS rebinding) cannot read the runs.
+runs folder is served. Requests must name this machine in their Host header (`monitor.hosts`).
 One run's damaged files show in its own row (`RunsFolder.overview`); a request that fails in
-another way is a 500 with one log line per distinct error, never a traceback per poll.
+another way is a 500 with one log line per distinct error.
 """
 
 from __future__ import annotations
@@ -48,6 +44,8 @@ CONTENT_TYPES = {
     ".css": "text/css; charset=utf-8",
     ".svg": "image/svg+xml",
 }
+# The pages load only their own files: a run's text (config, messages) shown in them can
+# never run as a script, load something from elsewhere, or be framed by another site.
 SECURITY_HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "Content-Security-Policy": (
@@ -67,6 +65,8 @@ class BadRequest(ValueError):
 
 def load_static() -> dict[str, tuple[bytes, str]]:
     """The dashboard's files (name -> content, type), read once from the installed package."""
+    # Read once, into memory: a request's path then only ever picks a key of this dict,
+    # never a file on disk.
     folder = resources.files("leantune.monitor.dashboard") / "static"
     out = {}
     for entry in folder.iterdir():
@@ -79,10 +79,11 @@ def load_static() -> dict[str, tuple[bytes, str]]:
 class DashboardServer(ThreadingHTTPServer):
     """The HTTP server: one thread per request, the runs folder and the static files."""
 
+    # A page's keep-alive connection must not keep the process alive after Ctrl-C.
     daemon_threads = True
 
     def __init__(self, folder: RunsFolder, host: str, port: int, allow_hosts: Iterable[str] = ()):
-        if ":" in host:
+        if ":" in host:  # before super().__init__, which creates the socket
             self.address_family = socket.AF_INET6
         self.folder = folder
         self.static = load_static()
@@ -94,6 +95,7 @@ class DashboardServer(ThreadingHTTPServer):
     def log_once(self, message: str) -> None:
         """Log `message` the first time it occurs: a page polls every two seconds."""
         with self._errors_lock:
+            # The cap bounds memory when every request fails differently.
             if message in self._errors or len(self._errors) >= 1000:
                 return
             self._errors.add(message)
@@ -111,8 +113,8 @@ class DashboardHandler(BaseHTTPRequestHandler):
 
     server: DashboardServer
     server_version = "leantune-dashboard"
-    sys_version = ""
-    protocol_version = "HTTP/1.1"
+    sys_version = ""  # the Server header need not tell the Python version
+    protocol_version = "HTTP/1.1"  # keep-alive: each open page polls every two seconds
 
     def do_GET(self) -> None:
         self._answer(with_body=True)
@@ -130,6 +132,8 @@ class DashboardHandler(BaseHTTPRequestHandler):
         pass  # a poll every two seconds per open page would flood the terminal
 
     def _answer(self, with_body: bool) -> None:
+        # Before any routing: a web page whose domain was re-pointed at this machine (DNS
+        # rebinding) must not read the runs, nor learn which paths exist.
         if not self.server.hosts.allows(self.headers.get("Host")):
             self._send(HTTPStatus.FORBIDDEN, REFUSED, "text/plain", with_body)
             return
@@ -165,6 +169,7 @@ class DashboardHandler(BaseHTTPRequestHandler):
             raise BadRequest("the path is not UTF-8") from None
         query = parse_qs(split.query)
         folder, static = self.server.folder, self.server.static
+        # Neither ever names a run or a file; refused before they reach a lookup.
         if "\0" in path or "\\" in path:
             return None
         if path in PAGES:
@@ -183,6 +188,7 @@ class DashboardHandler(BaseHTTPRequestHandler):
 
     def _run_api(self, rest: str, query: dict[str, list[str]]) -> tuple[bytes, str] | None:
         folder = self.server.folder
+        # "a/b" is either the grouped run a/b or run a's endpoint b: a run by that name wins.
         run = folder.find(rest)
         if run is not None:
             return _json(folder.detail(run))
@@ -195,6 +201,8 @@ class DashboardHandler(BaseHTTPRequestHandler):
             after = _int_param(query, "after")
             lines, reset = rows.after_step(after, _param(query, "sig"))
             last = {"step": rows.steps[-1], "sig": line_sig(rows.lines[-1])} if rows.lines else None
+            # The rows are JSON texts already: spliced in, not parsed and serialised again.
+            # [:-1] drops the closing brace, which the splice puts back after the rows.
             head = json.dumps({"reset": reset, "last": last})[:-1]
             return _raw_json(f'{head}, "rows": [{", ".join(lines)}]}}')
         if endpoint == "events":
@@ -217,7 +225,7 @@ class DashboardHandler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
+        self.send_header("Cache-Control", "no-store")  # live data: a cached answer is stale
         for key, value in {**SECURITY_HEADERS, **(extra or {})}.items():
             self.send_header(key, value)
         self.end_headers()
@@ -229,6 +237,8 @@ class DashboardHandler(BaseHTTPRequestHandler):
 
 
 def _json(value: Any) -> tuple[bytes, str]:
+    # The browser's JSON.parse refuses NaN: a value that slipped past finite_json fails here,
+    # as one logged 500, rather than as a page that silently stops updating.
     return _raw_json(json.dumps(value, allow_nan=False))
 
 
@@ -280,15 +290,15 @@ def _stderr(message: str) -> None:
 def serve(server: DashboardServer, log: Callable[[str], None] = print) -> None:
     """Serve until Ctrl-C (SIGINT) or SIGTERM, then close the socket and re-raise.
 
-    Both signals get `train`'s handler (`StopSignals`) while it serves, whatever the process
-    inherited: a dashboard started by `nohup` or a script's `&` starts with SIGINT ignored, and
-    `docker stop` or systemd send SIGTERM. Off the main thread (a test's server) signals are left
-    as they are.
+    Both signals get `train`'s handler (`StopSignals`) while it serves. Off the main thread (a
+    test's server) signals are left as they are.
 
     Raises:
         Interrupted: SIGINT or SIGTERM arrived; the command exits 130 / 143 (`exit_code`).
     """
     try:
+        # Installed whatever the process inherited: a dashboard started by `nohup` or a
+        # script's `&` starts with SIGINT ignored, and `docker stop` or systemd send SIGTERM.
         with StopSignals():
             # Said only once the handlers are in: whoever waits for this line may signal at once.
             log(f"dashboard: {server.url} (runs in {server.folder.root}); Ctrl-C stops it")

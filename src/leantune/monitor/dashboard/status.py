@@ -1,9 +1,7 @@
 """Where a run stands, from its directory alone: running, paused, stopped, finished.
 
-- running: a process holds the run's lock (`training.run.rundir`: an flock on `.leantune.lock`).
-  On Linux the kernel's table of locks (`/proc/locks`) says so without touching the lock, so
-  the dashboard can never make a starting `leantune train` believe the directory is in use.
-  Elsewhere a non-blocking shared lock is tried and dropped at once.
+- running: a process holds the run's lock (`training.run.rundir`: an flock on `.leantune.lock`),
+  read from `/proc/locks` on Linux, else by trying a non-blocking shared lock.
 - paused: the guard's `PAUSED` marker (its reason is the marker's).
 - stopped (the guard, or weights gone NaN/inf), interrupted (SIGTERM/SIGINT) or out of memory
   (at micro-batch 1): the last `stop`/`signal`/`oom` event of `events.jsonl`, its message the
@@ -50,10 +48,13 @@ def lock_holder(run_dir: Path) -> int | None:
         st = lock.stat()
     except OSError:
         return None
+    # The kernel's table of locks says who holds it without touching the lock, so the dashboard
+    # can never make a starting `leantune train` believe the directory is in use.
     try:
         table = PROC_LOCKS.read_text(encoding="ascii", errors="replace")
     except OSError:
         return _probe_lock(lock)
+    # /proc/locks names a file as major:minor (hex) and inode (decimal).
     dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     for line in table.splitlines():
         # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:2146746 0 EOF" (a blocked waiter adds "->")
@@ -65,6 +66,8 @@ def lock_holder(run_dir: Path) -> int | None:
 
 def _probe_lock(lock: Path) -> int | None:
     """Without /proc/locks: try a shared lock and let it go at once."""
+    # Non-blocking, so a running run never stalls the poll; a train starting in the instant the
+    # probe holds its lock would find the directory in use, hence /proc/locks first.
     try:
         fd = os.open(lock, os.O_RDONLY)
     except OSError:
@@ -72,6 +75,7 @@ def _probe_lock(lock: Path) -> int | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
+        # The holder wrote its pid into the lock file (`training.run.rundir`).
         text = os.pread(fd, 32, 0).decode(errors="replace").strip()
         return int(text) if text.isdigit() else 0
     finally:
@@ -93,6 +97,7 @@ def run_status(
         last_step: The last step of its `metrics.jsonl` (None: none yet).
         summary: Its `summary.json`, when there is one.
     """
+    # The lock first: a running process outranks every file a previous attempt left behind.
     pid = lock_holder(run_dir)
     if pid is not None:
         return RunStatus("running", "training" + (f" (pid {pid})" if pid else ""), pid)
@@ -123,7 +128,7 @@ def _paused(marker: Path) -> str | None:
         text = marker.read_text(encoding="utf-8")
     except (FileNotFoundError, NotADirectoryError):
         return None
-    except OSError:
+    except OSError:  # it exists, so the run is paused even if its reason cannot be read
         return "paused (the PAUSED marker cannot be read)"
     with contextlib.suppress(ValueError):
         info = json.loads(text)
