@@ -95,8 +95,8 @@ def bf16_slowdown_on_cpu(size: int = 256, rounds: int = 5, repeats: int = 4) -> 
 
     t32: list[float] = []
     t16: list[float] = []
-    # Interleaved rounds, best of each kept: another process taking the cores for a moment
-    # slows both sides of one round, not the verdict.
+    # Interleaved rounds, the best of each side kept: another process taking the cores for a
+    # moment slows one measurement, which the minimum then discards.
     for _ in range(rounds):
         t32.append(seconds(fp32))
         t16.append(seconds(bf16))

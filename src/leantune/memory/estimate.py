@@ -147,8 +147,6 @@ class Breakdown:
     def needed(self) -> int:
         """Memory the run needs: the step's peak with the allocator's margin, or the load
         phase's peak when that is higher. A plan fits a budget when this does."""
-        # The load phase's peak carries no margin: it is measured, not derived from tensors
-        # that the allocator may keep around.
         return max(int(self.peak * self.margin + 0.5), self.load)
 
     @property

@@ -65,7 +65,7 @@ class BottleneckAdapter(nn.Module):
         self.act = nn.ReLU()
         self.up = nn.Linear(bottleneck, hidden_size)
         # `up` starts at zero, so a fresh adapter is an exact identity and the wrapped model
-        # starts as the base; `down` keeps its random init, or no gradient would reach `up`.
+        # starts as the base; `down` keeps its random init, or `up.weight` would get no gradient.
         nn.init.zeros_(self.up.weight)
         nn.init.zeros_(self.up.bias)
         self.enabled = True  # a flag, not hook removal: disable_adapter toggles it per KL pass

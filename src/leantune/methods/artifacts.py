@@ -108,7 +108,7 @@ def save_final(
                 pointer["rope_scaling"] = dataclasses.asdict(rope_scaling)
             if quantization is not None:
                 pointer["quantization"] = quantization.to_json()
-            # The base's digests: loading refuses a base whose files changed since, since the
+            # The base's digests: loading refuses a base whose files have changed, as the
             # adapter on another base is not the model that was trained.
             recorded = _base_digests(base_path, base_gguf_file)
             if recorded is not None:

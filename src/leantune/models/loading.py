@@ -214,8 +214,7 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False) -> PreT
             trust_remote_code=trust_remote_code,
             local_files_only=not downloads_allowed(),
         )
-    # Batching pads rows; many causal LMs ship no pad token. The padded positions are masked
-    # out of the loss and the attention, so which id fills them does not matter.
+    # Batching pads rows, and many causal LMs ship no pad token: eos is the usual stand-in.
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
