@@ -32,12 +32,16 @@ CHOICES = ("auto", "tcmalloc", "system")
 MARK = "LEANTUNE_PRELOADED"
 """Set to the library leantune added to LD_PRELOAD: its children can take it out again (the
 benchmark's HF baseline runs with the allocator a user of it would have)."""
+# The versioned names first: the runtime packages (libtcmalloc-minimal4, gperftools-libs)
+# install only those, the unversioned links come with the -dev packages. The minimal build
+# first: it leaves out the heap profiler and checker, which training does not use.
 TCMALLOC_NAMES = (
     "libtcmalloc_minimal.so.4",
     "libtcmalloc.so.4",
     "libtcmalloc_minimal.so",
     "libtcmalloc.so",
 )
+# Matched in the names of preloaded or mapped libraries: a user's own choice of allocator.
 OTHER_ALLOCATORS = ("tcmalloc", "jemalloc", "mimalloc")
 INSTALL_HINT = (
     "install tcmalloc for faster CPU training with less memory: `apt-get install "
@@ -69,6 +73,7 @@ def find_tcmalloc(dirs: Sequence[Path]) -> Path | None:
 
 
 def _preloaded(environ: Mapping[str, str]) -> list[str]:
+    # ld.so accepts spaces as well as colons between LD_PRELOAD entries.
     return [p for p in environ.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
 
 
@@ -80,12 +85,14 @@ def preload_for(environ: Mapping[str, str], dirs: Sequence[Path] | None = None) 
         UserError: LEANTUNE_ALLOCATOR has an unknown value, or asks for tcmalloc and none is
             installed.
     """
-    choice = environ.get(ENV, "auto").strip().lower() or "auto"
+    choice = environ.get(ENV, "auto").strip().lower() or "auto"  # set but empty: the default
     if choice not in CHOICES:
         raise UserError(
             f"{ENV}={environ[ENV]!r}: must be one of {', '.join(CHOICES)} "
             "(auto: tcmalloc if installed, else glibc's malloc)"
         )
+    # An allocator the user preloaded is theirs to keep; preloading a second would make the
+    # two fight over malloc.
     if choice == "system" or any(
         a in Path(p).name for p in _preloaded(environ) for a in OTHER_ALLOCATORS
     ):
@@ -103,6 +110,7 @@ def preload_for(environ: Mapping[str, str], dirs: Sequence[Path] | None = None) 
 def preloaded_environment(environ: Mapping[str, str], library: Path) -> dict[str, str]:
     """`environ` with `library` first in LD_PRELOAD, marked as leantune's."""
     env = dict(environ)
+    # First: the loader binds malloc to the first preloaded library that defines it.
     env["LD_PRELOAD"] = ":".join([str(library), *_preloaded(environ)])
     env[MARK] = str(library)
     # tcmalloc reports every allocation over 1 GiB on stderr by default ("tcmalloc: large
@@ -132,12 +140,16 @@ def reexec_with_allocator() -> None:
     if library is None:  # glibc chosen, or an allocator (ours included) already preloaded
         return
     if Path(sys.argv[0]).name == "__main__.py":  # python [options] -m leantune ...
+        # orig_argv keeps the interpreter's own options (-X, -W, -u) for the new process.
         argv = [sys.executable, *sys.orig_argv[1:]]
     else:  # the console script, or main() called by a script of the user's
         argv = [sys.executable, "-m", "leantune", *sys.argv[1:]]
+    # execve replaces the process image: anything still in Python's buffers would be lost.
     sys.stdout.flush()
     sys.stderr.flush()
     try:
+        # execve, not a child process: the same process id, so torchrun's agent and a shell's
+        # job control see no difference.
         os.execve(sys.executable, argv, preloaded_environment(os.environ, library))
     except OSError:
         return
@@ -151,7 +163,7 @@ def mapped_allocator(maps: Path = Path("/proc/self/maps")) -> tuple[str, str | N
     except OSError:
         mapped = ""
     for line in mapped.splitlines():
-        if "/" not in line:
+        if "/" not in line:  # anonymous mappings ([heap], [stack], ...) name no file
             continue
         path = line[line.index("/") :]
         for a in OTHER_ALLOCATORS:

@@ -37,9 +37,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         needs_w = weight.requires_grad
         grad_h = torch.empty_like(hidden)
+        # fp32 accumulator: the weight gradient is a sum over every chunk, and summing bf16
+        # partial products would lose the small ones.
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        # One row index for every chunk (sliced for the last, shorter one).
         rows = torch.arange(chunk, device=targets.device)
+        # The gradients are computed here, in the forward, so that no chunk's logits have to be
+        # kept (or recomputed) for the backward.
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start : start + chunk]
             t = targets[start : start + chunk]
@@ -47,7 +52,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits, tanh = _transformed(F.linear(h, weight).float(), scale, softcap)
             lse = torch.logsumexp(logits, dim=-1)
             at = rows[: t.shape[0]]
-            total += (lse - logits[at, t]).sum()
+            total += (lse - logits[at, t]).sum()  # CE = logsumexp - the target's logit
+            # Consumes `logits` (in place), so it comes after every read of them.
             grad = _ce_grad(logits, lse, at, t, tanh, scale)
             # In the weight's dtype (bf16 frozen weights without autocast), or bf16 under
             # autocast: as autograd's backward of the head would compute them.
@@ -55,6 +61,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h[start : start + chunk] = (g @ weight).to(hidden.dtype)
             if needs_w:
                 grad_w += (g.t() @ h.to(g.dtype)).float()
+            # Free this chunk's V-wide tensors before the next chunk allocates its own, so the
+            # peak holds one chunk's logits, not two.
             del logits, grad, tanh
         ctx.save_for_backward(grad_h, grad_w if needs_w else torch.empty(0))
         ctx.weight_dtype = weight.dtype if needs_w else None
@@ -63,6 +71,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
         grad_h, grad_w = ctx.saved_tensors
+        # The output is a scalar sum, so the chain rule only scales the saved gradients.
         gw = None if ctx.weight_dtype is None else (grad_w * grad_out).to(ctx.weight_dtype)
         return grad_h * grad_out.to(grad_h.dtype), gw, None, None, None, None
 
@@ -76,9 +85,10 @@ def _ce_grad(
     scale: float,
 ) -> torch.Tensor:
     """d(sum CE)/dz of a chunk (z: the projection's output; the logits are its transform):
-    softmax - one_hot, times the transform's derivative, formed in the logits' own memory (they
-    are consumed, and so is `tanh`)."""
-    grad = logits.sub_(lse.unsqueeze(1)).exp_()
+    softmax - one_hot, times the transform's derivative. Consumes `logits` and `tanh`."""
+    # In place, in the logits' own memory: a second chunk x V fp32 buffer is what the chunking
+    # exists to avoid.
+    grad = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax = exp(z - logsumexp(z))
     grad[at, t] -= 1
     if tanh is not None:  # d(cap * tanh(x / cap))/dx = 1 - tanh^2
         grad.mul_(tanh.square_().neg_().add_(1))
@@ -114,6 +124,8 @@ def linear_cross_entropy_sum(
 
     `f` is the model's output transform: `softcap * tanh(scale * z / softcap)`, or `scale * z`
     when `softcap` is None (the identity by default)."""
+    # The autograd function's forward also computes the gradients; without a backward to come
+    # (evaluation, or nothing trainable upstream) that work is skipped.
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(hidden, weight, targets, chunk, scale, softcap)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -125,11 +137,7 @@ def linear_cross_entropy_sum(
 
 
 class _LinearTokenLogps(torch.autograd.Function):
-    """log p(target) of each row, a chunk of rows at a time. Its gradient with respect to a
-    row's hidden state is that row's upstream gradient times a fixed vector, so with a frozen
-    head (adapters) the forward keeps those vectors (the size of the hidden states) and the
-    backward only scales them; a trained head needs the upstream gradient inside each row's
-    outer product, so then the backward recomputes each chunk's logits (one more matmul)."""
+    """log p(target) of each row, a chunk of rows at a time, without the n x V logits."""
 
     @staticmethod
     def forward(
@@ -141,6 +149,11 @@ class _LinearTokenLogps(torch.autograd.Function):
         scale: float,
         softcap: float | None,
     ) -> torch.Tensor:
+        # A row's gradient with respect to its hidden state is its upstream gradient times a
+        # fixed vector, so with a frozen head (adapters) the forward keeps those vectors (the
+        # size of the hidden states) and the backward only scales them. A trained head needs the
+        # upstream gradient inside each row's outer product, so then the backward recomputes
+        # each chunk's logits (one more matmul).
         frozen = not weight.requires_grad
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         d_hidden = torch.empty_like(hidden) if frozen else None
@@ -176,6 +189,8 @@ class _LinearTokenLogps(torch.autograd.Function):
             (d_hidden,) = ctx.saved_tensors
             return d_hidden * grad_out.unsqueeze(1).to(d_hidden.dtype), None, None, None, None, None
         hidden, weight, targets = ctx.saved_tensors
+        # Recomputed in the forward's matmul dtype (bf16 under autocast), so the logits match
+        # the ones the forward measured.
         w = weight.to(ctx.mm_dtype)
         grad_h = torch.empty_like(hidden)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)

@@ -51,15 +51,19 @@ def content_digest(path: str | Path) -> str:
     """
     path = Path(path)
     st = path.stat()
-    settled = time.time_ns() - st.st_ctime_ns >= RECENT_SECONDS * 1e9  # before reading it
+    # Judged before reading: a write that lands during the hash must not be cached under the
+    # stat taken here.
+    settled = time.time_ns() - st.st_ctime_ns >= RECENT_SECONDS * 1e9
     if st.st_size < HASH_CACHE_MIN_BYTES:
         return sha256_file(path)
+    # ctime as well as mtime: any write sets ctime to now, and unlike mtime it cannot be set
+    # back, so a file edited in place and given its old size and mtime again is hashed again.
     stat_key = f"{path.resolve()}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}"
     stat_key += f"\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
     entry = leantune_home() / "hashes" / f"{hashlib.sha256(stat_key.encode()).hexdigest()}.json"
     try:
         digest = json.loads(entry.read_text(encoding="utf-8"))["sha256"]
-        if isinstance(digest, str) and len(digest) == 64:
+        if isinstance(digest, str) and len(digest) == 64:  # a torn or edited entry: hash again
             return digest
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -88,6 +92,7 @@ def local_model_dir(location: str) -> Path | None:
     if path.is_dir():
         return path
     try:
+        # Imported here: most commands are given a local folder and need no hub client.
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(location, local_files_only=True))
@@ -106,7 +111,8 @@ def model_files(model_dir: Path, gguf_file: str | None = None) -> list[Path]:
 def model_digest(model_dir: Path, gguf_file: str | None = None) -> str:
     """sha256 over the names and contents of `model_files`."""
     h = hashlib.sha256()
-    for file in model_files(model_dir, gguf_file):
+    for file in model_files(model_dir, gguf_file):  # sorted: the digest ignores listing order
+        # The name too: two files swapping contents is a different model.
         h.update(f"{file.name}\0{content_digest(file)}\n".encode())
     return f"sha256:{h.hexdigest()}"
 
@@ -140,9 +146,10 @@ def _config_digest(path: Path) -> str:
     raw = path.read_bytes()
     try:
         config = json.loads(raw)
-    except ValueError:
+    except ValueError:  # not JSON: its bytes are all there is to compare
         return hashlib.sha256(raw).hexdigest()
     if isinstance(config, dict):
         for key in UNSTABLE_CONFIG_KEYS:
             config.pop(key, None)
+    # Re-serialized with sorted keys: a re-save that only reorders or reindents is the same.
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()

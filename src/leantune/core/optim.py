@@ -59,6 +59,8 @@ def _bnb(cls_name: str) -> Callable[..., Any]:
 
 
 def _torchao(cls_name: str) -> Callable[..., Any]:
+    # Imported when an optimizer is built, not when this module loads: most runs use neither
+    # library, and both are heavy imports.
     def build(groups: ParamGroups, lr: float, betas: tuple[float, float], eps: float) -> Any:
         with _quiet_torchao_import():
             import torchao.optim
@@ -127,6 +129,8 @@ def resolve_optimizer(name: str, device_type: str) -> Backend:
             f"train.optimizer={name}: no implementation on {device_type}; use train.optimizer=adamw"
         )
     for backend in backends:
+        # find_spec, not an import: it says whether the library is there without paying for
+        # (or failing in) its import at validation time.
         if importlib.util.find_spec(backend.library) is not None:
             return backend
     needed = " or ".join(dict.fromkeys(b.library for b in backends))
@@ -143,6 +147,8 @@ _NO_DECAY_MARKERS = ("norm", "ia3_l")
 
 
 def _decays(name: str, param: nn.Parameter) -> bool:
+    # ndim >= 2: decay shrinks weights towards 0, which suits matrices; biases and gains have a
+    # scale of their own that decay would only pull at.
     return param.ndim >= 2 and not any(m in name.lower() for m in _NO_DECAY_MARKERS)
 
 
@@ -150,6 +156,8 @@ def param_groups(named_params: dict[str, nn.Parameter], weight_decay: float) -> 
     """Weight decay on matrices only (never on biases, norms, IA3 scales or 1-D tensors)."""
     decay = [p for n, p in named_params.items() if _decays(n, p)]
     no_decay = [p for n, p in named_params.items() if not _decays(n, p)]
+    # Always in this order (decay first): set_weight_decay pairs a loaded optimizer's groups
+    # with these by position.
     groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -212,12 +220,13 @@ class Schedule:
     def multiplier(self, step: int) -> float:
         """The LR multiplier for the update after `step` optimizer steps."""
         if step < self.warmup_steps:
+            # step + 1: the first update already moves (an LR of 0 would waste it).
             return (step + 1) / self.warmup_steps
         restarted = self.from_step > 0 and self.from_step >= self.warmup_steps
         origin = self.from_step if restarted else self.warmup_steps
         start = self.start_ratio if restarted else 1.0
-        span = max(1, self.max_steps - origin)
-        progress = min(1.0, (step - origin) / span)
+        span = max(1, self.max_steps - origin)  # a warmup as long as the run: no 0 division
+        progress = min(1.0, (step - origin) / span)  # steps past max_steps stay on the floor
         low = self.min_lr_ratio
         return low + (start - low) * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -267,6 +276,7 @@ def build_scheduler(
 ) -> LambdaLR:
     """Warmup (a share of `max_steps`) then cosine decay to a floor; steps once per update."""
     schedule = default_schedule(max_steps, warmup_ratio, min_lr_ratio)
+    # LambdaLR multiplies each group's initial LR by this, so the peak LR stays the optimizer's.
     return LambdaLR(optimizer, lambda s: schedule.multiplier(s))
 
 
@@ -288,10 +298,13 @@ def set_peak_lr(
         The LR of the next update.
     """
     lr = peak * schedule.multiplier(scheduler.last_epoch)
+    # base_lrs and initial_lr both: this scheduler computes from the first, and a scheduler
+    # built later on this optimizer takes its base from the second.
     scheduler.base_lrs = [peak for _ in scheduler.base_lrs]
     for group in optimizer.param_groups:
         group["initial_lr"] = peak
         if isinstance(group["lr"], torch.Tensor):  # torchao keeps it as a tensor
+            # Kept a tensor, filled in place: torchao's compiled update takes the LR as a tensor.
             group["lr"].fill_(lr)
         else:
             group["lr"] = lr

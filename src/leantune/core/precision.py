@@ -81,9 +81,7 @@ def bf16_slowdown_on_cpu(size: int = 256, rounds: int = 5, repeats: int = 4) -> 
     """How many times slower a bf16 matmul is than fp32 on this CPU (a ~0.1 s probe).
 
     CPUs without AVX512-BF16/AMX emulate bf16 matmul; on an AVX2-only machine it measured ~100x
-    slower than fp32, which turns bf16 autocast from a speed-up into a stall. The best of a few
-    interleaved rounds is kept, so that another process taking the cores for a moment does not
-    decide; an emulated bf16 is plain after one round and is not timed further.
+    slower than fp32, which turns bf16 autocast from a speed-up into a stall.
     """
     fp32 = torch.randn(size, size)
     bf16 = fp32.to(torch.bfloat16)
@@ -97,12 +95,14 @@ def bf16_slowdown_on_cpu(size: int = 256, rounds: int = 5, repeats: int = 4) -> 
 
     t32: list[float] = []
     t16: list[float] = []
+    # Interleaved rounds, the best of each side kept: another process taking the cores for a
+    # moment slows one measurement, which the minimum then discards.
     for _ in range(rounds):
         t32.append(seconds(fp32))
         t16.append(seconds(bf16))
-        if min(t16) > 10 * min(t32):
+        if min(t16) > 10 * min(t32):  # emulated: plain after one round, not worth timing more
             break
-    return min(t16) / max(min(t32), 1e-9)
+    return min(t16) / max(min(t32), 1e-9)  # no division by 0 on a coarse timer
 
 
 @dataclass(frozen=True)
@@ -153,6 +153,7 @@ def machine_key() -> str:
                 flags = value.strip()
             if not line.strip():
                 break  # the first processor describes them all
+    # The flags line is hundreds of characters; a short digest keeps the cache's keys readable.
     digest = hashlib.sha256(flags.encode()).hexdigest()[:12]
     threads = torch.get_num_threads()
     key = f"{model} | flags {digest} | torch {torch.__version__} | {threads} threads"
@@ -169,12 +170,14 @@ def bf16_speed_on_cpu(probe: Callable[[], float] | None = None) -> Bf16Speed:
     path = leantune_home() / PROBE_FILE
     key = machine_key()
     entries: dict[str, dict[str, object]] = {}
+    # A missing or corrupt cache only costs the probe; it is rewritten below.
     with contextlib.suppress(OSError, ValueError):
         raw = json.loads(path.read_text(encoding="utf-8"))
         entries = raw if isinstance(raw, dict) else {}
     entry = entries.get(key)
     if isinstance(entry, dict):
         slowdown, measured = entry.get("bf16_slowdown"), entry.get("measured")
+        # Checked field by field: the file is a user's to edit, and a bad entry means measure.
         if isinstance(slowdown, float) and slowdown > 0 and isinstance(measured, str):
             return Bf16Speed(slowdown, measured, path, from_cache=True)
     slowdown = (probe or bf16_slowdown_on_cpu)()
@@ -183,7 +186,7 @@ def bf16_speed_on_cpu(probe: Callable[[], float] | None = None) -> Bf16Speed:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_file(path, json.dumps(entries, indent=2, sort_keys=True) + "\n")
-    except (OSError, OutputError):
+    except (OSError, OutputError):  # a read-only home: the probe runs again next time
         return Bf16Speed(float(slowdown), measured, None, from_cache=False)
     return Bf16Speed(float(slowdown), measured, path, from_cache=False)
 
@@ -247,6 +250,8 @@ def _resolve(
     if requested != "auto":
         explicit = cast(Resolved, requested)
         return PrecisionChoice(explicit, _slow_bf16_warning(explicit, device_type))
+    # A resumed run keeps the precision it started with, whatever this machine would pick:
+    # the precision decides the trajectory.
     if recorded in RESOLVED:
         recorded = cast(Resolved, recorded)
         if recorded == "fp16" and device_type != "cuda":
@@ -265,6 +270,8 @@ def _resolve(
         why = "method.compute_dtype=fp16 rules out bf16 autocast, and fp16 autocast needs CUDA"
         return PrecisionChoice("fp32", _auto_line("fp32", why))
     speed = bf16_speed_on_cpu()
+    # Feature flags do not say whether oneDNN uses bf16 units (torch reports "AVX512" with and
+    # without them, and it depends on the build), so the decision rests on the measurement.
     if speed.slowdown * BF16_MIN_SPEEDUP <= 1:
         return PrecisionChoice("bf16", _auto_line("bf16", speed.describe()))
     why = speed.describe()
@@ -296,6 +303,7 @@ def _slow_bf16_warning(precision: str, device_type: str) -> str | None:
     if precision != "bf16" or device_type != "cpu":
         return None
     speed = bf16_speed_on_cpu()
+    # Only a clear stall is worth a warning for an explicit choice; auto's line is at 1.25x.
     if speed.slowdown <= 4:
         return None
     return (

@@ -41,6 +41,7 @@ def capture_rng_state() -> dict[str, Any]:
             "cached_gaussian": float(cached),
         }
     if torch.cuda.is_available():
+        # Every visible device's: each CUDA device has a generator of its own.
         rng["cuda"] = torch.cuda.get_rng_state_all()
     return rng
 
@@ -59,6 +60,8 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         py = state["python"]
         random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
     if "torch" in state:
+        # .cpu(): a checkpoint loaded with map_location to a GPU moves this tensor there too,
+        # and set_rng_state takes only a CPU ByteTensor.
         torch.set_rng_state(state["torch"].cpu())
     if "numpy" in state:
         if np is None:
@@ -72,7 +75,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
             np.random.set_state(
                 (
                     npy["bit_generator"],
-                    np.asarray(npy["keys"], dtype=np.uint32),
+                    np.asarray(npy["keys"], dtype=np.uint32),  # MT19937's key words
                     npy["pos"],
                     npy["has_gauss"],
                     npy["cached_gaussian"],

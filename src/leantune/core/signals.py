@@ -90,10 +90,14 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGHUP:
+            # First: the stop that follows prints, and a hung-up terminal answers EIO.
             self._leave_hung_up_terminal()
         if self.deferring and self.requested is None:
+            # Inside the loop: raising here could land mid-step (optimizer half applied), so
+            # the loop's next `check` raises at a consistent boundary instead.
             self.requested = signum
             return
+        # Outside the loop, or a second signal: the user means now.
         self.deferring = False
         raise Interrupted(signum, at_boundary=False)
 
@@ -106,6 +110,8 @@ class StopSignals:
             return
         null = os.open(os.devnull, os.O_WRONLY)
         try:
+            # dup2 onto the descriptors themselves: sys.stdout, tqdm and C-level writes all
+            # go through 1 and 2.
             for fd in gone:
                 os.dup2(null, fd)
         finally:

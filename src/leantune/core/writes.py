@@ -92,6 +92,7 @@ def write_file(path: Path, data: str | bytes) -> None:
         WriteRefused: the filesystem refused the write; `path` is as it was.
     """
     raw = data.encode("utf-8") if isinstance(data, str) else data
+    # "x": the temporary name was just cleared, so finding a file there means another writer.
     with replacing(path) as tmp, open(tmp, "xb") as f:
         f.write(raw)
 
@@ -107,15 +108,19 @@ def replacing(path: Path) -> Iterator[Path]:
     """
     path = Path(path)
     check_target(path)
+    # Beside the target, not in /tmp: a rename is atomic only within one filesystem. The pid
+    # keeps two processes writing the same target off each other's temporary file.
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         _remove(tmp)  # a leftover of this pid's earlier, killed write
         yield tmp
+        # Data on disk before the rename: otherwise a crash can leave the new name pointing
+        # at an empty or partial file.
         _fsync_file(tmp)
         _keep_mode(path, tmp)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException as exc:
+        _fsync_dir(path.parent)  # the rename itself lives in the folder's entry
+    except BaseException as exc:  # KeyboardInterrupt too: no temporary file is left behind
         with contextlib.suppress(OSError):
             _remove(tmp)
         refused = as_write_refused(exc, path, tmp)
@@ -156,18 +161,20 @@ def append_text(path: Path, text: str) -> None:
         NotARegularFile: `path` is a symbolic link, FIFO, device or folder.
         WriteRefused: the filesystem refused the write.
     """
+    # O_NOFOLLOW refuses a link; O_NONBLOCK keeps the open of a FIFO with no reader from
+    # hanging, so the check below can name it.
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(path, flags, 0o644)
     except OSError as exc:
         if exc.errno in _LINK_ERRORS:
-            check_target(path)
+            check_target(path)  # raises NotARegularFile, saying what the path is
         _reraise(exc, path)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             check_target(path)  # names what it is
             raise NotARegularFile(f"{path}: is not a regular file; give another path")
-        size = os.fstat(fd).st_size
+        size = os.fstat(fd).st_size  # where a failed append is cut back to
         try:
             _write_all(fd, text.encode("utf-8"))
         except OSError as exc:
@@ -190,7 +197,7 @@ def check_target(path: Path, folder: bool = False) -> None:
         NotARegularFile: it is a link, FIFO, device, socket, or the wrong one of file/folder.
     """
     try:
-        mode = os.lstat(path).st_mode
+        mode = os.lstat(path).st_mode  # lstat: the link itself, not what it points at
     except FileNotFoundError:
         return
     except NotADirectoryError:
@@ -231,7 +238,7 @@ def as_write_refused(
         return exc
     if isinstance(exc, UserError) and not isinstance(exc, OSError):
         return None  # already the user's message (a data error, a refused link, ...)
-    seen: set[int] = set()
+    seen: set[int] = set()  # an exception's chain can loop back on itself
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
@@ -283,6 +290,7 @@ def _reraise(exc: OSError, path: Path) -> NoReturn:
 def _errno_of(exc: BaseException) -> int | None:
     if isinstance(exc, OSError):
         return exc.errno
+    # By class name: importing safetensors here would make every write pay for it.
     match = _RUST_OS_ERROR.search(str(exc)) if type(exc).__name__ == "SafetensorError" else None
     return int(match.group(1)) if match else None
 
@@ -303,6 +311,7 @@ def _kind(mode: int) -> str:
 
 def _free_space(folder: Path) -> str:
     probe = folder
+    # The output folder may not exist yet; its nearest existing ancestor is on the same disk.
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     try:
@@ -322,7 +331,7 @@ def _exists(path: Path) -> bool:
 
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
-    while view:
+    while view:  # os.write may write only part; memoryview slices without copying
         view = view[os.write(fd, view) :]
 
 
@@ -332,6 +341,7 @@ def _install_dir(tmp: Path, path: Path) -> None:
         os.replace(tmp, path)
         _fsync_dir(path.parent)
         return
+    # A folder cannot be renamed over a non-empty folder, so the old one steps aside first.
     aside = path.with_name(f".{path.name}.old-{os.getpid()}")
     _remove(aside)
     os.replace(path, aside)
@@ -341,7 +351,7 @@ def _install_dir(tmp: Path, path: Path) -> None:
         os.replace(aside, path)
         raise
     _fsync_dir(path.parent)
-    shutil.rmtree(aside, ignore_errors=True)
+    shutil.rmtree(aside, ignore_errors=True)  # the new folder is in; a leftover is only space
 
 
 def _remove(path: Path) -> None:
@@ -367,6 +377,7 @@ def _fsync_file(path: Path) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
+    # O_DIRECTORY is POSIX-only; the getattr keeps this importable elsewhere.
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)

@@ -8,6 +8,8 @@ import torch
 
 from leantune.config import ConfigError, parse_memory_size
 
+# Not 1.0: the run shares the machine with the page cache, other processes and the
+# allocator's own slack, and MemAvailable is an estimate.
 SAFETY = 0.9
 """Share of the available memory a run may use when no budget is given (the rest is headroom)."""
 
@@ -30,15 +32,18 @@ def available_memory(device: str) -> int:
     if device == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("no CUDA device here to measure free memory; give a budget")
+        # Free, not total: another process's (or this one's) allocations are not the run's.
         free, _ = torch.cuda.mem_get_info()
         return int(free)
     try:
         with open("/proc/meminfo") as f:
             for line in f:
+                # MemAvailable, not MemFree: page cache the kernel can drop counts as available.
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    return int(line.split()[1]) * 1024  # the file's unit is kB (KiB)
     except OSError:
         pass
+    # No /proc (not Linux): free pages, which undercounts what the page cache would give back.
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 

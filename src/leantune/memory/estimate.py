@@ -163,6 +163,8 @@ class Breakdown:
     @property
     def run_peak(self) -> int:
         """Peak of the run's own tensors, above the process baseline."""
+        # max, not a sum: gradients are set to None after every optimizer step, so they never
+        # coexist with a full set of saved activations.
         return self.weights + self.optimizer + max(self.backward_phase, self.update_phase)
 
     @property
@@ -221,6 +223,7 @@ def activations(facts: ModelFacts, st: StepSettings) -> int:
     flowing: list[float] = []  # blocks that backward passes through
     grad_in = facts.embedding_trains
     for layer in facts.layers:
+        # Blocks below the first trained one get no backward, so autograd saves nothing there.
         grad_in = grad_in or layer.trains
         if grad_in:
             flowing.append(activation_bytes_per_token(layer, s, st))
@@ -230,6 +233,8 @@ def activations(facts: ModelFacts, st: StepSettings) -> int:
     per_token = len(flowing) * s.hidden * act if st.gradient_checkpointing else sum(flowing)
     # Outside the blocks: embedding output, final norm input and output, RoPE cos/sin.
     per_token += 3 * s.hidden * act + 2 * s.head_dim * 4
+    # One seq_len^2 mask per row, shared by every block: boolean (1 byte) for SDPA, additive
+    # at the activation dtype for eager attention.
     mask = st.micro_batch * st.seq_len**2 * (1 if st.attn_implementation == "sdpa" else act)
     mask = 0 if st.attn_implementation == "segments" else mask  # segments build no mask
     return int(tokens * per_token + mask + autocast_weight_casts(facts, st, len(flowing)))
@@ -243,6 +248,7 @@ def autocast_weight_casts(facts: ModelFacts, st: StepSettings, flowing_blocks: i
     if st.precision == "fp32" or st.weight_quant is not None or st.gradient_checkpointing:
         return 0
     s = facts.shape
+    # 2 bytes per weight (bf16/fp16): the blocks' linears pro rata, and the output head.
     return 2 * (facts.linear_params * flowing_blocks // s.layers + s.vocab * s.hidden)
 
 
@@ -264,12 +270,14 @@ def loss_bytes(facts: ModelFacts, st: StepSettings) -> int:
     """Transient of the vocabulary projection and cross-entropy at the start of backward."""
     s = facts.shape
     per_row = st.supervised_per_row if st.supervised_per_row is not None else st.seq_len
+    # Only supervised positions reach the vocabulary projection (`token_loss_sum`).
     n = st.micro_batch * min(per_row, st.seq_len)
     # fp32: log-softmax output + incoming + outgoing gradient; autocast adds the low-precision
     # logits' gradient.
     per = 12 if st.precision == "fp32" else 14
     if st.kl:
         per += 12  # base logits and their log-softmax, and the model's second log-softmax
+    # A trained head adds its fp32 gradient, accumulated during the loss's backward.
     head = facts.shape.vocab * s.hidden * 4 if facts.head_trains else 0
     return int(n * s.vocab * per + n * s.hidden * 4 + head)
 
@@ -280,6 +288,7 @@ def weight_bytes(facts: ModelFacts, st: StepSettings, weight_itemsize: int) -> i
         return facts.weight_bytes
     if st.weight_quant not in QUANT_BYTES:
         raise ValueError(f"unknown weight quantisation {st.weight_quant!r}; known: {QUANT_BYTES}")
+    # Only the blocks' linears are quantised; embeddings, norms and the head keep their dtype.
     dense = facts.weight_bytes - facts.linear_params * weight_itemsize
     return int(dense + facts.linear_params * QUANT_BYTES[st.weight_quant])
 
@@ -293,28 +302,24 @@ def optimizer_bytes(facts: ModelFacts, optimizer: str) -> int:
 
 
 def load_bytes(facts: ModelFacts, st: StepSettings, weight_itemsize: int, weights: int) -> int:
-    """Peak of loading the checkpoint (models/loading.py).
-
-    Read tensor by tensor (`st.checkpoint_streamed`: local safetensors, `models.weight_files`),
-    the peak is the weights plus the tensor in flight: read at the files' dtype and converted
-    (or quantised) to the run's, or for a MoE checkpoint the experts read and converted one by
-    one, then stacked into the weight; so the largest tensor once at each dtype beside the
-    weights. (A 6.9B QLoRA load, a 13 GB bf16 checkpoint: 5.99 GiB measured, 8.3 predicted;
-    memory-mapped it peaked at 18.93 GiB.) Otherwise
-    (GGUF, .bin, remote code) the files are memory-mapped, and every page read stays resident
-    while mapped: weights built at another dtype than the files', or quantised from them, are
-    a second copy beside those pages until loading ends; at the files' own dtype the weights
-    are the mapped pages. On CUDA the files are read into host memory, not the device memory
-    the budget is of.
-    """
+    """Peak of loading the checkpoint (models/loading.py), runtime included; 0 when it is not
+    modelled (unknown checkpoint size, or CUDA)."""
+    # On CUDA the files are read into host memory, not the device memory the budget is of.
     if st.checkpoint_bytes <= 0 or st.device == "cuda":
         return 0
     overhead = RUNTIME_OVERHEAD.get(st.device, RUNTIME_OVERHEAD["cpu"])
     itemsize = weight_itemsize if st.checkpoint_itemsize is None else st.checkpoint_itemsize
     if st.checkpoint_streamed:
+        # Read tensor by tensor (local safetensors, `models.weight_files`): the weights plus the
+        # tensor in flight, read at the files' dtype and converted (or quantised) to the run's;
+        # a MoE checkpoint's experts likewise, one by one, then stacked. So the largest tensor
+        # once at each dtype. (A 6.9B QLoRA load of a 13 GB bf16 checkpoint: 5.99 GiB measured,
+        # 8.3 predicted; memory-mapped it peaked at 18.93 GiB.)
         return overhead + weights + facts.largest_tensor * (weight_itemsize + itemsize)
+    # Memory-mapped (GGUF, .bin, remote code): every page read stays resident while mapped.
     if st.weight_quant is None and itemsize == weight_itemsize:
-        return overhead + max(weights, st.checkpoint_bytes)
+        return overhead + max(weights, st.checkpoint_bytes)  # the weights are the mapped pages
+    # Converted or quantised: a second copy beside the mapped pages until loading ends.
     return overhead + weights + st.checkpoint_bytes
 
 
@@ -336,11 +341,11 @@ def estimate(facts: ModelFacts, st: StepSettings, weight_itemsize: int = 4) -> B
 
 
 def step_temporaries(facts: ModelFacts, device: str) -> int:
-    """AdamW's scratch during `optimizer.step`: on CPU torch runs it one tensor at a time (two
-    temporaries of the largest parameter's size); on CUDA the default foreach implementation
-    takes the square root of every second moment at once (one copy of all trainable tensors;
-    not measured here, as no GPU was available)."""
+    """AdamW's scratch during `optimizer.step`."""
     if device == "cuda":
+        # The default foreach implementation takes the square root of every second moment at
+        # once: one copy of all trainable tensors (not measured: no GPU was available).
         return facts.trainable_bytes
+    # On CPU torch runs it one tensor at a time: two temporaries of the largest parameter.
     itemsize = facts.trainable_bytes / max(1, facts.trainable_params)
     return int(2 * facts.largest_trainable * itemsize)

@@ -116,11 +116,9 @@ def plan_basis(
 ) -> PlanBasis:
     """The model's facts on the meta device and the configured step (no weights read).
 
-    `longest_row` (tokens, from the data) bounds the sequence length: a micro-batch is padded to
-    its longest row, which for unpacked data is usually far below data.max_seq_len (with
-    max_seq_len=auto and no data, the model's context). `global_batch` replaces the configured
-    one (a run whose data has fewer rows). `allocator` is the CPU allocator the run has
-    (`core.allocator`), which sets the margin a plan must leave (`estimate.FIT_MARGIN`).
+    `longest_row` (tokens, from the data) bounds the sequence length. `global_batch` replaces
+    the configured one (a run whose data has fewer rows). `allocator` is the CPU allocator the
+    run has (`core.allocator`), which sets the margin a plan must leave (`estimate.FIT_MARGIN`).
     """
     # Deferred: transformers' model code takes seconds to import, and only building the model
     # needs it (the planner's search and the budget do not).
@@ -143,11 +141,13 @@ def plan_basis(
     global_batch = global_batch or inputs.global_batch
     micro = global_batch if inputs.micro_batch is None else min(inputs.micro_batch, global_batch)
     limit = inputs.max_seq_len
-    if limit is None:
+    if limit is None:  # max_seq_len=auto: the model's context (2048 where the config lacks one)
         limit = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
     streamed = streamed_shards(source, hf_config, inputs.trust_remote_code) is not None
     step = StepSettings(
         micro_batch=micro,
+        # A micro-batch is padded to its longest row, which for unpacked data is usually far
+        # below data.max_seq_len.
         seq_len=min(limit, longest_row or limit),
         supervised_per_row=supervised_per_row,
         gradient_checkpointing=inputs.gradient_checkpointing is True,
@@ -175,6 +175,7 @@ def checkpoint_size(
     dequantised on load, so its weights never share a dtype with the run's.
     """
     folder = Path(location)
+    # `dtype` in newer transformers, `torch_dtype` in older ones.
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else None
     if gguf_file is not None:
@@ -183,6 +184,8 @@ def checkpoint_size(
     if folder.is_dir():
         for pattern in WEIGHT_FILES:
             sizes = [f.stat().st_size for f in folder.glob(pattern) if f.is_file()]
+            # The first kind present is the one loaded; a folder holding both safetensors and
+            # .bin copies would be counted twice otherwise.
             if sizes:
                 return sum(sizes), itemsize
         return 0, None

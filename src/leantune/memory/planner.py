@@ -52,7 +52,7 @@ def _halvings(micro_batch: int, global_batch: int) -> list[int]:
     out = []
     mb = micro_batch
     while mb >= 1:
-        if global_batch % mb == 0:
+        if global_batch % mb == 0:  # grad_accum must be whole for the global batch to hold
             out.append(mb)
         if mb == 1:
             break
@@ -83,13 +83,13 @@ def recommend(
     """The fastest settings that fit `budget` (`Breakdown.needed`: with the allocator's margin
     and the load phase), searched in the seeds' checklist order.
 
-    Order: the configured method with the largest micro-batch that fits (halving; grad
-    accumulation keeps the global batch), first without then with gradient checkpointing (it
-    costs ~30% step time), then each of `lighter_optimizers`; then the same with
-    `lighter_weights` (e.g. model.dtype=bf16: the method unchanged, at half the weights); then
-    the other methods of `facts_by_method` in their given order (e.g. lora, then qlora).
+    Order: the configured method (micro-batch, checkpointing, then `lighter_optimizers`, as
+    `_fastest_fitting` tries them); then the same with `lighter_weights` (e.g. model.dtype=bf16);
+    then the other methods of `facts_by_method` in their given order (e.g. lora, then qlora).
     Returns None if nothing fits.
     """
+    # Ordered by what the user gives up: the method unchanged at half the weights changes less
+    # than another method does.
     options: list[tuple[str, ModelFacts, StepSettings, int, str | None]] = [
         (method, facts_by_method[method], step, weight_itemsize, None)
     ]
@@ -117,6 +117,9 @@ def _fastest_fitting(
 ) -> Plan | None:
     """`recommend` for one method and weight dtype."""
     quant = METHODS[method].planned_weight_quant or step.weight_quant
+    # Innermost the micro-batch, halved (grad accumulation keeps the global batch); then
+    # gradient checkpointing, off before on (sorted: False first), since it costs ~30% step
+    # time; outermost the optimizer, whose lighter states change the training itself.
     for opt in (step.optimizer, *lighter_optimizers):
         for ckpt in sorted({step.gradient_checkpointing, True}):
             for mb in _halvings(step.micro_batch, global_batch):
@@ -158,6 +161,8 @@ def resolve_micro_batch(
             fitting.append((mb, b))
     if fitting:
         full = [f for f in fitting if enough_tokens and f[0] * step.seq_len >= enough_tokens]
+        # `fitting` runs largest first: full[-1] is the smallest with enough tokens, fitting[0]
+        # the largest that fits.
         mb, b = full[-1] if full else fitting[0]
         return mb, global_batch // mb, b
     b = estimate(facts, replace(step, micro_batch=1), weight_itemsize)
@@ -176,7 +181,7 @@ def alternatives(inputs: PlanInputs, basis: PlanBasis) -> dict[str, ModelFacts]:
     """Facts of the configured method, then of the lighter methods the registry offers."""
     method = inputs.method
     out: dict[str, ModelFacts] = {method.name: basis.facts}
-    if METHODS[method.name].lighter_than_fallbacks:
+    if METHODS[method.name].lighter_than_fallbacks:  # falling back would only cost memory
         return out
     for name in METHOD_LADDER:
         if name not in out:

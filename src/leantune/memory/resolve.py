@@ -80,7 +80,8 @@ def plan_for_run(
             available, without train.memory_budget (`_over_budget`).
         MethodError: the method's settings do not fit the model.
     """
-    ckpt = inputs.gradient_checkpointing
+    ckpt = inputs.gradient_checkpointing  # None: auto
+    # auto never picks a checkpointing the method cannot run.
     if ckpt is None and not METHODS[inputs.method.name].supports_gradient_checkpointing:
         ckpt = False
     try:
@@ -101,6 +102,8 @@ def plan_for_run(
     )
     reason = ""
     if ckpt is None:
+        # auto with a configured micro-batch: checkpointing (~30% slower) only when the
+        # micro-batch would not fit without it.
         ckpt = False
         if budget is not None and b.needed > budget:
             with_ckpt = estimate(
@@ -158,6 +161,8 @@ def _over_budget(inputs: PlanInputs, device: str, b: Breakdown, budget: int) -> 
     if inputs.memory_budget is None:
         what = f"{budget / GIB:.2f} GiB the {device} has available (less {1 - budgets.SAFETY:.0%})"
         available = budgets.available_memory(device) if device == "cpu" else None
+        # The peak without the margin: the live tensors are the least the process will hold,
+        # so only a certain kill is refused; a likely one is a warning.
         if available is not None and max(b.peak, b.load) > available:
             raise WillNotFit(
                 f"the memory planner predicts {describe(b)}, above the "
@@ -192,6 +197,7 @@ def _unmodelled(
         return batch, PlannedMemory(f"memory planner: no prediction ({e})", None, budget)
     rows = global_batch or inputs.global_batch
     mb = min(FALLBACK_MICRO_BATCH, rows)
+    # Ceiling division: the global batch is covered even when mb does not divide it.
     batch = BatchPlan(mb, -(-rows // mb), ckpt is True)
     note = (
         f"micro_batch_size=auto: the memory planner cannot model this run ({e}); "
@@ -212,8 +218,10 @@ def _auto_micro_batch(
     =auto (`ckpt` None), checkpointing only when not even micro-batch 1 fits without it."""
     if budget is None:
         budget = budgets.budget_for(inputs.memory_budget, device)  # raises: no CUDA here
+    # On CUDA the largest fitting micro-batch is fastest; on CPU more rows than one 2,048-token
+    # row buy no speed (see CPU_ENOUGH_TOKENS).
     enough = CPU_ENOUGH_TOKENS if device == "cpu" else None
-    options = [ckpt] if ckpt is not None else [False, True]
+    options = [ckpt] if ckpt is not None else [False, True]  # without checkpointing first
     error: MemoryError | None = None
     for option in options:
         step = replace(basis.step, gradient_checkpointing=option)
@@ -236,6 +244,8 @@ def _auto_micro_batch(
             )
         )
         return BatchPlan(mb, accum, option), PlannedMemory(note, b.peak, budget)
+    # Nothing fits by the prediction: micro-batch 1 with the lightest option tried, and the
+    # run's own out-of-memory handling has the last word.
     last = options[-1]
     note = f"warning: {error}; training with 1 x grad_accum {basis.global_batch}"
     one = estimate(

@@ -64,13 +64,16 @@ class BottleneckAdapter(nn.Module):
         self.down = nn.Linear(hidden_size, bottleneck)
         self.act = nn.ReLU()
         self.up = nn.Linear(bottleneck, hidden_size)
+        # `up` starts at zero, so a fresh adapter is an exact identity and the wrapped model
+        # starts as the base; `down` keeps its random init, or `up.weight` would get no gradient.
         nn.init.zeros_(self.up.weight)
         nn.init.zeros_(self.up.bias)
-        self.enabled = True
+        self.enabled = True  # a flag, not hook removal: disable_adapter toggles it per KL pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
             return x
+        # The bottleneck in the adapter's (fp32) dtype; the residual stream keeps the base's.
         delta = self.up(self.act(self.down(x.to(self.down.weight.dtype))))
         return x + delta.to(x.dtype)
 
@@ -79,6 +82,8 @@ def _after_sublayer(adapter: BottleneckAdapter) -> Any:
     """A forward hook that passes a sub-layer's output (or its first element) through `adapter`."""
 
     def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        # Attention returns (hidden, weights, ...); only the hidden states are adapted. The
+        # output goes on to the block's residual add, so the adapter sits before it.
         if isinstance(output, tuple):
             return (adapter(output[0]), *output[1:])
         return adapter(output)
@@ -121,8 +126,12 @@ def apply_adapter(model: nn.Module, settings: AdapterSettings) -> nn.Module:
                     f"'{SITE_MODULES[site]}' sub-layer to place an adapter after"
                 )
             adapter = BottleneckAdapter(hidden, bottleneck).to(device, adapter_dtype)
+            # A hook, not a replaced sub-layer: the base's module names (and its state_dict's
+            # keys) stay as they are.
             sublayer.register_forward_hook(_after_sublayer(adapter))
             sites[site] = adapter
+        # Registered on the block, so the adapters' parameters are the model's (optimizer,
+        # .to(), named_parameters).
         block.add_module(BLOCK_ATTR, sites)
     model.leantune_adapter = settings  # type: ignore[assignment]
     # The same context-manager name as peft's, so the KL term finds the base the same way.
@@ -148,7 +157,7 @@ def _adapters(model: nn.Module) -> Iterator[tuple[str, BottleneckAdapter]]:
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Adapter weights under the on-disk names (see the module docstring)."""
     return {
-        f"{prefix}.{name}": t.detach().contiguous()
+        f"{prefix}.{name}": t.detach().contiguous()  # safetensors refuses non-contiguous
         for prefix, adapter in _adapters(model)
         for name, t in adapter.state_dict().items()
     }
@@ -191,6 +200,8 @@ def load_adapter(model: nn.Module, path: Path) -> nn.Module:
     """
     files = ModelPaths(path)
     info = json.loads(files.bottleneck_config.read_text())
+    # The adapters are rebuilt from their settings, then filled: apply_adapter also freezes
+    # the base and installs the hooks.
     settings = AdapterSettings(
         placement=info["placement"],
         reduction_factor=int(info["reduction_factor"]),
@@ -205,7 +216,7 @@ def load_adapter(model: nn.Module, path: Path) -> nn.Module:
             f"{files.bottleneck_weights}: adapters do not fit the base model "
             f"(missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]})"
         )
-    with torch.no_grad():
+    with torch.no_grad():  # an in-place copy into a leaf that requires grad raises otherwise
         for prefix, adapter in _adapters(model):
             for name, t in adapter.state_dict().items():
                 saved = weights[f"{prefix}.{name}"]

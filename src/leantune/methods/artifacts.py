@@ -94,6 +94,7 @@ def save_final(
     also records `rope_scaling` and `quantization`, so the base is rebuilt as it was trained.
     """
     bottleneck = adapter_settings(model) is not None
+    # Built in a temporary folder and swapped in whole: a full disk leaves the earlier final/.
     with replacing_dir(out_dir) as tmp:
         if bottleneck:
             save_adapter(model, tmp)
@@ -107,6 +108,8 @@ def save_final(
                 pointer["rope_scaling"] = dataclasses.asdict(rope_scaling)
             if quantization is not None:
                 pointer["quantization"] = quantization.to_json()
+            # The base's digests: loading refuses a base whose files have changed, as the
+            # adapter on another base is not the model that was trained.
             recorded = _base_digests(base_path, base_gguf_file)
             if recorded is not None:
                 pointer[BASE_FILES_KEY] = recorded
@@ -255,6 +258,9 @@ def _load_for_inference(
         # The tokenizer first: it loads in a moment, and a missing one is the user's to fix.
         tokenizer = load_tokenizer(_adapter_tokenizer(p, base), trust_remote_code)
         rope = RopeScalingConfig(**info["rope_scaling"]) if info.get("rope_scaling") else None
+        # A QLoRA adapter's base is re-quantised with the recorded settings: NF4 is
+        # deterministic, so this rebuilds exactly the 4-bit weights it was trained on (the
+        # full-precision base would be W + BA, not NF4(W) + BA: another model).
         quant = Quantization.from_json(info["quantization"]) if info.get("quantization") else None
         device = "cuda" if quant is not None and torch.cuda.is_available() else "cpu"
         model = load_model(
@@ -274,7 +280,7 @@ def _load_for_inference(
             refuse_pickled_weights(p)  # peft would load adapter_model.bin
             with quiet_peft():
                 adapted = with_virtual_tokens(PeftModel.from_pretrained(model, p))
-        adapted.eval()
+        adapted.eval()  # dropout off: eval and generate must be deterministic
         return adapted, tokenizer
     source = resolve_model(path)
     tokenizer = load_tokenizer(source, trust_remote_code)

@@ -22,6 +22,7 @@ def effective_pack(pack: bool | str, method: str) -> bool:
     """data.pack as the run uses it: auto packs unless `method` needs one example per row."""
     if pack == "auto":
         spec = METHODS.get(method)
+        # An unknown method name is config validation's to report; packing is the default.
         return spec is None or not spec.needs_unpacked_data
     return bool(pack)
 
@@ -61,6 +62,7 @@ def check_method(cfg: Config) -> list[str]:
         warnings.append(
             f"train.lr={lr:g} is high for {advice.what}; the usual range is {advice.usual}"
         )
+    # A warning, not an error: large ranks cost memory and rarely help, but are not wrong.
     if spec.lora_settings and m.r is not None and m.r > 64:
         warnings.append(f"method.r={m.r}: LoRA ranks above 64 rarely help; 8..64 is usual")
     return warnings
@@ -92,6 +94,8 @@ def check_libraries(cfg: Config) -> list[str]:
         )
     if quantized and m.compute_dtype == "fp16" and t.precision == "bf16":
         raise ConfigError("method.compute_dtype=fp16 with train.precision=bf16: use bf16 or auto")
+    # Neither a low-bit optimizer nor fp16 4-bit matmuls: nothing below applies, and the
+    # early return keeps torch unloaded.
     if t.optimizer == "adamw" and not (quantized and m.compute_dtype == "fp16"):
         return []
     # Imported only here: torch (is CUDA there?) loads only for a low-bit optimizer or compute
@@ -100,6 +104,7 @@ def check_libraries(cfg: Config) -> list[str]:
 
     from leantune.core.optim import OptimizerUnavailable, resolve_optimizer  # torch: see above
 
+    # The device the run will train on, as train.device=auto will resolve it on this machine.
     cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
     warnings: list[str] = []
     if quantized and m.compute_dtype == "fp16" and not cuda:

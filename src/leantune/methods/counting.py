@@ -20,6 +20,7 @@ slice of its scale vector at 1."""
 def logical_numel(p: nn.Parameter) -> int:
     """The number of values `p` holds: a bitsandbytes 4-bit weight (Params4bit) packs two values
     a byte, and its `quant_state.shape` is the shape of the weight it stands for."""
+    # Duck-typed, not isinstance(Params4bit): bitsandbytes stays an optional import.
     shape = getattr(getattr(p, "quant_state", None), "shape", None)
     return math.prod(shape) if shape is not None else p.numel()
 
@@ -32,6 +33,7 @@ def trained_numel(p: nn.Parameter) -> int:
 def count_parameters(model: nn.Module) -> tuple[int, int]:
     """(trainable, total) logical parameter counts; shared parameters are counted once."""
     trainable = total = 0
+    # model.parameters() yields a shared (tied) parameter once, so tied embeddings count once.
     for p in model.parameters():
         total += logical_numel(p)
         if p.requires_grad:

@@ -42,6 +42,8 @@ KINDS = (
 _ATTENTION = {"self_attn", "attn", "attention", "self_attention"}
 _MLP = {"mlp", "feed_forward", "ffn", "block_sparse_moe"}
 _PEFT_PREFIX = "base_model.model."
+# (blocks' container).(block index).(path inside the block); lazy `.*?`: the first `.layers.N.`
+# is the decoder's, even where a block holds a `layers` list of its own.
 _LAYER = re.compile(r"^(.*?\.layers)\.(\d+)\.(.+)$")
 
 
@@ -185,6 +187,8 @@ def _sites(model: nn.Module) -> dict[str, tuple[str, int]]:
     seen: set[int] = set()
 
     def add(site: str, via: str, p: nn.Parameter) -> None:
+        # By identity: a peft layer's parameter is met again by named_parameters below, and a
+        # tied weight under two names; each counts once, at the first (most specific) site.
         if id(p) in seen:
             return
         seen.add(id(p))
@@ -202,7 +206,7 @@ def _sites(model: nn.Module) -> dict[str, tuple[str, int]]:
 def _plain_site(name: str, p: nn.Parameter) -> str:
     """The site of a parameter no peft layer added: its module, a fused expert weight itself,
     or the bottleneck adapter it belongs to (`bottleneck_adapters.mlp`)."""
-    if p.dim() == 3:
+    if p.dim() == 3:  # a fused expert weight is a site of its own, as peft names it
         return name
     parts = name.split(".")
     if BLOCK_ATTR in parts:
@@ -259,6 +263,7 @@ def _groups(model: nn.Module) -> list[Group]:
     order: dict[str, int] = {}
     for i, (name, _) in enumerate(model.named_parameters()):
         path = unwrapped_name(name)
+        # Both the parameter and its module: a site is named by either (see `_plain_site`).
         order.setdefault(path, i)
         order.setdefault(path.rsplit(".", 1)[0], i)
     # (in-block path or full name, via) -> blocks it is in (-1: outside), first position, size
@@ -266,7 +271,7 @@ def _groups(model: nn.Module) -> list[Group]:
     for site, (via, n) in _sites(model).items():
         m = _LAYER.match(site)
         key = (m.group(3), via) if m else (site, via)
-        layers, first, size = sites.get(key, (set(), 1 << 62, 0))
+        layers, first, size = sites.get(key, (set(), 1 << 62, 0))  # 1 << 62: after any position
         layers.add(int(m.group(2)) if m else -1)
         sites[key] = (layers, min(first, order.get(site, 1 << 62)), size + n)
     members: dict[tuple[str, str, frozenset[int]], list[tuple[int, str, int]]] = {}
@@ -274,6 +279,8 @@ def _groups(model: nn.Module) -> list[Group]:
         inside = -1 not in blocks
         kind = _kind(path) if inside else "outside blocks"
         name = path.rsplit(".", 1)[-1] if inside else path.removeprefix("model.")
+        # The block set is in the key: q_proj adapted in blocks 0-3 only and k_proj in all
+        # blocks are two groups, each saying where.
         group_key = (kind, via, frozenset(blocks) if inside else frozenset[int]())
         members.setdefault(group_key, []).append((first, name, size))
     groups = []
@@ -309,5 +316,5 @@ def coverage_of(model: nn.Module, method: str) -> Coverage:
 def _block_count(model: nn.Module) -> int:
     try:
         return len(decoder_layers(model))
-    except ValueError:
+    except ValueError:  # no recognisable block list: the report names no "x N layers"
         return 0

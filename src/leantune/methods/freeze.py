@@ -36,11 +36,15 @@ def apply_freeze(model: nn.Module, last_blocks: int, norms: bool) -> nn.Module:
         raise MethodError("method.name=freeze trains nothing: set method.last_blocks or norms")
     for p in model.parameters():
         p.requires_grad_(False)
+    # len - last_blocks, not -last_blocks: [-0:] would be every block, and last_blocks=0
+    # (norms only) must unfreeze none.
     for layer in list(layers)[len(layers) - last_blocks :]:
         for p in layer.parameters():
             p.requires_grad_(True)
     if norms:
         for name, module in model.named_modules():
+            # By leaf name: families name their norms input_layernorm, post_attention_layernorm,
+            # norm, ln_f, ..., and their classes differ (LlamaRMSNorm, Qwen2RMSNorm, LayerNorm).
             if "norm" in name.rsplit(".", 1)[-1].lower():
                 for p in module.parameters():
                     p.requires_grad_(True)

@@ -1,12 +1,10 @@
 """IA3 through peft: learned per-channel rescaling of keys, values and the MLP's inner activation
 (the input of its down projection), as Liu et al. 2022 define it.
 
-Families with a fused attention projection (Phi-3's `qkv_proj`, whose output is the queries,
-keys and values side by side) have no `k_proj`/`v_proj` to scale. peft's IA3 scales a target's
-whole output, so leantune targets `qkv_proj` and holds the query slice of its scale vector at 1
-(its gradient is masked to zero; IA3 scales get no weight decay, so AdamW never moves it): the
-keys and values are scaled exactly as on `k_proj`/`v_proj`, and the saved adapter is a plain
-peft IA3 adapter that any peft loads and merges (a scale of 1 merges to the same weights).
+Families with a fused attention projection (Phi-3's `qkv_proj`: queries, keys and values side
+by side) are scaled through it, with the query slice of its scale vector held at 1: the keys and
+values are scaled exactly as on `k_proj`/`v_proj`, and the saved adapter is a plain peft IA3
+adapter that any peft loads and merges.
 """
 
 from __future__ import annotations
@@ -54,6 +52,8 @@ def resolve_ia3_targets(model: nn.Module, names: tuple[str, ...]) -> list[str]:
     """
     if names == DEFAULT_IA3_TARGETS:
         attention = _matching(model, "k_proj") + _matching(model, "v_proj")
+        # No k_proj/v_proj (Phi-3): the fused projection, whose query part `_hold_queries`
+        # keeps unscaled.
         attention = attention or _matching(model, FUSED_QKV)
         if not attention:
             raise MethodError(
@@ -87,6 +87,7 @@ def apply_ia3(
     )
     with quiet_peft():
         wrapped = get_peft_model(model, config)
+    # peft's IA3 scales a target's whole output; a fused qkv_proj's queries must stay as they are.
     for name, module in wrapped.named_modules():
         if unwrapped_name(name).endswith(f".{FUSED_QKV}") and hasattr(module, "ia3_l"):
             _hold_queries(module, model.config)
@@ -101,7 +102,7 @@ def _hold_queries(layer: nn.Module, config: object) -> None:
     """
     c: Any = config
     heads = int(c.num_attention_heads)
-    kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
+    kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)  # absent: no GQA
     head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
     queries = heads * head_dim
     ia3_l: Any = layer.ia3_l  # peft's ParameterDict of scales, by adapter name
@@ -111,22 +112,27 @@ def _hold_queries(layer: nn.Module, config: object) -> None:
                 f"method.name=ia3: {FUSED_QKV} has {scales.numel()} outputs, not the "
                 f"{queries} queries + 2 x {kv_heads * head_dim} keys/values of the config"
             )
+        # The query slice's gradient masked to zero; IA3 scales get no weight decay
+        # (core.optim), so AdamW never moves it from 1, and a scale of 1 merges to the same
+        # weights. The mask is built on the CPU and follows the gradient to its device, so it
+        # holds wherever the model is moved later.
         mask = torch.ones_like(scales, device="cpu")
         mask.view(-1)[:queries] = 0
         scales.register_hook(lambda g, m=mask: g * m.to(g.device, g.dtype))
-        setattr(scales, HELD_ATTR, queries)
+        setattr(scales, HELD_ATTR, queries)  # counting: these entries do not train
     setattr(layer, SCALED_ATTR, "k, v")
     layer.register_forward_pre_hook(_still_held)
 
 
 def _still_held(layer: nn.Module, args: object) -> None:
-    """The mask lives on the parameter object: a strategy that replaces the parameters (FSDP2
-    shards them into new ones) would drop it and train the query scales. Refuse that run.
+    """Refuse a forward whose scale vectors are no longer the masked ones.
 
     Raises:
         MethodError: a scale vector of the layer is not the masked one.
     """
     ia3_l: Any = layer.ia3_l
+    # The mask lives on the parameter object: a strategy that replaces the parameters (FSDP2
+    # shards them into new ones) would drop it and train the query scales.
     if not all(hasattr(scales, HELD_ATTR) for scales in ia3_l.values()):
         raise MethodError(
             f"method.name=ia3 on a fused {FUSED_QKV}: the parallel strategy replaced the scale "

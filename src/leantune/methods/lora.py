@@ -71,7 +71,12 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         task_type="CAUSAL_LM",
     )
     with quiet_peft():
+        # autocast_adapter_dtype: the adapter weights in fp32 on a bf16/fp16 base, so their
+        # small updates are not rounded away.
         wrapped = get_peft_model(model, config, autocast_adapter_dtype=True)
+    # peft 0.21 rewrites the targets of some MoE families (its transformers-4 compatibility
+    # mapping moves `*.down_proj`, `*.gate_proj`, ... to `target_parameters`), which would drop
+    # dense layers of the same name: the wrapping is checked against what was asked.
     _check_adapted(wrapped, set(modules) | {p.removesuffix(".weight") for p in parameters})
     return wrapped
 
@@ -81,11 +86,8 @@ def resolve_targets(model: nn.Module, names: tuple[str, ...]) -> tuple[list[str]
     adapts, whatever the family.
 
     ("all-linear",): every linear layer inside the decoder blocks and every fused expert weight
-    there (a 3-D `experts x out x in` parameter: transformers 5 stores the routed experts of
-    Mixtral, Qwen2-MoE and Qwen3-MoE that way, where peft's own "all-linear" finds no
-    `nn.Linear` and, for Qwen2-MoE, skips them), shared experts included. MoE routers (`gate`,
-    `shared_expert_gate`) stay frozen in every family: the training loss has no load-balancing
-    term, so a trained router may send every token to a few experts; name them to adapt them.
+    there (a 3-D `experts x out x in` parameter), shared experts included; MoE routers (`gate`,
+    `shared_expert_gate`) stay frozen in every family unless named.
 
     Other names: the linear and embedding layers and fused expert weights whose name is, or
     ends with, the name (anywhere in the model: `embed_tokens`, `lm_head` too).
@@ -94,10 +96,16 @@ def resolve_targets(model: nn.Module, names: tuple[str, ...]) -> tuple[list[str]
         MethodError: a name that matches nothing, with the names the blocks have.
     """
     blocks = _block_prefix(model)
+    # The model's own layers only: on an already wrapped model, lora_A/lora_B are nn.Linear too.
     own = [(n, m) for n, m in model.named_modules() if not _inside_tuner(n)]
     linear = [n for n, m in own if isinstance(m, LINEAR) and n.startswith(blocks)]
+    # transformers 5 stores the routed experts of Mixtral, Qwen2-MoE and Qwen3-MoE as 3-D
+    # parameters, where peft's own "all-linear" finds no nn.Linear (and, for Qwen2-MoE, skips
+    # them): they are found here and passed as target_parameters.
     fused = [n for n, p in model.named_parameters() if p.dim() == 3 and n.startswith(blocks)]
     if names == ("all-linear",):
+        # Routers stay frozen: the training loss has no load-balancing term, so a trained
+        # router may send every token to a few experts.
         return [n for n in linear if not is_router(n)], fused
     wrappable = [n for n, m in own if isinstance(m, (*LINEAR, nn.Embedding))]
     # transformers 5 routers are custom modules around a 2-D weight: peft wraps the weight.
@@ -118,6 +126,7 @@ def resolve_targets(model: nn.Module, names: tuple[str, ...]) -> tuple[list[str]
         if not hit_modules and not hit_params:
             takes = "linear or embedding layer or expert weight"
             raise MethodError(unmatched_target(model, name, takes, linear + fused))
+        # No duplicates: two names may match one layer (`q_proj` and `self_attn.q_proj`).
         modules += [n for n in hit_modules if n not in modules]
         parameters += [n for n in hit_params if n not in parameters]
     return modules, parameters
@@ -135,9 +144,11 @@ def _inside_tuner(name: str) -> bool:
 
 
 def _check_adapted(model: nn.Module, asked: set[str]) -> None:
-    """peft 0.21 rewrites the targets of some MoE families (its transformers-4 compatibility
-    mapping moves `*.down_proj`, `*.gate_proj`, ... to `target_parameters`), which would drop
-    dense layers of the same name: refuse a wrapping that is not what was asked."""
+    """Refuse a wrapping whose adapted sites are not `asked`.
+
+    Raises:
+        MethodError: naming the sites missing and unexpected.
+    """
     got = adapted_sites(model)
     if got != asked:
         missing, extra = sorted(asked - got), sorted(got - asked)

@@ -143,6 +143,8 @@ def prompt_learning_hidden(
     n_virtual = model.active_peft_config.num_virtual_tokens
     batch_size = input_ids.shape[0]
     if kind == PeftType.PREFIX_TUNING:
+        # The prefix occupies positions 0..P-1 in the cache, so the input follows at P.., as
+        # peft's forward places it.
         out = decoder(
             input_ids=input_ids,
             position_ids=position_ids + n_virtual,
@@ -151,6 +153,7 @@ def prompt_learning_hidden(
         )
         return out.last_hidden_state
     embeds = cast(nn.Module, model.word_embeddings)(input_ids)
+    # The prompt encoder's dtype need not be the embeddings' (a bf16 base): one for the concat.
     prompts = model.get_prompt(batch_size).to(embeds.dtype)
     virtual = torch.arange(n_virtual, device=input_ids.device).expand(batch_size, -1)
     out = decoder(
@@ -158,6 +161,7 @@ def prompt_learning_hidden(
         position_ids=torch.cat([virtual, position_ids + n_virtual], dim=1),
         use_cache=False,
     )
+    # The virtual tokens carry no labels: only the input positions go on to the loss.
     return out.last_hidden_state[:, n_virtual:]
 
 
@@ -178,15 +182,21 @@ def prompt_learning_generate_inputs(
     assert isinstance(model, PeftModel)
     n_virtual = model.active_peft_config.num_virtual_tokens
     batch_size = input_ids.shape[0]
+    # P ones in front: transformers derives positions from the mask's cumulative sum, so the
+    # prompt lands at P.. as in training, and left padding stays masked.
     ones = attention_mask.new_ones((batch_size, n_virtual))
     inputs: dict[str, Any] = {
         "input_ids": input_ids,
         "attention_mask": torch.cat([ones, attention_mask], dim=1),
     }
     if kind == PeftType.PREFIX_TUNING:
+        # Passed as the cache, not through peft's generation hooks: peft 0.21.2's predate
+        # transformers 5's `cache` argument and decode wrong tokens with a KV cache.
         inputs["cache"] = _prefix_cache(model, batch_size)
     else:
         embeds = cast(nn.Module, model.word_embeddings)(input_ids)
         prompts = model.get_prompt(batch_size).to(embeds.dtype)
         inputs["inputs_embeds"] = torch.cat([prompts, embeds], dim=1)
+    # The base model generates: the virtual tokens are already in `inputs`, and peft's own
+    # generate would add them a second time.
     return model.get_base_model(), inputs

@@ -16,10 +16,6 @@ from leantune.models.quantize import is_quantized
 def apply_qlora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     """Wrap a 4-bit model in LoRA; only the adapters train.
 
-    peft's `prepare_model_for_kbit_training` upcasts the weights that stay unquantised (norms,
-    embeddings) to fp32 when they were loaded in bf16/fp16, for stable training. Its gradient
-    checkpointing is left off: `train.gradient_checkpointing` decides that for every method.
-
     Raises:
         ValueError: the model was not loaded in 4 bits.
     """
@@ -28,5 +24,8 @@ def apply_qlora(model: nn.Module, settings: LoraSettings) -> nn.Module:
             "method.name=qlora needs the base loaded in 4 bits; load it with "
             "load_model(..., quantization=base_quantization(...)) as the recipe does"
         )
+    # Upcasts the weights that stay unquantised (norms, embeddings) to fp32 when they were
+    # loaded in bf16/fp16, for stable training. Its gradient checkpointing stays off:
+    # `train.gradient_checkpointing` decides that for every method.
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return apply_lora(model, settings)

@@ -33,6 +33,7 @@ def _lora_settings(cfg: MethodConfig) -> LoraSettings:
     from leantune.methods.lora import LORA_PRESETS  # torch, peft: when a model is wrapped
 
     s = LORA_PRESETS[cfg.preset]
+    # Each setting given overrides the preset's; unset ones (None) keep it.
     if cfg.r is not None:
         s = replace(s, r=cfg.r)
     if cfg.alpha is not None:
@@ -97,7 +98,7 @@ def _adapter(model: nn.Module, cfg: MethodConfig) -> nn.Module:
 def _virtual_init(model: nn.Module, cfg: MethodConfig) -> VirtualInit | None:
     from leantune.methods.virtual_init import VirtualInit  # torch, peft: when a model is wrapped
 
-    if cfg.prompt_init == "random":
+    if cfg.prompt_init == "random":  # None: peft's own random initialisation
         return None
     # The text is tokenised with the tokenizer saved next to the model weights.
     return VirtualInit(cfg.prompt_init_text, getattr(model, "name_or_path", None))
@@ -181,6 +182,8 @@ def _lora_check(cfg: MethodConfig) -> str | None:
 def _qlora_quantization(cfg: MethodConfig, precision: str) -> Quantization:
     from leantune.models.quantize import Quantization  # torch, peft: when a model is wrapped
 
+    # compute_dtype=auto follows the run's autocast precision, so the 4-bit matmuls and the rest
+    # of the step share a dtype.
     compute = cfg.compute_dtype if cfg.compute_dtype != "auto" else precision
     if compute == "auto":
         raise ValueError(
@@ -339,6 +342,8 @@ def apply_method(model: nn.Module, cfg: MethodConfig) -> nn.Module:
         MethodError: the method's settings do not fit the model, or leave nothing to train on
             it (a run that trains nothing would "succeed" with every gradient 0).
     """
+    # Frozen first, whatever the method: each method then turns on only what it trains, and
+    # the loop learns what trains from requires_grad alone.
     for p in model.parameters():
         p.requires_grad_(False)
     wrapped = METHODS[cfg.name].apply(model, cfg)
@@ -360,13 +365,14 @@ def merge_for_inference(model: nn.Module) -> nn.Module:
     """Fold adapter weights into the base in place where peft can (LoRA: W + BA), so evaluation
     after training pays no adapter overhead. Call only after the trained model has been saved.
 
-    A 4-bit base is left unmerged: merging re-quantises W + BA, a different model from the one
-    trained and saved (which is the 4-bit base plus the fp32 adapter)."""
+    A 4-bit base is left unmerged."""
     from leantune.models.quantize import is_quantized  # torch, peft: when a model is wrapped
 
+    # Merging into a 4-bit base re-quantises W + BA: a different model from the one trained
+    # and saved (the 4-bit base plus the fp32 adapter).
     if is_quantized(model):
         return model
     merge = getattr(model, "merge_adapter", None)
-    if callable(merge):
+    if callable(merge):  # methods without merge_adapter (prompts, bottleneck adapters) run as is
         merge()
     return model

@@ -1,10 +1,7 @@
-"""Where the virtual tokens of the prompt-learning methods start: from real tokens.
-
-peft starts prefix tuning's key/value prefixes (and prompt tuning's embeddings, unless given a
-text) from N(0, 1): keys and values far outside anything the model's own layers produce, so the
-first steps are spent undoing a prefix that derails every layer (P-Tuning v2 on the demo: held-out
-loss 4.59 after 40 steps, against 0.03 for full fine-tuning). Starting from what the model computes
-for real tokens makes the initial model the base model reading a short preamble:
+"""Where the virtual tokens of the prompt-learning methods start: from real tokens, so that
+the initial model is the base model reading a short preamble (peft's N(0, 1) start gives keys
+and values far outside anything the model's own layers produce: P-Tuning v2 on the demo reached
+held-out loss 4.59 after 40 steps, against 0.03 for full fine-tuning):
 
 - prompt tuning: the input embeddings of the tokens (Lester et al. 2021 found sampled vocabulary
   tokens and class labels far better than random starts);
@@ -51,6 +48,8 @@ def _load_tokenizer(path: str | None) -> Any | None:
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError):  # no tokenizer saved next to the weights
+        # Sampling still works without one (every non-special id is a candidate); a text
+        # needs it, and init_token_ids says so.
         return None
 
 
@@ -58,7 +57,7 @@ def _text_ids(tokenizer: Any, text: str, n: int) -> list[int]:
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if not ids:
         raise ValueError(f"method.prompt_init_text {text!r} tokenises to nothing")
-    return (ids * (n // len(ids) + 1))[:n]
+    return (ids * (n // len(ids) + 1))[:n]  # repeated or cut to n, as peft does with a text
 
 
 def _vocab_candidates(tokenizer: Any | None, vocab_size: int, special: set[int]) -> list[int]:
@@ -67,6 +66,7 @@ def _vocab_candidates(tokenizer: Any | None, vocab_size: int, special: set[int])
     ids = [i for i in range(min(vocab_size, VOCAB_SAMPLE_SIZE)) if i not in special]
     if tokenizer is None:
         return ids
+    # Word-like: punctuation, digits, byte pieces and whitespace runs make a poor preamble.
     wordlike = [i for i in ids if tokenizer.decode([i]).strip().isalpha()]
     return wordlike or ids
 
@@ -101,6 +101,7 @@ def init_token_ids(
     candidates = _vocab_candidates(
         tokenizer, embeddings.num_embeddings, {int(i) for i in special if isinstance(i, int)}
     )
+    # torch's RNG, which the run has seeded: the same seed starts from the same tokens.
     pick = torch.randperm(len(candidates))[:n]
     if len(pick) < n:  # a tiny vocabulary: repeat
         pick = pick.repeat(n // len(pick) + 1)[:n]
@@ -112,7 +113,7 @@ def init_prompt_embeddings(model: PeftModel, token_ids: torch.Tensor) -> None:
     encoder = cast(Any, model.prompt_encoder)[model.active_adapter]
     table = cast(nn.Module, model.word_embeddings)
     weight = encoder.embedding.weight
-    with torch.no_grad():
+    with torch.no_grad():  # an initial value, not a step autograd should see
         weight.copy_(table(token_ids.to(weight.device)).to(weight.dtype))
 
 
@@ -123,12 +124,14 @@ def key_value_rows(base: nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
     ids = token_ids.to(weight.device)[None]
     positions = torch.arange(ids.shape[1], device=ids.device)[None]
     with torch.no_grad():
+        # use_cache: the cache is where the model hands out its per-layer keys and values.
         cache = base(input_ids=ids, position_ids=positions, use_cache=True).cache
     rows = []
     for layer in cache.layers:
         for states in (layer.keys, layer.values):  # (1, kv heads, P, head dim)
+            # (P, kv heads x head dim): heads side by side, as peft reshapes its prefix rows.
             rows.append(states[0].permute(1, 0, 2).reshape(ids.shape[1], -1))
-    return torch.cat(rows, dim=1).float()
+    return torch.cat(rows, dim=1).float()  # fp32: the prefix parameters' dtype
 
 
 def init_prefix_from_activations(model: PeftModel, token_ids: torch.Tensor) -> None:
@@ -146,6 +149,8 @@ def init_prefix_from_activations(model: PeftModel, token_ids: torch.Tensor) -> N
             return
         first, out = encoder.transform[0], encoder.transform[2]
         hidden = torch.tanh(first(encoder.embedding.weight)).float()  # (P, MLP width)
+        # The mean row as bias, the least-squares weight for the rest: with P rows and a wider
+        # MLP the system is underdetermined, so the pseudo-inverse can fit it exactly.
         bias = target.mean(dim=0)
         solution = torch.linalg.pinv(hidden) @ (target.to(hidden) - bias)  # (width, out)
         out.bias.copy_(bias.to(out.bias))

@@ -113,6 +113,8 @@ def causal_lm_class(config: PreTrainedConfig | None, remote_code: bool = False) 
     if config is None:
         return None
     auto_map = getattr(config, "auto_map", None) or {}
+    # With trust_remote_code the repository's own class wins over transformers' mapping, so
+    # that mapping says nothing about the class that will be built.
     if remote_code and "AutoModelForCausalLM" in auto_map:
         return None
     try:
@@ -131,8 +133,11 @@ def segments_refusal(cls: type, config: PreTrainedConfig | None) -> str | None:
     transformers gives no sdpa path (soft-capped logits, attention sinks, ...) is refused, and
     so is one that does not call transformers' attention functions (it would ignore them)."""
     name = cls.__name__
+    # transformers' flag for model code that dispatches through AttentionInterface: without it
+    # the registered segment attention would never be called.
     if not getattr(cls, "_supports_attention_backend", False):
         return f"{name} does not use transformers' attention functions"
+    # The text config: a multimodal config keeps the decoder's settings one level down.
     text = config.get_text_config() if config is not None else None
     softcap = getattr(text, "attn_logit_softcapping", None)
     if softcap is not None:
@@ -198,6 +203,8 @@ def resolve_attention(
         if problem is not None:
             raise UnsupportedAttention(problem)
         return AttentionChoice(configured)
+    # A resumed run keeps what it started with, so a run started before `auto` existed (or
+    # before auto's pick changed) resumes on the same numerics.
     for kept in RESOLVED:
         if recorded == kept and _refusal(kept, cls, model_config, field) is None:
             return AttentionChoice(kept)
@@ -205,6 +212,7 @@ def resolve_attention(
     if cls is None:  # remote code may not call transformers' attention functions
         return AttentionChoice(masked)
     if not packed:
+        # One example per row gains nothing from cutting rows: its causal sdpa has no mask.
         lacks = f"{cls.__name__} has no sdpa attention in transformers"
         return AttentionChoice(
             masked, None if masked == "sdpa" else f"{field}=auto -> {masked}: {lacks}"
@@ -276,8 +284,10 @@ def _cuts_rows(
 ) -> bool:
     """Whether the attention sees the whole row as queries and keys, with nothing masked but
     causality and the examples (`use_vmap` marks a model's own mask overlay)."""
+    # q != kv: a KV cache (a prefix, generation); one query: decoding. Both are sdpa's.
     if use_vmap or q_length != kv_length or q_length < 2:
         return False
+    # Offsets can arrive as tensors; anything but a literal 0 goes to sdpa's mask.
     if not (isinstance(q_offset, int) and isinstance(kv_offset, int)) or q_offset or kv_offset:
         return False
     return attention_mask is None or bool(attention_mask.all())
@@ -308,6 +318,7 @@ def segment_attention_forward(
             position bias, non-causal attention, attention layers given no position ids).
     """
     q_len, kv_len = query.shape[2], key.shape[2]
+    # The same cases `segment_mask` gives a mask: padding, a KV cache, one-token decoding.
     if attention_mask is not None or q_len != kv_len or q_len < 2:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -329,6 +340,8 @@ def segment_attention_forward(
             "attention layers, so the examples of a packed row cannot be found; set "
             "model.attn_implementation=sdpa"
         )
+    # One SDPA call per example: FlexAttention has no backward on CPU (torch 2.13) and torch's
+    # varlen attention is CUDA-only, so this is what runs on both.
     lengths = segment_lengths(position_ids, query.shape[0], q_len)
     groups = int(getattr(module, "num_key_value_groups", 1))
     window = kwargs.get("sliding_window")
@@ -346,12 +359,11 @@ def _row_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], attend: Kernel
 ) -> torch.Tensor:
     """One row, (heads, seq, dim) in: attention within each segment, concatenated back in
-    (seq, heads, dim), the layout the output projection reads (no transposed copy after).
-
-    `split` (not slicing) so that backward writes each input's gradient once, not one
-    zero-filled row-sized tensor per segment."""
+    (seq, heads, dim), the layout the output projection reads (no transposed copy after)."""
     if len(lengths) == 1:
         return attend(q, k, v).transpose(0, 1)
+    # `split` (not slicing) so that backward writes each input's gradient once, not one
+    # zero-filled row-sized tensor per segment.
     parts = zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1), strict=True)
     return torch.cat([attend(qs, ks, vs).transpose(0, 1) for qs, ks, vs in parts], dim=0)
 
@@ -373,6 +385,8 @@ def _segment_kernel(
             return F.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=groups > 1
             )[0]
+        # A segment longer than the window needs a banded mask (causal and within the window),
+        # and with a mask the KV heads are expanded, as transformers' sdpa path does.
         i = torch.arange(n, device=q.device)
         d = i[:, None] - i[None, :]
         mask = (d >= 0) & (d < window)
@@ -402,8 +416,11 @@ def segment_lengths(position_ids: torch.Tensor, batch: int, seq: int) -> list[li
     global _cache
     if _cache is not None:
         ref, version, rows, lengths = _cache
+        # A weak reference and the tensor's version counter: a freed tensor whose id is reused,
+        # or one written in place, is not mistaken for the cached one.
         if ref() is position_ids and version == position_ids._version and rows == batch:
             return lengths
+    # expand: one position-id row may stand for the whole batch (broadcast by the model).
     lengths = _lengths(position_ids.expand(batch, seq))
     _cache = (weakref.ref(position_ids), position_ids._version, batch, lengths)
     return lengths
@@ -415,7 +432,7 @@ def _lengths(position_ids: torch.Tensor) -> list[list[int]]:
     starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
     seq = pos.shape[1]
     out = []
-    for row in starts.cpu():
+    for row in starts.cpu():  # one transfer (one device sync) for the whole batch
         idx = [*row.nonzero().flatten().tolist(), seq]
         out.append([b - a for a, b in itertools.pairwise(idx)])
     return out
@@ -442,6 +459,8 @@ def sdpa_attention(model: nn.Module) -> Any:
     if hf is None or current != SEGMENTS:
         yield
         return
+    # Evaluation and generation keep sdpa, the path they always took: their padding masks and
+    # KV caches are sdpa's cases anyway.
     hf.set_attn_implementation("sdpa")
     try:
         yield

@@ -51,10 +51,11 @@ def model_is_unquantised(model_path: str) -> bool:
     `quantization_config`. False when it is quantised or cannot be told."""
     from leantune.models.demo_model import DEMO_MODEL_NAMES  # as above: before torch loads
 
+    # The demo is converted to plain safetensors; a GGUF file is dequantised by the gguf package.
     if model_path in DEMO_MODEL_NAMES or model_path.lower().endswith(".gguf"):
         return True
     found = _config_json(model_path)
-    if found is None:
+    if found is None:  # unknown (an adapter, a hub id not cached): keep the import, to be safe
         return False
     try:
         config = json.loads(found.read_text(encoding="utf-8"))
@@ -80,7 +81,11 @@ def hold_back(needed: bool) -> bool:
     Nothing changes when it is needed, not installed, or already imported (then it is in use).
     Call before peft or transformers is imported.
     """
+    # Already imported: something uses it, and a None entry now would break that user.
     if needed or PACKAGE in sys.modules or importlib.util.find_spec(PACKAGE) is None:
         return False
+    # None in sys.modules makes `import bitsandbytes` raise ModuleNotFoundError and find_spec
+    # answer None (Python documents both), so peft and transformers take their no-bitsandbytes
+    # path, the one the base install always runs (its import costs ~2.5 s of every start).
     sys.modules[PACKAGE] = None  # type: ignore[assignment]
     return True

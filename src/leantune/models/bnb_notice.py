@@ -50,6 +50,7 @@ class _HeldNotice(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if message.startswith(NOTICE_START):
+            # Kept, not just dropped: its reason is quoted if a 4-bit model loads later.
             self.held = message
             return False
         return True
@@ -107,6 +108,8 @@ class _OfflineImport(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> ModuleSpec | None:
+        # The top-level package only: its submodules are imported while it executes, inside
+        # the offline block of `_OfflineLoader.exec_module`.
         if fullname != self.name:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
@@ -121,6 +124,7 @@ def import_offline(name: str = PACKAGE) -> None:
     it again changes nothing. A package held out of the process (`bnb_import.hold_back`) stays
     out: Python refuses it before any finder is asked."""
     if not any(isinstance(f, _OfflineImport) and f.name == name for f in sys.meta_path):
+        # First: the standard path finder would otherwise find the package and load it online.
         sys.meta_path.insert(0, _OfflineImport(name))
 
 

@@ -39,10 +39,14 @@ def find_demo_gguf() -> Path:
 def ensure_demo_model() -> Path:
     """Return the safetensors cache of the demo model, converting it from GGUF on first use."""
     out = leantune_home() / "models" / _CACHE_NAME
+    # The marker is written last inside the temporary folder: a folder without it is a
+    # conversion that was interrupted, and is redone.
     if (out / "COMPLETE").is_file():
         return out
     gguf = find_demo_gguf()
     out.parent.mkdir(parents=True, exist_ok=True)
+    # Swapped in whole: two processes converting at once each write their own temporary
+    # folder, and a reader never sees a half-written model.
     with replacing_dir(out, out.with_name(out.name + f".tmp-{os.getpid()}")) as tmp:
         convert_gguf_to_safetensors(gguf, tmp)
         (tmp / "COMPLETE").write_text("ok\n")
@@ -66,6 +70,7 @@ def convert_gguf_to_safetensors(gguf_path: Path, out_dir: Path) -> None:
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    # lm_head is tied to the embeddings (tie_weights below), so the GGUF holds no copy of it.
     real_missing = [k for k in missing if not k.endswith("lm_head.weight")]
     if real_missing or unexpected:
         raise RuntimeError(

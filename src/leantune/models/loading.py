@@ -86,7 +86,7 @@ def loading(location: str) -> Iterator[None]:
     try:
         with hub_offline_unless_allowed():
             yield
-    except UserError:
+    except UserError:  # already names the path and the fix; wrapping would bury that
         raise
     except LOAD_ERRORS as e:
         damaged = " (truncated, or not a GGUF file?)" if location.lower().endswith(".gguf") else ""
@@ -107,6 +107,8 @@ def resolve_model(path: str, gguf_file: str | None = None) -> ModelSource:
     Raises:
         ModelNotFoundError: the path does not exist locally, and is not a hub id in the cache.
     """
+    # Checked in this order: a local folder named like a hub id (`org/name`) is the folder,
+    # and the demo name wins over a folder of that name in the working directory.
     if path.lower() in DEMO_MODEL_NAMES:
         return ModelSource(str(ensure_demo_model()))
     p = Path(path).expanduser()
@@ -146,6 +148,7 @@ def _local_dir(source: ModelSource) -> Path | None:
         return p
     if not downloads_allowed() and looks_like_hub_id(source.location):
         return hub_snapshot(source.location)
+    # Downloads allowed: the snapshot may not exist yet, and from_pretrained fetches it.
     return None
 
 
@@ -211,6 +214,7 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False) -> PreT
             trust_remote_code=trust_remote_code,
             local_files_only=not downloads_allowed(),
         )
+    # Batching pads rows, and many causal LMs ship no pad token: eos is the usual stand-in.
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -269,6 +273,8 @@ def load_model(
     """
     with loading(_name(source)):
         config = _model_config(source, trust_remote_code)
+        # packed=False: a loaded model's own callers (eval, generate, export) pass padded rows,
+        # never packed ones; training resolves its attention itself.
         attention = resolve_attention(
             attn_implementation,
             packed=False,
@@ -314,10 +320,14 @@ def _load_model(
         if local is not None:
             refuse_pickled_weights(local)
     if rope_scaling is not None:
+        # Into the config before the model is built: the rotary embedding reads it once, at
+        # construction.
         apply_rope_scaling(config, rope_scaling)
         kwargs["config"] = config
     if quantization is not None:
         kwargs["quantization_config"] = bnb_config(quantization)
+        # Straight onto the device: bitsandbytes quantises as the weights arrive there, and
+        # a full-precision copy on the CPU first would cost the memory QLoRA saves.
         kwargs["device_map"] = {"": str(device)}
     shards = streamed_shards(source, config, trust_remote_code)
     if shards is not None:
@@ -356,7 +366,7 @@ def _model_class(config: PreTrainedConfig) -> type[PreTrainedModel]:
     found = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     if not isinstance(found, list | tuple):
         return cast(type[PreTrainedModel], found)
-    named = {c.__name__: c for c in found if c is not None}
+    named = {c.__name__: c for c in found if c is not None}  # entries can be None: skipped
     arch = next((a for a in getattr(config, "architectures", None) or [] if a in named), None)
     return cast(type[PreTrainedModel], named[arch] if arch else found[0])
 
@@ -387,6 +397,8 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     Raises:
         ValueError: the model has no gradient-checkpointing support.
     """
+    # Non-reentrant: the reentrant variant gives no gradient to a block whose inputs do not
+    # require grad, which is every block of a model with frozen embeddings (adapters).
     kwargs = {"use_reentrant": False}
     # transformers 5 renamed it; the old name warns and goes in v6.
     enable = getattr(model, "activation_checkpointing_enable", None)

@@ -59,11 +59,7 @@ def supervised_hidden(
     model: nn.Module, batch: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, nn.Linear] | None:
     """The last hidden states at the supervised positions of `batch` (n_supervised, hidden) and
-    the output projection, or None for a model without a plain decoder and linear head.
-
-    `use_cache=False` is required: transformers only derives the per-example (packed) mask from
-    position ids when no KV cache is created.
-    """
+    the output projection, or None for a model without a plain decoder and linear head."""
     parts = _decoder_and_head(model)
     if parts is None:
         return None
@@ -72,9 +68,13 @@ def supervised_hidden(
     virtual: VirtualTokens | None = getattr(model, VIRTUAL_TOKENS_HOOK, None)
     hidden = virtual(decoder, batch["input_ids"], batch["position_ids"]) if virtual else None
     if hidden is None:
+        # use_cache=False is required: transformers only derives the per-example (packed) mask
+        # from position ids when no KV cache is created.
         hidden = decoder(
             input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
         ).last_hidden_state
+    # Only supervised positions go on to the vocab projection: with answer-only loss most
+    # carry no label, and the projection (49k x 576 for SmolLM2) is a large share of the step.
     return hidden[batch["labels"] != IGNORE_INDEX], head
 
 
@@ -103,6 +103,8 @@ def own_forward_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torc
     hidden = virtual(parts[0], ids, positions) if virtual and parts else None
     if hidden is None or parts is None:
         return model(input_ids=ids, position_ids=positions, use_cache=False).logits[mask]
+    # The base model's forward, with the decoder's output swapped for the virtual-token hidden
+    # states: peft's own forward would add the virtual tokens a second time.
     get_base = getattr(model, "get_base_model", None)
     base = get_base() if callable(get_base) else model
     handle = parts[0].register_forward_hook(lambda _m, _a, out: _replaced(out, hidden))
@@ -159,9 +161,13 @@ def token_loss_sum(
     the KL needs both models' logits, so that path keeps them.
     """
     if isinstance(model, WrappedLoss):
+        # Through the wrapper's forward, which re-enters here with the plain model: DDP and
+        # FSDP only do their work (all-reduce set-up, gathers) inside their own forward.
         return model(batch, kl_coef)
     targets = batch["labels"][batch["labels"] != IGNORE_INDEX]
     decided = output_head(model)
+    # The chunked path needs no logits to survive; the KL needs both models' logits, and a
+    # head with a bias is not what the chunked function computes, so those take the plain path.
     if kl_coef == 0 and not decided.own_forward:
         found = supervised_hidden(model, batch)
         if found is not None and found[1].bias is None:
@@ -170,6 +176,9 @@ def token_loss_sum(
                 hidden, head.weight, targets, scale=decided.scale, softcap=decided.softcap
             )
     logits = supervised_logits(model, batch)
+    # A sum, not a mean: the loop divides by the supervised-token count of the whole
+    # accumulation window, so k micro-batches equal one k-times larger batch (transformers#34191
+    # is what a per-micro-batch mean gives).
     loss = F.cross_entropy(logits.float(), targets, reduction="sum")
     if kl_coef > 0:
         loss = loss + kl_coef * kl_to_base(model, batch, logits)
@@ -195,7 +204,7 @@ def supervised_token_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> 
             return linear_token_logps(
                 hidden, head.weight, targets, scale=decided.scale, softcap=decided.softcap
             )
-    logits = supervised_logits(model, batch).float()
+    logits = supervised_logits(model, batch).float()  # fp32: a bf16 logsumexp loses precision
     return logits.gather(1, targets.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=-1)
 
 
@@ -228,10 +237,13 @@ def kl_to_base(
     Raises:
         ValueError: the model has no adapters to disable (e.g. full fine-tuning).
     """
+    # The base is the same model with its adapters off: no second copy of the weights. No
+    # gradient: the base is the fixed target.
     with torch.no_grad(), _adapters_disabled(model, "train.kl_coef"):
         base = supervised_logits(model, batch)
     log_p = F.log_softmax(logits.float(), dim=-1)
     log_q = F.log_softmax(base.float(), dim=-1)
+    # kl_div(input, target) is KL(target || input): with target=log_p this is KL(model || base).
     return F.kl_div(log_q, log_p, log_target=True, reduction="sum")
 
 

@@ -57,10 +57,11 @@ def declared_head(config: object) -> OutputHead:
     """The transform the config's fields declare (the fields transformers' models read)."""
     scale = 1.0
     logit_scale = getattr(config, "logit_scale", None)  # Cohere, Cohere 2: multiplies
+    # bool is an int subclass: a flag named like the field is not a scale.
     if isinstance(logit_scale, (int, float)) and not isinstance(logit_scale, bool):
         scale *= float(logit_scale)
     logits_scaling = getattr(config, "logits_scaling", None)  # Granite: divides
-    if isinstance(logits_scaling, (int, float)) and logits_scaling:
+    if isinstance(logits_scaling, (int, float)) and logits_scaling:  # 0 would divide by zero
         scale /= float(logits_scaling)
     softcap = getattr(config, "final_logit_softcapping", None)  # Gemma 2 (and 3, when set)
     return OutputHead(scale=scale, softcap=float(softcap) if softcap else None)
@@ -79,6 +80,8 @@ def decide_output_head(model: nn.Module) -> OutputHead:
     """Check the declared transform against the model's own forward on `PROBE_TOKENS` tokens
     and record the decision on the model (`OUTPUT_HEAD_ATTR`); returns it."""
     decided = _probe(model)
+    # On the innermost transformers model, so that peft wrappers made later still reach it
+    # (peft reads attributes through to the base model); on the wrapper too when there is one.
     target = _innermost(model)
     setattr(target, OUTPUT_HEAD_ATTR, decided)
     if target is not model:
@@ -100,16 +103,21 @@ def _probe(model: nn.Module) -> OutputHead:
     config = getattr(model, "config", None)
     if not isinstance(head, nn.Module) or config is None:
         return _own_forward(model, "it has no output projection the loss can run")
+    # A hook on the projection captures its result during the model's own forward: the logits
+    # that forward returns must be that result with the known transform applied.
     captured: list[torch.Tensor] = []
     hook = head.register_forward_hook(lambda _m, _a, out: captured.append(out.detach()))
     try:
         logits = _probe_logits(model, config)
     finally:
         hook.remove()
+    # Called more than once, or to another shape (a model that slices positions or projects
+    # twice): no transform of one projection explains the logits.
     if logits is None or len(captured) != 1 or captured[0].shape != logits.shape:
         return _own_forward(model, "its output projection's result is not its logits' shape")
     z = captured[0]
     declared = declared_head(config)
+    # IDENTITY too: a config may declare a field its model's forward does not apply.
     for candidate in (declared, IDENTITY):
         if _close(candidate.apply(z.float()), logits, z.dtype):
             return candidate
@@ -126,8 +134,10 @@ def _probe_logits(model: nn.Module, config: object) -> torch.Tensor | None:
     if vocab <= 0:
         return None
     device = next(model.parameters()).device
+    # Spread over the vocabulary (7919 is prime): distinct ids, not the first few special ones.
     ids = (torch.arange(PROBE_TOKENS, device=device) * 7919 % vocab).unsqueeze(0)
     positions = torch.arange(PROBE_TOKENS, device=device).unsqueeze(0)
+    # eval: dropout would make the two sides of the comparison differ.
     was_training = model.training
     model.eval()
     try:
@@ -139,9 +149,10 @@ def _probe_logits(model: nn.Module, config: object) -> torch.Tensor | None:
 
 
 def _close(ours: torch.Tensor, theirs: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Equal up to the rounding of the projection's dtype: a bf16 model applies its transform
-    in bf16, the loss in fp32."""
+    """Equal up to the rounding of the projection's dtype."""
+    # A bf16 model applies its transform in bf16, the loss in fp32: a few ulps of the dtype.
     tol = max(1e-5, 4 * torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-5
+    # Scaled by the largest logit: absolute error grows with the magnitude.
     atol = tol * max(1.0, float(theirs.abs().max()))
     return bool(torch.allclose(ours, theirs, rtol=tol, atol=atol))
 

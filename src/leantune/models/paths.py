@@ -32,24 +32,24 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 def downloads_allowed() -> bool:
     """Whether loading may reach the Hugging Face hub: only when the user opts in by setting
-    HF_HUB_OFFLINE=0 (or false/no/off) explicitly. Otherwise hub ids are read from the local
-    HF cache only, so a mistyped path fails at once instead of after minutes of retries."""
+    HF_HUB_OFFLINE=0 (or false/no/off) explicitly."""
+    # Unset means offline, unlike huggingface_hub's own default: a mistyped path then fails at
+    # once instead of after minutes of network retries.
     value = os.environ.get("HF_HUB_OFFLINE")
     return value is not None and value.strip().lower() in ("0", "false", "no", "off")
 
 
 @contextmanager
 def hub_offline_unless_allowed() -> Iterator[None]:
-    """Put huggingface_hub in offline mode for the block, unless `downloads_allowed()`.
-
-    Passing `local_files_only` is not enough: transformers 5 looks for an adapter config
-    without it, and huggingface_hub fetches its user-agent registry, each with network retries.
-    """
+    """Put huggingface_hub in offline mode for the block, unless `downloads_allowed()`."""
     from huggingface_hub import constants
 
     if downloads_allowed():
         yield
         return
+    # The module constant, not only `local_files_only`: transformers 5 looks for an adapter
+    # config without it, and huggingface_hub fetches its user-agent registry, each with
+    # network retries. The constant is read at call time, so setting it here takes effect.
     saved = constants.HF_HUB_OFFLINE
     constants.HF_HUB_OFFLINE = True
     try:
@@ -63,7 +63,7 @@ def looks_like_hub_id(path: str) -> bool:
     ending like a file (`.gguf`, `.safetensors`, ...). Anything else is a local path."""
     return (
         _HUB_ID.fullmatch(path) is not None
-        and ".." not in path
+        and ".." not in path  # `a/..` is a relative path the regex would let through
         and not path.lower().endswith(PATH_SUFFIXES)
     )
 
@@ -79,14 +79,15 @@ def hub_snapshot(repo_id: str, filename: str = ModelPaths.config) -> Path | None
         found = try_to_load_from_cache(repo_id, filename)
     except ValueError:  # huggingface_hub refuses the name as a repo id
         return None
-    if not isinstance(found, str):
+    if not isinstance(found, str):  # None (not cached) or a sentinel (known to be missing)
         return None
+    # Up as many levels as `filename` has parts: the snapshot folder that holds it.
     return Path(found).parents[len(Path(filename).parts) - 1]
 
 
 def missing_path_message(path: str, where: str) -> str:
     """A local path that does not exist: say so, with the closest names in its folder."""
-    import difflib
+    import difflib  # only on this error path
 
     p = Path(path).expanduser()
     hint = ""
@@ -120,6 +121,7 @@ def hub_id_problem(path: str, where: str, filename: str = ModelPaths.config) -> 
     `runs/`), otherwise a hub id that is not in the cache."""
     if downloads_allowed() or hub_snapshot(path, filename) is not None:
         return None
+    # `runs/dmeo` looks like a hub id, but `runs/` beside it says it is a mistyped local path.
     if Path(path.split("/")[0]).is_dir():
         return missing_path_message(path, where)
     from huggingface_hub import constants
@@ -157,6 +159,8 @@ def refuse_pickled_weights(directory: Path) -> None:
         PickledWeights: naming the file, why it is not loaded and the command that converts it.
     """
     try:
+        # Pickles beside safetensors are left alone: the loaders pick safetensors (and are
+        # told to: use_safetensors=True), so the pickles are never opened.
         if not directory.is_dir() or any(directory.glob("*.safetensors")):
             return
         pickles = sorted(f for pattern in PICKLED_WEIGHTS for f in directory.glob(pattern))
@@ -215,6 +219,7 @@ def model_of_run(path: str) -> str:
     """
     p = Path(path).expanduser()
     try:
+        # A folder that holds a model is that model first: a `final/` inside it is not looked at.
         if p.is_dir() and not _holds_model(p) and RunPaths(p).final.is_dir():
             return str(RunPaths(p).final)
     except OSError:  # a name the OS refuses; check_model_path says so
@@ -256,6 +261,7 @@ def check_model_path(path: str, label: str = "") -> None:
             f"{where}: not a model directory (no config.json, adapter_config.json or "
             f"leantune adapter){hint}"
         )
+    # Checked last: a local path of that shape (already ruled out above) is not a hub id.
     problem = hub_id_problem(path, where) if looks_like_hub_id(path) else None
     if looks_like_hub_id(path) and problem is None:
         return

@@ -77,6 +77,8 @@ def bnb_config(q: Quantization) -> Any:
 
 def is_quantized(model: torch.nn.Module) -> bool:
     """True when `model` (or the model inside a peft wrapper) holds bitsandbytes 4-bit layers."""
+    # By class name: bitsandbytes is optional, and an isinstance test would import it for
+    # every model, quantised or not.
     return any(type(m).__name__ in ("Linear4bit", "Params4bit") for m in model.modules()) or any(
         type(p).__name__ == "Params4bit" for p in model.parameters()
     )
@@ -85,15 +87,15 @@ def is_quantized(model: torch.nn.Module) -> bool:
 def keep_training_layout(model: torch.nn.Module) -> int:
     """Make every bitsandbytes 4-bit layer run the same kernel in eval mode as in training.
 
-    On CPUs with AVX512-BF16, bitsandbytes (0.50) repacks a `Linear4bit` weight in place on its
-    first eval-mode forward without grad: the weight changes shape, the block scales are rounded
-    to bf16 (the outputs then differ from training's by ~1e-2 on a 256x128 layer) and
-    `dequantize_4bit` no longer reads it correctly. Evaluating, generating or merging a QLoRA
-    model must see the weights it was trained against, on every CPU, so the repacking is turned
-    off. Returns the number of layers changed. Explains, once, bitsandbytes' held-back notice
-    about the optional kernel of that layout (`bnb_notice`).
+    Returns the number of layers changed. Explains, once, bitsandbytes' held-back notice about
+    the optional kernel of that layout (`bnb_notice`).
     """
     changed = 0
+    # On CPUs with AVX512-BF16, bitsandbytes (0.50) repacks a Linear4bit weight in place on its
+    # first eval-mode forward without grad: the weight changes shape, the block scales are
+    # rounded to bf16 (outputs then differ from training's by ~1e-2 on a 256x128 layer) and
+    # dequantize_4bit no longer reads it correctly. Evaluating, generating or merging a QLoRA
+    # model must see the weights it was trained against, on every CPU: the repacking is off.
     for module in model.modules():
         if type(module).__name__ in ("Linear4bit", "LinearNF4", "LinearFP4"):
             setattr(module, "support_avx512bf16_for_cpu", False)  # noqa: B010 (mypy: Module attr)
@@ -115,6 +117,7 @@ def canonical_4bit(weight: Any) -> tuple[torch.Tensor, Any]:
     state = weight.quant_state
     if not getattr(state, "packing_format_for_cpu", False):
         return weight.data, state
+    # Imported here: bitsandbytes is optional, and only a repacked weight needs its inverse.
     import bitsandbytes.functional as bnb_f
 
     data, state = bnb_f._convert_weight_packed_for_cpu_inverse(weight.data, state)

@@ -31,6 +31,7 @@ def quiet_import_noise() -> None:
     (`models.bnb_notice`), and imported with the Hugging Face Hub offline unless
     HF_HUB_OFFLINE=0. Call before anything imports peft.
     """
+    # ERROR, not disabled: a real failure in those libraries still shows.
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
     hold_back_kernel_notice()
@@ -46,6 +47,8 @@ def quiet_import_noise() -> None:
 def quiet_libraries() -> None:
     """No progress bars or info logs from transformers and tokenizers' threads (the commands
     that load models print their own lines)."""
+    # setdefault: a user's own setting stays. Unset, tokenizers warns at a fork after its
+    # threads have run (and disables them then).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # transformers takes seconds to import: only the commands that load a model pay for it.
     from transformers.utils import logging as hf_logging

@@ -42,6 +42,8 @@ def rope_parameters(
     Raises:
         ValueError: the model already uses a scaled RoPE, or factor <= 1.
     """
+    # Scaling on top of a scaling (yarn over llama3, ...) is no composition transformers
+    # defines: refused.
     if current.get("rope_type", "default") != "default":
         raise ValueError(
             f"model.rope_scaling: the model already uses rope_type={current['rope_type']}; "
@@ -50,14 +52,19 @@ def rope_parameters(
     if scaling.factor <= 1:
         raise ValueError(f"model.rope_scaling.factor: must be > 1, got {scaling.factor}")
     original = scaling.original_max_position_embeddings or max_position_embeddings
+    # A fresh dict, not the model's edited: keys of the old rope type do not belong to the
+    # new one.
     params: dict[str, Any] = {
         "rope_theta": current["rope_theta"],
         "rope_type": scaling.type,
         "factor": float(scaling.factor),
     }
+    # Kept: models that rotate only part of each head (Phi, StableLM) size inv_freq with it.
     if "partial_rotary_factor" in current:
         params["partial_rotary_factor"] = current["partial_rotary_factor"]
     if scaling.type == "dynamic":
+        # Its formula reads max_position_embeddings as the original context and rescales only
+        # longer inputs, so the context stays as it was.
         return params, original
     if scaling.type == "yarn":
         params["original_max_position_embeddings"] = original
@@ -78,6 +85,7 @@ def apply_rope_scaling(config: Any, scaling: RopeScalingConfig) -> None:
     params, max_pos = rope_parameters(current, config.max_position_embeddings, scaling)
     config.rope_parameters = params
     config.max_position_embeddings = max_pos
+    # transformers validates rope parameters when a config is built, not when it is edited.
     validate = getattr(config, "validate_rope", None)
     if callable(validate):
         validate()

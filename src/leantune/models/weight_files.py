@@ -35,8 +35,9 @@ def checkpoint_shards(location: str) -> list[Path] | None:
     files = ModelPaths(folder)
     if files.weights_index.is_file():
         weight_map = json.loads(files.weights_index.read_text()).get("weight_map", {})
-        names = sorted(set(weight_map.values()))
+        names = sorted(set(weight_map.values()))  # each shard once, though it holds many tensors
         shards = [folder / n for n in names]
+        # A missing shard: None, so that transformers reads the folder and reports it itself.
         return shards if shards and all(s.is_file() for s in shards) else None
     if files.weights.is_file():
         return [files.weights]
@@ -60,9 +61,12 @@ def pread_state_dict(shards: list[Path]) -> Iterator[LazyStateDict]:
     with ExitStack() as stack:
         tensors = LazyStateDict()
         for shard in shards:
+            # pread, not mmap: each tensor is read into a buffer the conversion frees, so the
+            # checkpoint's pages stay in the page cache, not in this process's RSS.
             handle = stack.enter_context(
                 safe_open(str(shard), framework="pt", device="cpu", backend="pread")
             )
             for name in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
-                tensors[name] = handle.get_slice(name)
+                tensors[name] = handle.get_slice(name)  # a slice reads nothing until indexed
+        # The handles stay open until loading ends: transformers indexes the slices lazily.
         yield tensors
