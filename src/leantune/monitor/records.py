@@ -10,14 +10,22 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from leantune.core.signals import SIGNALS
 from leantune.core.writes import write_file
 from leantune.layout import RunPaths
+from leantune.monitor.events import EXIT_GUARD_STOPPED, EXIT_OUT_OF_MEMORY, EXIT_PAUSED
 
 Record = dict[str, Any]
 
-# The CLI's exit codes (events.EXIT_*) as the names the backends show; anything else failed.
-OUTCOMES = {0: "finished", 3: "paused", 4: "stopped", 5: "out_of_memory", 130: "interrupted"}
-OUTCOMES[143] = "interrupted"
+# The CLI's exit codes as the names the backends show; anything else failed. Built from the
+# codes' owners, so a stop signal `train` learns to handle is never reported as a failure.
+OUTCOMES = {
+    0: "finished",
+    EXIT_PAUSED: "paused",
+    EXIT_GUARD_STOPPED: "stopped",
+    EXIT_OUT_OF_MEMORY: "out_of_memory",
+    **{128 + int(signum): "interrupted" for signum in SIGNALS},  # the shell's 128 + signal
+}
 
 
 def numeric_fields(record: Record, skip: tuple[str, ...] = ("step",)) -> dict[str, float]:

@@ -20,7 +20,7 @@ from conftest import chat_rows, make_config, run_cli, tiny_train_args, write_jso
 
 from leantune.config.monitor import MlflowConfig, MonitorConfig, WandbConfig
 from leantune.config.parse import ConfigError
-from leantune.core.signals import Interrupted
+from leantune.core.signals import SIGNALS, Interrupted
 from leantune.monitor.backends import BACKENDS, RunInfo, optional_sinks
 from leantune.monitor.events import TrainingPaused, TrainingStopped, read_events
 from leantune.monitor.metrics import read_metrics
@@ -279,6 +279,19 @@ def test_a_sink_closing_in_the_loops_finally_knows_how_it_ended(
         finally:
             seen.append(outcome())
     assert seen == [expected]
+
+
+@pytest.mark.parametrize("signum", SIGNALS)
+def test_every_stop_signal_train_handles_ends_as_interrupted(signum: int) -> None:
+    """SIGHUP (a dropped ssh session) as SIGINT and SIGTERM: the run stopped with a checkpoint,
+    so no backend may call it failed."""
+    seen = []
+    with pytest.raises(Interrupted):
+        try:
+            raise Interrupted(signum, True)
+        finally:
+            seen.append(outcome())
+    assert seen == [("interrupted", 128 + signum)]
 
 
 # ---------------------------------------------------------------------------------------------
