@@ -166,6 +166,7 @@ def _apply_file(cfg: Config, cfg_path: Path) -> None:
     base = cfg_path.parent.resolve()
     sections = [f.name for f in dataclasses.fields(Config)]
     for section, values in data.items():
+        # Line 1 for a key YAML reads as a non-string (true, 1): `lines` holds the key's text.
         line = lines.get(str(section), 1)
         where = f"{cfg_path}:{line}: "
         if section not in sections:

@@ -243,6 +243,7 @@ def _check_mapping(key: str, value: Any, cls: type) -> Any:
         raise ParseError(
             f"{key}: unknown key(s) {shorten(', '.join(unknown))}; valid: {', '.join(types_)}"
         )
+    # Fields without a default (model.rope_scaling's type and factor) must be given.
     required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
     missing = [name for name in required if name not in value]
     if missing:

@@ -101,6 +101,7 @@ def _check_finite(obj: Any, prefix: str = "") -> None:
         key = f"{prefix}{f.name}"
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key}: must be a finite number, got {value}")
+        # is_dataclass is true of a dataclass class too; only an instance holds values.
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             _check_finite(value, f"{key}.")
 

@@ -9,8 +9,7 @@ learn the task from a few hundred examples:
 - ``email``: copied verbatim or null.
 - ``product``: one of ``PRODUCTS``, copied verbatim, or null.
 - ``priority``: ``low`` if the message has a ``LOW_CUES`` phrase, else ``high`` if it has a
-  ``HIGH_CUES`` phrase, else ``normal`` (checked in that order because "not urgent" contains
-  "urgent").
+  ``HIGH_CUES`` phrase, else ``normal``.
 
 Run ``python -m leantune.demo.support_desk`` to regenerate the committed JSONL files.
 Standard library only; everything is deterministic for a given seed.
@@ -42,6 +41,7 @@ PRIORITIES: tuple[str, ...] = ("high", "normal", "low")
 
 # Lower-case phrases; a message's priority is decided by which of these it contains.
 HIGH_CUES: tuple[str, ...] = ("urgent", "asap", "as soon as possible", "immediately")
+# Checked before HIGH_CUES: "not urgent" contains "urgent".
 LOW_CUES: tuple[str, ...] = ("no rush", "whenever you can", "not urgent")
 
 # No name is a substring of another, so each one is found verbatim without ambiguity.
@@ -260,6 +260,7 @@ def _item_phrase(
     elif product:
         options = (f"the {product}", f"my {product}", f"the {product} I ordered")
     elif embedded_id:
+        # A broken device, not an order, is what a technical issue is about.
         if intent == "technical_issue":
             options = (f"the device from order {embedded_id}",)
         else:

@@ -54,6 +54,8 @@ def _task_overrides(
     # choosing on the held-out split would overstate the chosen rate's result.
     scored = valid if sweep else held_out
     data = [f"data.train={train}", f"data.eval={scored}", "data.format=alpaca"]
+    # Without a CONFIG, the demo's model and settings: data.train alone would start from the
+    # library defaults (config_base), not from the demo.
     return config or str(DEMO_CONFIG), data
 
 
