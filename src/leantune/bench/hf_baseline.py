@@ -31,7 +31,7 @@ from leantune.data.tokenize import IGNORE_INDEX
 def _rows(path: Path, tokenizer: Any, max_seq_len: int) -> list[dict[str, list[int]]]:
 
     settings = PrepareSettings(format="chat", max_seq_len=max_seq_len, pack=False)
-    # Never refuse: leantune trained on this data already; the baseline takes what it kept.
+    # Never refuse: keep what leantune's pipeline keeps, however many lines it drops.
     data = prepared_data(path, settings=settings, tokenizer=tokenizer, max_bad_fraction=1.0)
     # leantune stores labels shifted (labels[i] is the target of position i); transformers'
     # loss shifts the labels it gets, so it gets them unshifted: the target of position i
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     output = trainer.train()
     wall = time.perf_counter() - started
-    # Merged, so that the held-out judge loads a plain model, as it does leantune's.
+    # Merged into its base: the held-out judge then loads one plain model folder.
     merged = model.merge_and_unload() if args.method == "lora" else model
     merged.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")

@@ -25,7 +25,7 @@ MAX_METHOD_SIZE = 2**16
 def check_sizes(cfg: Config) -> None:
     """Upper bounds on integers that would otherwise exhaust memory or overflow later."""
     t, d, m = cfg.train, cfg.data, cfg.method
-    # auto is resolved at set-up; 1, its smallest value, keeps the product check below exact.
+    # auto is resolved at set-up: 1, its smallest value, stands in for it here.
     micro = 1 if t.micro_batch_size == "auto" else t.micro_batch_size
     limits: dict[str, tuple[int | None, int]] = {
         "data.max_seq_len": (None if d.max_seq_len == "auto" else d.max_seq_len, MAX_SEQ_LEN),
@@ -58,7 +58,7 @@ def check_compiler() -> None:
     """
     # Inductor's CPU kernels are C++ and Triton's CUDA launcher is compiled too, so either
     # device needs one; checked here, before anything loads, not at the first compiled step.
-    # $CXX, else g++, is the compiler Inductor itself picks.
+    # $CXX, else g++: the compiler Inductor itself picks on Linux.
     cxx = os.environ.get("CXX") or "g++"
     if shutil.which(cxx) is None:
         raise ConfigError(
