@@ -26,6 +26,8 @@ _LAZY = {
 __all__ = ["Config", "__version__", "evaluate", "export_model", "load_config", "train"]
 
 
+# PEP 562: Python calls this only for a name not found in the module's globals, so `import
+# leantune` loads none of the API's dependencies until one of these names is used.
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'leantune' has no attribute {name!r}")
@@ -34,5 +36,5 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-def __dir__() -> list[str]:
+def __dir__() -> list[str]:  # the lazy names too, for completion and help()
     return sorted({*globals(), *_LAZY})

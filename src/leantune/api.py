@@ -62,6 +62,8 @@ def train(
         Interrupted: SIGINT, SIGTERM or SIGHUP, after a checkpoint.
     """
     if isinstance(config, Config):
+        # A Config was built (and checked) already; overrides set on it here would skip the
+        # checks that load_config runs on the final values.
         if overrides:
             raise TypeError("train(): give overrides to load_config() when passing a Config")
         cfg, config_file = config, None
@@ -72,6 +74,7 @@ def train(
     # After `_quiet` (peft logs as it imports), and only here: `import leantune` stays light.
     from leantune.training.recipe import train as run
 
+    # The recipe logs unconditionally: None becomes a function that drops the lines.
     return run(cfg, log=log or _silent, config_file=config_file)
 
 
@@ -108,6 +111,7 @@ def evaluate(
         ModelPathError: `model` is not a model or cannot be loaded.
         UserError: `data` is not a file.
     """
+    # Both checked before torch imports: a wrong path fails at once, not seconds later.
     check_model_path(str(model), "model")
     if not Path(data).is_file():
         raise UserError(f"data {data}: no such file; give a JSONL file")
@@ -151,7 +155,7 @@ def export_model(
     # After `_quiet` (peft logs as it imports), and only here: `import leantune` stays light.
     from leantune.export.run import export_model as run
 
-    data_path = Path(data) if data else None
+    data_path = Path(data) if data else None  # None: the export's built-in parity prompts
     return run(
         str(model),
         format,

@@ -11,4 +11,6 @@ from __future__ import annotations
 class UserError(Exception):
     """Something the user can fix; the message says what and how."""
 
+    # 2, as for argparse's usage errors: the input is wrong, not leantune (an internal error
+    # exits 70, `cli.crash`).
     exit_code = 2

@@ -33,6 +33,7 @@ class _Entry:
     def __get__(self, obj: _Dir, owner: type) -> Path: ...
 
     def __get__(self, obj: _Dir | None, owner: type) -> str | Path:
+        # A descriptor, so one declaration gives both the name and the path: they cannot drift.
         return self.name if obj is None else obj.root / self.name
 
 
@@ -47,6 +48,7 @@ class _Dir:
     def names(cls) -> dict[str, str]:
         """Every entry's attribute and file name: ``{"summary": "summary.json", ...}``."""
         entries: dict[str, _Entry] = {}
+        # Base classes first, so that a subclass's entry of the same attribute wins.
         for klass in reversed(cls.__mro__):
             entries.update((k, v) for k, v in vars(klass).items() if isinstance(v, _Entry))
         return {attr: entry.name for attr, entry in entries.items()}
@@ -100,6 +102,7 @@ class RunPaths(_Dir):
     def is_run(self) -> bool:
         """Whether the folder holds a leantune run: its record, or checkpoints of a leantune
         older than the record."""
+        # Checkpoints alone also count: a run from before the record existed must still resume.
         return self.record.is_file() or any(self.checkpoints.glob(f"{CHECKPOINT_PREFIX}*"))
 
 
@@ -141,11 +144,14 @@ class ModelPaths(_Dir):
 CHECKPOINT_PREFIX = "step-"
 CHECKPOINT_MARKER = "COMPLETE"
 """Written last into a checkpoint folder: without it the checkpoint is unfinished."""
+# Anchored: a folder such as step-000012.tmp or step-12-old is not a checkpoint.
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 
 
 def checkpoint_name(step: int) -> str:
     """``step-000012``: zero-padded, so that names sort as steps do."""
+    # Names sort as steps only up to 999,999 (step-1000000 sorts first): resume orders
+    # checkpoints by checkpoint_step, not by name.
     return f"{CHECKPOINT_PREFIX}{step:06d}"
 
 

@@ -1,9 +1,7 @@
 """A variable-length chat corpus for throughput benchmarks: 1-4 turns, a realistic spread.
 
 Conversations are built from templated English sentences with a seeded RNG, sized by the
-tokenizer to a target drawn log-uniformly between `min_tokens` and `max_tokens`, so that short
-and long examples are both common (as in real SFT data, where padding to the longest example
-of a batch wastes most of the compute).
+tokenizer to a target drawn log-uniformly between `min_tokens` and `max_tokens`.
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ def _sentence(rng: random.Random) -> str:
 
 def _answer(rng: random.Random, tokenizer: PreTrainedTokenizerBase, tokens: int) -> str:
     parts: list[str] = []
+    # Sized by this tokenizer, so that the target is in the model's own tokens.
     while len(tokenizer(" ".join(parts))["input_ids"]) < tokens:
         parts.append(_sentence(rng))
     return " ".join(parts)
@@ -47,6 +46,8 @@ def conversation(
 ) -> dict[str, Any]:
     """One chat record: 1-4 user/assistant turns whose answers add up to about a target
     length drawn log-uniformly from [min_tokens, max_tokens]."""
+    # Log-uniform, so that short and long examples are both common, as in real SFT data,
+    # where padding each batch to its longest example wastes most of the compute.
     target = math.exp(rng.uniform(math.log(min_tokens), math.log(max_tokens)))
     turns = rng.randint(1, 4)
     messages: list[dict[str, str]] = []

@@ -31,6 +31,7 @@ from leantune.data.tokenize import IGNORE_INDEX
 def _rows(path: Path, tokenizer: Any, max_seq_len: int) -> list[dict[str, list[int]]]:
 
     settings = PrepareSettings(format="chat", max_seq_len=max_seq_len, pack=False)
+    # Never refuse: keep what leantune's pipeline keeps, however many lines it drops.
     data = prepared_data(path, settings=settings, tokenizer=tokenizer, max_bad_fraction=1.0)
     # leantune stores labels shifted (labels[i] is the target of position i); transformers'
     # loss shifts the labels it gets, so it gets them unshifted: the target of position i
@@ -39,7 +40,7 @@ def _rows(path: Path, tokenizer: Any, max_seq_len: int) -> list[dict[str, list[i
         {
             "input_ids": [int(t) for t in r.input_ids],
             "labels": [IGNORE_INDEX, *(int(t) for t in r.labels[:-1])],
-            "attention_mask": [1] * len(r.input_ids),
+            "attention_mask": [1] * len(r.input_ids),  # unpadded: the collator pads per batch
         }
         for r in data.rows
     ]
@@ -51,6 +52,7 @@ class CountingCollator:
     def __init__(self, tokenizer: Any):
         from transformers import DataCollatorForSeq2Seq
 
+        # -100: the label the loss ignores, so the padding teaches nothing.
         self.inner = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
         self.useful = 0
         self.processed = 0
@@ -71,6 +73,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    # Many causal LMs ship without a pad token, which the padding collator needs; the mask and
+    # the -100 labels keep it out of attention and the loss.
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     rows = _rows(Path(args.train), tokenizer, args.max_seq_len)
@@ -90,9 +94,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         bf16=args.precision == "bf16",
         use_cpu=True,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="no",  # checkpoint writes would count as training time
         report_to="none",
         seed=args.seed,
+        # In this process: a worker's memory would escape the peak RSS measured here.
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
@@ -105,14 +110,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     output = trainer.train()
     wall = time.perf_counter() - started
+    # Merged into its base: the held-out judge then loads one plain model folder.
     merged = model.merge_and_unload() if args.method == "lora" else model
     merged.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     result = {
         "system": "hf_trainer_peft",
         "method": args.method,
         "precision": args.precision,
+        # Trainer's own timing of its training loop; the wall time only if it is missing.
         "train_time_s": float(output.metrics.get("train_runtime", wall)),
         "steps": int(output.global_step),
         "useful_tokens": collator.useful,

@@ -145,12 +145,13 @@ _SHARE = {"eval": (0,), "valid": (1,)}
 
 
 def _in_split(i: int, split: str) -> bool:
-    return i % 4 in _SHARE.get(split, (2, 3))
+    return i % 4 in _SHARE.get(split, (2, 3))  # train (any other name): the remaining half
 
 
 def _part(table: dict[str, str], split: str) -> list[str]:
     """A small table's keys for `split`: a quarter each is held out for the held-out and the
     validation split, so those ask about words and countries training never showed."""
+    # Sorted, so that the split does not depend on the order the table was written in.
     return [k for i, k in enumerate(sorted(table)) if _in_split(i, split)]
 
 
@@ -199,6 +200,8 @@ def generate(n: int, seed: int, split: str, exclude: set[str] | None = None) -> 
         split: Stream name, so that train and eval draw different streams for the same seed.
         exclude: Keys (`instruction + newline + input`) never to produce, e.g. the train set's.
     """
+    # A string seed is hashed with SHA-512: the same stream on every run and platform (hash()
+    # would change with PYTHONHASHSEED).
     rng = random.Random(f"instructions/{split}/{seed}")
     seen = set(exclude or ())
     records: list[Record] = []
@@ -208,8 +211,10 @@ def generate(n: int, seed: int, split: str, exclude: set[str] | None = None) -> 
             raise ValueError(f"instructions: only {len(records)} distinct records, asked for {n}")
         block = [name for name in FAMILIES if name not in exhausted]
         rng.shuffle(block)
+        # The last block is cut to the records still needed.
         for name in block[: n - len(records)]:
-            # Small families (opposites, capitals) run out of new pairs: then they stop.
+            # Small families (opposites, capitals) run out of new pairs: then they stop. A family
+            # that draws no new pair in 200 tries has, all but surely, none left.
             for _ in range(200):
                 record = FAMILIES[name](rng, split)
                 if _key(record) not in seen:
@@ -238,6 +243,7 @@ def write_task(
     names = ("instructions_train", "instructions_eval", "instructions_valid")
     paths = tuple(out_dir / f"{name}.jsonl" for name in names)
     for path, records in zip(paths, (train, held_out, valid), strict=True):
+        # "\n" and UTF-8 on every platform: the same seed writes the same bytes.
         with path.open("w", encoding="utf-8", newline="\n") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
     return paths[0], paths[1], paths[2]

@@ -59,9 +59,10 @@ class MethodResult:
 def base_loss_command(
     config_model: str, eval_file: str, fmt: str, limit: int | None, max_seq_len: int | str
 ) -> list[str]:
-    """`leantune eval` of the untrained base model on the held-out file: its loss (exact match
-    is cut to one new token: the runs measure the base model's own)."""
+    """`leantune eval` of the untrained base model on the held-out file, for its loss."""
     cmd = [sys.executable, "-m", "leantune", "eval", "--model", config_model, "--data", eval_file]
+    # One new token: only the loss is used here; the first run measures the base model's exact
+    # match (train.eval_base).
     cmd += ["--format", fmt, "--max-new-tokens", "1"]
     cmd += ["--limit", str(limit)] if limit is not None else []
     return cmd + (["--max-seq-len", str(max_seq_len)] if isinstance(max_seq_len, int) else [])
@@ -75,6 +76,7 @@ def base_eval_loss(cmd: list[str], log_file: Path) -> float | None:
     log_file.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         return None
+    # The JSON result is printed last; whatever precedes it on stdout is skipped.
     start = proc.stdout.find("{")
     try:
         loss = json.loads(proc.stdout[start:]).get("loss") if start >= 0 else None
@@ -87,12 +89,13 @@ def run_overrides(
     method: str, lr: float, run_dir: Path, overrides: list[str], base: bool
 ) -> list[str]:
     """The overrides of one method's run: the benchmark's, then the method, rate and folder."""
+    # After the benchmark's own overrides, so that these win (the last setting applies).
     return [
         *overrides,
         f"method.name={method}",
-        f"train.lr={lr!r}",
+        f"train.lr={lr!r}",  # repr: the exact rate, not a rounded one
         f"run.dir={run_dir}",
-        "run.resume=never",
+        "run.resume=never",  # each row trains from scratch (an old run there is moved aside)
         "run.progress=false",
         f"train.eval_base={str(base).lower()}",
     ]
@@ -117,6 +120,7 @@ def run_logged(cmd: list[str], log_file: Path) -> tuple[int, str | None]:
     log_file.write_text(proc.stdout + proc.stderr)
     if proc.returncode == 0:
         return 0, None
+    # train's refusal or halt is one line, the last on stderr.
     lines = [x for x in proc.stderr.strip().splitlines() if x.strip()]
     return proc.returncode, lines[-1] if lines else f"exit code {proc.returncode}"
 
@@ -171,10 +175,12 @@ def run_methods(
             if i == 0:
                 base_exact_match = finished_summary(run_dir).get("base_exact_match")
             continue
+        # The base model is the same for every method: the first run also evaluates it.
         cmd = train_command(config, method, lrs[method], run_dir, overrides, base=i == 0)
         log(f"[{i + 1}/{len(methods)}] {method} (lr {lrs[method]:g}) -> {run_dir}")
         t0 = time.perf_counter()
         code, reason = run_logged(cmd, out_dir / f"{method}.log")
+        # A failure is a row of the table, not the end of the benchmark (qlora without CUDA).
         if reason is not None:
             log(f"    failed: {reason}")
             failed = MethodResult(method, lrs[method], "failed", error=reason, exit_code=code)
@@ -196,9 +202,10 @@ def add_retention(results: list[MethodResult], base_loss: float | None = None) -
     if full is None:
         return
     for r in results:
-        if full.exact_match and r.exact_match is not None:
+        if full.exact_match and r.exact_match is not None:  # full at 0 leaves no share
             r.retention = r.exact_match / full.exact_match
         gain = None if base_loss is None or full.eval_loss is None else base_loss - full.eval_loss
+        # Only when full lowered the loss: otherwise the share is meaningless or divides by 0.
         if gain and gain > 0 and r.eval_loss is not None:
             r.loss_retention = (base_loss - r.eval_loss) / gain  # type: ignore[operator]
 
@@ -220,7 +227,7 @@ def markdown_table(
     lines = []
     for r in results:
         if r.status != "ok":
-            error = (r.error or "").replace("|", "/")
+            error = (r.error or "").replace("|", "/")  # a '|' would split the Markdown row
             lines.append(f"| {r.method} | {r.lr:g} | failed: {error} |" + " |" * 9)
             continue
         lines.append(
@@ -243,7 +250,7 @@ def plot(results: list[MethodResult], path: Path) -> None:
     """Bar charts of trainable %, peak memory, throughput and exact match per method."""
     import matplotlib
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # files only: no display is needed, or may exist
     import matplotlib.pyplot as plt
 
     ok = [r for r in results if r.status == "ok"]
@@ -299,6 +306,8 @@ def machine_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
     }
+    # platform.processor() is often empty or just the architecture on Linux; cpuinfo names
+    # the model.
     try:
         with open("/proc/cpuinfo") as f:
             model = next((x.split(":", 1)[1].strip() for x in f if x.startswith("model name")), "")

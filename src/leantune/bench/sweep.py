@@ -2,12 +2,9 @@
 
 Each method trains once per rate of a small log-spaced grid (by default 3 rates, a factor of
 ~3.2 apart, centred on its default), each run the library's `train` on the same data for the
-same steps with the stability guard as configured (on by default). The runs share one process:
-a short run would otherwise spend a third of its time importing torch, transformers and peft,
-and the sweep reports no memory. The rate with the lowest held-out loss (`data.eval`: give it a
-validation file, not the one the benchmark scores on) wins; a failed run (the guard stopped it,
-a NaN) never does. Exact match is not measured: it costs generation, and the loss is the
-quantity training optimises.
+same steps with the stability guard as configured (on by default), all in this process. The
+rate with the lowest held-out loss (`data.eval`: give it a validation file, not the one the
+benchmark scores on) wins; a failed run (the guard stopped it, a NaN) never does.
 """
 
 from __future__ import annotations
@@ -30,6 +27,7 @@ from leantune.training.recipe import train
 
 TABLE_FILE, JSON_FILE = "sweep.md", "sweep.json"
 """What `write_sweep` writes into the benchmark's --out folder."""
+# No exact match: it costs generation, and the loss is the quantity training optimises.
 SWEEP_OVERRIDES = ("train.eval_exact_match=false", "train.save_every=0")
 """Appended to every sweep run: loss only (no generation), no checkpoints in between."""
 
@@ -64,7 +62,9 @@ class MethodSweep:
 def lr_grid(center: float, points: int, factor: float) -> list[float]:
     """`points` rates, `factor` apart and centred on `center` (log-spaced), rounded to 3
     significant digits and kept below 1."""
+    # Exponents centred on 0, so the grid is symmetric around `center` in log space.
     grid = [center * factor ** (k - (points - 1) / 2) for k in range(points)]
+    # Rounded for the table and the run folders' names; train.lr must stay below 1.
     return [float(f"{lr:.3g}") for lr in grid if lr < 1]
 
 
@@ -90,7 +90,7 @@ def parse_grids(text: str | None, methods: list[str]) -> dict[str, list[float]]:
             ) from None
         if not rates or not all(math.isfinite(r) and 0 < r < 1 for r in rates):
             raise ValueError(f"--grid {item!r}: every rate must be a finite number in (0, 1)")
-        grids[name] = sorted(set(rates))
+        grids[name] = sorted(set(rates))  # each rate once (one folder per rate), ascending
     return grids
 
 
@@ -102,12 +102,14 @@ def train_in_process(config: str | None, overrides: list[str], log_file: Path) -
     """One `leantune train` run in this process, its log into `log_file`; None when it finished,
     else the error (a run stopped by the guard, a bad setting: a row of the sweep, not its end)."""
 
+    # In this process, not a `leantune train` child: a short run would otherwise spend a third
+    # of its time importing torch, transformers and peft, and the sweep reports no memory.
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with log_file.open("w", encoding="utf-8") as f:
 
         def log(message: str) -> None:
             f.write(message + "\n")
-            f.flush()
+            f.flush()  # a sweep that is stopped or crashes keeps its runs' logs to that line
 
         try:  # Ctrl-C (`Interrupted`, a BaseException) still ends the sweep
             train(load_config(config, overrides), log=log)
@@ -164,6 +166,7 @@ def run_sweep(
                 sweep.points.append(_read_point(lr, run_dir))
                 continue
             log(f"[{done}/{total}] {method} lr {lr:g} -> {run_dir}")
+            # No base-model evaluation (False): the sweep compares rates with each other.
             extra = run_overrides(method, lr, run_dir, [*overrides, *SWEEP_OVERRIDES], False)
             reason = run(config, extra, out_dir / method / f"lr-{lr:g}.log")
             if reason is not None:

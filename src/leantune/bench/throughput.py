@@ -4,11 +4,10 @@ Both train the same model on the same variable-length chat corpus (`bench.chat_c
 epoch, the same hyper-parameters (LoRA r16/alpha32 on all linear layers, or full fine-tuning;
 lr 2e-4 cosine), each in its own process, alternating, `reps` times. Both run in the precision
 this machine runs fastest (leantune's measured `train.precision=auto`, applied to the baseline
-too: bf16 on a CPU without fast bf16 matmul would be unfair to it), or both in the one that
-`--precision` names. The baseline is configured
-as a user would (its padding collator, `use_cpu=True`, batch 8; where that runs out of
-memory, `--hf-micro-batch` accumulates the same batch of 8 from smaller micro-batches);
-leantune runs with its defaults.
+too), or both in the one that `--precision` names. The baseline is configured as a user would
+(its padding collator, `use_cpu=True`, batch 8; where that runs out of memory,
+`--hf-micro-batch` accumulates the same batch of 8 from smaller micro-batches); leantune runs
+with its defaults.
 
 Reported per system and method: useful (non-pad) tokens/s, step time, peak RSS of the process,
 held-out loss of the final model (the same function, fp32, for both, judged after each run),
@@ -74,10 +73,14 @@ def flops_per_token(model_dir: str, method: str, mean_len: float) -> float:
 
     c = AutoConfig.from_pretrained(model_dir)
     d, layers, inter, vocab = c.hidden_size, c.num_hidden_layers, c.intermediate_size, c.vocab_size
-    kv = d * c.num_key_value_heads // c.num_attention_heads
+    kv = d * c.num_key_value_heads // c.num_attention_heads  # k/v width under grouped-query
+    # q and o (d x d), k and v (d x kv), and the gated MLP's three d x inter matrices.
     per_layer = d * d * 2 + d * kv * 2 + 3 * d * inter
+    # Plus lm_head; the embedding is a lookup, no matmul.
     n = layers * per_layer + d * vocab
     matmul = (6 if method == "full" else 4) * n
+    # 3 passes (forward, two backward matmuls) x 2 products (QK^T, AV) x 2 FLOPs per
+    # multiply-add, each token attending to half the mean length on average (causal).
     attention = 3 * 2 * 2 * layers * d * (mean_len / 2)
     return float(matmul + attention)
 
@@ -91,13 +94,19 @@ def run_child(
     """Run `cmd` (`base_env`, this environment by default, `extra_env` over it); its exit code,
     its own peak RSS in bytes, wall seconds, its output's tail."""
     base = os.environ if base_env is None else base_env
+    # Both systems get the same thread count; the tokenizers' own pool is off so that it does
+    # not compete with torch's threads.
     env = {**base, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     env.update(extra_env or {})
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     assert proc.stdout is not None
+    # Read to the end first: a child blocked on a full pipe would never exit.
     output = proc.stdout.read().decode(errors="replace")
+    # wait4, not Popen.wait: it returns the child's own rusage, so the peak RSS is that
+    # process's alone (RUSAGE_CHILDREN would be the largest of all children so far).
     _, status, usage = os.wait4(proc.pid, 0)
+    # Popen did not reap it: set its code, so that it does not wait again or warn on delete.
     proc.returncode = os.waitstatus_to_exitcode(status)
     return proc.returncode, usage.ru_maxrss * 1024, time.perf_counter() - started, output[-3000:]
 
@@ -107,8 +116,11 @@ def leantune_command(
 ) -> list[str]:
     """leantune's command: its defaults, and `train.precision` only when the benchmark was
     asked for one precision (`--precision`) rather than what each system runs fastest."""
+    # The baseline's LoraConfig, given explicitly so that the two cannot drift apart.
     lora = ["method.r=16", "method.alpha=32"] if method == "lora" else []
     chosen = [] if precision == "auto" else [f"train.precision={precision}"]
+    # No evaluation, report or progress bar during the run: work the baseline does not do (both
+    # are judged afterwards, by the same function, outside the timed training).
     return [
         sys.executable, "-m", "leantune", "train", f"model.path={model}", f"data.train={train}",
         "data.format=chat", "data.eval=null", "train.eval_exact_match=false",
@@ -140,6 +152,7 @@ def _leantune_result(run_dir: Path) -> dict[str, Any]:
         "train_time_s": float(summary["train_time_s"]),
         "steps": int(summary["steps"]),
         "useful_tokens": sum(int(m["tokens"]) for m in metrics),
+        # The saved config is the resolved one: it records what precision=auto chose.
         "precision": "bf16" if "precision: bf16" in cfg else "fp32",
         "allocator": summary.get("allocator", "glibc"),
     }
@@ -251,12 +264,16 @@ def run_benchmark(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
     model = source.location
     tokenizer = load_tokenizer(source, False)
     lo, hi = args.min_tokens, args.max_tokens
+    # Different seeds: the held-out conversations are not copies of the training ones.
     train = write_corpus(work / "train.jsonl", tokenizer, args.conversations, 0, lo, hi)
     heldout = write_corpus(work / "heldout.jsonl", tokenizer, args.heldout, 1, lo, hi)
     asked = args.precision
     precision = asked
     if asked == "auto":
+        # What leantune's train.precision=auto picks here, given to the baseline too: bf16 on a
+        # CPU without fast bf16 matmul would be unfair to it.
         precision = resolve_precision("auto", "cpu", None, "auto").precision
+    # Both peaks: each run's MFU is against the peak of the precision it ran in.
     peaks = {p: matmul_peak(p, args.threads) for p in ("fp32", "bf16")}
     log(f"matmul peak: fp32 {peaks['fp32']:.0f} GFLOP/s, bf16 {peaks['bf16']:.0f} GFLOP/s")
     ctx = {
@@ -267,6 +284,7 @@ def run_benchmark(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
         "threads": args.threads,
         "hf_micro_batch": args.hf_micro_batch,
     }
+    # With the chat template's markup, as the model sees them: attention FLOPs grow with it.
     lengths = [_chat_tokens(tokenizer, json.loads(x)["messages"])
                for x in train.read_text().splitlines()]  # fmt: skip
     mean_len = sum(lengths) / len(lengths)

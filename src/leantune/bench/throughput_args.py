@@ -60,11 +60,12 @@ def _methods(text: str) -> list[str]:
     names = [m.strip() for m in text.split(",") if m.strip()]
     if not names or not set(names) <= set(METHODS):
         raise argparse.ArgumentTypeError(f"expected some of {','.join(METHODS)}, got {text!r}")
-    return list(dict.fromkeys(names))
+    return list(dict.fromkeys(names))  # a method named twice runs once, in the order given
 
 
 def _micro_batch(text: str) -> int:
     n = _count(text)
+    # A divisor: micro-batch x accumulation must make exactly HF_BATCH examples per update.
     if n < 1 or HF_BATCH % n:
         raise argparse.ArgumentTypeError(f"must divide {HF_BATCH} (1, 2, 4 or 8), not {n}")
     return n

@@ -60,12 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def command_function(target: str) -> Callable[[argparse.Namespace], int]:
-    """The function a command runs, from its "module:function" (`cli.args.runs`).
-
-    Imported here, when the command runs, and nowhere else: the command modules import torch,
-    transformers and peft (seconds), which `leantune --help`, an argument error and the other
-    commands do without.
-    """
+    """The function a command runs, imported from its "module:function" (`cli.args.runs`)."""
+    # Imported here, when the command runs, and nowhere else: the command modules import torch,
+    # transformers and peft (seconds), which `leantune --help`, an argument error and the other
+    # commands do without.
     module, _, name = target.partition(":")
     function: Callable[[argparse.Namespace], int] = getattr(importlib.import_module(module), name)
     return function
@@ -73,6 +71,7 @@ def command_function(target: str) -> Callable[[argparse.Namespace], int]:
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """`argv` parsed; SystemExit on --help or a usage error (argparse has printed it)."""
+    # parse_known_args, not parse_args: the leftovers may be overrides (below).
     args, extra = parser.parse_known_args(argv)
     # argparse ends a nargs="*" positional at the first flag: `train cfg.yaml --metrics-port
     # 9100 train.lr=1e-4` leaves the override over; it belongs to the CONFIG/overrides list.
@@ -89,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the parsed command: its checks, then the function it names."""
     if args.own_process and args.command in ALLOCATOR_COMMANDS:
         reexec_with_allocator()  # tcmalloc preloaded: returns only if already so, or not
+    # The checks that need no model run before the command's module imports torch, so a wrong
+    # flag fails in a fraction of a second.
     if args.check is not None:
         args.check(args)
     return int(command_function(args.run)(args))
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse(build_parser(), argv)
     except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
+        # Returned, not raised: main() is also called in-process (tests, scripts) for its code.
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     quiet_import_noise()  # before any command imports peft
     install_env_faults()  # LEANTUNE_* test faults: runs started here only, never the library's
@@ -106,9 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except UserError as e:
+        # The rank prefix tells apart the same refusal printed by each torchrun process.
         print(f"error: {rank_tag()}{e}", file=sys.stderr)
         return e.exit_code
-    except FileNotFoundError as e:
+    except FileNotFoundError as e:  # a path the user gave: theirs to fix, not a crash
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C outside `train`, which handles its own signals
@@ -119,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as e:  # leantune's bug: one labelled line, the traceback in a log file
-        run_dir = getattr(args, "run_dir", None)
+        run_dir = getattr(args, "run_dir", None)  # set by the commands that have one (train)
         where = Path(run_dir) if run_dir else None
         return report_internal_error(e, sys.argv[1:] if argv is None else argv, where, rank_tag())
 

@@ -67,8 +67,11 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
+        # The help says its own default; a positional has none to show; an on/off flag
+        # (nargs 0) would print "default: False".
         if "default" in text or not action.option_strings or action.nargs == 0:
             return text
+        # None means "not given" (the config or the model decides), which "None" would not say.
         if action.default is None or action.default is argparse.SUPPRESS:
             return text
         return text + " (default: %(default)s)"
@@ -82,6 +85,7 @@ class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose help shows defaults; subcommand parsers are made of it too."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # setdefault: a parser with a table in its epilog passes RawEpilogHelpFormatter.
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
 
@@ -111,6 +115,7 @@ def split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
     config = None
     overrides = []
     for a in args:
+        # An override always has '=', so a CONFIG whose file name holds one reads as an override.
         if "=" not in a and config is None:
             config = a
         else:

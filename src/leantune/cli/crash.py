@@ -2,9 +2,7 @@
 
 Every mistake a user can make ends in a `UserError` (exit 2) raised where it is found; what
 escapes a command besides is leantune's bug. The CLI then prints one line, ``internal error:
-<type>: <message>; full traceback in <log>; please report``, and exits 70 (EX_SOFTWARE of
-sysexits.h), so that a script can tell a bug from a refusal and the user is not shown a wall of
-library frames (torch's advice among them) as if it were theirs to act on. The log goes into
+<type>: <message>; full traceback in <log>; please report``, and exits 70. The log goes into
 the run directory when the command has one (per rank in a distributed run), else under
 ``$LEANTUNE_HOME/crashes``, else the temp directory.
 """
@@ -20,6 +18,7 @@ from pathlib import Path
 
 from leantune.models.demo_model import leantune_home
 
+# Not 1 or 2: a script can tell a bug from a refusal (2) or a failed check (1).
 EX_SOFTWARE = 70
 """Exit code of an internal error (sysexits.h): not the user's to fix."""
 MESSAGE_LIMIT = 500
@@ -29,6 +28,7 @@ MESSAGE_LIMIT = 500
 def log_dirs(run_dir: Path | None) -> list[Path]:
     """Where a crash log may go, best first: the run directory (only when it already exists:
     a crash never creates one), $LEANTUNE_HOME/crashes, then the temp directory."""
+    # Beside the run's own files, where a user reporting the run looks first.
     dirs = [run_dir] if run_dir is not None and run_dir.is_dir() else []
     return [*dirs, leantune_home() / "crashes", Path(tempfile.gettempdir()) / "leantune-crashes"]
 
@@ -38,6 +38,7 @@ def write_log(exc: BaseException, argv: list[str], run_dir: Path | None, rank: s
     None when none is writable."""
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
     suffix = f"-rank{rank}" if rank else ""
+    # The pid and rank keep apart the logs of processes crashing in the same second (torchrun).
     name = f"crash-{stamp}-{os.getpid()}{suffix}.log"
     text = "leantune " + " ".join(argv) + "\n\n" + "".join(traceback.format_exception(exc))
     for folder in log_dirs(run_dir):
@@ -55,7 +56,7 @@ def write_log(exc: BaseException, argv: list[str], run_dir: Path | None, rank: s
 
 def one_line(exc: BaseException) -> str:
     """`exc`'s message on one line, cut at MESSAGE_LIMIT characters."""
-    text = " ".join(str(exc).split())
+    text = " ".join(str(exc).split())  # one line, whatever newlines the message holds
     return text if len(text) <= MESSAGE_LIMIT else text[: MESSAGE_LIMIT - 3] + "..."
 
 
@@ -73,6 +74,8 @@ def report_internal_error(
     rank = os.environ.get("RANK", "?") if tag else ""
     path = write_log(exc, argv, run_dir, rank)
     where = f"full traceback in {path}" if path is not None else "no log could be written"
+    # One line, not the traceback: a wall of library frames (torch's advice among them) would
+    # read as if it were the user's to act on.
     message = f"{tag}internal error: {type(exc).__name__}: {one_line(exc)}; {where}; please report"
     print(message, file=sys.stderr, flush=True)
     return EX_SOFTWARE

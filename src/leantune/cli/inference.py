@@ -59,7 +59,7 @@ def check_generate(args: argparse.Namespace) -> None:
 def check_chat_template(spec: str | None) -> None:
     """A --chat-template that is no built-in and no readable Jinja file: exit 2 before loading."""
     if spec is not None:
-        template_text(spec)
+        template_text(spec)  # called for its UserError; the text is read again after loading
 
 
 def lm_eval_tasks(args: argparse.Namespace) -> list[str]:
@@ -67,6 +67,8 @@ def lm_eval_tasks(args: argparse.Namespace) -> list[str]:
     tasks = [t.strip() for t in args.lm_eval.split(",") if t.strip()]
     if not tasks:
         raise UserError(f"--lm-eval: no task names in {args.lm_eval!r}; e.g. --lm-eval hellaswag")
+    # Task names themselves are only known to lm-eval, which loads with the model; the folder
+    # can be checked now.
     include = args.lm_eval_include
     if include is not None and not Path(include).is_dir():
         raise UserError(f"--lm-eval-include {include}: no such directory (of task YAML files)")

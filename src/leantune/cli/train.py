@@ -39,6 +39,7 @@ def _add_train(sub: Any) -> None:
     t = sub.add_parser(
         "train",
         help="fine-tune (no CONFIG and no data.train=...: the built-in demo)",
+        # The exit-code paragraph of this module's docstring: one text for the code and --help.
         epilog=__doc__.split("\n\n")[1],
         formatter_class=RawEpilogHelpFormatter,
     )

@@ -52,6 +52,7 @@ def check_dist(d: DistConfig, device: str, eval_every: int) -> None:
         raise ConfigError(f"dist.timeout_s: must be > 0 seconds, got {d.timeout_s}")
     if d.backend == "nccl" and device == "cpu":
         raise ConfigError("dist.backend=nccl needs CUDA; use gloo (or auto) with train.device=cpu")
+    # Both are fully_shard options: any other strategy would ignore them without a word.
     if d.strategy != "fsdp2" and (d.cpu_offload or not d.reshard_after_forward):
         raise ConfigError(
             f"dist.cpu_offload and dist.reshard_after_forward are fsdp2 settings; "
@@ -59,6 +60,8 @@ def check_dist(d: DistConfig, device: str, eval_every: int) -> None:
         )
     if d.cpu_offload and device == "cpu":
         raise ConfigError(CPU_OFFLOAD_ON_CPU)
+    # With the parameters sharded, an evaluation forward on rank 0 alone starts all-gathers
+    # that the other ranks never join. Stages 1 and 2 keep whole parameters on every rank.
     if d.strategy == "deepspeed" and d.zero_stage == 3 and eval_every:
         raise ConfigError(
             "train.eval_every with dist.strategy=deepspeed and dist.zero_stage=3: the periodic "
@@ -94,6 +97,8 @@ def check_deepspeed(
         return
     import importlib.util
 
+    # Found, not imported: importing deepspeed loads torch and CUDA, and the config package
+    # stays light (nothing of the run loads before every check has passed).
     if importlib.util.find_spec("deepspeed") is None:
         raise ConfigError(
             f"dist.strategy=deepspeed needs DeepSpeed, which is not installed: "

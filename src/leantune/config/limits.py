@@ -25,6 +25,7 @@ MAX_METHOD_SIZE = 2**16
 def check_sizes(cfg: Config) -> None:
     """Upper bounds on integers that would otherwise exhaust memory or overflow later."""
     t, d, m = cfg.train, cfg.data, cfg.method
+    # auto is resolved at set-up: 1, its smallest value, stands in for it here.
     micro = 1 if t.micro_batch_size == "auto" else t.micro_batch_size
     limits: dict[str, tuple[int | None, int]] = {
         "data.max_seq_len": (None if d.max_seq_len == "auto" else d.max_seq_len, MAX_SEQ_LEN),
@@ -38,6 +39,7 @@ def check_sizes(cfg: Config) -> None:
     for key, (value, limit) in limits.items():
         if value is not None and value > limit:
             raise ConfigError(f"{key}: must be <= {limit}, got {value}")
+    # Each factor may be under the bound while their product is not.
     if t.micro_batch_size != "auto" and micro * t.grad_accum > MAX_ROWS_PER_STEP:
         raise ConfigError(
             f"train.micro_batch_size x train.grad_accum = {micro * t.grad_accum} rows per "
@@ -49,12 +51,14 @@ def check_sizes(cfg: Config) -> None:
 
 
 def check_compiler() -> None:
-    """Refuse `train.compile` where torch.compile cannot build its kernels (Inductor's CPU code
-    is C++, and Triton's launcher on CUDA is compiled too), before anything loads.
+    """Refuse `train.compile` where torch.compile cannot build its kernels.
 
     Raises:
         ConfigError: no C++ compiler ($CXX, default g++) on PATH.
     """
+    # Inductor's CPU kernels are C++ and Triton's CUDA launcher is compiled too, so either
+    # device needs one; checked here, before anything loads, not at the first compiled step.
+    # $CXX, else g++: the compiler Inductor itself picks on Linux.
     cxx = os.environ.get("CXX") or "g++"
     if shutil.which(cxx) is None:
         raise ConfigError(

@@ -43,6 +43,7 @@ def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
         try:
             set_nested_field(getattr(cfg, parts[0]), parts[1], parts[2], value, where + dotted)
         except ParseError as e:
+            # The message names the key and the fix; the parser's traceback adds nothing.
             raise ConfigError(str(e)) from None
         return
     if len(parts) != 2 or parts[0] not in sections:
@@ -67,12 +68,15 @@ def parse_override(text: str) -> tuple[str, Any]:
     """Split `section.key=value`; the value is parsed as YAML (`1e-4`, `true`, `[a, b]`)."""
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected section.key=value")
+    # Only the first '=' splits: a value may hold one (a URL with a query).
     key, raw = text.split("=", 1)
+    # `section.key=` unsets an optional field.
     if not raw.strip():
         return key.strip(), None
     try:
         value, _ = load_yaml(raw, f"override {shorten(text)}")
     except ParseError as e:
+        # Only the value was parsed as YAML: say so, or the user looks for a broken file.
         raise ConfigError(str(e).replace(": invalid YAML:", ": invalid YAML value:", 1)) from None
     return key.strip(), value
 
@@ -80,6 +84,8 @@ def parse_override(text: str) -> tuple[str, Any]:
 def _read_config_file(cfg_path: Path) -> str:
     """The text of a config file, or ConfigError saying why it cannot be read."""
     try:
+        # Checked first: reading a directory or a missing file raises OSErrors whose messages
+        # say less than these.
         if cfg_path.is_dir():
             raise ConfigError(f"config file {cfg_path} is a directory; give a YAML file")
         if not cfg_path.is_file():
@@ -87,6 +93,7 @@ def _read_config_file(cfg_path: Path) -> str:
         raw = cfg_path.read_bytes()
     except OSError as e:
         raise ConfigError(f"config file {cfg_path}: cannot be read ({e.strerror})") from None
+    # Decoded here rather than by read_text, so the message can name the byte and its offset.
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -103,6 +110,7 @@ def config_base(
     `data.train=...` override; the library defaults (the dataclasses here) otherwise."""
     if path is not None:
         return "defaults"
+    # Naming the training data means a run on the user's data, not a variation of the demo.
     keys = {item.split("=", 1)[0].strip() for item in overrides or [] if "=" in item}
     return "defaults" if "data.train" in keys else "demo"
 
@@ -135,9 +143,11 @@ def read_config(path: str | Path | None = None, overrides: list[str] | None = No
         _apply_file(cfg, DEMO_CONFIG)
     elif path is not None:
         _apply_file(cfg, Path(path))
+    # The overrides apply after the file, so the command line wins over it.
     for item in overrides or []:
         key, value = parse_override(item)
         _set(cfg, key, value, "override ")
+    # Once, on the final values: a file may hold a combination an override then fixes.
     validate(cfg)
     return cfg
 
@@ -149,12 +159,14 @@ def _apply_file(cfg: Config, cfg_path: Path) -> None:
         data, lines = load_yaml(text, str(cfg_path))
     except ParseError as e:
         raise ConfigError(str(e)) from None
-    data = {} if data is None else data
+    data = {} if data is None else data  # an empty file (or only comments): the base as is
     if not isinstance(data, dict):
         raise ConfigError(f"{cfg_path}: expected a mapping of sections at the top level")
+    # Absolute, so the paths saved with the run hold from any working directory.
     base = cfg_path.parent.resolve()
     sections = [f.name for f in dataclasses.fields(Config)]
     for section, values in data.items():
+        # Line 1 for a key YAML reads as a non-string (true, 1): `lines` holds the key's text.
         line = lines.get(str(section), 1)
         where = f"{cfg_path}:{line}: "
         if section not in sections:

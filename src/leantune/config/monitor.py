@@ -66,13 +66,13 @@ class MonitorConfig:
 
 
 def check_monitor(m: MonitorConfig) -> None:
-    """A metrics port in 0..65535 and a host; a configured W&B or MLflow section names its
-    target, and every configured backend's package is installed (found, not imported: nothing
-    loads before the run starts). A taken port is found at set-up.
+    """A metrics port in 0..65535, a host and host names; a configured W&B or MLflow section
+    names its target (whether a backend's package is installed is `monitor.backends`' check).
 
     Raises:
-        ConfigError: naming the setting (and the pip extra to install).
+        ConfigError: naming the setting.
     """
+    # Only the range: a port another process holds is found at set-up, when the server binds.
     if m.metrics_port is not None and not 0 <= m.metrics_port <= 65535:
         raise ConfigError(
             f"monitor.metrics_port: must be a TCP port in 0..65535 (0: any free port), "
@@ -80,6 +80,8 @@ def check_monitor(m: MonitorConfig) -> None:
         )
     if not m.metrics_host.strip():
         raise ConfigError("monitor.metrics_host: must be an address, e.g. 127.0.0.1 or 0.0.0.0")
+    # Names only: they are compared with the name in a request's Host header (monitor.hosts),
+    # so one given with a scheme, port or path would never match.
     for name in m.metrics_allowed_hosts:
         if not name or not all(c.isalnum() or c in "-._" for c in name):
             raise ConfigError(

@@ -1,14 +1,9 @@
 """The config parser's generic half: YAML text to data, and values checked against annotations.
 
-`load_yaml` reads one document with the line of every key. Plain `yaml.safe_load` lets a key
-given twice silently keep its last value, a document nested deeper than Python's recursion
-limit raise `RecursionError`, and a few hundred bytes of aliases ("billion laughs") stand for
-hundreds of millions of values that whatever walks the result (a check, a message, JSON) walks
-one by one; here a duplicated key is refused with both of its lines, and a document whose
-aliases expand past a bound is refused before anything is built from it.
-`check_value` coerces a value to a dataclass field's annotated type (numbers must be finite,
-integers fit 64 bits). Every failure is a :class:`ParseError` whose message names where it is
-(file, line, field); `leantune.config`, which knows the config sections, turns it into a
+`load_yaml` reads one document with the line of every key, refusing duplicated keys and alias
+bombs. `check_value` coerces a value to a dataclass field's annotated type (numbers must be
+finite, integers fit 64 bits). Every failure is a :class:`ParseError` whose message names where
+it is (file, line, field); `leantune.config`, which knows the config sections, turns it into a
 `ConfigError`.
 """
 
@@ -25,7 +20,7 @@ import yaml
 
 from leantune.errors import UserError
 
-_MERGE_TAG = "tag:yaml.org,2002:merge"
+_MERGE_TAG = "tag:yaml.org,2002:merge"  # the tag of a `<<:` key
 ALIAS_EXPANSION = 1 << 20
 """Nodes plus scalar characters that aliases (`*name`, `<<: *name`) may add to a document
 written out in full: a config that reuses a block a few times adds kilobytes; an alias bomb
@@ -53,23 +48,29 @@ def load_yaml(text: str, where: str) -> tuple[Any, dict[str, int]]:
     loader: yaml.SafeLoader | None = None
     try:
         loader = yaml.SafeLoader(text)  # refuses non-printable characters
+        # Composed, not yet constructed: the checks walk the node graph, where an alias is one
+        # shared node (not a copy) and every key still carries its line.
         node = loader.get_single_node()
         lines: dict[str, int] = {}
         if node is not None:
+            # A few hundred bytes of aliases ("billion laughs") can stand for hundreds of
+            # millions of values that every later walk (a check, a message, JSON) visits one by
+            # one: refuse them before anything is built.
             _check_expansion(node, len(text), where)
+            # safe_load would keep a duplicated key's last value silently.
             _check_keys(node, "", lines, where, set())
         return (loader.construct_document(node) if node is not None else None), lines
     except ParseError:
         raise
     except yaml.YAMLError as e:
         raise ParseError(f"{where}: invalid YAML: {e}") from None
-    except RecursionError:
+    except RecursionError:  # nesting deeper than Python's recursion limit
         raise ParseError(f"{where}: invalid YAML: nested too deeply") from None
     except ValueError as e:  # e.g. an integer longer than Python converts (4300 digits)
         raise ParseError(f"{where}: invalid YAML: {e}") from None
     finally:
         if loader is not None:
-            loader.dispose()
+            loader.dispose()  # PyYAML's parser state refers to itself; this breaks the cycle
 
 
 def _check_expansion(node: yaml.Node, text_size: int, where: str) -> None:
@@ -92,7 +93,7 @@ def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
         if known < 0:
             raise ValueError("an alias inside its own anchor repeats without end")
         return known
-    sizes[id(node)] = -1
+    sizes[id(node)] = -1  # in progress: meeting it again below means a cycle
     if isinstance(node, yaml.ScalarNode):
         size = 1 + len(node.value)
     elif isinstance(node, yaml.SequenceNode):
@@ -179,6 +180,8 @@ def check_value(key: str, value: Any, tp: Any) -> Any:
         if value is None and type(None) in options:
             return None
         errors = []
+        # The first option that accepts the value wins; on failure the first option's message
+        # is shown, as annotations list the main type first (int | Literal["auto"]).
         for option in options:
             if option is type(None):
                 continue
@@ -196,16 +199,19 @@ def check_value(key: str, value: Any, tp: Any) -> Any:
         return value
     if origin is list:
         (item_tp,) = get_args(tp)
+        # A command-line override gives a list as one string: data.clean=html,nfkc
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list):
             raise ParseError(f"{key}: expected a list, got {show(value)}")
         return [check_value(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
     if tp is bool:
+        # Only a YAML boolean: 1 or the string "false" must not pass as a truth value.
         if isinstance(value, bool):
             return value
         raise ParseError(f"{key}: expected true or false, got {show(value)}")
     if tp is int:
+        # bool is a subclass of int, but `true` is not a count.
         if not isinstance(value, int) or isinstance(value, bool):
             raise ParseError(f"{key}: expected an integer, got {show(value)}")
         if not -INT_LIMIT <= value <= INT_LIMIT:
@@ -216,6 +222,7 @@ def check_value(key: str, value: Any, tp: Any) -> Any:
     if tp is float:
         return _check_number(key, value)
     if tp is str:
+        # YAML reads an unquoted 123 or 1.5 as a number; a string field takes its text.
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ParseError(f"{key}: expected a string, got {show(value)}")
@@ -236,6 +243,7 @@ def _check_mapping(key: str, value: Any, cls: type) -> Any:
         raise ParseError(
             f"{key}: unknown key(s) {shorten(', '.join(unknown))}; valid: {', '.join(types_)}"
         )
+    # Fields without a default (model.rope_scaling's type and factor) must be given.
     required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
     missing = [name for name in required if name not in value]
     if missing:
@@ -252,6 +260,7 @@ def set_nested_field(obj: Any, sub: str, name: str, value: Any, key: str) -> Non
             wrong type, or an unset section whose required keys must be given together.
     """
     tp = field_types(type(obj)).get(sub)
+    # An optional section is annotated `Section | None`: find the dataclass among the members.
     nested = [
         t for t in get_args(tp) or (tp,) if isinstance(t, type) and dataclasses.is_dataclass(t)
     ]
@@ -284,6 +293,7 @@ def memory_size(text: str, key: str = "memory size") -> int:
         ParseError: not a positive size, naming `key`.
     """
     raw = text.strip().lower().replace(" ", "")
+    # The unit is the trailing letters; an unknown one fails the lookup below.
     number = raw.rstrip("kmgtib")
     unit = raw[len(number) :]
     try:

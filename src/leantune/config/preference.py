@@ -37,4 +37,6 @@ class PreferenceConfig:
     undesirable ones: KTO's paper keeps weight x count about equal, or up to 4:3)."""
 
 
+# data.format's choices as a type (for objectives.checks); DataConfig.format spells the same
+# list out, and the two must match.
 DataFormat = Literal["alpaca", "chat", "text", "sharegpt", "prompt_completion", "preference", "kto"]

@@ -52,6 +52,8 @@ ROLE_KEY = "fingerprint"
 REASON_KEY = "refused_because"
 """The metadata key that holds why a `Role.REFUSED` field's change cannot be forced."""
 
+# Read-only: one mapping is shared by every field declared with it, so a change to it would
+# change them all.
 SETTING: Mapping[str, Any] = MappingProxyType({ROLE_KEY: Role.SETTING})
 CONTENT: Mapping[str, Any] = MappingProxyType({ROLE_KEY: Role.CONTENT})
 BATCH: Mapping[str, Any] = MappingProxyType({ROLE_KEY: Role.BATCH})

@@ -32,6 +32,7 @@ from leantune.config.roles import (
     role_of,
 )
 
+# Inside the package (leantune/configs), so an installed leantune finds it too.
 DEMO_CONFIG = Path(__file__).parent.parent / "configs" / "demo.yaml"
 AUTO_RUN_NAME = "auto"
 """run.name that `train` replaces with one derived from the run (training.run_setup)."""
@@ -349,7 +350,7 @@ class Config:
     @property
     def run_dir(self) -> Path:
         """The run directory; run.name=auto must have been named first (`train` does it)."""
-        if self.run.dir:
+        if self.run.dir:  # an explicit run.dir wins over the name
             return Path(self.run.dir)
         if self.run.name == AUTO_RUN_NAME:
             raise RuntimeError(
@@ -363,6 +364,8 @@ def field_docs() -> dict[str, str]:
     docs: dict[str, str] = {}
     for section in dataclasses.fields(Config):
         cls = section.default_factory
+        # The docs are attribute docstrings (a string after the field), which Python does not
+        # keep at run time: read them from the source.
         tree = ast.parse(inspect.getsource(cls))  # type: ignore[arg-type]
         body = tree.body[0].body  # type: ignore[attr-defined]
         for node, nxt in itertools.pairwise(body):
@@ -372,6 +375,7 @@ def field_docs() -> dict[str, str]:
                 and isinstance(nxt, ast.Expr)
                 and isinstance(nxt.value, ast.Constant)
             ):
+                # One line: the source wraps the text at 100 columns.
                 docs[f"{section.name}.{node.target.id}"] = " ".join(str(nxt.value.value).split())
     return docs
 
@@ -388,7 +392,7 @@ def field_roles(config: type = Config) -> dict[str, Role]:
         for f in dataclasses.fields(section.default_factory):  # type: ignore[arg-type]
             key = f"{section.name}.{f.name}"
             role = role_of(f)
-            if role is None:
+            if role is None:  # collected, so that one error names every unclassified field
                 missing.append(key)
             else:
                 roles[key] = role

@@ -33,8 +33,10 @@ COMPILE_ONE_PROCESS = (
 def validate(cfg: Config) -> list[str]:
     """Cross-field checks: raises ConfigError when invalid, returns warnings for risky settings."""
     t, d = cfg.train, cfg.data
+    # First: NaN passes every range check below (all its comparisons are false).
     _check_finite(cfg)
     check_sizes(cfg)
+    # None for auto: set-up resolves it (from the data or the memory), so no bound applies yet.
     positive = {
         "train.max_steps": t.max_steps,
         "train.epochs": t.epochs,
@@ -74,6 +76,7 @@ def validate(cfg: Config) -> list[str]:
     if t.precision == "fp16" and t.device == "cpu":
         raise ConfigError("train.precision=fp16 needs CUDA (GradScaler); use bf16 on CPU")
     if t.memory_budget is not None:
+        # Parsed only to refuse a bad size now; the run parses it again where it is used.
         parse_memory_size(t.memory_budget, "train.memory_budget")
     _validate_guard(cfg.guard)
     _validate_run(cfg.run)
@@ -83,8 +86,9 @@ def validate(cfg: Config) -> list[str]:
     if t.compile and cfg.dist.strategy != "auto":
         raise ConfigError(COMPILE_ONE_PROCESS.format(strategy=cfg.dist.strategy))
     if t.compile:
-        check_compiler()
+        check_compiler()  # last: the one check that looks outside the config (PATH)
     warnings: list[str] = []
+    # Under 30 steps even 3% is less than one warmup step, so the advice would not apply.
     if (t.max_steps or 0) >= 30 and 0 < t.warmup_ratio < 0.03:
         warnings.append(f"train.warmup_ratio={t.warmup_ratio:g} is short; 0.03..0.1 is usual")
     return warnings
@@ -97,6 +101,7 @@ def _check_finite(obj: Any, prefix: str = "") -> None:
         key = f"{prefix}{f.name}"
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key}: must be a finite number, got {value}")
+        # is_dataclass is true of a dataclass class too; only an instance holds values.
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             _check_finite(value, f"{key}.")
 
@@ -113,6 +118,7 @@ def _validate_data(cfg: Config) -> None:
         raise ConfigError(f"data.near_dup_threshold: must be in (0, 1], got {d.near_dup_threshold}")
     if d.min_tokens < 0 or (d.partition_mb is not None and d.partition_mb <= 0):
         raise ConfigError("data.min_tokens must be >= 0 and data.partition_mb > 0")
+    # Exact match compares generated answers with the reference ones: text records have none.
     if t.eval_exact_match and (d.eval is None or d.format == "text"):
         raise ConfigError(
             "train.eval_exact_match: needs data.eval and a chat or alpaca data.format"
@@ -169,23 +175,28 @@ def _validate_guard(g: GuardConfig) -> None:
 
 
 RUN_NAME_MAX = 100
+# No '/': a name never leaves runs/. Not starting with '.' or '-': no hidden directory, no
+# name a shell command reads as an option.
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _MAX_NAME_BYTES = 255  # the longest file name ext4, xfs, btrfs, APFS and NTFS allow
 
 
 def configured_global_batch(t: TrainConfig) -> int:
-    """Rows per optimizer step as configured; unset with micro_batch_size=auto, the rows of
-    DEFAULT_BATCH_EXAMPLES unpacked examples (run_setup resolves it from the data first, and a
-    smaller dataset lowers it)."""
+    """Rows per optimizer step as configured (DEFAULT_BATCH_EXAMPLES rows for
+    micro_batch_size=auto without train.global_batch_size)."""
+    # The value before the data is read: run_setup resolves auto from the data first, and a
+    # smaller dataset lowers it.
     if t.micro_batch_size == "auto":
         return t.global_batch_size or DEFAULT_BATCH_EXAMPLES
     return t.micro_batch_size * t.grad_accum
 
 
 def _validate_run(r: RunConfig) -> None:
-    """run.name is a name (never a path: `../../x` would write outside runs/), run.dir a path
-    whose every component a file system can hold."""
+    """run.name is a name (not a path), run.dir a path whose every component a file system can
+    hold."""
+    # A path as a name (`../../x`) would write outside runs/.
     if len(r.name) > RUN_NAME_MAX or not _RUN_NAME.fullmatch(r.name):
+        # Cut: the message must stay readable whatever was given.
         shown = repr(r.name) if len(r.name) <= 40 else f"{r.name[:40]!r}... ({len(r.name)} chars)"
         raise ConfigError(
             f"run.name={shown}: a run name is 1 to {RUN_NAME_MAX} letters, digits, '.', '_' or "
@@ -196,6 +207,7 @@ def _validate_run(r: RunConfig) -> None:
     if not r.dir.strip():
         raise ConfigError("run.dir: empty; leave it unset for runs/<run.name>")
     for part in Path(r.dir).parts:
+        # The limit is in bytes, and a non-ASCII character takes several.
         if len(part.encode()) > _MAX_NAME_BYTES:
             raise ConfigError(
                 f"run.dir: the component {part[:40]!r}... is {len(part.encode())} bytes; file "

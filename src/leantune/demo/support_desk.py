@@ -9,8 +9,7 @@ learn the task from a few hundred examples:
 - ``email``: copied verbatim or null.
 - ``product``: one of ``PRODUCTS``, copied verbatim, or null.
 - ``priority``: ``low`` if the message has a ``LOW_CUES`` phrase, else ``high`` if it has a
-  ``HIGH_CUES`` phrase, else ``normal`` (checked in that order because "not urgent" contains
-  "urgent").
+  ``HIGH_CUES`` phrase, else ``normal``.
 
 Run ``python -m leantune.demo.support_desk`` to regenerate the committed JSONL files.
 Standard library only; everything is deterministic for a given seed.
@@ -42,6 +41,7 @@ PRIORITIES: tuple[str, ...] = ("high", "normal", "low")
 
 # Lower-case phrases; a message's priority is decided by which of these it contains.
 HIGH_CUES: tuple[str, ...] = ("urgent", "asap", "as soon as possible", "immediately")
+# Checked before HIGH_CUES: "not urgent" contains "urgent".
 LOW_CUES: tuple[str, ...] = ("no rush", "whenever you can", "not urgent")
 
 # No name is a substring of another, so each one is found verbatim without ambiguity.
@@ -69,6 +69,8 @@ PRODUCTS: tuple[str, ...] = (
     "security camera",
 )
 
+# How often a message carries each field: every field is absent often enough that the model
+# learns null as well as copying.
 P_ORDER_ID = 0.8
 P_EMAIL = 0.65
 P_PRODUCT = 0.75
@@ -258,6 +260,7 @@ def _item_phrase(
     elif product:
         options = (f"the {product}", f"my {product}", f"the {product} I ordered")
     elif embedded_id:
+        # A broken device, not an order, is what a technical issue is about.
         if intent == "technical_issue":
             options = (f"the device from order {embedded_id}",)
         else:
@@ -296,6 +299,8 @@ def make_example(rng: random.Random, intent: str | None = None) -> dict[str, Any
     roll = rng.random()
     priority = "high" if roll < P_HIGH else "low" if roll < P_HIGH + P_LOW else "normal"
 
+    # The order ID inside the item phrase or in a sentence of its own: the model must find it
+    # wherever it is, not at one place.
     embedded_id = order_id if order_id and rng.random() < 0.6 else None
     item = _item_phrase(rng, intent, product, embedded_id)
     body = rng.choice(_BODIES[intent]).format(
@@ -306,6 +311,7 @@ def make_example(rng: random.Random, intent: str | None = None) -> dict[str, Any
         sentences.append(rng.choice(_ORDER_SENTENCES).format(order_id=order_id))
     cue = _priority_sentence(rng, priority)
     if cue:
+        # First or last: the priority is read from the cue's words, not from its position.
         sentences.insert(rng.choice((0, len(sentences))), cue)
     # Pad short messages to a realistic length with a sentence that carries no field.
     if rng.random() < 0.3 or sum(len(x.split()) for x in sentences) < 20:
@@ -319,6 +325,7 @@ def make_example(rng: random.Random, intent: str | None = None) -> dict[str, Any
     sign_off = (rng.choice(_SIGN_OFFS) if signed else rng.choice(_ANON_SIGN_OFFS)).format(
         first=first, last=last
     )
+    # Some messages in paragraphs, as e-mails are: no field may depend on one layout.
     sep = "\n\n" if rng.random() < 0.25 else " "
     parts = [rng.choice(_GREETINGS), " ".join(sentences), sign_off]
     message = sep.join(p for p in parts if p)
@@ -334,6 +341,8 @@ def make_example(rng: random.Random, intent: str | None = None) -> dict[str, Any
         "messages": [
             {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": message},
+            # Keys in ANSWER_KEYS order (a dict keeps insertion order): one canonical text per
+            # answer, so that exact match can compare strings.
             {"role": "assistant", "content": json.dumps(answer, ensure_ascii=False)},
         ]
     }
@@ -358,13 +367,16 @@ def generate(
     Returns:
         The records, in generation order.
     """
+    # A string seed is hashed with SHA-512: the same stream on every run and platform.
     rng = random.Random(f"support_desk/{split}/{seed}")
     seen = set(exclude) if exclude else set()
     records: list[dict[str, Any]] = []
     while len(records) < n:
+        # Intents in shuffled blocks: any prefix of the data (--limit, a small eval) is balanced.
         block = list(INTENTS)
         rng.shuffle(block)
         for intent in block[: n - len(records)]:
+            # Redraw until new; the space of messages is far larger than any n asked for.
             while True:
                 record = make_example(rng, intent)
                 message = user_message(record)
@@ -395,6 +407,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     train = generate(args.train, args.seed, split="train")
     train_messages = {user_message(r) for r in train}
+    # No eval message was seen in training: the score measures generalisation, not recall.
     eval_ = generate(args.eval, args.seed, split="eval", exclude=train_messages)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     write_jsonl(train, args.out_dir / "support_train.jsonl")

@@ -46,6 +46,7 @@ def _this_rank_is_hit(first_attempt_only: bool) -> bool:
     rank = os.environ.get(FAULT_RANK_ENV)
     if rank is None:
         return True
+    # A restarted attempt runs without the fault, so that the restart gets on.
     if first_attempt_only and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return False
     return os.environ.get("RANK", "0") == rank
@@ -64,6 +65,7 @@ class EnvFaults:
 
     def __init__(self) -> None:
         kill = os.environ.get(KILL_ENV)
+        # Only the kill spares torchrun's restarts: it would kill every restart again.
         self.kill_at = int(kill) if kill is not None and _this_rank_is_hit(True) else None
         self.signal_at = _micro_batch_signal()
         start = os.environ.get(START_SIGNAL_ENV)
@@ -86,12 +88,13 @@ class EnvFaults:
     def check_memory(self, step: int, micro_batch: int, count: int) -> None:
         """LEANTUNE_OOM_AT_STEP: the simulated OOM in the step's last micro-batch, once."""
         if self.oom_step == step and micro_batch == count - 1:
-            self.oom_step = None
+            self.oom_step = None  # once: the replay with a smaller micro-batch must succeed
             raise _out_of_memory(f"simulated out of memory ({OOM_STEP_ENV}={step})")
 
     def after_backward(self, micro_batch: int) -> None:
         """LEANTUNE_KILL_AFTER_MICRO_BATCH, then LEANTUNE_SIGNAL_AT_MICRO_BATCH."""
         if self.kill_at == micro_batch:
+            # SIGKILL: no handler runs and nothing is saved, as when the machine dies.
             os.kill(os.getpid(), signal.SIGKILL)
         if self.signal_at is not None and self.signal_at[0] == micro_batch:
             os.kill(os.getpid(), self.signal_at[1])
@@ -105,6 +108,8 @@ class EnvFaults:
         for p in params:
             if p.grad is not None:
                 p.grad.detach().mul_(self.scale)  # detached: in place, outside autograd
+        # The loss too: the guard watches the loss and the gradient norm, and a real spike
+        # moves both.
         return loss * self.scale
 
     def before_eval(self) -> None:

@@ -50,8 +50,12 @@ def _task_overrides(
     if task is None:
         return config, []
     train, held_out, valid = write_task(out / "task-data")
+    # A sweep picks its rate by this score, so it must not see the split the benchmark reports:
+    # choosing on the held-out split would overstate the chosen rate's result.
     scored = valid if sweep else held_out
     data = [f"data.train={train}", f"data.eval={scored}", "data.format=alpaca"]
+    # Without a CONFIG, the demo's model and settings: data.train alone would start from the
+    # library defaults (config_base), not from the demo.
     return config or str(DEMO_CONFIG), data
 
 
@@ -59,13 +63,14 @@ def _base_loss(cfg: Config, out: Path, reuse: bool) -> float | None:
     """The base model's held-out loss (for the loss retention), kept in `out`/base_loss.json
     for --reuse; None without held-out data or when the evaluation failed."""
     saved = out / "base_loss.json"
-    if reuse and saved.is_file():
+    if reuse and saved.is_file():  # the base model is the same for every method: evaluate once
         loss = json.loads(saved.read_text()).get("loss")
         return float(loss) if isinstance(loss, (int, float)) else None
     if cfg.data.eval is None:
         return None
     print("base model: held-out loss before training", flush=True)
     fmt, limit, width = cfg.data.format, cfg.train.eval_limit, cfg.data.max_seq_len
+    # In a child process, like every method's run: a crash or the memory it holds stays there.
     cmd = method_bench.base_loss_command(cfg.model.path, str(cfg.data.eval), fmt, limit, width)
     loss = method_bench.base_eval_loss(cmd, out / "base_loss.log")
     out.mkdir(parents=True, exist_ok=True)
@@ -96,7 +101,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         given = _parse_lrs(args.lr, list(METHODS))
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    lrs.update({m: v for m, v in given.items() if m in lrs})  # rates of unselected methods
+    # Rates given for methods that are not selected are accepted and ignored.
+    lrs.update({m: v for m, v in given.items() if m in lrs})
     meta = {
         "benchmark": "methods-sweep" if args.sweep else "methods",
         "config": config or "demo",
@@ -136,6 +142,7 @@ def _sweep(
     out: Path,
     meta: dict[str, Any],
 ) -> int:
+    # A factor of 1 or less makes the grid's rates equal or reversed; argparse's float takes nan.
     if not (math.isfinite(args.factor) and args.factor > 1):
         raise ConfigError(f"--factor {args.factor}: must be a finite number above 1")
     try:
@@ -149,4 +156,5 @@ def _sweep(
     print((out / TABLE_FILE).read_text())
     print(f"wrote {out / TABLE_FILE}, {out / JSON_FILE}")
     print(json.dumps(payload))
+    # 1 when no run of some method gave a finite held-out loss: no rate to recommend for it.
     return 0 if all(s.chosen_lr is not None for s in sweeps) else 1

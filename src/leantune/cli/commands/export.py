@@ -26,6 +26,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             args.attn_implementation,
         )
     except ParityError as e:  # the export was written but does not reproduce the source
+        # 1, not a UserError's 2: the input was fine, the result failed its check.
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(report, indent=2))

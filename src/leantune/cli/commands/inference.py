@@ -57,6 +57,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             args.batch_size,
             args.max_new_tokens,
             args.max_seq_len,
+            # stderr: stdout holds only the JSON result, for a script to parse.
             on_bad_line=lambda bad: print(f"bad line skipped: {bad}", file=sys.stderr),
         )
     if args.lm_eval:
@@ -68,6 +69,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def _use_chat_template(tokenizer: Any, spec: str | None) -> None:
     """Give the loaded tokenizer --chat-template (for a model without one, or to override it)."""
     for warning in apply_chat_template(tokenizer, spec):
+        # The library's warnings name the config field; here the user gave the flag.
         print(
             f"warning: {warning.replace('data.chat_template', '--chat-template')}", file=sys.stderr
         )
@@ -97,6 +99,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     _use_chat_template(tokenizer, args.chat_template)
     settings = _decoding(args, model)
+    # Without a chat template the prompt goes in as plain text, as with --raw.
     has_template = getattr(tokenizer, "chat_template", None) is not None
     history: list[dict[str, str]] = []
     if args.system:
@@ -110,7 +113,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 return 0
             if prompt.strip() in ("/exit", "/quit"):
                 return 0
-            if not prompt.strip():
+            if not prompt.strip():  # an empty turn is not sent: ask again
                 prompt = None
                 continue
         if has_template and not args.raw:
@@ -125,5 +128,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(("assistant> " if args.chat else "") + reply, flush=True)
         if not args.chat:
             return 0
+        # Each turn renders the whole conversation, so the model sees its own earlier replies.
         history.append({"role": "assistant", "content": reply})
         prompt = None

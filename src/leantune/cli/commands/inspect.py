@@ -31,6 +31,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     quiet_libraries()
     d = cfg.data
     assert d.train is not None  # load_config requires it
+    # A prepared directory holds token ids, not records: there is nothing left to show marked.
     if Path(d.train).is_dir():
         raise UserError(
             f"data.train {d.train}: a prepared directory; inspect the file(s) it was prepared from"
@@ -56,11 +57,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         args.color == "auto" and sys.stdout.isatty() and "NO_COLOR" not in os.environ
     )
     print(format_inspection(ins, tokenizer, settings, args.examples, colour))
+    # auto plans for the CPU, as `leantune plan` does without --device.
     device = "cpu" if cfg.train.device == "auto" else cfg.train.device
     try:
         result = plan_report.plan(cfg, device, None, ins.row_stats(), train_allocator())
         text = plan_report.format_text(result)
     except (ValueError, MemoryError, UserError) as e:
+        # The plan is extra: the data report above stands without it.
         text = f"not available: {e}"
     print(f"\nmemory plan (as `leantune plan` predicts it):\n{text}")
     print("\nnothing was written and nothing was trained")

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     With CONFIG, the data section and model.path fill every setting a flag leaves unset; without
     it, `--data`, `--format` and `--model` are required and prepare cleans with every rule and
-    removes near duplicates unless told otherwise (the command exists to clean).
+    removes near duplicates unless told otherwise.
     """
     if args.config is not None:
         cfg = load_config(args.config, args.overrides)
@@ -43,12 +43,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError("prepare: overrides need a CONFIG file")
         if not args.data or not args.format or not args.model:
             raise ConfigError("prepare: give CONFIG, or --data FILE... --format F --model PATH")
+        # Every rule and near dedup, unlike train's defaults: without a config, cleaning is what
+        # the command is run for.
         data = DataConfig(format=args.format, clean=list(RULES), dedup="near")  # type: ignore[arg-type]
         cfg = Config(data=data)
         model_path, trust, files = args.model, False, args.data
     if not files or files[0] is None:
         raise ConfigError("prepare: no input; set data.train or --data")
     data = _apply_flags(cfg, args, str(files[0]))
+    # --model over CONFIG's model.path: the tokenizer decides the token counts and packing.
     if args.model:
         model_path = args.model
     settings = settings_from_config(data)
@@ -97,10 +100,12 @@ def _apply_flags(cfg: Any, args: argparse.Namespace, first_file: str) -> Any:
     for name, flag in _FLAGS.items():
         value = getattr(args, name)
         if value is not None:
+            # Through set_field, so a flag's value is type-checked and named like an override.
             set_field(cfg, f"data.{name}", value, f"--{flag}: ")
     if args.clean is not None:
         rules = [] if args.clean == "none" else [r for r in args.clean.split(",") if r]
         set_field(cfg, "data.clean", rules, "--clean: ")
+    # Resolved here, as train resolves it: the prepared rows must be the ones training reads.
     cfg.data.pack = effective_pack(cfg.data.pack, cfg.method.name) and not args.no_pack
     cfg.data.truncate = cfg.data.truncate or args.truncate
     if args.workers < 1:
@@ -126,6 +131,7 @@ def check_kept(report: dict[str, Any], out: str | Path) -> None:
     dropped = ", ".join(f"{k} {n}" for k, n in sorted(report["dropped"].items())) or "none"
     files = ", ".join(report["files"])
     hint = None
+    # Most records lacking the format's fields: the likely cause is the wrong --format.
     if 2 * report["dropped"].get("missing_field", 0) > report["rows_in"]:
         hint = format_hint(report["files"][0], report["settings"]["format"])
     raise DataError(

@@ -37,6 +37,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     # Where an internal error's log goes (`crash`); run.name=auto names it only at the start.
     args.run_dir = cfg.run.dir or (None if cfg.run.name == AUTO_RUN_NAME else cfg.run_dir)
     if args.nproc is not None:
+        # The command line as given (not the resolved config): every rank loads it itself.
         port = [] if args.metrics_port is None else [f"--metrics-port={args.metrics_port}"]
         exec_torchrun(args.nproc, args.max_restarts, ["train", *args.args, *port])
     if args.own_process:  # a caller of main() may import bitsandbytes after the run
@@ -46,13 +47,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from leantune.training import recipe
 
     tag = rank_tag()
-    if not tag or tag.startswith("rank 0 "):
+    if not tag or tag.startswith("rank 0 "):  # once per run, not once per process
         print(describe_base(config, overrides), flush=True)
     quiet_libraries()
     try:
         log = lambda m: print(m, flush=True)  # noqa: E731
         recipe.train(cfg, log=log, config_file=Path(config) if config else None)
     except TrainingHalted as e:
+        # 3 is a pause the same command resumes, not an error.
         print(f"error: {tag}{e}" if e.exit_code != 3 else f"{tag}{e}", file=sys.stderr)
         return e.exit_code
     except Interrupted as e:
@@ -69,6 +71,7 @@ def print_fields() -> None:
         print(f"{section.name}:")
         for f in dataclasses.fields(getattr(cfg, section.name)):
             key = f"{section.name}.{f.name}"
+            # JSON is also valid YAML, so the line works as an override as printed.
             default = json.dumps(getattr(getattr(cfg, section.name), f.name), default=str)
             print(f"  {key}={default}\n      {docs.get(key, '')}")
 
