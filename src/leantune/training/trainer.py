@@ -334,8 +334,10 @@ def replay_on_oom(tr: Trainer, step: int, attempt: Callable[[], T]) -> T:
         # batches and activations) is gone before the memory is freed.
         tr.optimizer.zero_grad(set_to_none=True)
         free_memory(tr.device)
-        _halve_after_oom(tr, step, error)
+        # Before halving: at micro-batch 1 it raises, and the checkpoint written on the way out
+        # must hold the last step's RNG, not the failed window's dropout draws.
         restore_rng_state(rng)
+        _halve_after_oom(tr, step, error)
 
 
 def _halve_after_oom(tr: Trainer, step: int, error: str) -> None:

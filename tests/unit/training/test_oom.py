@@ -154,6 +154,28 @@ def test_oom_at_micro_batch_one_stops_naming_the_next_levers(
     assert [e["kind"] for e in read_events(run / "events.jsonl")] == ["oom"]
 
 
+def test_the_checkpoint_an_oom_at_micro_batch_one_writes_holds_the_last_steps_rng(
+    tiny_llama_dir: Path, chat_files, tmp_path: Path, monkeypatch
+) -> None:
+    """The failed window's forwards drew dropout masks: the checkpoint written on the way out
+    must hold the RNG of the last applied step (as a stop signal's does), so a resume with
+    more memory draws what an uninterrupted run draws."""
+    common = [
+        "train", f"model.path={tiny_llama_dir}", f"data.train={chat_files[0]}", "data.eval=null",
+        "data.max_seq_len=128", "train.eval_exact_match=false", "train.micro_batch_size=1",
+        "train.global_batch_size=4", "method.dropout=0.5", "run.progress=false",
+    ]  # fmt: skip
+    straight = tmp_path / "straight"
+    assert main([*common, "train.max_steps=1", f"run.dir={straight}"]) == 0
+    monkeypatch.setenv(OOM_STEP_ENV, "2")  # at step 2's last micro-batch: 3 forwards drew masks
+    run = tmp_path / "run"
+    assert main([*common, "train.max_steps=4", f"run.dir={run}"]) == EXIT_OUT_OF_MEMORY
+    after_oom = load_checkpoint(latest_checkpoint(run / "checkpoints"))  # type: ignore[arg-type]
+    step_1 = load_checkpoint(latest_checkpoint(straight / "checkpoints"))  # type: ignore[arg-type]
+    assert after_oom.state.step == step_1.state.step == 1
+    assert torch.equal(after_oom.rng["torch"], step_1.rng["torch"])
+
+
 def test_cpu_memory_budget_is_checked_on_every_micro_batch(
     tiny_llama_dir: Path,
     chat_files,
