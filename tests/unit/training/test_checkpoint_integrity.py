@@ -156,6 +156,9 @@ def test_a_checkpoint_from_a_newer_format_is_refused(tmp_path: Path) -> None:
         ("extra.guard.consecutive_skips", -1),
         ("extra.guard.losses", ["x"]),
         ("extra.lr_scale", 0),
+        # Integers past float's range: math.isfinite raises OverflowError on them.
+        pytest.param("extra.lr_scale", 10**400, id="extra.lr_scale-huge-int"),
+        pytest.param("extra.guard.losses", [1.0, 10**400], id="extra.guard.losses-huge-int"),
         ("extra.rollbacks", -1),
         ("extra", None),
     ],

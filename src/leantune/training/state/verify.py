@@ -167,7 +167,12 @@ def _is_int(value: object) -> bool:
 
 # Finite only: a NaN or inf LR scale or guard history would poison the run that resumes with it.
 def _is_number(value: object) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)  # type: ignore[arg-type]
+    if not (_is_int(value) or isinstance(value, float)):
+        return False
+    try:
+        return math.isfinite(value)  # type: ignore[arg-type]
+    except OverflowError:  # an integer past float's range (JSON allows any number of digits)
+        return False
 
 
 _COUNT: Check = ("an integer >= 0", lambda v: _is_int(v) and v >= 0)  # type: ignore[operator]
