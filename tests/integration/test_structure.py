@@ -37,7 +37,7 @@ def _functions(path: Path) -> Iterator[tuple[str, int]]:
 
 
 def test_no_function_over_80_lines_and_no_file_over_600() -> None:
-    """The budgets (issue 33): 600 lines leaves room below STYLE.md's ~800, so that a file grows
+    """The budgets: 600 lines leaves room below STYLE.md's ~800, so that a file grows
     into a split by responsibility instead of being cut at the cap."""
     long_functions = [
         f"{p.relative_to(SRC)}:{name} ({n} lines)"
