@@ -2,7 +2,8 @@
 config, the chat rows and config most training tests use, and an in-process CLI runner.
 
 Nothing here touches the network; every fixture is deterministic. Test files import the helpers
-with `from conftest import ...` (never from one another).
+with `from conftest import ...` (never from one another). tests/distributed/conftest.py adds the
+torchrun runs and the distributed fixtures, and offers these helpers too (see its docstring).
 """
 
 from __future__ import annotations
@@ -335,54 +336,12 @@ def free_port() -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Distributed runs under torchrun (test_distributed.py, test_distributed_zero.py)
-
-ONE = ("train.micro_batch_size=4", "train.grad_accum=2")
-"""One process: micro-batch 4, two micro-batches per step (global batch 8)."""
-TWO = ("train.micro_batch_size=2", "train.grad_accum=4")
-"""Two processes: micro-batch 2; the window of 8 gives each rank 4 rows, 2 micro-batches."""
-COMMON = ("data.pack=false", "train.precision=fp32", "method.dropout=0", "train.save_every=2")
-
-
-def _args(model: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
-    """`leantune train` overrides equal to `make_config`'s, then `extra`."""
-    return [
-        f"model.path={model}",
-        f"data.train={data}",
-        "data.format=chat",
-        "data.max_seq_len=128",
-        f"run.dir={run_dir}",
-        "run.progress=false",
-        "train.max_steps=4",
-        "train.lr=1e-2",
-        "train.seed=3",
-        "data.eval=null",
-        "train.eval_exact_match=false",
-        *COMMON,
-        *extra,
-    ]
+# `leantune train` in its own process (test_compile.py; tests/distributed/conftest.py adds torchrun)
 
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEANTUNE_")}
     return env | {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **extra}
-
-
-def _torchrun(
-    nproc: int,
-    args: list[str],
-    *,
-    log_dir: Path | None = None,
-    cwd: Path | None = None,
-    **env: str,
-) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += [f"--nproc-per-node={nproc}"]
-    command += [f"--log-dir={log_dir}", "--redirects=3"] if log_dir else []
-    command += ["-m", "leantune", "train", *args]
-    return subprocess.run(
-        command, env=_env(**env), capture_output=True, text=True, timeout=300, cwd=cwd
-    )
 
 
 def _one_process(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
@@ -423,48 +382,6 @@ def _assert_same_run(a: Path, b: Path) -> None:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-3, msg=k)
     # The weights moved: an update that did nothing would also be "equal".
     assert any(not torch.equal(wa[k], torch.zeros_like(wa[k])) for k in wa)
-
-
-def _assert_loads_in_plain_transformers(final: Path, base_dir: Path, method: str) -> None:
-    """final/ is a consolidated HF directory (full) or PEFT adapter (lora) holding the weights
-    the run wrote."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    saved = _final_weights(final.parent)
-    if method == "full":
-        state = AutoModelForCausalLM.from_pretrained(final).state_dict()
-        assert all(torch.equal(state[k], saved[k]) for k in saved)
-        return
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), final)
-    lora = {k: v for k, v in model.state_dict().items() if "lora_" in k}
-    assert len(lora) == len(saved)
-    moved = [k for k in lora if "lora_B" in k]
-    assert moved and all(lora[k].abs().sum() > 0 for k in moved)  # B starts at zero
-
-
-@pytest.fixture(scope="module")
-def dist_train_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The distributed tests' training data (32 chat rows), one file per test module."""
-    return write_jsonl(tmp_path_factory.mktemp("dist_data") / "train.jsonl", chat_rows(32))
-
-
-@pytest.fixture(scope="module")
-def dist_reference(
-    tiny_llama_dir: Path, dist_train_file: Path, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Path]:
-    """One process without any strategy, micro-batch 4, per method: the run that 2-process
-    DDP, FSDP2 and ZeRO runs must reproduce."""
-    from leantune.training import recipe
-
-    runs = {}
-    for method in ("lora", "full"):
-        run_dir = tmp_path_factory.mktemp(f"one_{method}") / "run"
-        args = (*COMMON, *ONE, f"method.name={method}")
-        cfg = make_config(tiny_llama_dir, dist_train_file, run_dir, *args)
-        recipe.train(cfg, log=lambda _: None)
-        runs[method] = run_dir
-    return runs
 
 
 @contextlib.contextmanager

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 from conftest import (
-    COMMON,
     ONE,
     TWO,
     _args,
@@ -27,13 +26,14 @@ from conftest import (
     _env,
     _ok,
     _one_process,
+    _rank_stdout,
+    _refused,
     _torchrun,
+    _train_here,
     chat_rows,
-    make_config,
     write_jsonl,
 )
 
-from leantune.config.parse import ConfigError
 from leantune.errors import UserError
 from leantune.methods.registry import METHODS
 from leantune.monitor.events import read_events
@@ -45,7 +45,6 @@ from leantune.testing.faults import (
     OOM_STEP_ENV,
     SIGNAL_ENV,
 )
-from leantune.training import recipe
 from leantune.training.checks import load_config
 from leantune.training.state.checkpoint import (
     CheckpointError,
@@ -69,7 +68,7 @@ def test_two_processes_update_as_one_with_twice_the_micro_batch(
     _ok(_torchrun(2, [*args, f"dist.strategy={strategy}"], log_dir=tmp_path / "logs"))
     _assert_same_run(dist_reference[method], run_dir)
     # Rank 0 alone speaks (each rank's output in its own file) and writes the run's files.
-    out = {p.parent.name: p.read_text() for p in (tmp_path / "logs").glob("*/*/*/stdout.log")}
+    out = _rank_stdout(tmp_path / "logs")
     assert set(out) == {"0", "1"} and "summary: steps=4" in out["0"] and out["1"] == ""
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
     assert not list(tmp_path.glob("**/.tmp-*"))
@@ -92,8 +91,7 @@ def test_qlora_on_two_fsdp2_processes_updates_as_one_keeping_the_4bit_base_whole
     Stopped after step 2 and continued, the run is one process's; its sharded checkpoint holds
     no 4-bit weight nor quantisation state."""
     one, two = tmp_path / "one", tmp_path / "two"
-    cfg = make_config(tiny_llama_dir, dist_train_file, one, *COMMON, *ONE, "method.name=qlora")
-    recipe.train(cfg, log=lambda _: None)
+    _train_here(tiny_llama_dir, dist_train_file, one, "method.name=qlora")
     args = _args(tiny_llama_dir, dist_train_file, two, *TWO, "method.name=qlora")
     args.append("dist.strategy=fsdp2")
     done = _torchrun(2, args, **{SIGNAL_ENV: "4:TERM"})  # the 1st micro-batch of step 3
@@ -124,8 +122,7 @@ def test_evaluation_on_two_processes_equals_one_process(
     evals = [f"data.eval={eval_file}", "train.eval_exact_match=true", "train.max_new_tokens=8"]
     evals += ["train.eval_every=2"] if strategy == "ddp" else []
     one = tmp_path / "one"
-    cfg = make_config(tiny_llama_dir, dist_train_file, one, *COMMON, *ONE, *evals)
-    recipe.train(cfg, log=lambda _: None)
+    _train_here(tiny_llama_dir, dist_train_file, one, *evals)
     args = _args(
         tiny_llama_dir, dist_train_file, tmp_path, *TWO, *evals, f"dist.strategy={strategy}"
     )
@@ -148,8 +145,7 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank(
 ) -> None:
     one, two = tmp_path / "one", tmp_path / "two"
     monkeypatch.setenv(LOSS_SCALE_ENV, "2:nan")
-    cfg = make_config(tiny_llama_dir, dist_train_file, one, *COMMON, *ONE)
-    recipe.train(cfg, log=lambda _: None)
+    _train_here(tiny_llama_dir, dist_train_file, one)
     monkeypatch.delenv(LOSS_SCALE_ENV)
     args = _args(tiny_llama_dir, dist_train_file, two, *TWO, "dist.strategy=ddp")
     _ok(_torchrun(2, args, **{LOSS_SCALE_ENV: "2:nan", FAULT_RANK_ENV: "1"}))
@@ -341,9 +337,7 @@ def test_a_hung_collective_times_out_naming_the_rank_and_the_operation(tmp_path:
 def test_dist_settings_are_checked_before_anything_runs(
     overrides: list[str], message: str, tmp_path: Path
 ) -> None:
-    eval_file = write_jsonl(tmp_path / "eval.jsonl", chat_rows(2))
-    with pytest.raises(ConfigError, match=message):
-        load_config(None, [o.format(eval=eval_file) for o in overrides])
+    _refused(overrides, message, tmp_path)
 
 
 def test_a_window_that_does_not_divide_over_the_ranks_is_refused() -> None:
@@ -366,9 +360,7 @@ def test_every_method_trains_on_two_processes_as_on_one(
 ) -> None:
     one, two = tmp_path / "one", tmp_path / "two"
     extra = (f"method.name={method}", "train.max_steps=2")
-    recipe.train(
-        make_config(tiny_llama_dir, dist_train_file, one, *COMMON, *ONE, *extra), log=lambda _: None
-    )
+    _train_here(tiny_llama_dir, dist_train_file, one, *extra)
     args = _args(tiny_llama_dir, dist_train_file, two, *TWO, *extra)
     _ok(_torchrun(2, [*args, f"dist.strategy={strategy}"]))
     ra, rb = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")

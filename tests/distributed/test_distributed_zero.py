@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 from conftest import (
-    COMMON,
     ONE,
     TWO,
     _args,
@@ -24,10 +23,10 @@ from conftest import (
     _assert_same_run,
     _ok,
     _one_process,
+    _rank_stdout,
+    _refused,
     _torchrun,
-    chat_rows,
-    make_config,
-    write_jsonl,
+    _train_here,
 )
 
 from leantune.config.dist import DEEPSPEED_INSTALL
@@ -35,7 +34,6 @@ from leantune.config.parse import ConfigError
 from leantune.monitor.events import read_events
 from leantune.monitor.metrics import read_metrics
 from leantune.testing.faults import FAULT_RANK_ENV, LOSS_SCALE_ENV, OOM_STEP_ENV, SIGNAL_ENV
-from leantune.training import recipe
 from leantune.training.checks import load_config
 from leantune.training.state.checkpoint import list_complete_checkpoints, load_checkpoint
 
@@ -52,7 +50,7 @@ def test_zero3_on_two_processes_updates_as_one_with_twice_the_micro_batch(
     args = _args(tiny_llama_dir, dist_train_file, run_dir, *TWO, f"method.name={method}")
     _ok(_torchrun(2, [*args, "dist.strategy=deepspeed"], log_dir=tmp_path / "logs"))
     _assert_same_run(dist_reference[method], run_dir)
-    out = {p.parent.name: p.read_text() for p in (tmp_path / "logs").glob("*/*/*/stdout.log")}
+    out = _rank_stdout(tmp_path / "logs")
     assert set(out) == {"0", "1"} and "summary: steps=4" in out["0"]
     ckpts = list_complete_checkpoints(run_dir / "checkpoints")
     assert [p.name for p in ckpts] == ["step-000002", "step-000004"]
@@ -103,9 +101,7 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank_under_zero3(
     """The guard's skip discards ZeRO's partitioned gradients: the next step starts clean."""
     one, two = tmp_path / "one", tmp_path / "two"
     monkeypatch.setenv(LOSS_SCALE_ENV, "2:nan")
-    recipe.train(
-        make_config(tiny_llama_dir, dist_train_file, one, *COMMON, *ONE), log=lambda _: None
-    )
+    _train_here(tiny_llama_dir, dist_train_file, one)
     monkeypatch.delenv(LOSS_SCALE_ENV)
     args = _args(tiny_llama_dir, dist_train_file, two, *TWO, "dist.strategy=deepspeed")
     _ok(_torchrun(2, args, **{LOSS_SCALE_ENV: "2:nan", FAULT_RANK_ENV: "1"}))
@@ -151,9 +147,7 @@ def test_an_out_of_memory_error_on_one_rank_replays_the_window_under_zero(
 def test_deepspeed_settings_are_checked_before_anything_runs(
     overrides: list[str], message: str, tmp_path: Path
 ) -> None:
-    eval_file = write_jsonl(tmp_path / "eval.jsonl", chat_rows(2))
-    with pytest.raises(ConfigError, match=message):
-        load_config(None, [o.format(eval=eval_file) for o in overrides])
+    _refused(overrides, message, tmp_path)
 
 
 def test_fp16_is_refused_with_deepspeed() -> None:
@@ -228,8 +222,7 @@ def test_a_rollback_reloads_the_checkpoint_into_the_partitions(
     one, two = tmp_path / "one", tmp_path / "two"
     guard = ("guard.nonfinite=rollback",)
     monkeypatch.setenv(LOSS_SCALE_ENV, f"{nan_step}:nan")
-    cfg = make_config(tiny_llama_dir, dist_train_file, one, *COMMON, *ONE, *guard)
-    recipe.train(cfg, log=lambda _: None)
+    _train_here(tiny_llama_dir, dist_train_file, one, *guard)
     monkeypatch.delenv(LOSS_SCALE_ENV)
     args = _args(tiny_llama_dir, dist_train_file, two, *TWO, *guard, "dist.strategy=deepspeed")
     args.append(f"dist.zero_stage={stage}")

@@ -1,4 +1,4 @@
-"""The Python API (issue 12, section 7): `from leantune import train, load_config, Config,
+"""The Python API: `from leantune import train, load_config, Config,
 evaluate, export_model` works, stays light to import, and is as quiet as the CLI."""
 
 from __future__ import annotations
@@ -96,8 +96,8 @@ def test_a_tiny_train_evaluate_and_export_from_python_print_no_warnings(
     assert out["scores"]["examples"] == len(ROWS) and "exact_match" in out["scores"]
     assert out["passed"] is True
     assert (run / "final").is_dir()
-    # bitsandbytes' kernel message is quieted by `models.quiet.quiet_import_noise` (another item
-    # of issue 12); the API calls the same function as the CLI, so it goes with the CLI's.
+    # bitsandbytes' kernel message is quieted by `models.quiet.quiet_import_noise`; the API calls
+    # the same function as the CLI, so it goes with the CLI's.
     noise = [
         line for line in result.stderr.splitlines() if line.strip() and "gemm_4bit" not in line
     ]

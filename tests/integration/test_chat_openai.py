@@ -1,12 +1,12 @@
-"""OpenAI-format chat records train what they say (issue 32, item 7).
+"""OpenAI-format chat records train what they say.
 
 OpenAI's fine-tuning format (and Axolotl's, which reads it) marks a turn not to learn with
 `"weight": 0` on the assistant message; its tool calls come as `tool_calls` with the arguments
 as a JSON *string*, or, in the older form OpenAI still accepts, as `function_call` with the
-functions in a top-level `functions` and the results in `function` messages. Before, the weight
-was read past (every turn learned), `function_call`/`functions` were dropped (the model learned
-the text beside a call, never the call), and string arguments reached the template as a string
-(Qwen's and Llama's templates wrote them JSON-escaped: `"arguments": "{\\"city\\": ...}"`).
+functions in a top-level `functions` and the results in `function` messages. A turn of weight 0
+is not supervised, `function_call`/`functions` train as tool calls (not only the text beside a
+call), and string arguments reach the template as the JSON object they hold (Qwen's and Llama's
+templates would write a string JSON-escaped: `"arguments": "{\\"city\\": ...}"`).
 
 Every check runs on the real templates of tests/chat_templates.py, through both tokenising paths
 (`encode_chat`, and `prepare`'s `encode_batch`).
@@ -151,8 +151,8 @@ def test_string_arguments_that_are_not_a_json_object_are_refused(arguments: str)
 
 @pytest.mark.parametrize("name", ["qwen2.5", "llama3"])
 def test_function_call_and_functions_train_as_tool_calls(name: str) -> None:
-    """OpenAI's older form: `function_call`, `functions` and `function` results. Before, the
-    call and the functions were dropped: the model learned the text beside the call only."""
+    """OpenAI's older form: `function_call`, `functions` and `function` results: the call and the
+    functions reach the template as tool calls and tools, not only the text beside the call."""
     legacy = {
         "messages": [
             ASK,

@@ -1,5 +1,5 @@
 """Every command-line mistake of eval, generate, bench and export: exit 2 and a message naming
-the flag or path, never a traceback (issue 11, section 6). Exit 1 stays the export parity failure.
+the flag or path, never a traceback. Exit 1 stays the export parity failure.
 """
 
 from __future__ import annotations

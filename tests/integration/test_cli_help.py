@@ -1,5 +1,5 @@
 """`leantune --help` of every command shows every default; `leantune --version`; the list of
-config fields with their defaults (issue 12, section 7)."""
+config fields with their defaults."""
 
 from __future__ import annotations
 

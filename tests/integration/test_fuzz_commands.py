@@ -1,4 +1,4 @@
-"""Fuzzing every command's inputs (issue 32, "no traceback, ever"): files that are empty,
+"""Fuzzing every command's inputs ("no traceback, ever"): files that are empty,
 binary, cut short, one huge line, JSON of the wrong types, missing or a folder; model folders
 with a damaged config, weights or tokenizer; flag values out of range or not numbers; stdin for
 `generate --chat`. Each call is `main(argv)` in this process and must end in exit 0 or 2 with
@@ -390,7 +390,7 @@ FOUND: dict[str, list[Case]] = {
     ],
     "plan": [Case(["plan", "{config}"], {"config": "valid", "data": "valid"}, MODEL_BOM)],
 }
-"""Examples the fuzzing found (tracebacks before issue 32): run first, in every variant."""
+"""Examples the fuzzing found that once ended in a traceback: run first, in every variant."""
 
 
 def _settings(examples: int) -> settings:

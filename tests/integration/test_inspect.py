@@ -1,4 +1,4 @@
-"""`leantune inspect` (issue 12, section 6): what will be trained, without training.
+"""`leantune inspect`: what will be trained, without training.
 
 For every format: the supervised tokens between the markers are exactly the answer (and the
 end-of-turn text the model learns to write), the counts are the tokenizer's, the report has the

@@ -1,5 +1,5 @@
-"""No traceback, ever (issue 32): what escapes a command is exit 2 with a message or a labelled
-internal error (exit 70) whose traceback goes to a log file; and the cases seen as tracebacks
+"""No traceback, ever: what escapes a command is exit 2 with a message or a labelled internal
+error (exit 70) whose traceback goes to a log file; and the cases that would otherwise raise one
 (a chat template that refuses a conversation in `generate` and `export`, a pickled model, a
 damaged or read-only run given to `report`, `eval --lm-eval` without the network) are exit 2 with
 a message that names the file and the fix.

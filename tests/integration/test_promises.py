@@ -1,4 +1,4 @@
-"""Every mistake from the trust issue, through the command line, in one table.
+"""Every user mistake leantune promises to catch, through the command line, in one table.
 
 Each case sets up what a user (or an attacker) did, runs `leantune ...` in this process and
 asserts the exit code, that the message names what it must (the field, the file, the pid), that

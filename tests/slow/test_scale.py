@@ -1,4 +1,4 @@
-"""The sizes people bring (issue 31), end to end at the smallest of them: benchmarks/scale.py
+"""The sizes people bring, end to end at the smallest of them: benchmarks/scale.py
 builds a random-weight Qwen2.5-0.5B-shaped model from config (no download), plans, trains 3
 steps with the defaults and exports to HF with the parity check, in fresh processes. The plan's
 "needed" figure must hold the process's whole peak (load and training), and its live-tensor

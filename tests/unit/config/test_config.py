@@ -145,7 +145,7 @@ def test_every_field_is_documented() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Values that would train wrongly or crash later are refused up front (issue 11, section 6)
+# Values that would train wrongly or crash later are refused up front
 
 
 def _float_fields() -> list[str]:
@@ -347,8 +347,8 @@ def test_unreadable_config_files_are_config_errors(tmp_path: Path) -> None:
 
 
 def test_unknown_sections_and_unprintable_text_are_config_errors(tmp_path: Path) -> None:
-    # Found by tests/unit/config/test_fuzz_config.py: an unknown section was reported as
-    # "expected a mapping of fields" without naming it, and a control character escaped as a
+    # Cases from tests/unit/config/test_fuzz_config.py: an unknown section is named (not only
+    # "expected a mapping of fields"), and a control character is a ConfigError, not a
     # ReaderError.
     path = _write(tmp_path, "'': 1\n")
     with pytest.raises(ConfigError, match=rf"{path}:1: '': unknown section; valid: model, data"):

@@ -1,4 +1,4 @@
-"""Training your own file starts from plain defaults (issue 12, section 3).
+"""Training your own file starts from plain defaults.
 
 The rule: no CONFIG and no `data.train=...` override is the built-in demo; anything else starts
 from the library defaults (the dataclasses in config.py). A run without run.name and run.dir

@@ -1,4 +1,4 @@
-"""Fuzzing the config (issue 11, section 7): arbitrary YAML documents, values for every field of
+"""Fuzzing the config: arbitrary YAML documents, values for every field of
 every section, dotted overrides and raw bytes go through `load_config` and `leantune validate`.
 
 Each gives a valid config or a ConfigError (exit 2) that names the field (and, from a file, the

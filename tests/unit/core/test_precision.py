@@ -305,7 +305,7 @@ def test_set_up_warns_about_bf16_4bit_matmuls_only_where_bf16_is_emulated(
     home: Path, monkeypatch: pytest.MonkeyPatch, slowdown: float, warns: bool
 ) -> None:
     """The warning comes with the precision the run resolves at set-up; validating the config
-    measures nothing (issue 33: validation ran the matmul probe)."""
+    measures nothing (it does not run the matmul probe)."""
     probe = use_probe(monkeypatch, slowdown)
     cfg = load_config(None, ["method.name=qlora", "method.compute_dtype=bf16", "train.device=cpu"])
     assert not [w for w in check_config(cfg) if "method.compute_dtype=bf16" in w]

@@ -1,4 +1,4 @@
-"""Every write leantune makes goes through `leantune.core.writes` (issue 32, items 1 and 5).
+"""Every write leantune makes goes through `leantune.core.writes`.
 
 A full disk anywhere (not only in the checkpoint save) is exit 2 naming the file and the fix,
 with what was written before intact; in `train` it still saves a checkpoint when it can and
@@ -6,7 +6,7 @@ says where the run resumes. A symbolic link, FIFO or device node where an output
 refused, never written through or replaced.
 
 The full disk is a real one where this process may mount a small tmpfs (root, as in CI), so
-that every writer meets it, C++ and Rust ones included (`torch.jit.save` used to abort the
+that every writer meets it, C++ and Rust ones included (`torch.jit.save` must not abort the
 process, exit 134). Elsewhere the same tests run with the refusal injected where `writes` hands
 a file to the filesystem (`_fsync_file`, `_install_dir`, `_write_all`): the assertions are the
 same, only the C++ writers' own reaction goes untested there.
@@ -245,7 +245,7 @@ def test_the_run_dir_lock_is_never_taken_through_a_link(tmp_path: Path) -> None:
     run.mkdir()
     (run / ".leantune.lock").symlink_to(precious)
     with pytest.raises(NotARegularFile) as info:
-        lock_run_dir(run)  # it used to write its pid into the link's target
+        lock_run_dir(run)  # never writes its pid into the link's target
     assert str(run / ".leantune.lock") in str(info.value)
     assert precious.read_text() == "keep me\n"
 
@@ -386,7 +386,7 @@ def test_export_on_a_full_disk_exits_2_and_keeps_the_earlier_export(
     assert run_cli(args).code == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     disk.fill()
-    result = run_cli(args)  # torchscript: torch.jit.save used to abort the process (134)
+    result = run_cli(args)  # torchscript: torch.jit.save must not abort the process (134)
     _no_traceback_exit_2(result, str(out), "No space left on device")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert disk.listing() == ["export"]

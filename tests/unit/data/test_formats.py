@@ -1,4 +1,4 @@
-"""The formats people have (issue 12, section 5): ShareGPT, TRL prompt/completion, a hint for a
+"""The formats people have: ShareGPT, TRL prompt/completion, a hint for a
 file in another format than data.format says, and data.chat_template for a tokenizer without one.
 """
 
@@ -291,7 +291,7 @@ def write_kind(path: Path, rows: list[dict[str, Any]]) -> Path:
         ("prompt_completion", [PC_STRINGS, {"prompt": "[not json", "completion": "[1, 2]"}]),
     ],
 )
-def test_every_reader_reads_the_new_formats(
+def test_every_reader_reads_sharegpt_and_prompt_completion(
     tmp_path: Path, tokenizer, kind: str, fmt: str, rows: list[dict[str, Any]]
 ) -> None:
     reference, _ = read_records(write_kind(tmp_path / "ref.jsonl", rows), fmt)
@@ -355,10 +355,12 @@ def test_prepare_kept_nothing_names_the_format_to_use(tmp_path: Path, tiny_llama
     assert "use data.format=prompt_completion" in r.err
 
 
-# --- train, prepare and eval on the new formats -----------------------------------------------
+# --- train, prepare and eval on ShareGPT and prompt/completion ------------------------------------
 
 
-def test_prepare_cli_takes_both_new_formats(tmp_path: Path, tiny_llama_dir: Path) -> None:
+def test_prepare_cli_takes_sharegpt_and_prompt_completion(
+    tmp_path: Path, tiny_llama_dir: Path
+) -> None:
     for fmt, rows in (("sharegpt", [SHAREGPT] * 3), ("prompt_completion", [PC_MESSAGES] * 2)):
         data = write_jsonl(tmp_path / f"{fmt}.jsonl", rows)
         out = tmp_path / f"{fmt}.prepared"

@@ -1,4 +1,4 @@
-"""Fuzzing the data path (issue 11, section 7): every reader and every format.
+"""Fuzzing the data path: every reader and every format.
 
 Arbitrary bytes under each suffix, arbitrary JSON values, record-shaped values with wrong
 types, lone surrogates and deep nesting, and valid files cut short or with bytes flipped. Each

@@ -1,4 +1,4 @@
-"""Input that must not take the machine down (issue 11, section 5).
+"""Input that must not take the machine down.
 
 Answer spans come from one render of the conversation (time linear in its length) and equal
 the prefix method's on ordinary records; supervision never covers text that is not an assistant
@@ -49,7 +49,7 @@ def smol() -> PreTrainedTokenizerFast:
     return load_smollm_tokenizer()
 
 
-# --- the method before issue 11, kept here as the reference ---------------------------------
+# --- the prefix-rendering method, kept here as the reference ---------------------------------
 
 
 def _render(tok: Any, messages: list[dict[str, str]], gen: bool) -> str:
@@ -212,8 +212,8 @@ TRIMMING = (  # Llama-3 style: the template trims each message, so contents are 
 def test_a_template_that_trims_content_is_located_in_one_render(
     tmp_path: Path, tokenizer, monkeypatch
 ) -> None:
-    """Before issue 31 such a template fell back to rendering every prefix, and a conversation
-    of more than 128 messages was dropped; the walk finds trimmed text in the one render."""
+    """Such a template is located in the one render, not by rendering every prefix: the walk
+    finds trimmed text, and a conversation of 602 messages renders once and keeps every answer."""
     tok = _retemplated(tokenizer, TRIMMING)
     msgs = [
         {"role": "user", "content": "  padded question  "},

@@ -1,4 +1,4 @@
-"""Preference data (issue 34): TRL's pair and unpaired formats read, validated line by line,
+"""Preference data: TRL's pair and unpaired formats read, validated line by line,
 tokenised with the real chat templates so that each answer is supervised exactly as SFT
 supervises an assistant turn, cut by the truncation rules, and packed padding-free."""
 

@@ -1,4 +1,4 @@
-"""Bad input is a line-numbered error (exit 2) or a counted drop, never a traceback (issue 11, §6).
+"""Bad input is a line-numbered error (exit 2) or a counted drop, never a traceback.
 
 Each case runs through `leantune prepare`, and where it matters through `leantune train`
 (data.train=file) and `leantune eval --data`, with `run_cli`, which fails on any traceback.

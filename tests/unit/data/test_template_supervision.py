@@ -1,9 +1,9 @@
 """Supervision is exactly the assistant turns and their end-of-turn text, with every family's real
-chat template (tests/chat_templates.py), whatever the template does around them (issue 31).
+chat template (tests/chat_templates.py), whatever the template does around them.
 
-Before the walk, the answers were located by rendering every prefix of a conversation; Qwen3
-(which rewrites earlier turns), Phi-3 (EOS after an unprompted conversation), Mistral v0.3 and
-Mixtral with a system message, and Gemma 2 with one were refused on every such record.
+The answers are located by one walk over one render, not by rendering every prefix of a
+conversation, which Qwen3 (it rewrites earlier turns), Phi-3 (EOS after an unprompted
+conversation), Mistral v0.3 and Mixtral with a system message, and Gemma 2 with one defeat.
 """
 
 from __future__ import annotations
@@ -293,8 +293,8 @@ TOOLS = [
 def test_a_records_tools_are_written_by_the_template_and_never_supervised(
     name: str, tmp_path: Path
 ) -> None:
-    """Before, a chat record's `tools` field was read past: the model trained on tool calls
-    without ever seeing the tools it was calling."""
+    """A chat record's `tools` field reaches the template, so the model reads the tools it
+    calls; the tools are never supervised."""
     path = write_jsonl(tmp_path / "d.jsonl", [{"messages": TOOL_CHAT, "tools": TOOLS}])
     out = tmp_path / "out"
     report = prepare_dataset([str(path)], PrepareSettings("chat", 1024), tok(name), out)

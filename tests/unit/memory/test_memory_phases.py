@@ -1,6 +1,6 @@
 """Training memory is reported as training's: the checkpoint's file pages that loading left in
-the process's resident set are the load phase's peak, reported apart (issue 31: 18.17 GiB was
-reported for every step of a run whose training peak was 14.55 GiB)."""
+the process's resident set are the load phase's peak, reported apart, never as the peak of every
+training step."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_the_training_peak_leaves_out_the_load_phase(tmp_path: Path) -> None:
     load_peak = start_training_memory()
     assert load_peak is not None and load_peak >= before - 4096
     after = memory_stats(cpu)
-    # The file's pages are gone from RSS: they no longer count in the peak.
+    # The file's pages are gone from RSS: they do not count in the peak.
     assert after["peak_mem_bytes"] <= load_peak - PAGES // 2
     assert 0 < after["rss_anon_bytes"] <= after["rss_bytes"] <= after["peak_mem_bytes"]
 

@@ -200,7 +200,7 @@ def _config_file(tmp_path: Path, model_dir: Path) -> Path:
 
 def test_auto_config_fields(tmp_path: Path, tiny_llama_dir: Path) -> None:
     cfg = _config_file(tmp_path, tiny_llama_dir)
-    # auto is the default now, so it needs no global_batch_size: unset is 8 rows per step.
+    # auto is the default, so it needs no global_batch_size: unset is 8 rows per step.
     auto = load_config(cfg, ["train.micro_batch_size=auto"])
     assert configured_global_batch(auto.train) == 8
     with pytest.raises(ConfigError, match="global_batch_size"):

@@ -1,4 +1,4 @@
-"""The planner's verdicts at the sizes people bring (issue 31): "fits" only with the measured
+"""The planner's verdicts at the sizes people bring: "fits" only with the measured
 margin, the load phase as its own line, a fixed micro-batch that cannot fit said before the
 model loads, and half-precision weights offered before a lighter method."""
 
@@ -34,7 +34,7 @@ def _config_file(tmp_path: Path, model_dir: Path, train: str) -> Path:
 )
 def test_fits_only_with_the_margin(allocator: str, measured: float) -> None:
     """A plan whose live tensors just fit the budget does not fit: CPU RSS ran 1.08x-1.65x above
-    them with glibc's malloc (issue 31's table), 1.05x-1.13x with tcmalloc
+    them with glibc's malloc, 1.05x-1.13x with tcmalloc
     (benchmarks/results/scale-cpu.json); 21.67 GiB 'fitting' 22 GiB got a run killed at 23.9 GB.
     An allocator nobody measured gets glibc's margin."""
     facts = model_facts_for(tiny_llama_config(), "fp32", "sdpa", MethodConfig(name="full"))

@@ -1,4 +1,4 @@
-"""What each method adapts does not depend silently on the family (issue 31, silent wrong result 3):
+"""What each method adapts does not depend silently on the family:
 LoRA's defaults reach the routed experts of every MoE family in the model zoo, IA3 scales keys,
 values and the MLP on fused layouts (Phi-3), and the run says once what is adapted."""
 

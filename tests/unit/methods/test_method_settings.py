@@ -1,9 +1,9 @@
 """Method settings that would make training a no-op, or that name layers the model does not have,
-are refused before any weight loads, naming the field and the fix (issue 32, items 8 and 9).
+are refused before any weight loads, naming the field and the fix.
 
-Before, `method.alpha=0` trained with every LoRA update scaled by 0 (every gradient 0, exit 0),
-and `method.target_modules=[]` ended in peft's NoMatchingPeftModuleError traceback; IA3 refused
-a name that is not a linear layer without saying which ones are.
+`method.alpha=0` would train with every LoRA update scaled by 0 (every gradient 0, exit 0) and
+`method.target_modules=[]` would end in peft's NoMatchingPeftModuleError traceback: both are
+config errors; IA3 refusing a name that is not a linear layer says which ones are.
 """
 
 from __future__ import annotations
@@ -22,15 +22,14 @@ from leantune.methods.errors import MethodError
 from leantune.methods.registry import METHODS, apply_method
 from leantune.training.checks import load_config
 
-# Every setting that leaves a method nothing to train, and the method it applies to. The ones
-# marked "new" were accepted before issue 32; the others were refused already and stay so.
+# Every setting that leaves a method nothing to train, and the method it applies to.
 INERT = [
-    ("lora", "method.alpha=0", "method.alpha: must be >= 1"),  # new: scaling alpha/r = 0
-    ("dora", "method.alpha=0", "method.alpha: must be >= 1"),  # new
-    ("qlora", "method.alpha=-16", "method.alpha: must be >= 1"),  # new: a negated update
-    ("lora", "method.target_modules=[]", "method.target_modules: an empty list"),  # new
-    ("ia3", "method.target_modules=[]", "method.target_modules: an empty list"),  # new
-    ("lora", "method.target_modules=[all-linear, lm_head]", "all-linear stands alone"),  # new
+    ("lora", "method.alpha=0", "method.alpha: must be >= 1"),  # scaling alpha/r = 0
+    ("dora", "method.alpha=0", "method.alpha: must be >= 1"),
+    ("qlora", "method.alpha=-16", "method.alpha: must be >= 1"),  # a negated update
+    ("lora", "method.target_modules=[]", "method.target_modules: an empty list"),
+    ("ia3", "method.target_modules=[]", "method.target_modules: an empty list"),
+    ("lora", "method.target_modules=[all-linear, lm_head]", "all-linear stands alone"),
     ("lora", "method.r=0", "method.r: must be >= 1"),
     ("lora", "method.dropout=1.0", "method.dropout: must be in [0, 1)"),
     ("lora", "train.lr=0", "train.lr: must be in (0, 1)"),
@@ -38,7 +37,7 @@ INERT = [
     ("prefix", "method.prefix_hidden_size=0", "method.prefix_hidden_size: must be >= 1"),
     ("adapter", "method.adapter_reduction=0", "method.adapter_reduction: must be >= 1"),
     ("freeze", "method.last_blocks=0|method.norms=false", "method.name=freeze trains nothing"),
-    ("prompt", "method.prompt_init_text=' '", "method.prompt_init_text: empty"),  # new
+    ("prompt", "method.prompt_init_text=' '", "method.prompt_init_text: empty"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""The training loss is the model's own loss on every architecture (issue 31).
+"""The training loss is the model's own loss on every architecture.
 
 The loss runs the decoder and the output projection itself (only at supervised positions), so
 whatever a model does between the projection and its logits must be honoured: Gemma 2's

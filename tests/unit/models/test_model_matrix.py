@@ -1,4 +1,4 @@
-"""The architecture matrix (issue 31): every family of tests/model_zoo.py, with its real chat
+"""The architecture matrix: every family of tests/model_zoo.py, with its real chat
 template, trains with leantune's defaults (LoRA and full, a system message in the data), exports
 to HF with the parity check, and, after a few steps on short answers, generates an answer that
 stops at the template's end-of-turn token.
@@ -27,7 +27,7 @@ FAST = (
 
 @pytest.fixture(scope="module")
 def plant_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """40 plant-care chats of 1-3 turns, 10 with a system message (the issue's data)."""
+    """40 plant-care chats of 1-3 turns, 10 with a system message."""
     return write_jsonl(tmp_path_factory.mktemp("plants") / "chat.jsonl", plant_chats(40))
 
 

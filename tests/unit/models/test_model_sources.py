@@ -1,4 +1,4 @@
-"""What a model path means to every command (issue 12, section 7): a hub id is read from the
+"""What a model path means to every command: a hub id is read from the
 local HF cache and nothing waits on the network unless the user opts in (HF_HUB_OFFLINE=0); a
 mistyped local path is reported as one; a model directory without a tokenizer is one clear
 error, before any weights load."""

@@ -1,6 +1,6 @@
 """Loading reads the checkpoint tensor by tensor (models/weight_files.py): the weights it builds
-are transformers' own, and the checkpoint's pages are never resident beside them (issue 31:
-a 13 GB bf16 7B loaded for QLoRA peaked at 18.9 GiB, its file pages and the 4-bit weights)."""
+are transformers' own, and the checkpoint's pages are never resident beside them (otherwise a
+13 GB bf16 7B loaded for QLoRA peaks at 18.9 GiB, its file pages and the 4-bit weights)."""
 
 from __future__ import annotations
 

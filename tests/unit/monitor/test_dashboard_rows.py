@@ -91,8 +91,8 @@ def test_train_refuses_an_alias_bomb_naming_the_file(tmp_path: Path) -> None:
 
 
 def test_report_refuses_a_run_whose_config_is_an_alias_bomb(tmp_path: Path) -> None:
-    # `leantune report` read config.yaml with yaml.safe_load and str()-ed a setting: MemoryError.
-    # Now the bounded loader refuses it: a damaged config.yaml, named (exit 2), as any other.
+    # yaml.safe_load and str() of a setting would end in a MemoryError: the bounded loader
+    # refuses it, a damaged config.yaml, named (exit 2), as any other.
     run = tmp_path / "run"
     run.mkdir()
     (run / "leantune_run.json").write_text("{}")
@@ -161,7 +161,7 @@ def test_a_config_over_the_size_limit_is_named_in_its_row(tmp_path: Path) -> Non
 def test_any_failure_reading_one_run_is_that_runs_row_logged_once_per_change(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The guard behind the fixes above: whatever else a run's files can raise stays in its row
+    """The guard behind the checks above: whatever else a run's files can raise stays in its row
     (or, for its own page, one 500), and the log says it when it appears and when it clears."""
     root = tmp_path / "runs"
     synthetic_run(root, "good", 3)

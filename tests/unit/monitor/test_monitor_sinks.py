@@ -1,4 +1,4 @@
-"""The optional monitoring sinks (issue 15, section 1): TensorBoard, W&B and MLflow, each read
+"""The optional monitoring sinks: TensorBoard, W&B and MLflow, each read
 back from its offline/file store and compared with the run's own files; imported only when
 configured; a missing package stops the run before it starts."""
 

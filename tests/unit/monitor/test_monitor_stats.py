@@ -208,7 +208,7 @@ def test_a_runs_records_hold_padding_mfu_eta_and_resources(
 
 
 def test_mfu_never_exceeds_one_and_says_so_once() -> None:
-    """A peak probed under load reads low (issue 31: MFU 5.6 and 13 were reported): a step
+    """A peak probed under load reads low (an MFU above 1 would follow): a step
     faster than it raises the peak to the observed rate, said once."""
     lines: list[str] = []
     stats = StepStats(flops_per_token=1e6, peak_flops=1e9, max_steps=10, log=lines.append)

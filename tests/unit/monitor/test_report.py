@@ -1,4 +1,4 @@
-"""The run report (issue 15, section 5): report.html at the end of every run and from
+"""The run report: report.html at the end of every run and from
 `leantune report RUN_DIR`, self-contained, built from the run directory's files only."""
 
 from __future__ import annotations

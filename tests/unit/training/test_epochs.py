@@ -1,5 +1,5 @@
 """Epochs, small data and lengths: how many steps a run takes, what each step holds, how long
-its rows are, and whether they are packed (issue 12, section 4).
+its rows are, and whether they are packed.
 
 - A step never holds the same row twice: a step's window of the sample stream stops at the end
   of the epoch (`SampleStream.window`), so data smaller than one global batch gives steps of
@@ -119,7 +119,7 @@ def test_epochs_is_checked_like_every_count(tmp_path: Path) -> None:
 def test_16_examples_with_a_global_batch_of_32_never_repeat_a_row(
     tiny_llama_dir: Path, tokenizer, tmp_path: Path
 ) -> None:
-    """The issue's case: 16 alpaca examples packed into one row, a global batch of 32."""
+    """Data smaller than one step: 16 alpaca examples packed into one row, a global batch of 32."""
     data = write_jsonl(tmp_path / "alpaca.jsonl", alpaca_rows(16))
     run = tmp_path / "run"
     extra = ("data.format=alpaca", "data.max_seq_len=512", "train.max_steps=3")

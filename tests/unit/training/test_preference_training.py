@@ -1,4 +1,4 @@
-"""Preference objectives through the one training loop (issue 34): a DPO run on a tiny llama
+"""Preference objectives through the one training loop: a DPO run on a tiny llama
 starts at log 2 and logs the reward metrics, its step's loss is `dpo_loss` of the model's own
 log-probs, a stopped run resumes bit-exactly, and simpo, orpo and kto train."""
 

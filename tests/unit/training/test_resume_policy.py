@@ -223,7 +223,7 @@ def test_force_with_a_new_lr_takes_effect_and_says_so(
     assert [m["lr"] for m in rows[4:]] == pytest.approx([5e-4, 5e-4])
     final_after = load_file(run / "final" / "adapter_model.safetensors")
     assert any(not torch.equal(final_before[k], final_after[k]) for k in final_before)
-    # The run now records the new settings: the same command resumes without force.
+    # The forced resume recorded the new settings: the same command resumes without force.
     again = run_cli(args(tiny_llama_dir, chat_file, run, "train.lr=5e-3", "train.max_steps=6"))
     assert again.code == 0, again.err
 

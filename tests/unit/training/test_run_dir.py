@@ -71,7 +71,7 @@ def test_a_second_process_exits_2_naming_the_holder_and_a_killed_holder_is_taken
 ) -> None:
     run = tmp_path / "run"
     assert run_cli(args(tiny_llama_dir, chat_file, run)).code == 0
-    # The holder's save in progress, which a start-up used to delete.
+    # The holder's save in progress, which a second start-up must not delete.
     saving = run / "checkpoints" / ".tmp-step-000004-4242"
     saving.mkdir()
     (saving / "model.safetensors").write_bytes(b"half written")
