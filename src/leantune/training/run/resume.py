@@ -179,20 +179,7 @@ def plan_resume(
     step = checkpoint_step(checkpoint.name) or 0
     where = f"{run_dir} (newest checkpoint {checkpoint.name})"
     if record is None:
-        if mode != "force":
-            why = (
-                f"has a run record {RunPaths(run_dir).record} that cannot be read"
-                if RunPaths(run_dir).record.exists()
-                else f"was written by an older leantune, without the run record {RunPaths.record}"
-            )
-            raise RunMismatch(
-                f"{where} {why}, so this config cannot be checked against it. Continue it "
-                "anyway with run.resume=force (it says what it applies), or start a separate "
-                "run with another run.name or run.dir."
-            )
-        log(f"run.resume=force: continuing {where}, whose settings were not recorded")
-        plan = ResumePlan("force", new, checkpoint, step, legacy=True, split=split)
-        return _check_max_steps(plan, new, run_dir)
+        return _continue_unrecorded(mode, run_dir, where, checkpoint, step, new, split, log)
     changes = compare(record.fingerprint, new.fields)
     lines = [f"  {c.describe(record.sources, new.sources)}" for c in changes]
     if not changes:
@@ -227,6 +214,33 @@ def plan_resume(
     return _check_max_steps(
         ResumePlan("force", new, checkpoint, step, tuple(changes)), new, run_dir
     )
+
+
+def _continue_unrecorded(
+    mode: str,
+    run_dir: Path,
+    where: str,
+    checkpoint: Path,
+    step: int,
+    new: Fingerprint,
+    split: tuple[int | str, int],
+    log: Log,
+) -> ResumePlan:
+    """A checkpoint without a readable run record: only run.resume=force continues it."""
+    if mode != "force":
+        why = (
+            f"has a run record {RunPaths(run_dir).record} that cannot be read"
+            if RunPaths(run_dir).record.exists()
+            else f"was written by an older leantune, without the run record {RunPaths.record}"
+        )
+        raise RunMismatch(
+            f"{where} {why}, so this config cannot be checked against it. Continue it "
+            "anyway with run.resume=force (it says what it applies), or start a separate "
+            "run with another run.name or run.dir."
+        )
+    log(f"run.resume=force: continuing {where}, whose settings were not recorded")
+    plan = ResumePlan("force", new, checkpoint, step, legacy=True, split=split)
+    return _check_max_steps(plan, new, run_dir)
 
 
 def _check_no_checkpoint(run_dir: Path, record: RunRecord | None, new: Fingerprint) -> None:
