@@ -1,46 +1,26 @@
-"""Shared fixtures and helpers: a tokenizer trained in-process, tiny Llama/Qwen2 models built from
-config, the chat rows and config most training tests use, and an in-process CLI runner.
-
-Nothing here touches the network; every fixture is deterministic. Test files import the helpers
-with `from conftest import ...` (never from one another). tests/distributed/conftest.py adds the
-torchrun runs and the distributed fixtures, and offers these helpers too (see its docstring).
+"""Shared fixtures: the tiny tokenizer and models (built once per session), the chat files most
+training tests use, and the LEANTUNE_* fault hooks. Nothing here touches the network; every
+fixture is deterministic. The helpers they are built from, and that test files import, are in
+support.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
-import os
-import subprocess
-import sys
-import threading
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
-from safetensors.torch import load_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from support import (
+    build_tiny_tokenizer,
+    chat_rows,
+    save_tiny_model,
+    write_jsonl,
+)
 from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
     PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
 )
 
-from leantune.config import Config
-from leantune.data.dataset import PreparedData, prepared_data
-from leantune.data.prepare.records import PrepareSettings
 from leantune.models.bnb_notice import import_offline
-from leantune.monitor.dashboard import make_server
-from leantune.monitor.dashboard.server import DashboardServer
-from leantune.monitor.metrics import read_metrics
 from leantune.testing.faults import install_env_faults
-from leantune.training.checks import load_config
 
 # bitsandbytes' import asks the Hugging Face Hub for an optional kernel when the `kernels`
 # package is installed (transformers 5.25 requires it): offline here, as in every leantune
@@ -55,54 +35,6 @@ def env_faults() -> None:
     install_env_faults()
 
 
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-_CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    'Answer in JSON: {"intent": "refund", "order_id": "A-1234", "priority": "high"}',
-    "user assistant system: please help me with my order, it has not arrived yet.",
-    "Hello world! How are you today? I am fine, thank you very much.",
-    "Numbers 0 1 2 3 4 5 6 7 8 9 and punctuation , . ; : ! ? ' \" ( ) [ ] { } < > = + - * /",
-    "Instruction: translate to French. Input: cat. Output: chat.",
-]
-
-
-def train_bpe(corpus: list[str], special_tokens: list[str], vocab_size: int) -> Tokenizer:
-    """A byte-level BPE (GPT-2 style) trained in-process on `corpus` x 20, special tokens first."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=special_tokens,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus * 20, trainer=trainer)
-    return tok
-
-
-def build_tiny_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE tokenizer (vocab 384) with ChatML special tokens and save it."""
-    tok = train_bpe(_CORPUS, SPECIAL_TOKENS, 384)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token=None,
-    )
-    fast.chat_template = CHATML_TEMPLATE
-    fast.save_pretrained(out_dir)
-    return fast
-
-
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny_tokenizer")
@@ -115,55 +47,6 @@ def tokenizer(tokenizer_dir: Path) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
 
 
-def _tiny_dims(vocab_size: int) -> dict[str, int | None]:
-    return {
-        "vocab_size": vocab_size,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-        "bos_token_id": None,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
-    }
-
-
-def tiny_llama_config(vocab_size: int = 384) -> LlamaConfig:
-    """2-layer Llama with GQA and tied embeddings."""
-    return LlamaConfig(**_tiny_dims(vocab_size), tie_word_embeddings=True)
-
-
-def tiny_qwen2_config(vocab_size: int = 384) -> Qwen2Config:
-    """2-layer Qwen2 (attention biases) with a separate output projection."""
-    return Qwen2Config(**_tiny_dims(vocab_size), tie_word_embeddings=False)
-
-
-def save_tiny_model(
-    out_dir: Path,
-    arch: str,
-    tokenizer_dir: Path,
-    seed: int = 0,
-    initializer_range: float | None = None,
-) -> Path:
-    """Build a 2-layer model from config with fixed init and save it with the tiny tokenizer.
-
-    A larger `initializer_range` than the default 0.02 gives logits far from 0, so a broken
-    export moves them measurably."""
-    torch.manual_seed(seed)
-    config = tiny_llama_config() if arch == "llama" else tiny_qwen2_config()
-    if initializer_range is not None:
-        config.initializer_range = initializer_range
-    if arch == "llama":
-        model: torch.nn.Module = LlamaForCausalLM(config)
-    else:
-        model = Qwen2ForCausalLM(config)
-    model.save_pretrained(out_dir)
-    PreTrainedTokenizerFast.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
-    return out_dir
-
-
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama", tokenizer_dir)
@@ -174,67 +57,6 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
     return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", tokenizer_dir)
 
 
-def write_jsonl(path: Path, rows: list[object]) -> Path:
-    """Write rows as JSON lines (strings are written verbatim, to make bad lines)."""
-    with path.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(row if isinstance(row, str) else json.dumps(row, ensure_ascii=False))
-            f.write("\n")
-    return path
-
-
-def prepare_rows(
-    path: Path,
-    fmt: str,
-    tokenizer: PreTrainedTokenizerFast,
-    max_seq_len: int,
-    pack: bool,
-    *,
-    system_prompt: str | None = None,
-    system_message: str = "auto",
-    max_bad_fraction: float = 0.0,
-    limit: int | None = None,
-) -> PreparedData:
-    """A data file's rows through `prepared_data` (the one data path), uncleaned, without a
-    cache directory: what `eval` and `plan` read."""
-    return prepared_data(
-        path,
-        settings=PrepareSettings(fmt, max_seq_len, pack, system_prompt, system_message),
-        tokenizer=tokenizer,
-        max_bad_fraction=max_bad_fraction,
-        limit=limit,
-    )
-
-
-def chat_rows(n: int, offset: int = 0) -> list[dict[str, Any]]:
-    """`n` short order-status chats (user question, JSON assistant answer), from `offset` on."""
-    items = ["lamp", "desk", "phone", "cable", "chair", "mouse", "screen", "bag"]
-    rows = []
-    for i in range(offset, offset + n):
-        item = items[i % len(items)]
-        rows.append(
-            {
-                "messages": [
-                    {"role": "user", "content": f"Order {i} for a {item}, status?"},
-                    {"role": "assistant", "content": json.dumps({"item": item, "id": i})},
-                ]
-            }
-        )
-    return rows
-
-
-# Eight one-word chats ("q i" -> "a i"): the methods' and adapters' round-trip data.
-QA_ROWS = [
-    {
-        "messages": [
-            {"role": "user", "content": f"q {i}"},
-            {"role": "assistant", "content": f"a {i}"},
-        ]
-    }
-    for i in range(8)
-]
-
-
 @pytest.fixture()
 def chat_files(tmp_path: Path) -> tuple[Path, Path]:
     """(train.jsonl with 24 chats, eval.jsonl with 4 others) under the test's tmp_path."""
@@ -242,157 +64,3 @@ def chat_files(tmp_path: Path) -> tuple[Path, Path]:
         write_jsonl(tmp_path / "train.jsonl", chat_rows(24)),
         write_jsonl(tmp_path / "eval.jsonl", chat_rows(4, offset=100)),
     )
-
-
-def plan_config_file(tmp_path: Path, model_dir: Path, train: str) -> Path:
-    """A config file of 8 one-word chats (unpacked, 64 tokens) with `train: <train>` (YAML)."""
-    rows = [
-        {"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": "a"}]}
-        for i in range(8)
-    ]
-    data = write_jsonl(tmp_path / "d.jsonl", rows)
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(
-        f"model: {{path: {model_dir}}}\ndata: {{train: {data}, max_seq_len: 64, pack: false}}\n"
-        f"train: {train}\n"
-    )
-    return cfg
-
-
-def make_config(model_dir: Path, train_file: Path, run_dir: Path, *extra: str) -> Config:
-    """A 4-step chat run on a tiny model (micro-batch 2, lr 1e-2, seed 3, no evaluation);
-    `extra` overrides come last, so they win."""
-    overrides = [
-        f"model.path={model_dir}",
-        f"data.train={train_file}",
-        "data.format=chat",
-        "data.max_seq_len=128",
-        f"run.dir={run_dir}",
-        "run.progress=false",
-        "train.max_steps=4",
-        "train.micro_batch_size=2",
-        "train.lr=1e-2",
-        "train.seed=3",
-        "data.eval=null",
-        "train.eval_exact_match=false",
-        *extra,
-    ]
-    return load_config(None, overrides)
-
-
-def tiny_train_args(model: Path, data: Path, run_dir: Path | None, *extra: str) -> list[str]:
-    """`leantune train` on a tiny model and a chat file: no evaluation, no progress bar,
-    micro-batch 2, lr 1e-2. `extra` overrides come last, so they win; no `run.dir` when
-    `run_dir` is None (the default runs/<run.name>)."""
-    where = [f"run.dir={run_dir}"] if run_dir is not None else []
-    return [
-        "train",
-        f"model.path={model}",
-        f"data.train={data}",
-        "data.format=chat",
-        "data.max_seq_len=128",
-        "data.eval=null",
-        "train.eval_exact_match=false",
-        "run.progress=false",
-        "train.micro_batch_size=2",
-        "train.lr=1e-2",
-        *where,
-        *extra,
-    ]
-
-
-@dataclass
-class CliResult:
-    """What one `leantune` invocation returned and printed."""
-
-    code: int
-    out: str
-    err: str
-
-
-def run_cli(args: list[str]) -> CliResult:
-    """Run `leantune ARGS` in this process; fails the test on any Python traceback.
-
-    Every user mistake must end in a clear message and an exit code, never a traceback: an
-    exception escaping `main` fails here, and so does a traceback printed to either stream.
-    """
-    from leantune.cli.app import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(args)
-    result = CliResult(code, out.getvalue(), err.getvalue())
-    assert "Traceback" not in result.out + result.err, result
-    return result
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-# ---------------------------------------------------------------------------------------------
-# `leantune train` in its own process (test_compile.py; tests/distributed/conftest.py adds torchrun)
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LEANTUNE_")}
-    return env | {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **extra}
-
-
-def _one_process(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "leantune", "train", *args]
-    return subprocess.run(command, env=_env(**env), capture_output=True, text=True, timeout=300)
-
-
-def _ok(done: subprocess.CompletedProcess[str]) -> None:
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:] + _rank_logs(done)
-
-
-def _rank_logs(done: subprocess.CompletedProcess[str]) -> str:
-    """The tail of each rank's own stderr when torchrun was given --log-dir (a rank that dies
-    natively says why only there; PYTHONFAULTHANDLER adds its Python stacks)."""
-    dirs = [a.split("=", 1)[1] for a in done.args if str(a).startswith("--log-dir=")]
-    logs = sorted(Path(dirs[0]).glob("*/*/*/stderr.log")) if dirs else []
-    return "".join(f"\n--- rank {p.parent.name} stderr ---\n{p.read_text()[-4000:]}" for p in logs)
-
-
-def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    final = run_dir / "final"
-    adapter = final / "adapter_model.safetensors"
-    return load_file(adapter if adapter.exists() else final / "model.safetensors")
-
-
-def _assert_same_run(a: Path, b: Path) -> None:
-    """The same loss and gradient-norm curves and final weights, to float error (sums in
-    another order). The norms matter: Adam's update does not change when every gradient is
-    scaled alike, so only they would show a gradient averaged where it should be summed. Adam
-    also divides by the root of tiny second moments, which can magnify a rounding difference
-    in a weight whose gradient is near zero up to a fraction of one step (lr 1e-2)."""
-    ra, rb = read_metrics(a / "metrics.jsonl"), read_metrics(b / "metrics.jsonl")
-    assert [r["loss"] for r in ra] == pytest.approx([r["loss"] for r in rb], rel=1e-5)
-    assert [r["grad_norm"] for r in ra] == pytest.approx([r["grad_norm"] for r in rb], rel=1e-4)
-    wa, wb = _final_weights(a), _final_weights(b)
-    assert set(wa) == set(wb) and wa
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-3, msg=k)
-    # The weights moved: an update that did nothing would also be "equal".
-    assert any(not torch.equal(wa[k], torch.zeros_like(wa[k])) for k in wa)
-
-
-@contextlib.contextmanager
-def serving(root: Path) -> Iterator[DashboardServer]:
-    """`leantune dashboard` over `root` on a thread, for the length of the block."""
-    server = make_server(root)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()

@@ -17,7 +17,7 @@ from typing import Any
 import chat_templates as ct
 import torch
 import transformers
-from conftest import train_bpe
+from support import train_bpe
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerFast
 
 # Plant-care chats: the words the tiny tokenizers are trained on (the matrix's data, too).

@@ -17,22 +17,17 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import (
+from dist_support import (
     ONE,
     TWO,
     _args,
     _assert_loads_in_plain_transformers,
-    _assert_same_run,
-    _env,
-    _ok,
-    _one_process,
     _rank_stdout,
     _refused,
     _torchrun,
     _train_here,
-    chat_rows,
-    write_jsonl,
 )
+from support import _assert_same_run, _env, _ok, _one_process, chat_rows, write_jsonl
 
 from leantune.errors import UserError
 from leantune.methods.registry import METHODS

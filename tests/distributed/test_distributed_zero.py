@@ -15,19 +15,17 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import (
+from dist_support import (
     ONE,
     TWO,
     _args,
     _assert_loads_in_plain_transformers,
-    _assert_same_run,
-    _ok,
-    _one_process,
     _rank_stdout,
     _refused,
     _torchrun,
     _train_here,
 )
+from support import _assert_same_run, _ok, _one_process
 
 from leantune.config.dist import DEEPSPEED_INSTALL
 from leantune.config.parse import ConfigError

@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import write_jsonl
+from support import write_jsonl
 
 import leantune
 from leantune.config import ConfigError

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import write_jsonl
 from model_zoo import FAMILIES, family_tokenizer
+from support import write_jsonl
 from transformers import PreTrainedTokenizerFast
 
 from leantune.data.formats import BadRecordError, parse_record, read_records

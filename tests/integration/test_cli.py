@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import write_jsonl
+from support import write_jsonl
 
 from leantune.cli.app import main
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, write_jsonl
+from support import run_cli, write_jsonl
 
 ROWS = [
     {

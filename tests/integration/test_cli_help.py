@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from support import run_cli
 
 import leantune
 from leantune.cli.app import build_parser

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import chat_rows, run_cli, write_jsonl
+from support import chat_rows, run_cli, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
+from support import run_cli
 
 ROWS = [
     {"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": "a"}]}

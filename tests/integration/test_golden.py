@@ -29,7 +29,7 @@ import peft
 import pytest
 import torch
 import transformers
-from conftest import chat_rows, write_jsonl
+from support import chat_rows, write_jsonl
 
 from leantune import load_config, train
 from leantune.monitor.metrics import read_metrics

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_cli, write_jsonl
+from support import run_cli, write_jsonl
 
 from leantune.data.formats import read_records
 from leantune.data.tokenize import encode_record

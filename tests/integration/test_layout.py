@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import make_config
+from support import make_config
 
 from leantune.layout import (
     ModelPaths,

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli, tiny_train_args, write_jsonl
 from model_zoo import save_family_model
 from safetensors.torch import load_file
+from support import run_cli, tiny_train_args, write_jsonl
 
 from leantune.core import writes
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CliResult, run_cli, save_tiny_model, write_jsonl
+from support import CliResult, run_cli, save_tiny_model, write_jsonl
 
 import leantune.training.state.checkpoint as ck
 from leantune.monitor.metrics import read_metrics

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_jsonl
+from support import write_jsonl
 
 from leantune.training.checks import load_config
 from leantune.training.recipe import train

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import chat_rows, write_jsonl
+from support import chat_rows, write_jsonl
 
 from leantune.bench.instructions import FAMILIES, generate, number_words, write_task
 from leantune.bench.methods import MethodResult, add_retention

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from support import run_cli
 
 from leantune.bench.chat_corpus import write_corpus
 from leantune.bench.throughput import (

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, write_jsonl
+from support import run_cli, write_jsonl
 
 from leantune.config import Config, config_base, to_dict
 from leantune.training.checks import check_config, load_config

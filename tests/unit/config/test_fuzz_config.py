@@ -17,9 +17,9 @@ from typing import Any, Literal
 
 import pytest
 import yaml
-from conftest import run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import run_cli
 
 from leantune.config import Config, ConfigError
 from leantune.training.checks import check_config, load_config

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import chat_rows, tiny_train_args, write_jsonl
+from support import chat_rows, tiny_train_args, write_jsonl
 
 from leantune.core.allocator import (
     ENV,

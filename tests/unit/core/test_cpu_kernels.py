@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_train_args, write_jsonl
+from support import tiny_train_args, write_jsonl
 
 from leantune.models import bnb_import, bnb_notice
 from leantune.models.quantize import keep_training_layout

@@ -209,8 +209,8 @@ def test_recipe_resumes_an_8bit_run_bit_exactly(tiny_llama_dir: Path, tmp_path: 
     recipe's own checkpoints: resuming from step 2 reproduces the straight run's weights."""
     import shutil
 
-    from conftest import write_jsonl
     from safetensors.torch import load_file
+    from support import write_jsonl
 
     from leantune.training.recipe import train
 
@@ -273,7 +273,7 @@ def _tensors(obj: object) -> list[torch.Tensor]:
 @pytest.mark.skipif(not HAS_TORCHAO, reason="torchao is not installed")
 def test_recipe_runs_a_torchao_optimizer(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """torchao keeps each group's lr as a tensor; the recipe must still log plain numbers."""
-    from conftest import write_jsonl
+    from support import write_jsonl
 
     from leantune.monitor.metrics import read_metrics
     from leantune.training.recipe import train

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import run_cli, tiny_train_args, write_jsonl
 from safetensors.torch import load_file
+from support import run_cli, tiny_train_args, write_jsonl
 
 from leantune.config import TrainConfig
 from leantune.core import precision

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CliResult, chat_rows, run_cli, tiny_train_args, write_jsonl
+from support import CliResult, chat_rows, run_cli, tiny_train_args, write_jsonl
 
 import leantune.data.dataset as dataset_module
 import leantune.training.recipe as recipe

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import prepare_rows, write_jsonl
+from support import prepare_rows, write_jsonl
 from transformers import AutoModelForCausalLM
 
 from leantune.data.dataset import DataError

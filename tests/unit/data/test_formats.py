@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from conftest import (
+from support import (
     CHATML_TEMPLATE,
     prepare_rows,
     run_cli,

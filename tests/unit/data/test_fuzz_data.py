@@ -24,9 +24,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from conftest import prepare_rows
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
+from support import prepare_rows
 
 from leantune.data.bounds import token_floor
 from leantune.data.dataset import DataError

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import prepare_rows, write_jsonl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import prepare_rows, write_jsonl
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import write_jsonl
 from model_zoo import FAMILIES, family_config, family_tokenizer
+from support import write_jsonl
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from leantune.config.parse import ConfigError

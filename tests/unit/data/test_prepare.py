@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from conftest import chat_rows, make_config, write_jsonl
+from support import chat_rows, make_config, write_jsonl
 
 from leantune.cli.app import main
 from leantune.data.dataset import PreparedData, load_prepared, prepared_data

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
-from conftest import write_jsonl
+from support import write_jsonl
 
 from leantune.data.prepare.clean import RULES
 from leantune.data.prepare.pipeline import prepare_dataset

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from conftest import prepare_rows, run_cli, write_jsonl
+from support import prepare_rows, run_cli, write_jsonl
 
 from leantune.data.dataset import DataError
 from leantune.data.prepare.pipeline import prepare_dataset

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+from model_zoo import PLANT_CORPUS, save_family_model
+from support import (
     SPECIAL_TOKENS,
     chat_rows,
     run_cli,
@@ -24,7 +25,6 @@ from conftest import (
     train_bpe,
     write_jsonl,
 )
-from model_zoo import PLANT_CORPUS, save_family_model
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from leantune.data.dataset import PreparedData, check_token_range, prepared_data

@@ -14,8 +14,8 @@ from typing import Any
 
 import chat_templates as ct
 import pytest
-from conftest import write_jsonl
 from model_zoo import FAMILIES, family_tokenizer, plant_chats
+from support import write_jsonl
 from transformers import PreTrainedTokenizerFast
 
 from leantune.data.chat_spans import TemplateError, apply_system_policy, template_facts

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli, tiny_qwen2_config
 from peft import LoraConfig, get_peft_model
+from support import run_cli, tiny_qwen2_config
 from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,

@@ -13,7 +13,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from conftest import save_tiny_model
+from support import save_tiny_model
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -243,7 +243,7 @@ def test_gguf_refuses_unsupported_architectures(tokenizer_dir: Path, tmp_path: P
 def test_export_uses_held_out_data_and_refuses_a_foreign_out_dir(
     llama_dir: Path, tmp_path: Path
 ) -> None:
-    from conftest import write_jsonl
+    from support import write_jsonl
 
     data = write_jsonl(
         tmp_path / "held.jsonl",

@@ -20,8 +20,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli
 from model_zoo import FAMILIES, save_family_model
+from support import run_cli
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import leantune.export.gguf_arch as gguf_arch

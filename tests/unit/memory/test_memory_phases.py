@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_config
+from support import make_config
 
 from leantune.monitor.metrics import memory_stats, read_metrics, start_training_memory
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import plan_config_file, prepare_rows, tiny_llama_config
+from support import plan_config_file, prepare_rows, tiny_llama_config
 from transformers import AutoModelForCausalLM
 
 from leantune.cli.app import main

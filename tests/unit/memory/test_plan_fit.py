@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import plan_config_file, tiny_llama_config
+from support import plan_config_file, tiny_llama_config
 from transformers import LlamaForCausalLM, Qwen2Config
 
 import leantune.memory.budget as memory_budget

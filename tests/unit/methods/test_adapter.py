@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import QA_ROWS, prepare_rows, write_jsonl
 from safetensors.torch import load_file
+from support import QA_ROWS, prepare_rows, write_jsonl
 from transformers import AutoModelForCausalLM
 
 from leantune.data.loader import collate

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_config, write_jsonl
 from model_zoo import FAMILIES, plant_chats, save_family_model
 from peft import PeftModel
+from support import make_config, write_jsonl
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from leantune.config import MethodConfig

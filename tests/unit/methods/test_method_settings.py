@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import chat_rows, run_cli, tiny_llama_config, tiny_train_args, write_jsonl
+from support import chat_rows, run_cli, tiny_llama_config, tiny_train_args, write_jsonl
 from transformers import AutoModelForCausalLM
 
 from leantune.config import MethodConfig

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import chat_rows, make_config, prepare_rows, write_jsonl
 from peft import PeftModel
 from safetensors.torch import load_file
+from support import chat_rows, make_config, prepare_rows, write_jsonl
 from transformers import AutoModelForCausalLM
 
 from leantune.config import ConfigError

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QA_ROWS, prepare_rows, write_jsonl
+from support import QA_ROWS, prepare_rows, write_jsonl
 
 from leantune.config import ConfigError
 from leantune.core.optim import build_optimizer

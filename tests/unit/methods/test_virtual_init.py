@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import chat_rows, make_config, prepare_rows, write_jsonl
+from support import chat_rows, make_config, prepare_rows, write_jsonl
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from leantune.config import ConfigError

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+from model_zoo import FAMILIES, plant_chats, save_family_model
+from support import (
     CliResult,
     run_cli,
     tiny_llama_config,
@@ -23,7 +24,6 @@ from conftest import (
     tiny_train_args,
     write_jsonl,
 )
-from model_zoo import FAMILIES, plant_chats, save_family_model
 from transformers import (
     AutoModelForCausalLM,
     LlamaForCausalLM,

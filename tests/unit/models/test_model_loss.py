@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_config, write_jsonl
 from model_zoo import FAMILIES, OUTPUT_SCALED_FAMILIES, Family, plant_chats, save_family_model
 from peft import LoraConfig, get_peft_model
+from support import make_config, write_jsonl
 from torch import nn
 from transformers import AutoModelForCausalLM
 

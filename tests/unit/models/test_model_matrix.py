@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, write_jsonl
 from model_zoo import FAMILIES, plant_chats, save_family_model
+from support import run_cli, write_jsonl
 
 FAST = (
     "run.progress=false",

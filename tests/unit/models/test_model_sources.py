@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, tiny_train_args, write_jsonl
+from support import run_cli, tiny_train_args, write_jsonl
 
 from leantune.models import paths
 from leantune.models.loading import (

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama_config
+from support import tiny_llama_config
 from transformers import LlamaForCausalLM
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding

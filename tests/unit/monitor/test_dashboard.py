@@ -20,7 +20,7 @@ from urllib.parse import quote
 import pytest
 import yaml
 from cdp import Browser, Page
-from conftest import chat_rows, make_config, run_cli, serving, write_jsonl
+from support import chat_rows, make_config, run_cli, serving, write_jsonl
 
 from leantune.monitor.dashboard import runs as dash_runs
 from leantune.monitor.dashboard import status as dash_status

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import run_cli, serving, write_jsonl
+from support import run_cli, serving, write_jsonl
 
 from leantune.config.parse import ConfigError, ParseError, load_yaml
 from leantune.monitor.dashboard import make_server

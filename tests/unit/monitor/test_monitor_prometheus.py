@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import chat_rows, free_port, make_config, run_cli, tiny_train_args, write_jsonl
 from prometheus_client.parser import text_string_to_metric_families
+from support import chat_rows, free_port, make_config, run_cli, tiny_train_args, write_jsonl
 
 from leantune.monitor.metrics import read_metrics
 from leantune.monitor.prometheus import PrometheusSink, RunFacts

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import chat_rows, make_config, run_cli, tiny_train_args, write_jsonl
+from support import chat_rows, make_config, run_cli, tiny_train_args, write_jsonl
 
 from leantune.config.monitor import MlflowConfig, MonitorConfig, WandbConfig
 from leantune.config.parse import ConfigError

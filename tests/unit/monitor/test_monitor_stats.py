@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import chat_rows, make_config, write_jsonl
+from support import chat_rows, make_config, write_jsonl
 from transformers import AutoModelForCausalLM
 
 from leantune.config import MethodConfig

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import chat_rows, free_port, make_config, write_jsonl
+from support import chat_rows, free_port, make_config, write_jsonl
 
 from leantune.monitor.metrics import read_metrics
 from leantune.monitor.sinks import Sinks

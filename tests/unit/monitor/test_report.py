@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import chat_rows, run_cli, tiny_train_args, write_jsonl
 from PIL import Image
+from support import chat_rows, run_cli, tiny_train_args, write_jsonl
 
 from leantune.config import Config, to_dict
 from leantune.monitor.events import EXIT_PAUSED

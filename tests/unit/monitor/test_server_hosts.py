@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_cli
+from support import run_cli
 
 from leantune.config.parse import ConfigError
 from leantune.monitor.dashboard import make_server

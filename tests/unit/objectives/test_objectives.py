@@ -11,7 +11,7 @@ import typing
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_llama_config, tiny_qwen2_config
+from support import tiny_llama_config, tiny_qwen2_config
 from torch import nn
 from transformers import AutoModelForCausalLM
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import tiny_llama_config
+from support import tiny_llama_config
 from torch import nn
 from transformers import AutoModelForCausalLM
 from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer

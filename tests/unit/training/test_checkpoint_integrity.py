@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import chat_rows, run_cli, write_jsonl
 from safetensors import SafetensorError
+from support import chat_rows, run_cli, write_jsonl
 
 import leantune.training.state.checkpoint as ck
 from leantune.monitor.events import EXIT_GUARD_STOPPED, read_events

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+from support import (
     _assert_same_run,
     _ok,
     _one_process,

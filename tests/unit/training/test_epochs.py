@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import prepare_rows, run_cli, write_jsonl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
+from support import prepare_rows, run_cli, write_jsonl
 
 from leantune.data.loader import SampleStream
 from leantune.methods.checks import effective_pack

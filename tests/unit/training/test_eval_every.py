@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import make_config
+from support import make_config
 
 from leantune.config import ConfigError
 from leantune.monitor.metrics import read_metrics

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_config, prepare_rows
+from support import make_config, prepare_rows
 
 from leantune.cli.app import main
 from leantune.config import GuardConfig

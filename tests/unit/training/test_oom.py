@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_config
 from safetensors.torch import load_file
+from support import make_config
 
 from leantune.cli.app import main
 from leantune.config import ConfigError, parse_memory_size

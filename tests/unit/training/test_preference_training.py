@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_config, run_cli, tiny_train_args, write_jsonl
 from safetensors.torch import load_file
+from support import make_config, run_cli, tiny_train_args, write_jsonl
 
 from leantune.config.parse import ConfigError
 from leantune.core.signals import StopSignals

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli, save_tiny_model, tiny_train_args, write_jsonl
 from safetensors.torch import load_file
+from support import run_cli, save_tiny_model, tiny_train_args, write_jsonl
 
 from leantune.core.signals import Interrupted
 from leantune.monitor.metrics import read_metrics

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_cli, tiny_train_args, write_jsonl
+from support import run_cli, tiny_train_args, write_jsonl
 
 SRC = Path(__file__).resolve().parents[3] / "src"
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_config, prepare_rows
 from safetensors.torch import load_file
+from support import make_config, prepare_rows
 from transformers import AutoModelForCausalLM
 
 from leantune.core.optim import build_optimizer, warmup_cosine

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CHATML_TEMPLATE, chat_rows, make_config, run_cli, save_tiny_model, write_jsonl
 from peft import LoraConfig, get_peft_model
+from support import CHATML_TEMPLATE, chat_rows, make_config, run_cli, save_tiny_model, write_jsonl
 from transformers import AutoModelForCausalLM
 
 from leantune.core import digests
