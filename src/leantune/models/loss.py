@@ -19,6 +19,7 @@ forward's logits.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -121,6 +122,11 @@ def _replaced(output: Any, hidden: torch.Tensor) -> Any:
     return output
 
 
+BatchFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+"""A computation on the model and a batch (`supervised_token_logps`) that a data-parallel
+wrapper's forward runs (`through_wrapper`)."""
+
+
 class LossModule(nn.Module):
     """`token_loss_sum` of `model` as a module's forward, for a data-parallel wrapper to wrap
     (DDP's forward prepares the gradient all-reduce, FSDP's root forward gathers the
@@ -131,7 +137,14 @@ class LossModule(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, batch: dict[str, torch.Tensor], kl_coef: float) -> torch.Tensor:
+    def forward(
+        self,
+        batch: dict[str, torch.Tensor],
+        kl_coef: float,
+        fn: BatchFn | None = None,
+    ) -> torch.Tensor:
+        if fn is not None:  # a preference objective's log-probs (`through_wrapper`)
+            return fn(self.model, batch)
         return token_loss_sum(self.model, batch, kl_coef)
 
 
@@ -144,8 +157,19 @@ class WrappedLoss(nn.Module):
         self.wrapped = wrapped
         object.__setattr__(self, "plain", plain)  # not a second registration of its weights
 
-    def forward(self, batch: dict[str, torch.Tensor], kl_coef: float) -> torch.Tensor:
-        return self.wrapped(batch, kl_coef)
+    def forward(
+        self, batch: dict[str, torch.Tensor], kl_coef: float, fn: BatchFn | None = None
+    ) -> torch.Tensor:
+        return self.wrapped(batch, kl_coef) if fn is None else self.wrapped(batch, kl_coef, fn)
+
+
+def through_wrapper(model: nn.Module, fn: BatchFn, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`fn(model, batch)` on the unwrapped model, inside the data-parallel wrapper's forward
+    when `model` is one: DDP's forward prepares the gradient all-reduce of what `fn` computes,
+    FSDP2's root forward gathers the embeddings and the head (a forward every rank runs)."""
+    if isinstance(model, WrappedLoss):
+        return model(batch, 0.0, fn)
+    return fn(model, batch)
 
 
 def token_loss_sum(

@@ -18,7 +18,11 @@ from leantune.data.loader import collate
 from leantune.data.packing import Row
 from leantune.data.preference_packing import PreferenceRow, pack_unpaired
 from leantune.data.preference_tokenize import UnpairedExample
-from leantune.models.loss import reference_token_logps, supervised_token_logps
+from leantune.models.loss import (
+    reference_token_logps,
+    supervised_token_logps,
+    through_wrapper,
+)
 from leantune.objectives.logps import sequence_logps
 from leantune.objectives.preference import ObjectiveOutput, PreferenceBatch, kto_kl
 from leantune.objectives.spec import ObjectiveSettings, ObjectiveSpec
@@ -138,18 +142,22 @@ class PreferenceStep:
         batch = {k: mb.tensors[k] for k in MODEL_INPUTS}
         labels, segments = batch["labels"], mb.tensors["segments"]
         count = mb.num_sequences + 1  # the padding's sequence, empty
-        policy = sequence_logps(supervised_token_logps(model, batch), labels, segments, count)
         ref_chosen = ref_rejected = kl = None
+        # The forwards without gradient come first, under no_grad outside a data-parallel
+        # wrapper: DDP then prepares no all-reduce for them, only for the policy's below.
         if self.spec.needs_reference:
             ref = mb.reference
             # Precomputed for full and freeze (`with_reference`); adapter methods get the
             # reference from the same model with its adapters switched off.
             if ref is None:
-                off = reference_token_logps(model, batch)
+                with torch.no_grad():
+                    off = through_wrapper(model, reference_token_logps, batch)
                 ref = sequence_logps(off, labels, segments, count).sums
             ref_chosen, ref_rejected = ref[mb.chosen], ref[mb.rejected]
         if mb.kl is not None:
             kl = _kl_estimate(model, mb.kl)
+        token_logps = through_wrapper(model, supervised_token_logps, batch)
+        policy = sequence_logps(token_logps, labels, segments, count)
         return self.spec.loss(
             PreferenceBatch(
                 policy.select(mb.chosen), policy.select(mb.rejected), ref_chosen, ref_rejected, kl
@@ -172,7 +180,9 @@ def with_reference(
     is now is the reference. It runs again, the same way, on every start.
     """
     # Full fine-tuning and freeze have no adapters to switch off; keeping the reference's
-    # per-sequence sums spares a second copy of the weights.
+    # per-sequence sums spares a second copy of the weights. Under a data-parallel wrapper every
+    # rank runs the same forwards (FSDP2's are collective), so each holds every sequence's
+    # reference, whichever shard of a window it gets.
     sums: list[torch.Tensor] = []
     was_training = model.training
     model.eval()  # no dropout: the reference is the deterministic model
@@ -184,7 +194,7 @@ def with_reference(
             # The same autocast as the training forward, so reference and policy log-probs
             # differ by the weights, not by numerics.
             with autocast(device.type, precision):
-                token_logps = supervised_token_logps(model, batch)
+                token_logps = through_wrapper(model, supervised_token_logps, batch)
             logps = sequence_logps(
                 token_logps, batch["labels"], mb.tensors["segments"], mb.num_sequences + 1
             )
@@ -201,6 +211,7 @@ def _kl_estimate(model: nn.Module, kl: dict[str, torch.Tensor]) -> torch.Tensor:
     batch = {k: kl[k] for k in MODEL_INPUTS}
     # KTO treats the KL estimate as a baseline: no gradient flows through it (as in TRL).
     with torch.no_grad():
-        policy = sequence_logps(supervised_token_logps(model, batch), batch["labels"])
-    reference = sequence_logps(reference_token_logps(model, batch), batch["labels"])
-    return kto_kl(policy.sums, reference.sums)
+        policy = through_wrapper(model, supervised_token_logps, batch)
+        reference = through_wrapper(model, reference_token_logps, batch)
+    labels = batch["labels"]
+    return kto_kl(sequence_logps(policy, labels).sums, sequence_logps(reference, labels).sums)

@@ -272,18 +272,16 @@ def preference_objective(
     run: RunSetup,
     trainer: Trainer,
     trained: nn.Module,
-    strategy: ParallelStrategy,
     device: torch.device,
     pad_id: int,
     log: Log,
 ) -> None:
-    """Give the trainer its preference objective's step (and the reference it needs)."""
+    """Give the trainer its preference objective's step (and the reference it needs).
+
+    Under torchrun every rank computes the reference's log-probs of every sequence, through
+    `trained` (FSDP2's forward is collective, so all ranks run the same forwards); each then
+    reads those of its own shard of each window."""
     assert run.preference is not None
-    if not isinstance(strategy, SingleProcess):
-        raise ConfigError(
-            f"train.objective={cfg.train.objective}: not yet under torchrun (one process "
-            "only in this version); run it without torchrun"
-        )
     trainer.objective = run.preference.step(cfg)
     if trainer.objective.spec.needs_reference and METHODS[cfg.method.name].trains_base_weights:
         # Before start_state: a resume's restore has not yet put the trained weights in.

@@ -250,7 +250,7 @@ def set_up(
         stats=stats,
     )
     if run.preference is not None:
-        preference_objective(cfg, run, trainer, trained, strategy, device, pad_id, log)
+        preference_objective(cfg, run, trainer, trained, device, pad_id, log)
     strategy.agree(0)  # every rank has read the run directory before rank 0 writes to it
     start_state(trainer, cfg, run.plan, log)
     if base_exact_match is not None and trainer.progress.base_exact_match is None:

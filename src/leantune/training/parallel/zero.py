@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from leantune.layout import checkpoint_name
-from leantune.models.loss import LossModule, WrappedLoss
+from leantune.models.loss import BatchFn, LossModule, WrappedLoss
 from leantune.training.guard.divergence import diverged
 from leantune.training.parallel import collectives as c
 from leantune.training.parallel.ddp import DDPStrategy
@@ -85,13 +85,16 @@ class _EngineSlot(nn.Module):
         self.world_size = world_size
         self.engine: nn.Module | None = None
 
-    def forward(self, batch: dict[str, torch.Tensor], kl_coef: float) -> torch.Tensor:
+    def forward(
+        self, batch: dict[str, torch.Tensor], kl_coef: float, fn: BatchFn | None = None
+    ) -> torch.Tensor:
         if self.engine is None:
             raise RuntimeError("dist.strategy=deepspeed: the engine is built with the optimizer")
+        out = self.engine(batch, kl_coef) if fn is None else self.engine(batch, kl_coef, fn)
         # DeepSpeed averages gradients over the ranks; a gradient world_size times larger
         # (the loss value unchanged) turns that average into the sum the token normalisation
         # needs.
-        return _GradTimes.apply(self.engine(batch, kl_coef), float(self.world_size))
+        return _GradTimes.apply(out, float(self.world_size))
 
 
 class EngineOptimizer(torch.optim.Optimizer):
