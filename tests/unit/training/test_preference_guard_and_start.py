@@ -4,6 +4,7 @@ of leantune, which the DPO run starts from and records."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -11,8 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_config, write_jsonl
+from conftest import make_config, run_cli, write_jsonl
 
+from leantune.config.parse import ConfigError
 from leantune.models.loading import ModelSource, load_model
 from leantune.monitor.events import read_events
 from leantune.monitor.metrics import read_metrics
@@ -20,6 +22,7 @@ from leantune.objectives.batch import PreferenceStep, with_reference
 from leantune.testing.faults import LOSS_SCALE_ENV
 from leantune.training import recipe
 from leantune.training.guard import actions as guard_actions
+from leantune.training.start_model import MADE_FROM, fingerprint_digest, start_model
 from leantune.training.state.checkpoint import latest_checkpoint, load_checkpoint
 
 PAIRS = [
@@ -117,3 +120,65 @@ def test_a_loss_spike_rolls_a_dpo_run_back_to_its_checkpoint_exactly(
     assert all(torch.equal(a, b) for a, b in zip(after, base, strict=True))
     # Those of the restored weights differ: a reference taken after the restore would show.
     assert not all(torch.equal(a, b) for a, b in zip(after, info["restored"], strict=True))
+
+
+@pytest.mark.parametrize(("sft_method", "given"), [("lora", "run"), ("full", "final")])
+def test_a_dpo_run_starts_from_an_sft_run_and_records_it(
+    tiny_llama_dir: Path,
+    chat_files: tuple[Path, Path],
+    tmp_path: Path,
+    sft_method: str,
+    given: str,
+) -> None:
+    """The two-stage recipe: model.path is an SFT run (its directory, or its final/). The DPO
+    run starts from the SFT model (a LoRA run's adapter merged into its base, by the loader
+    `eval` uses): its step-1 log-probs are the SFT model's, not the base's, its loss log 2,
+    and its record and summary name the SFT run."""
+    sft = tmp_path / "sft"
+    sft_settings = (f"method.name={sft_method}", "train.max_steps=2", "train.precision=fp32")
+    recipe.train(make_config(tiny_llama_dir, chat_files[0], sft, *sft_settings), log=print)
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    dpo = tmp_path / "dpo"
+    start = sft if given == "run" else sft / "final"
+    method = "lora" if sft_method == "lora" else "full"  # one start of each kind
+    one_step = ("train.max_steps=1", "train.micro_batch_size=8", f"method.name={method}")
+    recipe.train(make_config(start, data, dpo, *DPO, *one_step), log=print)
+
+    (first,) = read_metrics(dpo / "metrics.jsonl")
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy = reference
+    margins = {}
+    for model in (tiny_llama_dir, sft):
+        done = run_cli(["eval", "--model", str(model), "--data", str(data)])
+        assert done.code == 0, done
+        margins[model] = json.loads(done.out[done.out.index("{") :])["mean_margin"]
+    assert abs(margins[sft] - margins[tiny_llama_dir]) > 1e-2  # the SFT moved the model
+    # The step's 8 pairs are the whole file: its mean margin is eval's of the SFT model.
+    got = first["logps/chosen"] - first["logps/rejected"]
+    assert got == pytest.approx(margins[sft], rel=1e-4, abs=1e-4)
+    sft_record = json.loads((sft / "leantune_run.json").read_text())
+    for file in ("leantune_run.json", "summary.json"):
+        started = json.loads((dpo / file).read_text())["started_from"]
+        assert started["run"] == str(sft.resolve()) and started["name"] == "sft", file
+        assert started["fingerprint"] == fingerprint_digest(sft_record["fingerprint"]), file
+    done = run_cli(["eval", "--model", str(dpo), "--data", str(data)])  # its final/ loads
+    assert done.code == 0, done
+
+
+def test_a_changed_sft_adapter_is_not_merged_over_a_run_that_started_from_it(
+    tmp_path: Path,
+) -> None:
+    """Merging again would replace the base of the run's checkpoints and final/: refused,
+    before anything loads, naming both folders and the ways out."""
+    record = {"fingerprint": {}, "sources": {}, "split": [0, 0]}
+    sft, dpo = tmp_path / "sft", tmp_path / "dpo"
+    (sft / "final").mkdir(parents=True)
+    (sft / "final" / "adapter_config.json").write_text("{}")  # retrained since: another digest
+    (dpo / "start_model").mkdir(parents=True)
+    (dpo / "start_model" / MADE_FROM).write_text(json.dumps({"adapter": "an older one"}))
+    for run in (sft, dpo):
+        (run / "leantune_run.json").write_text(json.dumps(record))
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    cfg = make_config(sft, data, dpo, *DPO)
+    with pytest.raises(ConfigError, match=r"has changed since .* run\.resume=never"):
+        start_model(cfg, 1, lambda _: None)
+    assert json.loads((dpo / "start_model" / MADE_FROM).read_text())["adapter"] == "an older one"
