@@ -94,6 +94,9 @@ class RunPaths(_Dir):
     """The trained model (or adapter) when training finishes."""
     prepared = _Entry("prepared")
     """The tokenise-once cache of data.train / data.eval when ``data.cache_dir`` is unset."""
+    start_model = _Entry("start_model")
+    """model.path an adapter run's: its adapter merged into its base, the model trained from
+    (`leantune.training.start_model`)."""
 
     def checkpoint(self, step: int) -> Path:
         """The folder of the checkpoint of `step`."""

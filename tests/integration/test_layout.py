@@ -32,6 +32,7 @@ NOT_WRITTEN_BY_A_PLAIN_RUN = {
     "monitor_ids": "only with monitor.wandb or monitor.mlflow",
     "tensorboard": "only with monitor.tensorboard",
     "wandb": "only with monitor.wandb",
+    "start_model": "only when model.path is a run whose final/ is an adapter",
 }
 
 
@@ -65,6 +66,7 @@ def test_the_run_directory_names_are_the_on_disk_contract() -> None:
         "checkpoints": "checkpoints",
         "final": "final",
         "prepared": "prepared",
+        "start_model": "start_model",
     }
     assert PreparedPaths.names() == {
         "report": "prepare_report.json",

@@ -323,7 +323,7 @@ def start_state(tr: Trainer, cfg: Config, plan: ResumePlan, log: Log) -> None:
         tr.save()
     main = tr.strategy.is_main_process
     if main:
-        write_record(files.run_dir, plan.fingerprint, plan.split)
+        write_record(files.run_dir, plan.fingerprint, plan.split, files.started_from)
         lift_pause(RunPaths(files.run_dir).paused, tr.events, tr.state.step, log)
     # A rollback before the first periodic save would have nowhere to go: save the start.
     g = cfg.guard

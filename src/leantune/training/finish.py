@@ -66,6 +66,7 @@ def finish(session: Session, *, log: Log, started: float) -> dict[str, Any]:
         results,
         log,
         adapted=s.coverage.as_dict(),
+        started_from=files.started_from,
     )
     if cfg.monitor.report:
         report_at_end(files.run_dir, log)

@@ -8,13 +8,15 @@ set-up build instead of the SFT rows when `train.objective` is not sft.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.config import Config
 from leantune.data.dataset import PreparedData
+from leantune.data.formats import Record
+from leantune.data.packing import Row
 from leantune.data.preference_dataset import PreferenceData, preference_data
 from leantune.data.preference_packing import PreferenceRow, pack_pairs, pack_unpaired
 from leantune.layout import RunPaths
@@ -47,6 +49,13 @@ def longest_sequence(data: PreferenceData) -> int:
             len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in data.pairs
         )
     return max(len(e.prompt_ids) + len(e.completion_ids) for e in data.unpaired)
+
+
+def _loop_row(row: PreferenceRow) -> Row:
+    """`row` as the loop's `Row`, naming its sequences by their index in `sequences` above
+    (a pair's chosen then rejected answer: 2k and 2k + 1; an unpaired example k: k)."""
+    index = {"chosen": lambda k: 2 * k, "rejected": lambda k: 2 * k + 1, "completion": int}
+    return replace(as_row(row), examples=tuple(index[s.answer](s.example) for s in row.segments))
 
 
 def load_preference_data(
@@ -88,7 +97,12 @@ def load_preference_data(
         rows = pack_unpaired(data.unpaired, max_seq_len if pack else None)
     sequences = [s for p in data.pairs for s in (p.sequence("chosen"), p.sequence("rejected"))]
     sequences += [e.sequence() for e in data.unpaired]
-    prepared = PreparedData([as_row(r) for r in rows], sequences, [], data.bad, data.total_lines)
+    # A record per sequence, as the SFT data has one per example: the guard's events and the
+    # vocabulary check name a sequence's source line through them.
+    records = [Record(p.source, p.line) for p in data.pairs for _ in range(2)]
+    records += [Record(e.source, e.line) for e in data.unpaired]
+    loop_rows = [_loop_row(r) for r in rows]
+    prepared = PreparedData(loop_rows, sequences, records, data.bad, data.total_lines)
     what = "pairs" if data.format == "preference" else "completions"
     log(
         f"data {Path(d.train).name}: {len(data.examples)} {what}, {len(rows)} rows, "

@@ -32,6 +32,7 @@ import contextlib
 import copy
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,7 @@ from leantune.training.run_setup import (
     set_up_run,
     with_objective_format,
 )
+from leantune.training.start_model import start_model
 from leantune.training.state.checkpoint import list_complete_checkpoints
 from leantune.training.trainer import StepResult, Trainer, train_step
 
@@ -142,9 +144,20 @@ def _lifecycle(
     """Set up, loop, finish: `train` inside its claimed run directory."""
     hooks = new_step_hooks()  # a test's faults, read once for this run
     hooks.at_start()
+    # Once the run directory is claimed: an adapter run's merge is written into it.
+    cfg, origin = start_model(cfg, launched_world_size(), log)
+    if origin is not None:
+        source = resolve_model(cfg.model.path, cfg.model.gguf_file)
     try:
         session = set_up(
-            cfg, source, stop=stop, inputs=inputs, log=log, strategy=strategy, hooks=hooks
+            cfg,
+            source,
+            stop=stop,
+            inputs=inputs,
+            log=log,
+            strategy=strategy,
+            hooks=hooks,
+            started_from=origin.as_dict() if origin is not None else None,
         )
     except Exception as exc:  # a full disk while preparing data, writing the record, ...
         refused = refused_write(exc, cfg.run_dir)
@@ -201,9 +214,11 @@ def set_up(
     log: Log,
     strategy: ParallelStrategy | None = None,
     hooks: StepHooks | None = None,
+    started_from: dict[str, str] | None = None,
 ) -> Session:
     """Build the run's components in dependency order and put the trainer at its start state
-    (fresh, resumed or forced, as the run directory's record allows)."""
+    (fresh, resumed or forced, as the run directory's record allows); `started_from` is the
+    run model.path named (`training.start_model`), for the record."""
     strategy = strategy if strategy is not None else parallel_strategy(cfg)
     hooks = hooks if hooks is not None else new_step_hooks()
     main = strategy.is_main_process
@@ -213,7 +228,7 @@ def set_up(
     check_resumable(cfg, source.location, source.gguf_file)  # before anything is written
     for note in notes:  # once the run directory's run is known to be this one
         log(note)
-    files = run_files(cfg, inputs, main)
+    files = replace(run_files(cfg, inputs, main), started_from=started_from)
     events = EventLog(RunPaths(files.run_dir).events if main else None, log)
     seed_everything(cfg.train.seed)
     # Tokenizer -> data: the data resolves the lengths, the steps and the micro-batch.

@@ -80,6 +80,8 @@ class RunFiles:
     config_yaml: str
     write_config: bool = True
     """False when `config.yaml` already holds `config_yaml` (it may be the input config)."""
+    started_from: dict[str, str] | None = None
+    """The run model.path named, for the record and the summary (`training.start_model`)."""
 
 
 @dataclass

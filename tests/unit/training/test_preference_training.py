@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,7 +29,7 @@ from leantune.objectives.batch import PreferenceStep
 from leantune.objectives.logps import SequenceLogps, logits_token_logps, sequence_logps
 from leantune.objectives.preference import PreferenceBatch, dpo_loss
 from leantune.objectives.registry import OBJECTIVES, settings_for
-from leantune.testing.faults import OOM_STEP_ENV
+from leantune.testing.faults import KILL_ENV, OOM_STEP_ENV
 from leantune.training.checks import check_config
 from leantune.training.preference_setup import load_preference_data
 from leantune.training.recipe import Session, named_run, set_up, train
@@ -188,11 +193,45 @@ def test_two_micro_batches_give_the_gradient_of_one_twice_as_large(dpo_session: 
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+def _resumable(method: str, save_every: int) -> tuple[str, ...]:
+    """The resume tests' settings: 4 steps of 2 micro-batches of one pair."""
+    return (
+        f"method.name={method}",
+        "train.lr=1e-3",
+        "train.max_steps=4",
+        "train.micro_batch_size=1",
+        "train.grad_accum=2",
+        "data.pack=false",
+        f"train.save_every={save_every}",
+    )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], Path]:
+    """The run directory of the resume tests' run without interruption, per method (made
+    once: the stopped and the killed runs compare with the same one)."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    data = write_jsonl(tmp / "pairs.jsonl", PAIRS)
+    done: dict[str, Path] = {}
+
+    def run(method: str) -> Path:
+        if method not in done:
+            args = _args(tiny_llama_dir, data, tmp / method, "dpo", *_resumable(method, 0))
+            assert run_cli(args).code == 0
+            done[method] = tmp / method
+        return done[method]
+
+    return run
+
+
 @pytest.mark.parametrize(("method", "weights"), [("lora", "adapter_model"), ("full", "model")])
 def test_a_stopped_dpo_run_resumes_bit_exactly(
     tiny_llama_dir: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    uninterrupted: Callable[[str], Path],
     method: str,
     weights: str,
 ) -> None:
@@ -201,19 +240,9 @@ def test_a_stopped_dpo_run_resumes_bit_exactly(
     reference log-probs are computed before the resume restores the trained weights, so they
     are the base model's on both runs (after the restore, steps 3-4 would differ)."""
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
-    extra = (
-        f"method.name={method}",
-        "train.lr=1e-3",
-        "train.max_steps=4",
-        "train.micro_batch_size=1",
-        "train.grad_accum=2",
-        "data.pack=false",
-        "train.save_every=0",
-    )
-    straight = tmp_path / "straight"
-    assert run_cli(_args(tiny_llama_dir, data, straight, "dpo", *extra)).code == 0
+    straight = uninterrupted(method)
     run = tmp_path / "run"
-    args = _args(tiny_llama_dir, data, run, "dpo", *extra)
+    args = _args(tiny_llama_dir, data, run, "dpo", *_resumable(method, 0))
     monkeypatch.setenv(SIGNAL_ENV, "4:TERM")  # micro-batch 4: the first of step 3
     stopped = run_cli(args)
     monkeypatch.delenv(SIGNAL_ENV)
@@ -228,6 +257,60 @@ def test_a_stopped_dpo_run_resumes_bit_exactly(
     wa = load_file(straight / "final" / f"{weights}.safetensors")
     wb = load_file(run / "final" / f"{weights}.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.parametrize(
+    ("method", "weights"),
+    [
+        ("lora", "adapter_model"),
+        # slow: the child process's start (~10 s) again; the stopped run's test covers full
+        # fine-tuning's reference across a resume in the default suite.
+        pytest.param("full", "model", marks=pytest.mark.slow),
+    ],
+)
+def test_a_dpo_run_killed_mid_step_resumes_bit_exactly(
+    tiny_llama_dir: Path,
+    tmp_path: Path,
+    uninterrupted: Callable[[str], Path],
+    method: str,
+    weights: str,
+) -> None:
+    """SIGKILL (no handler runs) after the first micro-batch of step 3, the checkpoint of step
+    2 on disk; the same command resumes from it: the metrics and the final weights equal the
+    uninterrupted run's exactly (CPU fp32). lora's reference is the adapter switched off; full
+    fine-tuning's is computed again from the base before the restore, as on the first start."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    straight = uninterrupted(method)
+    run = tmp_path / "run"
+    args = _args(tiny_llama_dir, data, run, "dpo", *_resumable(method, 2))
+    killed = _in_a_process(args, {KILL_ENV: "4"})  # micro-batch 4: the first of step 3
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002"]
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [1, 2]
+    resumed = run_cli(args)
+    assert resumed.code == 0 and "resumed from" in resumed.out and "step 2" in resumed.out
+    a, b = read_metrics(straight / "metrics.jsonl"), read_metrics(run / "metrics.jsonl")
+    assert [m["step"] for m in b] == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm", "lr", *REWARDS, "logps/chosen", "logps/rejected"):
+        assert [m[key] for m in a] == [m[key] for m in b], key
+    assert a[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)  # the reference is the base
+    wa = load_file(straight / "final" / f"{weights}.safetensors")
+    wb = load_file(run / "final" / f"{weights}.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _in_a_process(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`leantune ARGS` in a child process (a SIGKILL ends it, not the tests), with `env`'s
+    fault variables and no others."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LEANTUNE_")}
+    src = str(Path(__file__).resolve().parents[3] / "src")
+    return subprocess.run(
+        [sys.executable, "-m", "leantune", *args],
+        env={**clean, "PYTHONPATH": src, "OMP_NUM_THREADS": "1", **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_an_oom_in_a_dpo_step_replays_it_with_half_the_micro_batch(

@@ -119,5 +119,10 @@ def rollback(tr: Trainer, bad_end: int, lr_factor: float) -> None:
 
 
 def source_lines(data: PreparedData, rows: list[int]) -> list[int]:
-    """The source-file lines of the examples in `rows`, in order."""
-    return [data.records[e].line for r in rows for e in data.rows[r].examples]
+    """The source-file lines of the examples in `rows`, in order (a line once per row: a
+    preference pair's two sequences come from one line)."""
+    return [
+        line
+        for r in rows
+        for line in dict.fromkeys(data.records[e].line for e in data.rows[r].examples)
+    ]

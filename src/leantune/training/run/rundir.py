@@ -178,15 +178,23 @@ def read_record(path: Path) -> RunRecord | None:
         return None
 
 
-def write_record(path: Path, fingerprint: Fingerprint, split: tuple[int | str, int]) -> None:
-    """Write ``leantune_run.json`` atomically."""
-    record = {
+def write_record(
+    path: Path,
+    fingerprint: Fingerprint,
+    split: tuple[int | str, int],
+    started_from: dict[str, str] | None = None,
+) -> None:
+    """Write ``leantune_run.json`` atomically; `started_from`: the run model.path named
+    (`training.start_model`), not compared on resume (its model is, by model.files)."""
+    record: dict[str, object] = {
         "leantune_run": RUN_FILE_VERSION,
         "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "split": list(split),
         "fingerprint": fingerprint.fields,
         "sources": fingerprint.sources,
     }
+    if started_from is not None:
+        record["started_from"] = started_from
     write_file(RunPaths(path).record, json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 

@@ -21,11 +21,12 @@ def write_summary(
     results: dict[str, Any],
     log: Callable[[str], None] = print,
     adapted: dict[str, Any] | None = None,
+    started_from: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Write run_dir/summary.json and print the headline numbers.
 
     `adapted` (what the method adapts, `methods.coverage.Coverage.as_dict`) is written, not
-    printed."""
+    printed, nor is `started_from` (the run model.path named), said as the run started."""
     summary: dict[str, Any] = {
         "steps": state.step,
         "train_time_s": round(progress.train_time_s, 2),
@@ -36,6 +37,7 @@ def write_summary(
     }
     # Kept out of the printed line: the run's log said it once when the method was applied.
     written = summary | ({"adapted": adapted} if adapted is not None else {})
+    written |= {"started_from": started_from} if started_from is not None else {}
     write_summary_file(run_dir, written)
     parts = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()]
     log("summary: " + ", ".join(parts))

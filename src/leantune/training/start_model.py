@@ -1,0 +1,137 @@
+"""What a run trains from when `model.path` is a leantune run: the two-stage recipe (SFT, then
+a preference objective on the SFT model).
+
+`model.path` may name a run directory or its `final/`. A full fine-tune's `final/` is a model
+directory and is trained from as it is. An adapter's (LoRA, DoRA, IA3, QLoRA) is merged into its
+base by the loader `leantune export` uses (`export.source`: the one `eval` and `generate` load
+a run with, then peft's merge) and written once into the new run's `start_model/`, which is
+then the run's model: its fingerprint hashes it, the planner reads it, and a LoRA run's
+`final/` names it as its base, so `eval` of the new run needs no chain of adapters. The run
+records the run it started from (`started_from` in `leantune_run.json` and `summary.json`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from leantune.config import Config
+from leantune.config.parse import ConfigError
+from leantune.core.digests import model_digest
+from leantune.core.writes import replacing_dir
+from leantune.export.hf import write_hf
+from leantune.export.source import ExportError, load_source, merge_into_base
+from leantune.layout import RunPaths
+from leantune.models.paths import is_adapter_dir, is_bottleneck_adapter_dir, model_of_run
+from leantune.training.run.rundir import read_record
+
+Log = Callable[[str], None]
+
+MADE_FROM = "leantune_start.json"
+"""In `start_model/`: the digest of the adapter it was merged from (a resume reuses it)."""
+
+
+@dataclass(frozen=True)
+class StartRun:
+    """The leantune run `model.path` names."""
+
+    run: Path
+    """Its run directory (absolute)."""
+    final: Path
+    """Its `final/`: the model, or the adapter, it trained."""
+    fingerprint: str
+    """sha256 of its record's fingerprint (`fingerprint_digest`)."""
+
+    def as_dict(self) -> dict[str, str]:
+        """What the new run's record and summary say under ``started_from``."""
+        return {
+            "run": str(self.run),
+            "name": self.run.name,
+            "final": str(self.final),
+            "fingerprint": self.fingerprint,
+        }
+
+
+def fingerprint_digest(fingerprint: dict[str, Any]) -> str:
+    """sha256 of a run's fingerprint fields, as JSON with sorted keys."""
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
+
+
+def start_run(model_path: str) -> StartRun | None:
+    """The run `model_path` names (its directory, or its `final/`); None for a model that is
+    no run's (a model directory, a hub id, a demo name)."""
+    given = Path(model_path).expanduser()
+    final = Path(model_of_run(model_path)).expanduser()
+    if final != given:  # a run directory: model_of_run went into its final/
+        run = given
+    elif given.name == RunPaths.final and given.is_dir():
+        run = given.parent
+    else:
+        return None
+    record = read_record(run)
+    if record is None:  # a folder named final/ that no leantune run wrote
+        return None
+    return StartRun(run.resolve(), final.resolve(), fingerprint_digest(record.fingerprint))
+
+
+def start_model(cfg: Config, world_size: int, log: Log) -> tuple[Config, StartRun | None]:
+    """`cfg` with model.path the model a run from another run trains from: that run's `final/`
+    model, or its adapter merged into its base in `<run dir>/start_model/`; as is otherwise.
+
+    Raises:
+        ConfigError: the run's adapter cannot be merged (prompt tuning, bottleneck adapters),
+            or it needs merging under torchrun.
+    """
+    start = start_run(cfg.model.path)
+    if start is None:
+        return cfg, None
+    path = start.final
+    if is_adapter_dir(path) or is_bottleneck_adapter_dir(path):
+        path = _merged(cfg, start, world_size, log)
+    log(f"model.path={cfg.model.path}: starting from run {start.run.name} ({path})")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(path))), start
+
+
+def _merged(cfg: Config, start: StartRun, world_size: int, log: Log) -> Path:
+    """`start`'s adapter merged into its base, in this run's `start_model/` (made once)."""
+    out = RunPaths(cfg.run_dir).start_model
+    made_from = model_digest(start.final)
+    marker = out / MADE_FROM
+    if marker.is_file() and json.loads(marker.read_text()).get("adapter") == made_from:
+        return out  # a resume, or a rerun: the same adapter, merged before
+    where = f"model.path={cfg.model.path}"
+    if out.exists() and read_record(cfg.run_dir) is not None:
+        # Merging again would change the base the run's checkpoints and final/ were trained on.
+        raise ConfigError(
+            f"{where}: {start.final} has changed since the run in {cfg.run_dir} started from "
+            f"it (merged into {out}). Give another run.dir, or run.resume=never to start over"
+        )
+    if world_size > 1:
+        raise ConfigError(
+            f"{where}: {start.final} is an adapter, merged into its base before training; not "
+            "yet under torchrun. Run `leantune export` with --format hf on that run and give "
+            "model.path the exported folder"
+        )
+    if is_bottleneck_adapter_dir(start.final):
+        raise ConfigError(
+            f"{where}: {start.final} is a bottleneck adapter, which cannot be merged into its "
+            "base; a run can start from a LoRA, DoRA, IA3 or QLoRA run, or a full fine-tune"
+        )
+    log(f"{where}: merging {start.final} into its base, into {out}")
+    source = load_source(str(start.final))
+    try:
+        merged, _ = merge_into_base(source.model, source.adapter_dir)
+    except ExportError as exc:
+        raise ConfigError(
+            f"{where}: {start.final}: {exc.args[0].split(';')[0]}; a run can start from a "
+            "LoRA, DoRA, IA3 or QLoRA run, or a full fine-tune"
+        ) from None
+    with replacing_dir(out) as tmp:
+        write_hf(merged, source.tokenizer, tmp)
+        (tmp / MADE_FROM).write_text(json.dumps({"adapter": made_from}) + "\n")
+    return out
