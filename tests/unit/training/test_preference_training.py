@@ -188,18 +188,24 @@ def test_two_micro_batches_give_the_gradient_of_one_twice_as_large(dpo_session: 
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize(("method", "weights"), [("lora", "adapter_model"), ("full", "model")])
+@pytest.mark.parametrize(
+    ("method", "weights", "reference"),
+    [("lora", "adapter_model", "auto"), ("full", "model", "auto"), ("full", "model", "live")],
+)
 def test_a_stopped_dpo_run_resumes_bit_exactly(
     tiny_llama_dir: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     method: str,
     weights: str,
+    reference: str,
 ) -> None:
     """SIGTERM in step 3 (checkpoint of step 2), then the same command: the metrics and the
     final weights equal the uninterrupted run's exactly (CPU fp32). Full fine-tuning's
     reference log-probs are computed before the resume restores the trained weights, so they
-    are the base model's on both runs (after the restore, steps 3-4 would differ)."""
+    are the base model's on both runs (after the restore, steps 3-4 would differ); the resume
+    reads them from the file its first start kept; train.reference=live copies the model
+    before the restore too."""
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
     extra = (
         f"method.name={method}",
@@ -209,6 +215,7 @@ def test_a_stopped_dpo_run_resumes_bit_exactly(
         "train.grad_accum=2",
         "data.pack=false",
         "train.save_every=0",
+        f"train.reference={reference}",
     )
     straight = tmp_path / "straight"
     assert run_cli(_args(tiny_llama_dir, data, straight, "dpo", *extra)).code == 0
@@ -220,6 +227,8 @@ def test_a_stopped_dpo_run_resumes_bit_exactly(
     assert stopped.code == 143, stopped
     resumed = run_cli(args)
     assert resumed.code == 0 and "resumed from" in resumed.out, resumed
+    if method == "full" and reference == "auto":  # kept by its first start in prepared/
+        assert "reference: log-probs of 16 sequences loaded from" in resumed.out, resumed
     a, b = read_metrics(straight / "metrics.jsonl"), read_metrics(run / "metrics.jsonl")
     assert [m["step"] for m in b] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm", "lr", *REWARDS):
