@@ -247,6 +247,14 @@ class TrainConfig:
     """sft: learn the answers (demonstrations); dpo, simpo, orpo: prefer each pair's chosen
     answer over its rejected one; kto: completions labelled desirable or not. Their settings
     are the preference.* fields."""
+    reference: Literal["auto", "cached", "live"] = field(default="auto", metadata=OBJECTIVE)
+    """Where dpo's reference log-probs come from with method.name=full or freeze. cached (auto
+    there): computed once before training and kept with the tokenised data (data.cache_dir, else
+    the run's prepared/), keyed by the model's files and the data, so a resume or another run
+    reads them; training holds one model. live: a frozen copy of the model, run on every
+    micro-batch (twice the weights in memory, no pass before training). Adapter methods (auto
+    there) run the model with its adapters off on every micro-batch, with no copy: live is
+    the same, cached is refused."""
     kl_coef: float = field(default=0.0, metadata=SETTING)
     """Weight of KL(model || base model) added to the loss (adapter methods only; 0 = off)."""
     gradient_checkpointing: bool | Literal["auto"] = field(default="auto", metadata=FREE)

@@ -7,6 +7,7 @@ loss over the whole accumulation window) is `trainer.preference_window`.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -80,7 +81,11 @@ class PreferenceStep:
     reference: Sequence[torch.Tensor] | None = None
     """Per row, the reference's summed log-probs of its sequences, computed once before
     training (`with_reference`: full and freeze, whose reference is the model before its first
-    update); None: each step's forward with the adapters off."""
+    update); None: each step's forward of `reference_model`, or of the model with its adapters
+    off."""
+    reference_model: nn.Module | None = None
+    """train.reference=live (full and freeze): a frozen copy of the model before training, run
+    on each micro-batch."""
 
     def collate(self, indices: list[int], pad_id: int) -> PreferenceMicroBatch:
         """The rows at `indices`, right-padded, with their sequences numbered in order."""
@@ -147,11 +152,15 @@ class PreferenceStep:
         # wrapper: DDP then prepares no all-reduce for them, only for the policy's below.
         if self.spec.needs_reference:
             ref = mb.reference
-            # Precomputed for full and freeze (`with_reference`); adapter methods get the
-            # reference from the same model with its adapters switched off.
+            # Precomputed for full and freeze (`with_reference`), or their frozen copy's
+            # (train.reference=live); adapter methods get the reference from the same model
+            # with its adapters switched off.
             if ref is None:
                 with torch.no_grad():
-                    off = through_wrapper(model, reference_token_logps, batch)
+                    if self.reference_model is not None:  # a plain module, on every rank
+                        off = supervised_token_logps(self.reference_model, batch)
+                    else:
+                        off = through_wrapper(model, reference_token_logps, batch)
                 ref = sequence_logps(off, labels, segments, count).sums
             ref_chosen, ref_rejected = ref[mb.chosen], ref[mb.rejected]
         if mb.kl is not None:
@@ -166,18 +175,22 @@ class PreferenceStep:
         )
 
 
+REFERENCE_BATCH = 8
+"""Rows per forward of `with_reference` (part of its cache key: it decides the padding)."""
+
+
 def with_reference(
     step: PreferenceStep,
     model: nn.Module,
     device: torch.device,
     precision: str,
     pad_id: int,
-    batch_size: int = 8,
+    batch_size: int = REFERENCE_BATCH,
 ) -> PreferenceStep:
     """`step` with the reference's log-probs of every sequence, computed now by `model`.
 
     Call it before training and before a resume restores the trained weights: the model as it
-    is now is the reference. It runs again, the same way, on every start.
+    is now is the reference (`objectives.reference` keeps the result for the next start).
     """
     # Full fine-tuning and freeze have no adapters to switch off; keeping the reference's
     # per-sequence sums spares a second copy of the weights. Under a data-parallel wrapper every
@@ -204,6 +217,15 @@ def with_reference(
             sums += [t.cpu() for t in torch.split(logps.sums[: mb.num_sequences], counts)]
     model.train(was_training)
     return replace(step, reference=tuple(sums))
+
+
+def with_live_reference(step: PreferenceStep, model: nn.Module) -> PreferenceStep:
+    """`step` with a frozen copy of `model` as it is now as its reference, run on every
+    micro-batch (train.reference=live). Call it before a resume restores the trained weights."""
+    frozen = copy.deepcopy(model)
+    frozen.requires_grad_(False)
+    frozen.eval()  # no dropout, as `with_reference`: the reference is the deterministic model
+    return replace(step, reference_model=frozen)
 
 
 def _kl_estimate(model: nn.Module, kl: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -64,6 +64,30 @@ def check_preference(p: PreferenceConfig, objective: str, kl_coef: float = 0.0) 
     ]
 
 
+def check_reference(
+    reference: str, objective: str, method: str, trains_base_weights: bool
+) -> list[str]:
+    """train.reference against the objective and the method; returns a warning when it is set
+    for an objective without a reference.
+
+    Raises:
+        ConfigError: cached with an adapter method (its reference is never precomputed).
+    """
+    if reference == "auto":
+        return []
+    if objective == SFT or not OBJECTIVES[objective].needs_reference:
+        return [f"train.reference is set but train.objective={objective} uses no reference model"]
+    # An adapter method's reference is its base with the adapters off for one forward: no
+    # copy and no pass before training, which is live already; nothing is kept to cache.
+    if reference == "cached" and not trains_base_weights:
+        raise ConfigError(
+            f"train.reference=cached: method.name={method} runs its reference (the model with "
+            "its adapters off) on every micro-batch, without a copy; cached is for "
+            "method.name=full or freeze. Leave train.reference unset (auto)"
+        )
+    return []
+
+
 def preference_format(objective: str) -> Literal["preference", "kto"]:
     """The data.format a preference objective reads: kto (unpaired) or preference (pairs)."""
     return "kto" if OBJECTIVES[objective].data == "unpaired" else "preference"

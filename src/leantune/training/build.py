@@ -44,11 +44,11 @@ from leantune.models.quantize import Quantization
 from leantune.monitor.events import EventLog, lift_pause
 from leantune.monitor.sinks import Sinks
 from leantune.monitor.step_stats import StepStats
-from leantune.objectives.batch import with_reference
 from leantune.training.evaluation import EvalInputs, EvalSettings, PeriodicEval
 from leantune.training.guard.oom import MemoryBudget, levers_message
 from leantune.training.hooks import StepHooks
 from leantune.training.parallel.strategy import ParallelStrategy, SingleProcess
+from leantune.training.preference_setup import reference_for
 from leantune.training.run.resume import (
     ResumePlan,
     apply_force,
@@ -285,13 +285,9 @@ def preference_objective(
     trainer.objective = run.preference.step(cfg)
     if trainer.objective.spec.needs_reference and METHODS[cfg.method.name].trains_base_weights:
         # Before start_state: a resume's restore has not yet put the trained weights in.
-        trainer.objective = with_reference(
-            trainer.objective, trained, device, cfg.train.precision, pad_id
-        )
-        log(
-            f"reference: the log-probs of {len(run.train_data.examples)} sequences, "
-            f"computed once by the model before training (method.name={cfg.method.name} "
-            "keeps no second copy)"
+        fingerprint = run.plan.fingerprint.fields
+        trainer.objective = reference_for(
+            cfg, fingerprint, trainer.objective, trained, device, pad_id, log
         )
 
 

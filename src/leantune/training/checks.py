@@ -14,7 +14,7 @@ from leantune.data.templates import template_text
 from leantune.methods.checks import check_method
 from leantune.methods.registry import METHODS
 from leantune.monitor.backends import check_packages
-from leantune.objectives.checks import check_objective, check_preference
+from leantune.objectives.checks import check_objective, check_preference, check_reference
 
 
 def check_config(cfg: Config) -> list[str]:
@@ -41,6 +41,7 @@ def _owners_checks(cfg: Config) -> list[str]:
         needs_unpacked_data=spec.needs_unpacked_data,
         eval_file=cfg.data.eval,
     )
+    warnings += check_reference(t.reference, t.objective, cfg.method.name, spec.trains_base_weights)
     return warnings
 
 

@@ -7,10 +7,13 @@ set-up build instead of the SFT rows when `train.objective` is not sft.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
+import torch
+from torch import nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.config import Config
@@ -21,7 +24,14 @@ from leantune.data.preference_dataset import PreferenceData, preference_data
 from leantune.data.preference_packing import PreferenceRow, pack_pairs, pack_unpaired
 from leantune.layout import RunPaths
 from leantune.methods.checks import effective_pack
-from leantune.objectives.batch import PreferenceStep, as_row
+from leantune.objectives.batch import (
+    REFERENCE_BATCH,
+    PreferenceStep,
+    as_row,
+    with_live_reference,
+    with_reference,
+)
+from leantune.objectives.reference import read_reference, reference_key, write_reference
 from leantune.objectives.registry import OBJECTIVES, settings_for
 
 Log = Callable[[str], None]
@@ -109,3 +119,59 @@ def load_preference_data(
         f"{prepared.supervised_tokens} supervised tokens, {len(data.bad)} bad lines"
     )
     return prepared, PreferenceRun(data, rows), max_seq_len
+
+
+def reference_for(
+    cfg: Config,
+    fingerprint: Mapping[str, Any],
+    step: PreferenceStep,
+    model: nn.Module,
+    device: torch.device,
+    pad_id: int,
+    log: Log,
+) -> PreferenceStep:
+    """`step` with the reference of full and freeze, from `model` as it is now: a frozen copy
+    (train.reference=live), or its log-probs of every sequence, read from the data cache when
+    an earlier start computed them for this model, data and settings, else computed now and
+    kept there.
+
+    Call it before a resume restores the trained weights: the model is then its reference.
+    `fingerprint` is the run's (its model.* fields say which model, as loaded).
+    """
+    if cfg.train.reference == "live":
+        log(
+            "reference: a frozen copy of the model, run on every micro-batch "
+            f"(train.reference=live; method.name={cfg.method.name})"
+        )
+        return with_live_reference(step, model)
+    sequences = sum(len(r.segments) for r in step.rows)
+    file, key = None, ""
+    # A hub id not yet downloaded when the fingerprint was taken has no content digest to
+    # key on: computed, not kept (the next run, with the files local, keeps them).
+    if not str(fingerprint["model.files"]).startswith("hub:"):
+        model_facts = {k: v for k, v in fingerprint.items() if k.startswith("model.")}
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        settings = {
+            "precision": cfg.train.precision,
+            "device": where,  # other kernels, other bits
+            "batch": REFERENCE_BATCH,  # the padding of each forward
+            "compile": cfg.train.compile,
+        }
+        key = reference_key(model_facts, settings, step.rows)
+        cache_dir = Path(cfg.data.cache_dir or RunPaths(cfg.run_dir).prepared)
+        file = cache_dir / f"reference-{key[:24]}.safetensors"
+        sums = read_reference(file, key, step.rows)
+        if sums is not None:
+            log(f"reference: log-probs of {sequences} sequences loaded from {file}")
+            return replace(step, reference=sums)
+    step = with_reference(step, model, device, cfg.train.precision, pad_id)
+    kept = ""
+    if file is not None:
+        assert step.reference is not None
+        write_reference(file, key, step.reference)
+        kept = f", kept in {file}"
+    log(
+        f"reference: the log-probs of {sequences} sequences, computed once by the model "
+        f"before training (method.name={cfg.method.name} keeps no second copy){kept}"
+    )
+    return step

@@ -193,7 +193,7 @@ def test_two_micro_batches_give_the_gradient_of_one_twice_as_large(dpo_session: 
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-def _resumable(method: str, save_every: int) -> tuple[str, ...]:
+def _resumable(method: str, save_every: int, reference: str = "auto") -> tuple[str, ...]:
     """The resume tests' settings: 4 steps of 2 micro-batches of one pair."""
     return (
         f"method.name={method}",
@@ -203,30 +203,35 @@ def _resumable(method: str, save_every: int) -> tuple[str, ...]:
         "train.grad_accum=2",
         "data.pack=false",
         f"train.save_every={save_every}",
+        f"train.reference={reference}",
     )
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(
     tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Callable[[str], Path]:
-    """The run directory of the resume tests' run without interruption, per method (made
-    once: the stopped and the killed runs compare with the same one)."""
+) -> Callable[..., Path]:
+    """The run directory of the resume tests' run without interruption, per method and
+    train.reference (made once: the stopped and the killed runs compare with the same one)."""
     tmp = tmp_path_factory.mktemp("uninterrupted")
     data = write_jsonl(tmp / "pairs.jsonl", PAIRS)
-    done: dict[str, Path] = {}
+    done: dict[tuple[str, str], Path] = {}
 
-    def run(method: str) -> Path:
-        if method not in done:
-            args = _args(tiny_llama_dir, data, tmp / method, "dpo", *_resumable(method, 0))
+    def run(method: str, reference: str = "auto") -> Path:
+        if (method, reference) not in done:
+            out = tmp / f"{method}-{reference}"
+            args = _args(tiny_llama_dir, data, out, "dpo", *_resumable(method, 0, reference))
             assert run_cli(args).code == 0
-            done[method] = tmp / method
-        return done[method]
+            done[method, reference] = out
+        return done[method, reference]
 
     return run
 
 
-@pytest.mark.parametrize(("method", "weights"), [("lora", "adapter_model"), ("full", "model")])
+@pytest.mark.parametrize(
+    ("method", "weights", "reference"),
+    [("lora", "adapter_model", "auto"), ("full", "model", "auto"), ("full", "model", "live")],
+)
 def test_a_stopped_dpo_run_resumes_bit_exactly(
     tiny_llama_dir: Path,
     tmp_path: Path,
@@ -234,21 +239,26 @@ def test_a_stopped_dpo_run_resumes_bit_exactly(
     uninterrupted: Callable[[str], Path],
     method: str,
     weights: str,
+    reference: str,
 ) -> None:
     """SIGTERM in step 3 (checkpoint of step 2), then the same command: the metrics and the
     final weights equal the uninterrupted run's exactly (CPU fp32). Full fine-tuning's
     reference log-probs are computed before the resume restores the trained weights, so they
-    are the base model's on both runs (after the restore, steps 3-4 would differ)."""
+    are the base model's on both runs (after the restore, steps 3-4 would differ); the resume
+    reads them from the file its first start kept; train.reference=live copies the model
+    before the restore too."""
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
-    straight = uninterrupted(method)
+    straight = uninterrupted(method, reference)
     run = tmp_path / "run"
-    args = _args(tiny_llama_dir, data, run, "dpo", *_resumable(method, 0))
+    args = _args(tiny_llama_dir, data, run, "dpo", *_resumable(method, 0, reference))
     monkeypatch.setenv(SIGNAL_ENV, "4:TERM")  # micro-batch 4: the first of step 3
     stopped = run_cli(args)
     monkeypatch.delenv(SIGNAL_ENV)
     assert stopped.code == 143, stopped
     resumed = run_cli(args)
     assert resumed.code == 0 and "resumed from" in resumed.out, resumed
+    if method == "full" and reference == "auto":  # kept by its first start in prepared/
+        assert "reference: log-probs of 16 sequences loaded from" in resumed.out, resumed
     a, b = read_metrics(straight / "metrics.jsonl"), read_metrics(run / "metrics.jsonl")
     assert [m["step"] for m in b] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm", "lr", *REWARDS):
