@@ -96,8 +96,11 @@ class JsonlSink:
 
 
 def reward_field(record: Record) -> str:
-    """A preference step's reward accuracy and margin, as the progress bar shows them."""
-    return f"acc {record['rewards/accuracies']:.0%} margin {record['rewards/margins']:+.3g}"
+    """A preference step's reward accuracy and margin, as the progress bar shows them (KTO's
+    unpaired answers have no accuracy: the margin alone)."""
+    margin = f"margin {record['rewards/margins']:+.3g}"
+    accuracy = record.get("rewards/accuracies")
+    return margin if accuracy is None else f"acc {accuracy:.0%} {margin}"
 
 
 class ConsoleSink:
@@ -119,7 +122,7 @@ class ConsoleSink:
 
     def metrics(self, record: Record) -> None:
         fields = {"loss": f"{record['loss']:.4f}", "tok_s": f"{record['tokens_per_s']:.0f}"}
-        if "rewards/accuracies" in record and "rewards/margins" in record:
+        if "rewards/margins" in record:
             # A preference run: one field for the two figures that say it learns; the other
             # reward metrics are in metrics.jsonl and the monitoring sinks.
             fields["rewards"] = reward_field(record)

@@ -279,13 +279,16 @@ def test_the_progress_bar_shows_reward_accuracy_and_margin_in_one_field(
     final = done.err.split("\r")[-1]  # the bar's last refresh: step 3 of 3
     assert "3/3" in final and shown in final, done.err
     assert "rewards/" not in done.err and "logps" not in done.err  # one field, not six
-    # An SFT step has no reward field.
+    # An SFT step has no reward field; a KTO step (no pairs, so no accuracy) its margin alone.
     sink = ConsoleSink(2, True, lambda _: None)
     sink.start(0)
     sink.metrics({"step": 1, "loss": 1.5, "tokens_per_s": 10.0})
+    sft = capsys.readouterr().err
+    sink.metrics({"step": 2, "loss": 0.5, "tokens_per_s": 10.0, "rewards/margins": -0.25})
     sink.close()
-    err = capsys.readouterr().err
-    assert "loss=1.5000" in err and "rewards" not in err
+    kto = capsys.readouterr().err.split("\r")[-1]
+    assert "loss=1.5000" in sft and "rewards" not in sft
+    assert "2/2" in kto and "rewards=margin -0.25" in kto and "acc" not in kto
 
 
 def test_the_report_and_the_dashboard_of_a_preference_run_chart_its_rewards(
