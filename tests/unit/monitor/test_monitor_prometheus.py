@@ -419,7 +419,8 @@ def test_deploy_files_parse_and_point_at_each_other() -> None:
     assert scrape["scrape_configs"][0]["metrics_path"] == "/metrics"
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
     for topic in ("loss", "learning rate", "gradient norm", "tokens/s", "mfu", "padding",
-                  "memory vs plan", "guard", "oom", "checkpoint age", "eta"):  # fmt: skip
+                  "memory vs plan", "guard", "oom", "checkpoint age", "eta", "reward accuracy",
+                  "rewards"):  # fmt: skip
         assert topic in titles, topic
 
 
