@@ -60,6 +60,9 @@ RECORD_GAUGES: dict[str, tuple[str, str]] = {
         "Share of pairs whose chosen reward exceeds the rejected one, last step",
     ),
     "leantune_rewards_margin": ("rewards/margins", "Mean chosen minus rejected reward"),
+    # Summed over each answer's tokens, in nats: no unit suffix, as for the loss.
+    "leantune_logps_chosen": ("logps/chosen", "Mean log-probability of the chosen answers"),
+    "leantune_logps_rejected": ("logps/rejected", "Mean log-probability of the rejected"),
 }
 
 

@@ -97,6 +97,27 @@ def _line(data: RunData, key: str, log: bool = False) -> Callable[[Axes], None]:
     return draw
 
 
+def _lines(data: RunData, keys: tuple[tuple[str, str], ...]) -> Callable[[Axes], None]:
+    """One line per (field, label) the run logged, on shared axes."""
+
+    def draw(ax: Axes) -> None:
+        for key, label in keys:
+            steps, values = _series(data.metrics, key)
+            if steps:
+                ax.plot(steps, values, label=label, linewidth=1.0)
+
+    return draw
+
+
+# A preference run's reward metrics (TRL's names, as metrics.jsonl holds them).
+REWARDS = (
+    ("rewards/chosen", "chosen"),
+    ("rewards/rejected", "rejected"),
+    ("rewards/margins", "margin (chosen - rejected)"),
+)
+LOGPS = (("logps/chosen", "chosen"), ("logps/rejected", "rejected"))
+
+
 def _memory(data: RunData) -> Callable[[Axes], None]:
     def draw(ax: Axes) -> None:
         for key, label in (
@@ -117,20 +138,38 @@ def _memory(data: RunData) -> Callable[[Axes], None]:
     return draw
 
 
-def plots(data: RunData) -> list[Plot]:
+@dataclass(frozen=True)
+class Chart:
+    """One chart before it is drawn: its title, y-axis label and what it draws."""
+
+    title: str
+    ylabel: str
+    draw: Callable[[Axes], None]
+
+
+def charts(data: RunData) -> list[Chart]:
     """The charts the metrics allow (none before the first step)."""
     if not data.metrics:
         return []
     planned = " vs plan" if data.planned_peak_bytes is not None else ""
-    charts: list[tuple[str, str, str, Callable[[Axes], None]]] = [
+    found: list[tuple[str, str, str, Callable[[Axes], None]]] = [
         ("Loss", "loss", "loss", _loss(data)),
         ("Learning rate", "lr", "lr", _line(data, "lr")),
         ("Gradient norm (before clipping)", "grad_norm", "norm", _line(data, "grad_norm", True)),
         ("Throughput", "tokens_per_s", "tokens/s", _line(data, "tokens_per_s")),
         (f"Memory{planned}", "peak_mem_bytes", "GiB", _memory(data)),
+        # Preference objectives only (train.objective=dpo, ...): an SFT run logs none of these.
+        ("Reward accuracy", "rewards/accuracies", "accuracy", _line(data, "rewards/accuracies")),
+        ("Rewards", "rewards/margins", "reward", _lines(data, REWARDS)),
+        ("Log-probs of the answers", "logps/chosen", "log-prob", _lines(data, LOGPS)),
     ]
     return [
-        Plot(title, _png(title, draw, ylabel))
-        for title, key, ylabel, draw in charts
+        Chart(title, ylabel, draw)
+        for title, key, ylabel, draw in found
         if _series(data.metrics, key)[0]  # no empty axes for a field this run never logged
     ]
+
+
+def plots(data: RunData) -> list[Plot]:
+    """The charts the metrics allow, drawn (none before the first step)."""
+    return [Plot(c.title, _png(c.title, c.draw, c.ylabel)) for c in charts(data)]

@@ -95,8 +95,17 @@ class JsonlSink:
         pass  # every write is appended and closed at once: nothing is left open
 
 
+def reward_field(record: Record) -> str:
+    """A preference step's reward accuracy and margin, as the progress bar shows them (KTO's
+    unpaired answers have no accuracy: the margin alone)."""
+    margin = f"margin {record['rewards/margins']:+.3g}"
+    accuracy = record.get("rewards/accuracies")
+    return margin if accuracy is None else f"acc {accuracy:.0%} {margin}"
+
+
 class ConsoleSink:
-    """The progress bar (steps, ETA, loss, tokens/s) and one line per periodic eval."""
+    """The progress bar (steps, ETA, loss, tokens/s; reward accuracy and margin in a preference
+    run) and one line per periodic eval."""
 
     def __init__(self, max_steps: int, enabled: bool, log: Callable[[str], None]):
         self.max_steps = max_steps
@@ -112,7 +121,12 @@ class ConsoleSink:
             self._bar.refresh()
 
     def metrics(self, record: Record) -> None:
-        self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        fields = {"loss": f"{record['loss']:.4f}", "tok_s": f"{record['tokens_per_s']:.0f}"}
+        if "rewards/margins" in record:
+            # A preference run: one field for the two figures that say it learns; the other
+            # reward metrics are in metrics.jsonl and the monitoring sinks.
+            fields["rewards"] = reward_field(record)
+        self._bar.set_postfix(fields)
         self._bar.update(1)
 
     def eval(self, row: Record) -> None:

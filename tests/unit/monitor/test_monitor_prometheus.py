@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import socket
+import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -211,6 +213,11 @@ ALLOWED_LABELS = {"kind", "run", "method", "model", "device", "precision"}
 def test_every_family_follows_the_naming_rules(live: LiveRun) -> None:
     families = live.scrapes[-1].families
     assert len(families) > 30
+    assert_naming_rules(families)
+
+
+def assert_naming_rules(families: Families) -> None:
+    """Every family of one scrape follows the naming rules above."""
     for name, family in families.items():
         assert name.startswith("leantune_") and "leantune" not in name[len("leantune_") :], name
         assert re.fullmatch(r"[a-z][a-z0-9_]*", name), name
@@ -233,6 +240,62 @@ def test_every_family_follows_the_naming_rules(live: LiveRun) -> None:
     # A label takes few values: the guard kinds, the OOM phases, the event kinds.
     kinds = {s.labels.get("kind") for f in families.values() for s in f.samples} - {None}
     assert len(kinds) <= 12
+
+
+# A DPO step's record, as metrics.jsonl holds it (TRL's names; issue 34).
+PREFERENCE_RECORD = {
+    "step": 3, "loss": 0.61, "tokens": 96, "rewards/chosen": 0.0421, "rewards/rejected": -0.1873,
+    "rewards/accuracies": 0.75, "rewards/margins": 0.2294, "logps/chosen": -14.25,
+    "logps/rejected": -31.5,
+}  # fmt: skip
+PREFERENCE_GAUGES = {
+    "leantune_rewards_chosen": "rewards/chosen",
+    "leantune_rewards_rejected": "rewards/rejected",
+    "leantune_rewards_accuracy_ratio": "rewards/accuracies",
+    "leantune_rewards_margin": "rewards/margins",
+    "leantune_logps_chosen": "logps/chosen",
+    "leantune_logps_rejected": "logps/rejected",
+}
+
+
+def preference_scrape(tmp_path: Path) -> str:
+    """/metrics after one SFT-like start and one DPO step's record."""
+    facts = RunFacts("r", "lora", "m", "cpu", "fp32", 10, 1, 2)
+    sink = PrometheusSink("127.0.0.1", 0, facts, tmp_path / "checkpoints", lambda _: None)
+    sink.start(0)
+    try:
+        before = parse(get(sink.url + "/metrics")[2])
+        for name in PREFERENCE_GAUGES:  # NaN until a preference step (an SFT run's stay NaN)
+            assert math.isnan(value(before, name)), name
+        sink.metrics(PREFERENCE_RECORD)
+        return get(sink.url + "/metrics")[2]
+    finally:
+        sink.close()
+
+
+def test_a_preference_steps_reward_metrics_are_served_under_the_naming_rules(
+    tmp_path: Path,
+) -> None:
+    families = parse(preference_scrape(tmp_path))
+    for name, key in PREFERENCE_GAUGES.items():
+        assert families[name].type == "gauge"
+        assert value(families, name) == PREFERENCE_RECORD[key], name
+    assert_naming_rules(families)
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="needs promtool (Prometheus)")
+def test_promtool_lints_the_reward_metrics_clean(tmp_path: Path) -> None:
+    # Only the reward families: the lint speaks for what a preference run adds.
+    text = "".join(
+        line + "\n"
+        for line in preference_scrape(tmp_path).splitlines()
+        if any(f" {name} " in f"{line} " or line.startswith(name) for name in PREFERENCE_GAUGES)
+    )
+    assert text.count("# TYPE") == len(PREFERENCE_GAUGES)
+    out = subprocess.run(
+        ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and not (out.stdout + out.stderr).strip(), out
 
 
 def test_the_server_stops_with_the_run_and_the_port_is_free_again(
@@ -356,7 +419,8 @@ def test_deploy_files_parse_and_point_at_each_other() -> None:
     assert scrape["scrape_configs"][0]["metrics_path"] == "/metrics"
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
     for topic in ("loss", "learning rate", "gradient norm", "tokens/s", "mfu", "padding",
-                  "memory vs plan", "guard", "oom", "checkpoint age", "eta"):  # fmt: skip
+                  "memory vs plan", "guard", "oom", "checkpoint age", "eta", "reward accuracy",
+                  "rewards"):  # fmt: skip
         assert topic in titles, topic
 
 

@@ -11,12 +11,13 @@ import re
 import subprocess
 import sys
 import textwrap
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support import chat_rows, make_config, run_cli, tiny_train_args, write_jsonl
+from support import chat_rows, make_config, run_cli, serving, tiny_train_args, write_jsonl
 
 from leantune.config.monitor import MlflowConfig, MonitorConfig, WandbConfig
 from leantune.config.parse import ConfigError
@@ -25,12 +26,14 @@ from leantune.monitor.backends import BACKENDS, RunInfo, optional_sinks
 from leantune.monitor.events import TrainingPaused, TrainingStopped, read_events
 from leantune.monitor.metrics import read_metrics
 from leantune.monitor.records import outcome
+from leantune.monitor.sinks import ConsoleSink
 from leantune.testing.faults import LOSS_SCALE_ENV, SIGNAL_ENV
 from leantune.training import recipe
 from leantune.training.checks import load_config
 
 SRC = Path(__file__).resolve().parents[3] / "src"
 BACKEND_MODULES = ("tensorboard", "wandb", "mlflow")
+DASHBOARD_STATIC = SRC / "leantune" / "monitor" / "dashboard" / "static"
 
 
 def wandb_env(mp: pytest.MonkeyPatch, home: Path) -> None:
@@ -92,6 +95,11 @@ def wandb_runs(run: Path) -> list[list[dict[str, Any]]]:
         )
         found.append([json.loads(line) for line in out.stdout.splitlines() if line.strip()])
     return found
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=30) as answer:
+        return json.loads(answer.read())
 
 
 def history(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -207,6 +215,96 @@ def test_mlflow_file_store_has_every_record_the_params_and_the_status(monitored:
     spikes = client.get_metric_history(run.info.run_id, "events/loss_spike")
     assert [(m.step, m.value) for m in spikes] == [(6, 1.0)]
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["events.jsonl"]
+
+
+# ---------------------------------------------------------------------------------------------
+# A preference run's reward metrics (issue 34) in every sink, each equal to metrics.jsonl's
+
+PAIRS = [
+    {"prompt": f"What is {i} plus {i}?", "chosen": f"It is {2 * i}.", "rejected": f"Maybe {i}."}
+    for i in range(4)
+]
+# TRL's names (users compare with TRL): the issue's rewards/accuracy and rewards/margin are
+# rewards/accuracies and rewards/margins.
+REWARD_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+               "logps/chosen", "logps/rejected")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def preference(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A 3-step DPO run logged to TensorBoard, W&B and MLflow, with its progress bar on; the
+    CLI's result (the console) is returned with the run directory."""
+    root = tmp_path_factory.mktemp("preference")
+    data = write_jsonl(root / "pairs.jsonl", PAIRS)
+    run = root / "runs" / "dpo"
+    with pytest.MonkeyPatch.context() as mp:
+        wandb_env(mp, root / "wandb-home")
+        done = run_cli(tiny_train_args(
+            tiny_llama_dir, data, run, "train.objective=dpo", "data.max_seq_len=auto",
+            "train.max_steps=3", "train.precision=fp32", "method.dropout=0",
+            "run.progress=true", *monitors(root),
+        ))  # fmt: skip
+    assert done.code == 0, done
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(key in r for r in rows for key in REWARD_KEYS)
+    assert rows[-1]["rewards/margins"] > 0  # trained: the values are not all zero
+    yield run, done
+
+
+def test_tensorboard_wandb_and_mlflow_hold_the_reward_metrics_of_metrics_jsonl(
+    preference: Any,
+) -> None:
+    run, _ = preference
+    rows = read_metrics(run / "metrics.jsonl")
+    scalars = tensorboard_scalars(run)
+    (records,) = wandb_runs(run)
+    wandb_rows = [r for r in history(records) if "train/loss" in r]
+    client = mlflow_client(run.parent.parent)
+    run_id = run_ids(run)["mlflow"]
+    for key in REWARD_KEYS:
+        expected = [(r["step"], r[key]) for r in rows]
+        assert scalars[f"train/{key}"] == [(s, pytest.approx(v, rel=1e-6)) for s, v in expected]
+        assert [(r["train/step"], r[f"train/{key}"]) for r in wandb_rows] == expected, key
+        logged = client.get_metric_history(run_id, f"train/{key}")
+        assert [(m.step, m.value) for m in logged] == expected, key
+
+
+def test_the_progress_bar_shows_reward_accuracy_and_margin_in_one_field(
+    preference: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, done = preference
+    last = read_metrics(preference[0] / "metrics.jsonl")[-1]
+    shown = f"rewards=acc {last['rewards/accuracies']:.0%} margin {last['rewards/margins']:+.3g}"
+    final = done.err.split("\r")[-1]  # the bar's last refresh: step 3 of 3
+    assert "3/3" in final and shown in final, done.err
+    assert "rewards/" not in done.err and "logps" not in done.err  # one field, not six
+    # An SFT step has no reward field; a KTO step (no pairs, so no accuracy) its margin alone.
+    sink = ConsoleSink(2, True, lambda _: None)
+    sink.start(0)
+    sink.metrics({"step": 1, "loss": 1.5, "tokens_per_s": 10.0})
+    sft = capsys.readouterr().err
+    sink.metrics({"step": 2, "loss": 0.5, "tokens_per_s": 10.0, "rewards/margins": -0.25})
+    sink.close()
+    kto = capsys.readouterr().err.split("\r")[-1]
+    assert "loss=1.5000" in sft and "rewards" not in sft
+    assert "2/2" in kto and "rewards=margin -0.25" in kto and "acc" not in kto
+
+
+def test_the_report_and_the_dashboard_of_a_preference_run_chart_its_rewards(
+    preference: Any,
+) -> None:
+    run, _ = preference
+    titles = re.findall(r'<img alt="([^"]*)"', (run / "report.html").read_text())
+    assert titles[-3:] == ["Reward accuracy", "Rewards", "Log-probs of the answers"]
+    # The dashboard's run page charts the fields run.js names, as the metrics series serves
+    # them: every one of them is in a DPO run's rows.
+    charted = re.findall(r'\["(rewards/\w+)"', (DASHBOARD_STATIC / "run.js").read_text())
+    assert sorted(charted) == sorted(REWARD_KEYS[:4])
+    with serving(run.parent) as server:
+        served = get_json(server.url + "api/runs/dpo/metrics")["rows"]
+    assert served == read_metrics(run / "metrics.jsonl")
+    assert all(key in row for row in served for key in charted)
 
 
 # ---------------------------------------------------------------------------------------------

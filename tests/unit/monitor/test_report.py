@@ -12,12 +12,16 @@ from pathlib import Path
 
 import pytest
 import yaml
+from matplotlib.figure import Figure
 from PIL import Image
 from support import chat_rows, run_cli, tiny_train_args, write_jsonl
 
 from leantune.config import Config, to_dict
 from leantune.monitor.events import EXIT_PAUSED
+from leantune.monitor.metrics import read_metrics
 from leantune.monitor.report import write_report
+from leantune.monitor.report_data import read_run
+from leantune.monitor.report_plots import charts
 from leantune.testing.faults import LOSS_SCALE_ENV
 
 IMG = re.compile(r'<img alt="([^"]*)" src="data:image/png;base64,([A-Za-z0-9+/=]+)">')
@@ -176,3 +180,52 @@ def test_the_report_of_a_demo_sized_run_is_quick_and_shows_memory_against_the_pl
     assert "Rows trained: 79.3%" in text  # a mean 3249.5 tokens / (8 rows x 512)
     assert "<th>trainable</th><td>1,000 of 100,000 parameters (1.000%)</td>" in text
     assert_self_contained(text)
+
+
+# A preference run's reward metrics (issue 34; TRL's names): the chart and line of each.
+REWARD_LINES = {
+    "rewards/accuracies": ("Reward accuracy", None),  # the chart's only line
+    "rewards/chosen": ("Rewards", "chosen"),
+    "rewards/rejected": ("Rewards", "rejected"),
+    "rewards/margins": ("Rewards", "margin (chosen - rejected)"),
+    "logps/chosen": ("Log-probs of the answers", "chosen"),
+    "logps/rejected": ("Log-probs of the answers", "rejected"),
+}
+
+
+def preference_run(path: Path, steps: int) -> Path:
+    """`synthetic_run` with a DPO run's reward metrics on every step."""
+    run = synthetic_run(path, steps)
+    rows = read_metrics(run / "metrics.jsonl")
+    for r in rows:
+        s = r["step"]
+        chosen, rejected = 0.01 * s, -0.02 * s + (s % 3) / 50
+        r.update({"rewards/chosen": chosen, "rewards/rejected": rejected,
+                  "rewards/accuracies": min(1.0, 0.5 + s / 40),
+                  "rewards/margins": chosen - rejected, "logps/chosen": -20.0 + s / 10,
+                  "logps/rejected": -25.0 - s / 10})  # fmt: skip
+    write_jsonl(run / "metrics.jsonl", rows)
+    return run
+
+
+def test_a_preference_runs_report_plots_each_reward_metric_in_its_chart(tmp_path: Path) -> None:
+    run = preference_run(tmp_path / "run", 20)
+    text = write_report(run).read_text()
+    titles = [t for t, _ in images(text)]
+    assert titles == ["Loss", "Learning rate", "Gradient norm (before clipping)", "Throughput",
+                      "Memory vs plan", "Reward accuracy", "Rewards",
+                      "Log-probs of the answers"]  # fmt: skip
+    assert_self_contained(text)
+    # What each chart draws, read back from its axes: every reward metric, step by step, as
+    # metrics.jsonl holds it, in the chart and under the label the table above says.
+    drawn: dict[tuple[str, str | None], list[tuple[float, float]]] = {}
+    for chart in charts(read_run(run)):
+        ax = Figure().add_subplot()
+        chart.draw(ax)
+        lines = ax.get_lines()
+        for line in lines:
+            label = None if len(lines) == 1 else str(line.get_label())
+            drawn[chart.title, label] = [(x, y) for x, y in line.get_xydata()]
+    rows = read_metrics(run / "metrics.jsonl")
+    for key, where in REWARD_LINES.items():
+        assert drawn[where] == [(r["step"], r[key]) for r in rows], key

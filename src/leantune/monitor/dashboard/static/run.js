@@ -21,6 +21,13 @@
     ["rss_bytes", "RSS", COLORS.a], ["mem_allocated_bytes", "allocated", COLORS.a],
     ["mem_reserved_bytes", "reserved", COLORS.c], ["peak_mem_bytes", "peak", COLORS.b],
   ];
+  // A preference run's reward metrics (TRL's names, as metrics.jsonl holds them); their charts
+  // stay hidden in a run that logs none (SFT).
+  const REWARDS = [
+    ["rewards/chosen", "chosen", COLORS.a], ["rewards/rejected", "rejected", COLORS.eval],
+    ["rewards/margins", "margin", COLORS.train],
+  ];
+  const ACCURACY = [["rewards/accuracies", "accuracy", COLORS.train]];
 
   const chart = (id, title, format) =>
     new LeanChart(document.getElementById(id), { title, format: format || LeanChart.fmt });
@@ -30,6 +37,8 @@
     grad: chart("chart-grad", "grad norm"),
     tps: chart("chart-tps", "tokens/s"),
     mem: chart("chart-mem", "memory", LeanChart.bytes),
+    rewards: chart("chart-rewards", "rewards (chosen, rejected, margin)"),
+    accuracy: chart("chart-accuracy", "reward accuracy"),
   };
 
   const state = { metrics: [], evals: [], events: [], mLast: null, eLast: null, detail: null };
@@ -46,6 +55,14 @@
   }
 
   const points = (rows, key) => rows.filter((r) => key in r).map((r) => [r.step, r[key]]);
+
+  // The series of `table` ([key, label, colour]) that the run logged; its chart shows only then.
+  function logged(id, m, table) {
+    const series = table.filter(([key]) => m.some((r) => key in r))
+      .map(([key, label, color]) => ({ name: label, color, points: points(m, key) }));
+    document.getElementById(id).hidden = series.length === 0;
+    return series;
+  }
 
   function markers() {
     const out = state.events.map((e) => {
@@ -71,6 +88,8 @@
       MEMORY.filter(([key]) => m.some((r) => key in r))
         .map(([key, label, color]) => ({ name: label, color, points: points(m, key) })),
     );
+    charts.rewards.setSeries(logged("chart-rewards", m, REWARDS));
+    charts.accuracy.setSeries(logged("chart-accuracy", m, ACCURACY));
     const planned = state.detail.planned_peak_bytes;
     charts.mem.setLines(planned ? [{ y: planned, label: "planned peak", color: "#d62728" }] : []);
     charts.mem.setNote(planned ? "" : "no planned peak recorded by this run");
