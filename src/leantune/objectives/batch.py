@@ -19,7 +19,7 @@ from leantune.data.packing import Row
 from leantune.data.preference_packing import PreferenceRow, pack_unpaired
 from leantune.data.preference_tokenize import UnpairedExample
 from leantune.models.loss import reference_token_logps, supervised_token_logps
-from leantune.objectives.logps import sequence_logps
+from leantune.objectives.logps import SequenceLogps, sequence_logps
 from leantune.objectives.preference import ObjectiveOutput, PreferenceBatch, kto_kl
 from leantune.objectives.spec import ObjectiveSettings, ObjectiveSpec
 
@@ -42,9 +42,13 @@ class PreferenceMicroBatch:
     nll_tokens: int
     """Supervised tokens of the chosen answers (the SFT part of RPO, ORPO)."""
     kl: dict[str, torch.Tensor] | None = None
-    """KTO: the mismatched (prompt, completion) sequences that estimate the KL term."""
+    """KTO: the mismatched (prompt, completion) sequences that estimate the KL term, one per
+    example of the micro-batch (`PreferenceStep.kl_partners`), one per row."""
     reference: torch.Tensor | None = None
     """(num_sequences,) the reference's summed log-probs, when computed before training."""
+    kl_reference: torch.Tensor | None = None
+    """KTO: the reference's summed log-probs of the `kl` sequences, when computed before
+    training."""
 
     def to(self, device: torch.device) -> PreferenceMicroBatch:
         kl = None if self.kl is None else {k: v.to(device) for k, v in self.kl.items()}
@@ -55,6 +59,7 @@ class PreferenceMicroBatch:
             rejected=self.rejected.to(device),
             kl=kl,
             reference=None if self.reference is None else self.reference.to(device),
+            kl_reference=None if self.kl_reference is None else self.kl_reference.to(device),
         )
 
 
@@ -77,6 +82,10 @@ class PreferenceStep:
     """Per row, the reference's summed log-probs of its sequences, computed once before
     training (`with_reference`: full and freeze, whose reference is the model before its first
     update); None: each step's forward with the adapters off."""
+    kl_partners: Sequence[int] = ()
+    """KTO: per example, the example whose completion its KL sequence takes (`kl_partners`)."""
+    kl_reference: torch.Tensor | None = None
+    """KTO: per example, the reference's summed log-probs of its KL sequence (`with_reference`)."""
 
     def collate(self, indices: list[int], pad_id: int) -> PreferenceMicroBatch:
         """The rows at `indices`, right-padded, with their sequences numbered in order."""
@@ -105,7 +114,9 @@ class PreferenceStep:
         segments[segments < 0] = n
         tensors["segments"] = segments
         paired = self.spec.data == "paired"
-        reference = self.reference
+        reference, kl_reference = self.reference, self.kl_reference
+        members = [s.example for r in rows for s in r.segments]
+        kl = self.spec.needs_kl_pairs and not paired
         return PreferenceMicroBatch(
             tensors,
             torch.tensor(chosen, dtype=torch.long),
@@ -113,49 +124,110 @@ class PreferenceStep:
             n,
             len(chosen) if paired else n,
             nll_tokens,
-            self._kl_sequences(rows, pad_id) if self.spec.needs_kl_pairs else None,
+            self._kl_sequences(members, pad_id) if kl else None,
             torch.cat([reference[i] for i in indices]) if reference is not None else None,
+            kl_reference[members] if kl and kl_reference is not None else None,
         )
 
-    def _kl_sequences(self, rows: list[PreferenceRow], pad_id: int) -> dict[str, torch.Tensor]:
-        """KTO's mismatched pairs, as TRL makes them, one sequence per row."""
-        # Each prompt with the next example's completion (rotated by one within the
-        # micro-batch): the pairs are deliberately unrelated, to estimate the KL baseline.
-        members = [self.unpaired[s.example] for r in rows for s in r.segments]
-        shifted = [*members[1:], *members[:1]]
-        mismatched = [
+    def kl_examples(self, members: Sequence[int]) -> list[UnpairedExample]:
+        """KTO's mismatched pairs of `members`: each one's prompt with its partner's completion."""
+        pairs = [(self.unpaired[i], self.unpaired[self.kl_partners[i]]) for i in members]
+        return [
             UnpairedExample(a.prompt_ids, b.completion_ids, b.completion_labels, b.label)
-            for a, b in zip(members, shifted, strict=True)
+            for a, b in pairs
         ]
+
+    def _kl_sequences(self, members: list[int], pad_id: int) -> dict[str, torch.Tensor]:
+        """KTO's mismatched pairs of the micro-batch's examples, one sequence per row."""
+        mismatched = self.kl_examples(members)
         return collate([as_row(r) for r in pack_unpaired(mismatched, None)], pad_id)
 
-    def output(self, model: nn.Module, mb: PreferenceMicroBatch) -> ObjectiveOutput:
+    def policy_logps(self, model: nn.Module, mb: PreferenceMicroBatch) -> SequenceLogps:
+        """The model's summed log-probs of every sequence of `mb` (the padding's last)."""
+        batch = {k: mb.tensors[k] for k in MODEL_INPUTS}
+        count = mb.num_sequences + 1  # the padding's sequence, empty
+        token_logps = supervised_token_logps(model, batch)
+        return sequence_logps(token_logps, batch["labels"], mb.tensors["segments"], count)
+
+    def reference_sums(self, model: nn.Module, mb: PreferenceMicroBatch) -> torch.Tensor:
+        """The reference's summed log-probs of every sequence of `mb`, without gradient."""
+        # Precomputed for full and freeze (`with_reference`); adapter methods get the
+        # reference from the same model with its adapters switched off.
+        if mb.reference is not None:
+            return mb.reference
+        batch = {k: mb.tensors[k] for k in MODEL_INPUTS}
+        off = reference_token_logps(model, batch)
+        count = mb.num_sequences + 1
+        return sequence_logps(off, batch["labels"], mb.tensors["segments"], count).sums
+
+    def kl_logps(
+        self, model: nn.Module, mb: PreferenceMicroBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """KTO: the policy's and the reference's summed log-probs of `mb`'s KL sequences,
+        without gradient (`kto_kl` of them, over a window, is the KL estimate)."""
+        assert mb.kl is not None, "collated by a step whose objective needs KL pairs"
+        batch = {k: mb.kl[k] for k in MODEL_INPUTS}
+        # KTO treats the KL estimate as a baseline: no gradient flows through it (as in TRL).
+        with torch.no_grad():
+            policy = sequence_logps(supervised_token_logps(model, batch), batch["labels"])
+        if mb.kl_reference is not None:
+            return policy.sums, mb.kl_reference
+        reference = sequence_logps(reference_token_logps(model, batch), batch["labels"])
+        return policy.sums, reference.sums
+
+    def output(
+        self, model: nn.Module, mb: PreferenceMicroBatch, kl: torch.Tensor | None = None
+    ) -> ObjectiveOutput:
         """The objective's loss and metrics for `mb`.
 
         The policy's per-sequence log-probs come from one forward, the reference's (adapters
-        off) from another when the objective needs it.
+        off) from another when the objective needs it. `kl`: KTO's KL estimate of the whole
+        window (`window_kl`); None estimates it from `mb` alone.
         """
-        batch = {k: mb.tensors[k] for k in MODEL_INPUTS}
-        labels, segments = batch["labels"], mb.tensors["segments"]
-        count = mb.num_sequences + 1  # the padding's sequence, empty
-        policy = sequence_logps(supervised_token_logps(model, batch), labels, segments, count)
-        ref_chosen = ref_rejected = kl = None
+        policy = self.policy_logps(model, mb)
+        ref_chosen = ref_rejected = None
         if self.spec.needs_reference:
-            ref = mb.reference
-            # Precomputed for full and freeze (`with_reference`); adapter methods get the
-            # reference from the same model with its adapters switched off.
-            if ref is None:
-                off = reference_token_logps(model, batch)
-                ref = sequence_logps(off, labels, segments, count).sums
+            ref = self.reference_sums(model, mb)
             ref_chosen, ref_rejected = ref[mb.chosen], ref[mb.rejected]
-        if mb.kl is not None:
-            kl = _kl_estimate(model, mb.kl)
+        if mb.kl is not None and kl is None:
+            kl = kto_kl(*self.kl_logps(model, mb))
         return self.spec.loss(
             PreferenceBatch(
                 policy.select(mb.chosen), policy.select(mb.rejected), ref_chosen, ref_rejected, kl
             ),
             self.settings,
         )
+
+    def window_kl(
+        self, model: nn.Module, batches: Sequence[PreferenceMicroBatch], device: torch.device
+    ) -> torch.Tensor | None:
+        """KTO's KL estimate over every example of a window (None for other objectives).
+
+        One estimate for the whole window, not one per micro-batch: the loss then does not
+        depend on how the window is split (an OOM's halving replays the same step).
+        """
+        if not self.spec.needs_kl_pairs:
+            return None
+        sums = [self.kl_logps(model, mb.to(device)) for mb in batches]
+        return kto_kl(torch.cat([p for p, _ in sums]), torch.cat([r for _, r in sums]))
+
+
+def kl_partners(n: int, seed: int) -> tuple[int, ...]:
+    """KTO: for each of `n` examples, the example whose completion its KL sequence takes.
+
+    TRL pairs each prompt of a batch with the next example's completion, so its pairs change
+    with the batch. Here the pairs are fixed per example: one seeded random cycle through the
+    data, each example paired with the next on it. A window's KL estimate is then the same
+    however it is split into micro-batches, and the reference's log-probs of every KL sequence
+    can be computed once before training (full, freeze). Random, not the data order: a file
+    made from pairs holds the two answers of a prompt on adjacent lines, which would make the
+    "mismatched" pair a matched one.
+    """
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    partners = [0] * n
+    for a, b in zip(order, [*order[1:], *order[:1]], strict=True):
+        partners[a] = b
+    return tuple(partners)
 
 
 def with_reference(
@@ -192,15 +264,28 @@ def with_reference(
             # memory belongs to training.
             counts = [len(step.rows[i].segments) for i in indices]
             sums += [t.cpu() for t in torch.split(logps.sums[: mb.num_sequences], counts)]
+        kl_reference = _kl_reference(step, model, device, precision, pad_id, batch_size)
     model.train(was_training)
-    return replace(step, reference=tuple(sums))
+    return replace(step, reference=tuple(sums), kl_reference=kl_reference)
 
 
-def _kl_estimate(model: nn.Module, kl: dict[str, torch.Tensor]) -> torch.Tensor:
-    """KTO's KL term from the mismatched sequences (one per row), without gradient."""
-    batch = {k: kl[k] for k in MODEL_INPUTS}
-    # KTO treats the KL estimate as a baseline: no gradient flows through it (as in TRL).
-    with torch.no_grad():
-        policy = sequence_logps(supervised_token_logps(model, batch), batch["labels"])
-    reference = sequence_logps(reference_token_logps(model, batch), batch["labels"])
-    return kto_kl(policy.sums, reference.sums)
+def _kl_reference(
+    step: PreferenceStep,
+    model: nn.Module,
+    device: torch.device,
+    precision: str,
+    pad_id: int,
+    batch_size: int,
+) -> torch.Tensor | None:
+    """KTO: the model's summed log-probs of every example's KL sequence, in example order."""
+    if not step.spec.needs_kl_pairs or not step.unpaired:
+        return None
+    rows = pack_unpaired(step.kl_examples(range(len(step.unpaired))), None)  # one per row
+    sums: list[torch.Tensor] = []
+    for start in range(0, len(rows), batch_size):
+        batch = collate([as_row(r) for r in rows[start : start + batch_size]], pad_id)
+        batch = {k: batch[k].to(device) for k in MODEL_INPUTS}
+        with autocast(device.type, precision):
+            token_logps = supervised_token_logps(model, batch)
+        sums.append(sequence_logps(token_logps, batch["labels"]).sums.cpu())
+    return torch.cat(sums)

@@ -476,12 +476,15 @@ def preference_window(
     loss_sum = torch.zeros((), dtype=torch.float64)
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
+    # KTO: one KL estimate over the whole window, before its micro-batches (no gradient).
+    with autocast(device.type, precision):
+        kl = objective.window_kl(model, batches, device)
     for k, mb in enumerate(batches):
         mb = mb.to(device)
         with strategy.gradient_sync(model, enabled=k == len(batches) - 1) as scope:
             # Forward -> loss; an OOM or a stop here on any process is every process's.
             with agreed(k), autocast(device.type, precision):
-                output = objective.output(model, mb)
+                output = objective.output(model, mb, kl)
                 scope.loss = loss = output.loss(examples, nll_tokens)
             (scaler.scale(loss) if scaler is not None else loss).backward()
             with agreed(k):  # the check after the backward, decided alike too
