@@ -106,12 +106,12 @@ def check_objective(
     fmt: str,
     method: str,
     *,
-    trains_base_weights: bool,
     needs_unpacked_data: bool,
-    eval_file: str | None,
+    eval_exact_match: bool = False,
 ) -> None:
-    """train.objective against data.format, the method's facts and data.eval: a preference
-    objective reads its own data format, and this version trains it with what it supports.
+    """train.objective against data.format, the method's facts and train.eval_exact_match: a
+    preference objective reads its own data format, and this version trains it with what it
+    supports.
 
     Raises:
         ConfigError: naming the field and the fix.
@@ -131,19 +131,14 @@ def check_objective(
             f"data.format={fmt}: train.objective={objective} reads data.format={needed} "
             f"({fields}); set data.format={needed}"
         )
-    if OBJECTIVES[objective].needs_kl_pairs and trains_base_weights:
-        raise ConfigError(
-            f"method.name={method}: train.objective={objective} is not yet trained with full "
-            "or freeze: its KL term needs the reference on pairs made per batch, which only an "
-            "adapter method (the model with its adapters off) gives; use method.name=lora"
-        )
     if needs_unpacked_data:
         raise ConfigError(
             f"method.name={method}: train.objective={objective} puts a pair's two answers in "
             "one row, which this method's virtual tokens cannot keep apart; use method.name=lora"
         )
-    if eval_file is not None:
+    # Held-out preference data has no single reference answer to compare a generation with.
+    if eval_exact_match:
         raise ConfigError(
-            f"data.eval: train.objective={objective} does not evaluate held-out data during "
-            "training yet; set data.eval=null (leantune eval --data scores pairs afterwards)"
+            f"train.eval_exact_match: train.objective={objective} evaluates data.eval by its "
+            "loss and reward metrics, not by generated answers; set train.eval_exact_match=false"
         )

@@ -44,7 +44,14 @@ from leantune.models.quantize import Quantization
 from leantune.monitor.events import EventLog, lift_pause
 from leantune.monitor.sinks import Sinks
 from leantune.monitor.step_stats import StepStats
-from leantune.training.evaluation import EvalInputs, EvalSettings, PeriodicEval
+from leantune.objectives.batch import with_reference
+from leantune.training.evaluation import (
+    EvalInputs,
+    EvalSettings,
+    Evaluator,
+    PeriodicEval,
+    PreferenceEval,
+)
 from leantune.training.guard.oom import MemoryBudget, levers_message
 from leantune.training.hooks import StepHooks
 from leantune.training.parallel.strategy import ParallelStrategy, SingleProcess
@@ -95,11 +102,13 @@ class Session:
     loop: LoopSettings
     eval_inputs: EvalInputs | None
     eval_settings: EvalSettings
-    evaluator: PeriodicEval | None
+    evaluator: Evaluator | None
     coverage: Coverage
     """What the method adapts, with the (trainable, total) parameter counts."""
     load_peak_bytes: int | None = None
     """CPU: the process's peak before training (loading; `start_training_memory`)."""
+    preference_eval: PreferenceEval | None = None
+    """A preference objective with data.eval: its held-out evaluation (the closing one too)."""
 
 
 def run_files(cfg: Config, inputs: list[Path], main: bool = True) -> RunFiles:
@@ -201,6 +210,50 @@ def periodic_eval(
     # Plain text has no prompt to answer, so its periodic evaluation is the loss only.
     sample = cfg.train.eval_every_sample if cfg.data.format != "text" else 0
     return PeriodicEval(model, inputs, settings, sample)
+
+
+def evaluators(
+    cfg: Config,
+    run: RunSetup,
+    model: nn.Module,
+    inputs: EvalInputs | None,
+    settings: EvalSettings,
+    pad_id: int,
+    *,
+    events: EventLog,
+    hooks: StepHooks,
+    log: Log,
+) -> tuple[Evaluator | None, PreferenceEval | None]:
+    """train.eval_every's evaluator (None when it is off) and a preference objective's
+    held-out evaluation, which also closes the run (None without data.eval)."""
+    scored = preference_eval(cfg, run, model, pad_id, settings, events, hooks, log)
+    if scored is not None:
+        return (scored if cfg.train.eval_every else None), scored
+    return periodic_eval(cfg, model, inputs, settings), None
+
+
+def preference_eval(
+    cfg: Config,
+    run: RunSetup,
+    model: nn.Module,
+    pad_id: int,
+    settings: EvalSettings,
+    events: EventLog,
+    hooks: StepHooks,
+    log: Log,
+) -> PreferenceEval | None:
+    """A preference objective's evaluation on data.eval (None without it); for full and freeze
+    with the reference's log-probs of the eval sequences computed now, before training."""
+    step = run.preference.eval_step(cfg) if run.preference is not None else None
+    if step is None:
+        return None
+    if step.spec.needs_reference and METHODS[cfg.method.name].trains_base_weights:
+        # Before start_state, as the train sequences' (`preference_objective`): the model
+        # before a resume restores its trained weights is the reference.
+        device = next(model.parameters()).device
+        step = with_reference(step, model, device, cfg.train.precision, pad_id)
+        log(f"reference: the log-probs of {len(step.rows)} held-out examples, computed once")
+    return PreferenceEval(model, step, pad_id, settings, events, hooks)
 
 
 def build_trainer(

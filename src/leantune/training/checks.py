@@ -37,9 +37,8 @@ def _owners_checks(cfg: Config) -> list[str]:
         t.objective,
         cfg.data.format,
         cfg.method.name,
-        trains_base_weights=spec.trains_base_weights,
         needs_unpacked_data=spec.needs_unpacked_data,
-        eval_file=cfg.data.eval,
+        eval_exact_match=t.eval_exact_match,
     )
     warnings += check_reference(t.reference, t.objective, cfg.method.name, spec.trains_base_weights)
     return warnings

@@ -1,7 +1,8 @@
 """Evaluation inside a training run: before training, every `train.eval_every` steps, at the end.
 
 Held-out loss and perplexity on the eval rows, and greedy exact match on chat/alpaca
-conversations, with an out-of-memory error halving only the eval batch.
+conversations, with an out-of-memory error halving only the eval batch. A preference objective's
+(`PreferenceEval`): its loss and reward metrics on the held-out examples.
 """
 
 from __future__ import annotations
@@ -24,13 +25,17 @@ from leantune.data.dataset import PreparedData
 from leantune.data.formats import Record
 from leantune.eval.exact_match import answers_match, evaluate_exact_match
 from leantune.eval.perplexity import evaluate_loss
+from leantune.eval.preference import evaluate_objective
 from leantune.models.attention import sdpa_attention
 from leantune.monitor.events import EventLog
+from leantune.objectives.batch import PreferenceStep
 from leantune.training.guard.oom import retry_on_oom
 from leantune.training.hooks import StepHooks
 from leantune.training.state.checkpoint import capture_rng_state, restore_rng_state
 
 T = TypeVar("T")
+Evaluator = Callable[[int], dict[str, Any]]
+"""train.eval_every's evaluation after a step: the step -> one row for eval.jsonl."""
 
 
 @dataclass(frozen=True)
@@ -211,3 +216,50 @@ class PeriodicEval:
             self.model.train(was_training)
             restore_rng_state(rng)
         return row
+
+
+@dataclass
+class PreferenceEval:
+    """A preference objective's held-out evaluation: its loss and reward metrics on data.eval
+    (`eval_loss`, `eval_rewards/...`; for pairs `eval_preference_accuracy` and
+    `eval_mean_margin`, what `leantune eval --data` reports), every `train.eval_every` steps
+    and at the end."""
+
+    model: nn.Module
+    step: PreferenceStep
+    """The objective on the eval examples, one per row, with the reference's log-probs
+    precomputed for full and freeze (adapter methods: the model with its adapters off)."""
+    pad_id: int
+    settings: EvalSettings
+    events: EventLog
+    hooks: StepHooks
+
+    def results(self, step: int) -> dict[str, Any]:
+        """The eval_* fields after `step` updates (the closing evaluation's, for summary.json)."""
+        # As PeriodicEval: the mode and every RNG are put back, so evaluating never changes
+        # the training trajectory.
+        rng = capture_rng_state()
+        was_training = self.model.training
+        device = next(self.model.parameters()).device
+
+        def score(batch_size: int) -> dict[str, Any]:
+            with autocast(device.type, self.settings.precision):
+                return evaluate_objective(self.model, self.step, self.pad_id, batch_size)
+
+        try:
+            found = evaluate_retrying(
+                score,
+                self.settings.batch_size,
+                events=self.events,
+                hooks=self.hooks,
+                device=device,
+                step=step,
+            )
+        finally:
+            self.model.train(was_training)
+            restore_rng_state(rng)
+        return {f"eval_{name}": value for name, value in found.items()}
+
+    def __call__(self, step: int) -> dict[str, Any]:
+        """Evaluate after `step` updates; returns one row for eval.jsonl."""
+        return {"step": step, **self.results(step)}

@@ -46,6 +46,9 @@ def finish(session: Session, *, log: Log, started: float) -> dict[str, Any]:
         quantization=s.quantization,
     )
     results: dict[str, Any] = {"final_train_loss": tr.progress.last_loss, **memory}
+    if s.preference_eval is not None:
+        # Before any merge: an adapter method's reference is the model with its adapters off.
+        results |= s.preference_eval.results(tr.state.step)
     if s.eval_inputs is not None:
         # Only after save_final: final/ keeps the method's own form (an adapter stays one), and
         # the merge only makes the closing evaluation's generation cheaper.

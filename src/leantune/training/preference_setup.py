@@ -28,6 +28,8 @@ from leantune.objectives.batch import (
     REFERENCE_BATCH,
     PreferenceStep,
     as_row,
+    kl_partners,
+    with_kl_reference,
     with_live_reference,
     with_reference,
 )
@@ -43,13 +45,33 @@ class PreferenceRun:
 
     data: PreferenceData
     rows: list[PreferenceRow]
+    eval_data: PreferenceData | None = None
+    """data.eval, tokenised as the train file (the same cache)."""
 
     def step(self, cfg: Config) -> PreferenceStep:
         """The objective as the loop runs it on these rows."""
-        spec = OBJECTIVES[cfg.train.objective]
-        return PreferenceStep(
-            spec, settings_for(spec, cfg.preference), self.rows, self.data.unpaired
-        )
+        return _step(cfg, self.rows, self.data)
+
+    def eval_step(self, cfg: Config) -> PreferenceStep | None:
+        """The objective on data.eval, one example per row (None without data.eval)."""
+        data = self.eval_data
+        if data is None:
+            return None
+        # Unpacked: the held-out figures do not depend on how rows happen to fill.
+        rows = pack_pairs(data.pairs, None) if data.pairs else pack_unpaired(data.unpaired, None)
+        return _step(cfg, rows, data)
+
+
+def _step(cfg: Config, rows: list[PreferenceRow], data: PreferenceData) -> PreferenceStep:
+    spec = OBJECTIVES[cfg.train.objective]
+    n = len(data.unpaired) if spec.needs_kl_pairs else 0
+    return PreferenceStep(
+        spec,
+        settings_for(spec, cfg.preference),
+        rows,
+        data.unpaired,
+        kl_partners=kl_partners(n, cfg.train.seed),
+    )
 
 
 def longest_sequence(data: PreferenceData) -> int:
@@ -80,21 +102,30 @@ def load_preference_data(
     d = cfg.data
     assert d.train is not None
     auto = d.max_seq_len == "auto"
-    data = preference_data(
-        d.train,
-        fmt=d.format,
-        tokenizer=tokenizer,
-        max_seq_len=context if auto else int(d.max_seq_len),
-        system_prompt=d.system_prompt,
-        system_message=d.system_message,
-        max_bad_fraction=d.max_bad_fraction,
-        cache_dir=d.cache_dir or RunPaths(cfg.run_dir).prepared,
-        log=log,
-    )
-    for bad in data.bad[:20]:  # the first 20: a wrong format makes every line a bad one
-        log(f"bad line skipped: {bad}")
-    if len(data.bad) > 20:
-        log(f"... {len(data.bad) - 20} more bad lines in {d.train}")
+
+    def read(path: str) -> PreferenceData:
+        data = preference_data(
+            path,
+            fmt=d.format,
+            tokenizer=tokenizer,
+            max_seq_len=context if auto else int(d.max_seq_len),
+            system_prompt=d.system_prompt,
+            system_message=d.system_message,
+            max_bad_fraction=d.max_bad_fraction,
+            cache_dir=d.cache_dir or RunPaths(cfg.run_dir).prepared,
+            log=log,
+        )
+        for bad in data.bad[:20]:  # the first 20: a wrong format makes every line a bad one
+            log(f"bad line skipped: {bad}")
+        if len(data.bad) > 20:
+            log(f"... {len(data.bad) - 20} more bad lines in {path}")
+        return data
+
+    data = read(d.train)
+    held_out = read(d.eval) if d.eval is not None else None
+    if held_out is not None and cfg.train.eval_limit is not None:
+        limit = cfg.train.eval_limit
+        held_out.pairs, held_out.unpaired = held_out.pairs[:limit], held_out.unpaired[:limit]
     max_seq_len = longest_sequence(data) if auto else int(d.max_seq_len)
     if auto:
         log(f"data.max_seq_len=auto: {max_seq_len} tokens, the longest prompt and answer")
@@ -118,7 +149,9 @@ def load_preference_data(
         f"data {Path(d.train).name}: {len(data.examples)} {what}, {len(rows)} rows, "
         f"{prepared.supervised_tokens} supervised tokens, {len(data.bad)} bad lines"
     )
-    return prepared, PreferenceRun(data, rows), max_seq_len
+    if held_out is not None:
+        log(f"data.eval {Path(str(d.eval)).name}: {len(held_out.examples)} {what}")
+    return prepared, PreferenceRun(data, rows, held_out), max_seq_len
 
 
 def reference_for(
@@ -163,7 +196,11 @@ def reference_for(
         sums = read_reference(file, key, step.rows)
         if sums is not None:
             log(f"reference: log-probs of {sequences} sequences loaded from {file}")
-            return replace(step, reference=sums)
+            # KTO's KL sequences are not kept (their pairing follows train.seed): the model
+            # before the restore computes them now, as on the first start.
+            return with_kl_reference(
+                replace(step, reference=sums), model, device, cfg.train.precision, pad_id
+            )
     step = with_reference(step, model, device, cfg.train.precision, pad_id)
     kept = ""
     if file is not None:

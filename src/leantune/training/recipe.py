@@ -51,7 +51,7 @@ from leantune.training.build import (
     Session,
     base_model,
     build_trainer,
-    periodic_eval,
+    evaluators,
     preference_objective,
     quiet,
     run_files,
@@ -60,7 +60,7 @@ from leantune.training.build import (
     wrap_method,
 )
 from leantune.training.checks import check_config
-from leantune.training.evaluation import EvalInputs, EvalSettings, PeriodicEval, exact_match_before
+from leantune.training.evaluation import EvalInputs, EvalSettings, Evaluator, exact_match_before
 from leantune.training.finish import finish
 from leantune.training.guard.actions import act_on_guard
 from leantune.training.guard.divergence import WeightsDiverged
@@ -245,7 +245,10 @@ def set_up(
     model = base_model(cfg, source, quantization, device, run, log)
     base_exact_match = _base_exact_match(model, run, eval_inputs, settings, log)
     model, trained, params, coverage = wrap_method(cfg, model, strategy, log)
-    evaluator = periodic_eval(cfg, model, eval_inputs, settings)  # on every rank, as above
+    # On every rank, as above; a preference objective's reference for data.eval is taken now.
+    evaluator, scored = evaluators(
+        cfg, run, model, eval_inputs, settings, pad_id, events=events, hooks=hooks, log=log
+    )
     # The trainer, its sinks (events reach them too), then its start state.
     stats, sinks = monitoring(cfg, run, files, events, model, device, strategy, evaluator, log)
     trainer = build_trainer(
@@ -282,6 +285,7 @@ def set_up(
         eval_settings=settings,
         evaluator=evaluator,
         coverage=coverage,
+        preference_eval=scored,
     )
 
 
@@ -315,7 +319,7 @@ def _in_turn(strategy: ParallelStrategy, work: Callable[[], RunSetup]) -> RunSet
 # The loop
 
 
-def run_loop(tr: Trainer, loop: LoopSettings, evaluator: PeriodicEval | None = None) -> None:
+def run_loop(tr: Trainer, loop: LoopSettings, evaluator: Evaluator | None = None) -> None:
     """Steps until `loop.max_steps` updates are applied; evaluates and checkpoints as set.
     A stop signal ends it with a checkpoint of the last applied step.
 
@@ -359,7 +363,7 @@ def _step(tr: Trainer) -> StepResult:
 
 
 def _after_update(
-    tr: Trainer, result: StepResult, loop: LoopSettings, evaluator: PeriodicEval | None
+    tr: Trainer, result: StepResult, loop: LoopSettings, evaluator: Evaluator | None
 ) -> None:
     """Report an applied step, then evaluate and save when they are due."""
     tr.progress.last_loss = result.record["loss"]

@@ -18,7 +18,7 @@ from leantune.monitor.events import EventLog
 from leantune.monitor.prometheus import PrometheusSink, RunFacts
 from leantune.monitor.sinks import ConsoleSink, JsonlSink, Sink, Sinks
 from leantune.monitor.step_stats import StepStats, build_step_stats
-from leantune.training.evaluation import PeriodicEval
+from leantune.training.evaluation import Evaluator
 from leantune.training.parallel.strategy import ParallelStrategy
 from leantune.training.run.rundir import write_file
 from leantune.training.run_setup import RunSetup
@@ -35,7 +35,7 @@ def monitoring(
     model: nn.Module,
     device: torch.device,
     strategy: ParallelStrategy,
-    evaluator: PeriodicEval | None,
+    evaluator: Evaluator | None,
     log: Log,
 ) -> tuple[StepStats, Sinks]:
     """The per-step figures (MFU's peak is measured here) and the sinks, which hear the events."""

@@ -409,7 +409,7 @@ def set_up_run(
     preference = None
     if cfg.train.objective == "sft":
         train_data, eval_data, max_seq_len = load_datasets(cfg, tokenizer, context, log)
-    else:  # config validation refuses data.eval for these (not evaluated yet)
+    else:  # data.eval is the preference run's too (`PreferenceRun.eval_step`)
         train_data, preference, max_seq_len = load_preference_data(cfg, tokenizer, context, log)
         eval_data = None
     configured, batch, steps = _batch_and_steps(cfg.train, train_data, processes, log)

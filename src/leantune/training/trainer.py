@@ -40,7 +40,7 @@ from leantune.monitor.events import EventLog, OutOfMemoryAtMinimum
 from leantune.monitor.metrics import memory_stats
 from leantune.monitor.sinks import Sinks
 from leantune.monitor.step_stats import StepStats
-from leantune.objectives.batch import PreferenceMicroBatch, PreferenceStep
+from leantune.objectives.batch import PreferenceMicroBatch, PreferenceStep, kto_kl_of
 from leantune.training.guard.detect import Decision, GuardHistory, GuardSettings, decide, remember
 from leantune.training.guard.oom import MemoryBudget, free_memory, halved, is_out_of_memory
 from leantune.training.hooks import NoStepHooks, StepHooks
@@ -480,12 +480,19 @@ def preference_window(
     loss_sum = torch.zeros((), dtype=torch.float64)
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
+    # KTO: one KL estimate over the whole window, before its micro-batches (no gradient).
+    with autocast(device.type, precision):
+        parts = objective.window_kl(model, batches, device)
+    # Added over the processes before the mean and its clamp: the window's estimate.
+    kl = None
+    if parts is not None:
+        kl = kto_kl_of(strategy.reduce_sum(parts[0]), strategy.reduce_count(parts[1]), device)
     for k, mb in enumerate(batches):
         mb = mb.to(device)
         with strategy.gradient_sync(model, enabled=k == len(batches) - 1) as scope:
             # Forward -> loss; an OOM or a stop here on any process is every process's.
             with agreed(k), autocast(device.type, precision):
-                output = objective.output(model, mb)
+                output = objective.output(model, mb, kl)
                 scope.loss = loss = output.loss(examples, nll_tokens)
             (scaler.scale(loss) if scaler is not None else loss).backward()
             with agreed(k):  # the check after the backward, decided alike too

@@ -369,7 +369,6 @@ def test_simpo_orpo_and_kto_train(
         (("data.format=preference",), "train.objective=dpo"),
         (("train.objective=dpo", "data.format=alpaca"), "data.format=preference"),
         (("train.objective=kto", "data.format=preference"), "data.format=kto"),
-        (("train.objective=kto", "data.format=kto", "method.name=full"), "not yet"),
         (("train.objective=orpo", "data.format=preference", "method.name=prompt"), "row"),
     ],
 )
