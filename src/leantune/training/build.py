@@ -344,9 +344,12 @@ def preference_objective(
         )
 
 
-def start_state(tr: Trainer, cfg: Config, plan: ResumePlan, log: Log) -> None:
+def start_state(
+    tr: Trainer, cfg: Config, plan: ResumePlan, log: Log, base_exact_match: float | None = None
+) -> None:
     """Resume or continue as `plan` says, record the run, lift a pause, and make sure a
-    rollback has a checkpoint to go to."""
+    rollback has a checkpoint to go to; `base_exact_match` is kept unless a resume restored
+    the one measured on the first start."""
     files = tr.files
     if plan.action != "fresh":
         check_weights_fit(plan, tr.params)  # before restore: a mismatch would fail half-way
@@ -380,3 +383,5 @@ def start_state(tr: Trainer, cfg: Config, plan: ResumePlan, log: Log) -> None:
     none_yet = rollback_on and main and latest_checkpoint(files.ckpt_dir) is None
     if tr.strategy.agree(int(none_yet)):  # every rank saves, or none
         tr.save()
+    if tr.progress.base_exact_match is None:
+        tr.progress.base_exact_match = base_exact_match

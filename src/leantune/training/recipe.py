@@ -270,9 +270,7 @@ def set_up(
     if run.preference is not None:
         preference_objective(cfg, run, trainer, trained, device, pad_id, log)
     strategy.agree(0)  # every rank has read the run directory before rank 0 writes to it
-    start_state(trainer, cfg, run.plan, log)
-    if base_exact_match is not None and trainer.progress.base_exact_match is None:
-        trainer.progress.base_exact_match = base_exact_match
+    start_state(trainer, cfg, run.plan, log, base_exact_match)
     assert t.max_steps is not None, "resolved by set_up_run"
     return Session(
         cfg=cfg,
