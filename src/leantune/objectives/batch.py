@@ -21,6 +21,7 @@ from leantune.data.preference_tokenize import UnpairedExample
 from leantune.models.loss import reference_token_logps, supervised_token_logps
 from leantune.objectives.logps import sequence_logps
 from leantune.objectives.preference import ObjectiveOutput, PreferenceBatch, kto_kl
+from leantune.objectives.registry import REFERENCE_PASS_ROWS
 from leantune.objectives.spec import ObjectiveSettings, ObjectiveSpec
 
 MODEL_INPUTS = ("input_ids", "labels", "position_ids")
@@ -164,7 +165,7 @@ def with_reference(
     device: torch.device,
     precision: str,
     pad_id: int,
-    batch_size: int = 8,
+    batch_size: int = REFERENCE_PASS_ROWS,
 ) -> PreferenceStep:
     """`step` with the reference's log-probs of every sequence, computed now by `model`.
 

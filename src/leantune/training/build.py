@@ -45,6 +45,7 @@ from leantune.monitor.events import EventLog, lift_pause
 from leantune.monitor.sinks import Sinks
 from leantune.monitor.step_stats import StepStats
 from leantune.objectives.batch import with_reference
+from leantune.objectives.registry import reference_kind
 from leantune.training.evaluation import EvalInputs, EvalSettings, PeriodicEval
 from leantune.training.guard.oom import MemoryBudget, levers_message
 from leantune.training.hooks import StepHooks
@@ -285,7 +286,8 @@ def preference_objective(
             "only in this version); run it without torchrun"
         )
     trainer.objective = run.preference.step(cfg)
-    if trainer.objective.spec.needs_reference and METHODS[cfg.method.name].trains_base_weights:
+    spec = trainer.objective.spec
+    if reference_kind(spec, METHODS[cfg.method.name].trains_base_weights) == "precomputed":
         # Before start_state: a resume's restore has not yet put the trained weights in.
         trainer.objective = with_reference(
             trainer.objective, trained, device, cfg.train.precision, pad_id

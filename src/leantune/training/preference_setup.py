@@ -49,6 +49,16 @@ def longest_sequence(data: PreferenceData) -> int:
     return max(len(e.prompt_ids) + len(e.completion_ids) for e in data.unpaired)
 
 
+def preference_rows(data: PreferenceData, max_seq_len: int, pack: bool) -> list[PreferenceRow]:
+    """The training rows of `data`: packed up to the sequence limit (pairs: twice it), or one
+    example per row."""
+    if data.format == "preference":
+        # Rows of twice the sequence limit: a pair's two sequences always fit one row, so a
+        # pair is never split between rows (its loss compares them).
+        return pack_pairs(data.pairs, 2 * max_seq_len if pack else None)
+    return pack_unpaired(data.unpaired, max_seq_len if pack else None)
+
+
 def load_preference_data(
     cfg: Config, tokenizer: PreTrainedTokenizerBase, context: int | None, log: Log
 ) -> tuple[PreparedData, PreferenceRun, int]:
@@ -79,13 +89,7 @@ def load_preference_data(
     max_seq_len = longest_sequence(data) if auto else int(d.max_seq_len)
     if auto:
         log(f"data.max_seq_len=auto: {max_seq_len} tokens, the longest prompt and answer")
-    pack = effective_pack(d.pack, cfg.method.name)
-    if data.format == "preference":
-        # Rows of twice the sequence limit: a pair's two sequences always fit one row, so a
-        # pair is never split between rows (its loss compares them).
-        rows = pack_pairs(data.pairs, 2 * max_seq_len if pack else None)
-    else:
-        rows = pack_unpaired(data.unpaired, max_seq_len if pack else None)
+    rows = preference_rows(data, max_seq_len, effective_pack(d.pack, cfg.method.name))
     sequences = [s for p in data.pairs for s in (p.sequence("chosen"), p.sequence("rejected"))]
     sequences += [e.sequence() for e in data.unpaired]
     prepared = PreparedData([as_row(r) for r in rows], sequences, [], data.bad, data.total_lines)
