@@ -11,6 +11,7 @@ from leantune.config import Config
 from leantune.data.dataset import prepared_data
 from leantune.data.packing import longest_example, rows_for
 from leantune.data.preference_dataset import preference_data
+from leantune.data.preference_packing import PreferenceRow
 from leantune.data.prepare.provenance import TokenizerMismatch
 from leantune.data.prepare.records import PrepareSettings
 from leantune.data.templates import apply_chat_template
@@ -116,7 +117,11 @@ def _preference_row_stats(
         max_bad_fraction=1.0,
     )
     seq_len = longest_sequence(data) if d.max_seq_len == "auto" else limit
-    rows = preference_rows(data, seq_len, pack)
+    return preference_row_stats(preference_rows(data, seq_len, pack))
+
+
+def preference_row_stats(rows: list[PreferenceRow]) -> RowStats:
+    """`RowStats` of a preference run's packed rows."""
     longest = max((len(r.input_ids) for r in rows), default=0) or None
     supervised = max_supervised_per_row([r.labels for r in rows])
     # Sequences, not pairs: the examples `train`'s default global batch counts (its data holds
