@@ -23,6 +23,7 @@ from leantune.cli.app import main
 from leantune.config import Config, MethodConfig
 from leantune.memory.estimate import estimate
 from leantune.memory.inputs import max_supervised_per_row, plan_basis
+from leantune.memory.resolve import plan_for_run
 from leantune.methods.registry import apply_method
 from leantune.models.attention import transformers_name
 from leantune.models.loading import load_tokenizer, resolve_model
@@ -126,6 +127,9 @@ def test_a_pair_row_is_planned_with_both_answers(tmp_path: Path, tiny_llama_dir:
     assert plan_basis(plan_inputs(simpo), "cpu").step.reference == "none"
     full = replace(fixed, method=replace(fixed.method, name="full"))
     assert plan_basis(plan_inputs(full), "cpu").step.reference == "precomputed"
+    # train's log line names the reference's share.
+    labels = [r.labels for r in step.rows]
+    assert "reference forward" in plan_for_run(plan_inputs(cfg), "cpu", labels)[1].note
 
 
 def _model(cfg: Config, attention: str, method: str) -> torch.nn.Module:
