@@ -14,15 +14,16 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import tiny_llama_config, write_jsonl
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers import AutoModelForCausalLM
 
 from leantune.cli.app import main
 from leantune.config import Config, MethodConfig
-from leantune.memory.estimate import estimate
-from leantune.memory.inputs import max_supervised_per_row, plan_basis
+from leantune.memory.estimate import StepSettings, estimate
+from leantune.memory.inputs import max_supervised_per_row, model_facts_for, plan_basis
+from leantune.memory.planner import recommend
 from leantune.memory.resolve import plan_for_run
 from leantune.methods.registry import apply_method
 from leantune.models.attention import transformers_name
@@ -218,3 +219,20 @@ def test_plan_shows_a_dpo_runs_rows_and_reference(
     assert main(["plan", str(config), "--budget", "64GiB", "method.name=full"]) == 0
     text = capsys.readouterr().out
     assert "reference pass before training" in text
+
+
+def test_a_recommended_method_brings_its_own_reference() -> None:
+    """A full DPO run that does not fit falls back to LoRA, whose reference is a forward per
+    micro-batch, not the pass before training that full fine-tuning needs."""
+    config = tiny_llama_config()
+    full = model_facts_for(config, "fp32", "segments", MethodConfig(name="full"))
+    lora = model_facts_for(config, "fp32", "segments", MethodConfig(name="lora"))
+    step = StepSettings(4, 256, attn_implementation="segments", reference="precomputed")
+    step = replace(step, reference_rows=8)
+    smallest = replace(step, micro_batch=1, gradient_checkpointing=True)
+    budget = estimate(full, smallest).needed - 1  # full fine-tuning fits no settings
+    plan = recommend({"full": full, "lora": lora}, "full", step, 4, budget)
+    assert plan is not None and plan.method == "lora", plan
+    assert plan.breakdown.reference > 0 and plan.breakdown.reference_pass == 0
+    kept = recommend({"full": full}, "full", step, 4, 10 * budget)
+    assert kept is not None and kept.breakdown.reference_pass > 0 == kept.breakdown.reference
