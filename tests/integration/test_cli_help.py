@@ -16,6 +16,7 @@ from support import run_cli
 import leantune
 from leantune.cli.app import build_parser
 from leantune.config import Config
+from leantune.config.preference import PreferenceConfig
 
 
 def _commands() -> dict[str, argparse.ArgumentParser]:
@@ -96,3 +97,16 @@ def test_validate_help_fields_lists_every_field_with_its_default() -> None:
             value = json.dumps(getattr(getattr(cfg, section.name), f.name), default=str)
             at = lines.index(f"  {key}={value}")  # an override that sets the default
             assert lines[at + 1].strip(), f"{key}: no docstring"
+
+
+def test_validate_help_fields_lists_the_preference_settings_with_their_objectives() -> None:
+    """Every preference.* field and train.objective are listed, each with a doc that names
+    the objectives reading it (issue 34: the new settings are covered)."""
+    lines = run_cli(["validate", "--help-fields"]).out.splitlines()
+    keys = {line.strip().split("=", 1)[0]: n for n, line in enumerate(lines) if "=" in line}
+    preference = [f"preference.{f.name}" for f in dataclasses.fields(PreferenceConfig)]
+    assert len(preference) >= 8 and "train.objective" in keys
+    for key in preference:
+        assert key in keys, key
+        doc = lines[keys[key] + 1]
+        assert any(name in doc for name in ("dpo", "simpo", "orpo", "kto")), (key, doc)

@@ -16,6 +16,7 @@ import pytest
 from support import run_cli, write_jsonl
 
 from leantune.data.formats import read_records
+from leantune.data.preference_dataset import preference_data
 from leantune.data.tokenize import encode_record
 
 ANSWER = "hello world"
@@ -201,3 +202,62 @@ def test_auto_lengths_and_packing_are_what_train_uses(tmp_path: Path, tiny_llama
     r = run_cli(["inspect", *args, "method.name=prompt"])
     assert r.code == 0, r
     assert "data.pack=false: one example per row, 6 rows" in r.out
+
+
+PAIRS = [
+    {"prompt": "What is 2 plus 2?", "chosen": "It is 4.", "rejected": "Maybe 5."},
+    {"prompt": "What is 3 plus 3?", "chosen": "It is 6.", "rejected": "Maybe 7."},
+    {"prompt": "What is 4 plus 4?", "chosen": "Same.", "rejected": "Same."},  # a bad line
+]
+
+
+def test_a_pair_shows_its_prompt_once_and_each_answers_supervised_span(
+    tmp_path: Path, tiny_llama_dir: Path, tokenizer
+) -> None:
+    """train.objective=dpo: each pair's prompt once, then the chosen and the rejected answer
+    with exactly their supervised tokens marked (the answer and its end of turn, as SFT's view
+    marks them), counted as the tokenizer counts them; the rows of both answers; the plan with
+    the reference's forward; data train would refuse exits 2."""
+    data = write_jsonl(tmp_path / "d.jsonl", PAIRS)
+    extra = ["train.objective=dpo", "data.max_bad_fraction=0.5"]
+    r = inspect(tmp_path, tiny_llama_dir, data, "preference", *extra)
+    assert r.code == 0, r
+    out = r.out
+    first, second = out.split("--- pair 1 of 2 (d.jsonl:1)", 1)[1].split("--- pair 2 of 2", 1)
+    assert first.count("What is 2 plus 2?") == 1 and "What is 2 plus 2?" not in second
+    spans = re.findall(r"\[\[(.*?)\]\]", out.split("--- pair 1", 1)[1], re.S)
+    answers = ["It is 4.", "Maybe 5.", "It is 6.", "Maybe 7."]
+    assert spans == [f"{a}<|im_end|>\n" for a in answers], out
+    pairs = preference_data(data, fmt="preference", tokenizer=tokenizer, max_bad_fraction=0.5)
+    p = pairs.pairs[0]
+    supervised = sum(t != -100 for t in p.chosen_labels)
+    assert f"prompt ({len(p.prompt_ids)} tokens):" in first
+    assert f"chosen ({len(p.chosen_ids)} tokens, {supervised} supervised):" in first
+    assert f"rejected ({len(p.rejected_ids)} tokens, " in first
+    # A row holds whole pairs, the prompt once per answer: both pairs fit one row of 256.
+    rows = sum(2 * len(q.prompt_ids) + len(q.chosen_ids) + len(q.rejected_ids) for q in pairs.pairs)
+    assert "packing: data.pack=true: 2 pairs in 1 row of up to 2 x data.max_seq_len=128" in out
+    assert f"the longest row {rows})" in out
+    assert "bad lines: 1 of 3" in out and "d.jsonl:3: chosen and rejected are identical" in out
+    assert "reference forward (no grad)" in out and "nothing was written" in out
+    # The whole default (max_bad_fraction) refuses a third bad, as train does.
+    refused = inspect(tmp_path, tiny_llama_dir, data, "preference", "train.objective=dpo")
+    assert refused.code == 2 and "bad lines: 1 of 3" in refused.out, refused
+
+
+def test_an_unpaired_example_shows_its_completion_and_label(
+    tmp_path: Path, tiny_llama_dir: Path
+) -> None:
+    rows = [
+        {"prompt": "What is 2 plus 2?", "completion": "It is 4.", "label": True},
+        {"prompt": "What is 3 plus 3?", "completion": "Maybe 7.", "label": False},
+    ]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    r = inspect(tmp_path, tiny_llama_dir, data, "kto", "train.objective=kto", "data.pack=false")
+    assert r.code == 0, r
+    assert "--- example 2 of 2 (d.jsonl:2)" in r.out
+    assert re.search(r"completion, label true \(desirable; \d+ tokens, \d+ supervised\)", r.out)
+    assert "completion, label false (undesirable;" in r.out
+    spans = re.findall(r"\[\[(.*?)\]\]", r.out.split("--- example 1", 1)[1], re.S)
+    assert spans == ["It is 4.<|im_end|>\n", "Maybe 7.<|im_end|>\n"], r.out
+    assert "packing: data.pack=false: one example per row, 2 rows" in r.out

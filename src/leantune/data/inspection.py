@@ -16,7 +16,9 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from leantune.data.dataset import NOT_BAD
 from leantune.data.packing import best_fit_decreasing
-from leantune.data.preference_tokenize import PreferencePair
+from leantune.data.preference_dataset import PreferenceData
+from leantune.data.preference_packing import PreferenceRow
+from leantune.data.preference_tokenize import PreferencePair, UnpairedExample
 from leantune.data.prepare.dedup import DedupIndex
 from leantune.data.prepare.engines import run_local
 from leantune.data.prepare.records import PrepareSettings, Rejection
@@ -185,6 +187,82 @@ def render_pair(
             f"{name} ({len(ids)} tokens, {n} supervised):",
             _marked_answer(tokenizer, ids, labels, colour),
         ]
+    return "\n".join(lines)
+
+
+def render_unpaired(
+    tokenizer: PreTrainedTokenizerBase, example: UnpairedExample, colour: bool = False
+) -> str:
+    """An unpaired (KTO) example as `inspect` shows it: the prompt, then the completion with
+    its label and its supervised tokens marked."""
+    label = "desirable" if example.label else "undesirable"
+    return "\n".join(
+        [
+            f"prompt ({len(example.prompt_ids)} tokens):",
+            _marked_answer(tokenizer, example.prompt_ids, [], colour),
+            f"completion, label {str(example.label).lower()} ({label}; "
+            f"{len(example.completion_ids)} tokens, {example.num_supervised} supervised):",
+            _marked_answer(tokenizer, example.completion_ids, example.completion_labels, colour),
+        ]
+    )
+
+
+def format_preference_inspection(
+    data: PreferenceData,
+    rows: list[PreferenceRow],
+    tokenizer: PreTrainedTokenizerBase,
+    max_seq_len: int,
+    pack: bool,
+    shown: int,
+    colour: bool,
+) -> str:
+    """The report for preference (or KTO) data: `shown` pairs (examples) with each answer's
+    supervised tokens marked, the sequences' lengths, the rows and the bad lines."""
+    marks = "in bright green" if colour else f"between {OPEN} and {CLOSE}"
+    lines = [f"supervised tokens (the loss is trained on them) are shown {marks}", ""]
+    paired = data.format == "preference"
+    what = "pair" if paired else "example"
+    total = len(data.examples)
+    for n, example in enumerate(data.examples[:shown], start=1):
+        where = f"{Path(example.source).name}:{example.line}" if example.source else ""
+        lines.append(f"--- {what} {n} of {total}" + (f" ({where})" if where else ""))
+        if isinstance(example, PreferencePair):
+            lines += [render_pair(tokenizer, example, colour), ""]
+        else:
+            lines += [render_unpaired(tokenizer, example, colour), ""]
+    sequences = [r.segments for r in rows]
+    lengths = sorted(s.end - s.start for segments in sequences for s in segments)
+    supervised = sum(t != IGNORE_INDEX for r in rows for t in r.labels)
+    if lengths:
+        lines.append(
+            f"lengths: {len(lengths)} sequences (a prompt and one answer), {sum(lengths)} "
+            f"tokens ({supervised} supervised); min {lengths[0]}, median "
+            f"{lengths[len(lengths) // 2]}, max {lengths[-1]}"
+        )
+        lines += histogram(lengths)
+    else:
+        lines.append("lengths: no example kept")
+    longest = max((len(r.input_ids) for r in rows), default=0)
+    plural = "s" if len(rows) != 1 else ""
+    if pack:
+        limit = (
+            f"2 x data.max_seq_len={max_seq_len}" if paired else f"data.max_seq_len={max_seq_len}"
+        )
+        # A pair is the packing unit: its loss compares the two answers within one row.
+        unit = "a pair's two sequences are never split; " if paired else ""
+        lines.append(
+            f"packing: data.pack=true: {total} {what}s in {len(rows)} row{plural} of up to "
+            f"{limit} tokens ({unit}the longest row {longest})"
+        )
+    else:
+        lines.append(
+            f"packing: data.pack=false: one {what} per row, {len(rows)} row{plural}, the longest "
+            f"{longest} tokens; rows are padded to the longest of their micro-batch"
+        )
+    lines.append(f"bad lines: {len(data.bad)} of {data.total_lines}")
+    lines += [f"  {Path(b.file).name}:{b.line}: {b.reason}" for b in data.bad[:SHOWN_BAD]]
+    if len(data.bad) > SHOWN_BAD:
+        lines.append(f"  ... and {len(data.bad) - SHOWN_BAD} more")
     return "\n".join(lines)
 
 

@@ -10,7 +10,14 @@ What the loop keeps alive (training/recipe.py, training/token_loss.py):
   saved activations: they peak at the end of backward and during `optimizer.step`, whose
   single-tensor AdamW (the CPU default) makes two temporaries the size of the largest parameter.
 So: peak = overhead + weights + optimizer
-           + max(activations + max(loss, recomputed block), gradients + step temporaries).
+           + max(activations + max(loss, recomputed block, reference),
+                 gradients + step temporaries).
+
+A preference objective (objectives/batch.py) adds the reference model's forward, without grad:
+with an adapter method it runs on every micro-batch after the policy's forward, whose saved
+activations are alive meanwhile (`reference`); full and freeze run it once over the data before
+training instead, with no optimizer state or gradients yet (`Breakdown.reference_pass`), and
+keep one float per sequence.
 
 Those are live tensors; what a run needs is more (`Breakdown.needed`): the allocator's share
 (`FIT_MARGIN`, by allocator), and before training the load phase (`load_bytes`), when the
@@ -30,7 +37,9 @@ block's tensors are recomputed at a time.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Literal
 
+from leantune.core.chunked_ce import CHUNK
 from leantune.memory.facts import ATTN_INPUT, MLP_INPUT, LayerTraining, ModelFacts, ModelShape
 
 GIB = 1024**3
@@ -124,6 +133,12 @@ class StepSettings:
     GGUF's quantised blocks are)."""
     checkpoint_streamed: bool = False
     """Loading reads the files tensor by tensor (`models.weight_files`), not memory-mapped."""
+    reference: Literal["none", "forward", "precomputed"] = "none"
+    """A preference objective's reference (or KTO's KL estimate): "forward", a forward without
+    grad on every micro-batch (adapters off); "precomputed", one pass over the data before
+    training (full, freeze), `reference_rows` rows at a time."""
+    reference_rows: int = 0
+    """Rows per forward of the precomputed reference pass."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +155,10 @@ class Breakdown:
     step_temporaries: int
     load: int = 0
     """Peak of the load phase (`load_bytes`), runtime included; 0 when not modelled."""
+    reference: int = 0
+    """Transient of the reference's forward without grad on every micro-batch (0: none)."""
+    reference_pass: int = 0
+    """Peak of the reference pass before training, runtime and weights included (0: none)."""
     margin: float = 1.0
     """`FIT_MARGIN` of the device: how far above `peak` the process was measured to go."""
 
@@ -147,13 +166,16 @@ class Breakdown:
     def needed(self) -> int:
         """Memory the run needs: the step's peak with the allocator's margin, or the load
         phase's peak when that is higher. A plan fits a budget when this does."""
-        return max(int(self.peak * self.margin + 0.5), self.load)
+        # The reference pass is live tensors, as the step is, so it gets the same margin.
+        live = max(self.peak, self.reference_pass)
+        return max(int(live * self.margin + 0.5), self.load)
 
     @property
     def backward_phase(self) -> int:
-        """Kept activations plus the larger of the loss transient (start of backward) and, with
-        checkpointing, one recomputed block (later, when the loss tensors are freed)."""
-        return self.activations + max(self.loss, self.recompute)
+        """Kept activations plus the largest of the loss transient (start of backward), with
+        checkpointing one recomputed block (later, when the loss tensors are freed), and the
+        reference's forward (before the loss, after the policy's forward)."""
+        return self.activations + max(self.loss, self.recompute, self.reference)
 
     @property
     def update_phase(self) -> int:
@@ -323,11 +345,39 @@ def load_bytes(facts: ModelFacts, st: StepSettings, weight_itemsize: int, weight
     return overhead + weights + st.checkpoint_bytes
 
 
+def no_grad_forward_bytes(facts: ModelFacts, st: StepSettings, rows: int) -> int:
+    """Peak transient of one forward without grad over `rows` rows (the reference's log-probs,
+    `models.loss.reference_token_logps`): the larger of a block's and the output projection's.
+
+    Against a live-tensor count (tests/unit/memory/test_plan_preference.py) it was 0.93x-1.06x
+    on a 2-block and a 4-block Llama, fp32 and bf16. Nothing is kept for backward, so a block
+    holds the residual stream (its input, the attention sum, the normed input, the embeddings;
+    fp32 under autocast, as the weights are) and the MLP's gate, up and their product at once;
+    the projection holds two fp32 chunks of logits (and the low-precision one under autocast)
+    next to the supervised hidden states.
+    """
+    s = facts.shape
+    act = 4 if st.precision == "fp32" else 2
+    tokens = rows * st.seq_len
+    per_token = 4 * s.hidden * 4 + 3 * s.intermediate * act + 2 * s.head_dim * 4  # + RoPE
+    per_token += 0 if st.precision == "fp32" else s.hidden * act  # the input cast for a linear
+    # sdpa's boolean mask and the float copy it makes of it; segments build none.
+    mask = 0 if st.attn_implementation == "segments" else rows * st.seq_len**2 * (1 + act)
+    per_row = st.supervised_per_row if st.supervised_per_row is not None else st.seq_len
+    n = rows * min(per_row, st.seq_len)
+    chunk = min(n, CHUNK)  # the output projection runs this many positions at a time
+    head = chunk * s.vocab * (8 if st.precision == "fp32" else 10) + n * s.hidden * 4
+    return int(max(tokens * per_token + mask, head))
+
+
 def estimate(facts: ModelFacts, st: StepSettings, weight_itemsize: int = 4) -> Breakdown:
     """Predict the peak memory of a training step with settings `st`, and of loading."""
     weights = weight_bytes(facts, st, weight_itemsize)
+    overhead = RUNTIME_OVERHEAD.get(st.device, RUNTIME_OVERHEAD["cpu"])
+    precomputed = st.reference == "precomputed"
+    rows = st.reference_rows
     return Breakdown(
-        overhead=RUNTIME_OVERHEAD.get(st.device, RUNTIME_OVERHEAD["cpu"]),
+        overhead=overhead,
         weights=weights,
         gradients=facts.trainable_bytes,
         optimizer=optimizer_bytes(facts, st.optimizer),
@@ -336,6 +386,12 @@ def estimate(facts: ModelFacts, st: StepSettings, weight_itemsize: int = 4) -> B
         recompute=recompute_bytes(facts, st),
         step_temporaries=step_temporaries(facts, st.device),
         load=load_bytes(facts, st, weight_itemsize, weights),
+        reference=no_grad_forward_bytes(facts, st, st.micro_batch)
+        if st.reference == "forward"
+        else 0,
+        reference_pass=(
+            overhead + weights + no_grad_forward_bytes(facts, st, rows) if precomputed else 0
+        ),
         margin=fit_margin(st.device, st.allocator, st.weight_quant is not None),
     )
 

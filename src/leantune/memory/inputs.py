@@ -16,6 +16,7 @@ from leantune.memory.estimate import StepSettings
 from leantune.memory.facts import ModelFacts, build_meta_model, model_facts
 from leantune.methods.errors import MethodError
 from leantune.methods.registry import METHODS, apply_method, compute_dtype
+from leantune.objectives.registry import OBJECTIVES, REFERENCE_PASS_ROWS, reference_kind
 
 if TYPE_CHECKING:
     from leantune.models.attention import AttnImplementation
@@ -57,6 +58,9 @@ class PlanInputs:
     """Whether the loss adds a KL term against the base model (train.kl_coef > 0)."""
     memory_budget: str | None
     """train.memory_budget (None: the device's default budget)."""
+    objective: str = "sft"
+    """train.objective: a paired one's rows hold two sequences of up to max_seq_len each, and
+    one with a reference adds its forward (`objectives.registry.reference_kind`)."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,12 @@ def plan_basis(
     limit = inputs.max_seq_len
     if limit is None:  # max_seq_len=auto: the model's context (2048 where the config lacks one)
         limit = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
+    spec = OBJECTIVES.get(inputs.objective)  # None: sft
+    if spec is not None and spec.data == "paired":
+        # data.max_seq_len bounds one prompt and answer; a row holds whole pairs, both answers
+        # (training.preference_setup packs rows of twice the limit).
+        limit *= 2
+    trains_base = METHODS[inputs.method.name].trains_base_weights
     streamed = streamed_shards(source, hf_config, inputs.trust_remote_code) is not None
     step = StepSettings(
         micro_batch=micro,
@@ -161,6 +171,8 @@ def plan_basis(
         checkpoint_bytes=files,
         checkpoint_itemsize=file_itemsize,
         checkpoint_streamed=streamed,
+        reference="none" if spec is None else reference_kind(spec, trains_base),
+        reference_rows=REFERENCE_PASS_ROWS,
     )
     return PlanBasis(facts, step, global_batch, DTYPE_BYTES[inputs.model_dtype], hf_config)
 

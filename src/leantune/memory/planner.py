@@ -117,6 +117,12 @@ def _fastest_fitting(
 ) -> Plan | None:
     """`recommend` for one method and weight dtype."""
     quant = METHODS[method].planned_weight_quant or step.weight_quant
+    reference = step.reference
+    if reference != "none":
+        # A preference objective's reference follows the method: the ones that train the base
+        # weights compute it before training, adapters switch off for a forward per micro-batch
+        # (`objectives.registry.reference_kind`).
+        reference = "precomputed" if METHODS[method].trains_base_weights else "forward"
     # Innermost the micro-batch, halved (grad accumulation keeps the global batch); then
     # gradient checkpointing, off before on (sorted: False first), since it costs ~30% step
     # time; outermost the optimizer, whose lighter states change the training itself.
@@ -129,6 +135,7 @@ def _fastest_fitting(
                     gradient_checkpointing=ckpt,
                     optimizer=opt,
                     weight_quant=quant,
+                    reference=reference,
                 )
                 b = estimate(facts, st, weight_itemsize)
                 if b.needed <= budget:

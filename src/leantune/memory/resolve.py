@@ -130,12 +130,16 @@ def describe(b: Breakdown) -> str:
     text = (
         f"peak {b.peak / GIB:.2f} GiB (weights {b.weights / GIB:.2f}, "
         f"optimizer {b.optimizer / GIB:.2f}, activations {b.activations / GIB:.2f}, "
-        f"loss {b.loss / GIB:.2f}, gradients {b.gradients / GIB:.2f})"
+        f"loss {b.loss / GIB:.2f}, gradients {b.gradients / GIB:.2f}"
+        + (f", reference forward {b.reference / GIB:.2f}" if b.reference else "")
+        + ")"
     )
     if b.margin != 1:
         text += f", {b.peak * b.margin / GIB:.2f} GiB with the allocator's x{b.margin:g} margin"
     if b.load:
         text += f"; loading the checkpoint {b.load / GIB:.2f} GiB"
+    if b.reference_pass:
+        text += f"; the reference pass before training {b.reference_pass / GIB:.2f} GiB"
     return text
 
 

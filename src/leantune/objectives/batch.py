@@ -26,6 +26,7 @@ from leantune.models.loss import (
 )
 from leantune.objectives.logps import SequenceLogps, sequence_logps
 from leantune.objectives.preference import ObjectiveOutput, PreferenceBatch, kto_kl
+from leantune.objectives.registry import REFERENCE_PASS_ROWS
 from leantune.objectives.spec import ObjectiveSettings, ObjectiveSpec
 
 MODEL_INPUTS = ("input_ids", "labels", "position_ids")
@@ -264,17 +265,13 @@ def kl_partners(n: int, seed: int) -> tuple[int, ...]:
     return tuple(partners)
 
 
-REFERENCE_BATCH = 8
-"""Rows per forward of `with_reference` (part of its cache key: it decides the padding)."""
-
-
 def with_reference(
     step: PreferenceStep,
     model: nn.Module,
     device: torch.device,
     precision: str,
     pad_id: int,
-    batch_size: int = REFERENCE_BATCH,
+    batch_size: int = REFERENCE_PASS_ROWS,
 ) -> PreferenceStep:
     """`step` with the reference's log-probs of every sequence, computed now by `model`.
 
@@ -324,7 +321,7 @@ def with_kl_reference(
     device: torch.device,
     precision: str,
     pad_id: int,
-    batch_size: int = REFERENCE_BATCH,
+    batch_size: int = REFERENCE_PASS_ROWS,
 ) -> PreferenceStep:
     """`step` with the reference's log-probs of KTO's KL sequences, computed now by `model`
     (unchanged for other objectives); as `with_reference`, before a resume's restore."""

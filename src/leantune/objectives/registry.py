@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from leantune.objectives.spec import ObjectiveSettings, ObjectiveSpec
 
@@ -12,6 +12,10 @@ if TYPE_CHECKING:
 
 SFT = "sft"
 """`train.objective` of supervised fine-tuning: the token loss, no spec here."""
+REFERENCE_PASS_ROWS = 8
+"""Rows per forward of the reference pass before training (`objectives.batch.with_reference`)."""
+
+ReferenceKind = Literal["none", "forward", "precomputed"]
 
 
 # Each loss is a thin wrapper that imports objectives.preference (torch) only when called:
@@ -100,3 +104,13 @@ def settings_for(spec: ObjectiveSpec, cfg: PreferenceConfig) -> ObjectiveSetting
         desirable_weight=cfg.desirable_weight,
         undesirable_weight=cfg.undesirable_weight,
     )
+
+
+def reference_kind(spec: ObjectiveSpec, trains_base_weights: bool) -> ReferenceKind:
+    """How a run gets the log-probs its loss compares against: "precomputed" once before
+    training (full and freeze: their reference is the model before its first update, and no
+    adapter can be switched off), "forward" on every micro-batch without grad (adapters off;
+    KTO's KL estimate too), or "none"."""
+    if spec.needs_reference and trains_base_weights:
+        return "precomputed"
+    return "forward" if spec.needs_reference or spec.needs_kl_pairs else "none"

@@ -45,6 +45,7 @@ from leantune.monitor.events import EventLog, lift_pause
 from leantune.monitor.sinks import Sinks
 from leantune.monitor.step_stats import StepStats
 from leantune.objectives.batch import with_reference
+from leantune.objectives.registry import reference_kind
 from leantune.training.evaluation import (
     EvalInputs,
     EvalSettings,
@@ -336,7 +337,8 @@ def preference_objective(
     reads those of its own shard of each window."""
     assert run.preference is not None
     trainer.objective = run.preference.step(cfg)
-    if trainer.objective.spec.needs_reference and METHODS[cfg.method.name].trains_base_weights:
+    spec = trainer.objective.spec
+    if reference_kind(spec, METHODS[cfg.method.name].trains_base_weights) == "precomputed":
         # Before start_state: a resume's restore has not yet put the trained weights in.
         fingerprint = run.plan.fingerprint.fields
         trainer.objective = reference_for(

@@ -5,9 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
 from leantune.config import Config
 from leantune.data.dataset import prepared_data
 from leantune.data.packing import longest_example, rows_for
+from leantune.data.preference_dataset import preference_data
+from leantune.data.preference_packing import PreferenceRow
 from leantune.data.prepare.provenance import TokenizerMismatch
 from leantune.data.prepare.records import PrepareSettings
 from leantune.data.templates import apply_chat_template
@@ -22,8 +26,15 @@ from leantune.memory.planner import (
 )
 from leantune.methods.checks import effective_pack
 from leantune.models.loading import load_tokenizer, resolve_model
+from leantune.objectives.registry import SFT
 from leantune.training.planning import plan_inputs
-from leantune.training.run_setup import FALLBACK_CONTEXT, model_context, resolved_global_batch
+from leantune.training.preference_setup import longest_sequence, preference_rows
+from leantune.training.run_setup import (
+    FALLBACK_CONTEXT,
+    model_context,
+    resolved_global_batch,
+    with_objective_format,
+)
 
 COMPONENTS = (
     ("overhead", "runtime (python, torch; CUDA context)"),
@@ -32,10 +43,12 @@ COMPONENTS = (
     ("activations", "activations saved for backward"),
     ("loss", "logits + loss (supervised positions)"),
     ("recompute", "recomputed block (checkpointing)"),
+    ("reference", "reference forward (no grad)"),
     ("gradients", "gradients"),
     ("step_temporaries", "optimizer-step temporaries"),
 )
 LOAD_LABEL = "loading the checkpoint"
+REFERENCE_PASS_LABEL = "reference pass before training"
 
 
 RowStats = tuple[int | None, int | None, int, int]
@@ -64,6 +77,8 @@ def row_stats_from_data(cfg: Config) -> RowStats:
             else (model_context(source.location, source.gguf_file, cfg.model) or FALLBACK_CONTEXT)
         )
         pack = effective_pack(d.pack, cfg.method.name)
+        if cfg.train.objective != SFT:
+            return _preference_row_stats(cfg, tok, limit, pack)
         # Uncleaned and every line accepted; no cache directory (`plan` writes nothing). A
         # prepared directory's rows are used as they are, as `train` uses them.
         settings = PrepareSettings(
@@ -84,6 +99,34 @@ def row_stats_from_data(cfg: Config) -> RowStats:
     longest = max((len(r.input_ids) for r in rows), default=0) or None
     supervised = max_supervised_per_row([r.labels for r in rows])
     return supervised, longest, len(rows), len(data.examples)
+
+
+def _preference_row_stats(
+    cfg: Config, tok: PreTrainedTokenizerBase, limit: int, pack: bool
+) -> RowStats:
+    """`RowStats` of a preference run's rows, packed as `train` packs them (no cache written)."""
+    d = with_objective_format(cfg).data  # data.format=chat (the default) reads the pairs
+    assert d.train is not None
+    data = preference_data(
+        d.train,
+        fmt=d.format,
+        tokenizer=tok,
+        max_seq_len=limit,
+        system_prompt=d.system_prompt,
+        system_message=d.system_message,
+        max_bad_fraction=1.0,
+    )
+    seq_len = longest_sequence(data) if d.max_seq_len == "auto" else limit
+    return preference_row_stats(preference_rows(data, seq_len, pack))
+
+
+def preference_row_stats(rows: list[PreferenceRow]) -> RowStats:
+    """`RowStats` of a preference run's packed rows."""
+    longest = max((len(r.input_ids) for r in rows), default=0) or None
+    supervised = max_supervised_per_row([r.labels for r in rows])
+    # Sequences, not pairs: the examples `train`'s default global batch counts (its data holds
+    # a pair's two answers as two).
+    return supervised, longest, len(rows), sum(len(r.segments) for r in rows)
 
 
 def plan(
@@ -154,7 +197,7 @@ def format_text(result: dict[str, Any]) -> str:
         lines.append(f"  {label:40s} {b[key] / GIB:8.3f} GiB")
     lines.append(
         "  peak = runtime + weights + optimizer"
-        " + max(activations + max(loss, recompute), gradients + step)"
+        " + max(activations + max(loss, recompute, reference), gradients + step)"
     )
     lines.append(f"  {'predicted peak (live tensors)':40s} {b['peak'] / GIB:8.3f} GiB")
     if b["margin"] != 1:
@@ -163,6 +206,8 @@ def format_text(result: dict[str, Any]) -> str:
         lines.append(f"  ({MARGIN_MEASURED[result['margin_of']]}: estimate.FIT_MARGIN)")
     if b["load"]:
         lines.append(f"  {LOAD_LABEL:40s} {b['load'] / GIB:8.3f} GiB")
+    if b["reference_pass"]:
+        lines.append(f"  {REFERENCE_PASS_LABEL:40s} {b['reference_pass'] / GIB:8.3f} GiB")
     lines.append(f"  {'needed':40s} {b['needed'] / GIB:8.3f} GiB")
     budget = result["budget"] / GIB
     verdict = "fits" if result["fits"] else "does NOT fit"

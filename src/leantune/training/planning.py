@@ -31,4 +31,5 @@ def plan_inputs(cfg: Config) -> PlanInputs:
         optimizer=t.optimizer,
         kl=t.kl_coef > 0,
         memory_budget=t.memory_budget,
+        objective=t.objective,
     )

@@ -25,7 +25,6 @@ from leantune.data.preference_packing import PreferenceRow, pack_pairs, pack_unp
 from leantune.layout import RunPaths
 from leantune.methods.checks import effective_pack
 from leantune.objectives.batch import (
-    REFERENCE_BATCH,
     PreferenceStep,
     as_row,
     kl_partners,
@@ -34,7 +33,7 @@ from leantune.objectives.batch import (
     with_reference,
 )
 from leantune.objectives.reference import read_reference, reference_key, write_reference
-from leantune.objectives.registry import OBJECTIVES, settings_for
+from leantune.objectives.registry import OBJECTIVES, REFERENCE_PASS_ROWS, settings_for
 
 Log = Callable[[str], None]
 
@@ -90,6 +89,16 @@ def _loop_row(row: PreferenceRow) -> Row:
     return replace(as_row(row), examples=tuple(index[s.answer](s.example) for s in row.segments))
 
 
+def preference_rows(data: PreferenceData, max_seq_len: int, pack: bool) -> list[PreferenceRow]:
+    """The training rows of `data`: packed up to the sequence limit (pairs: twice it), or one
+    example per row."""
+    if data.format == "preference":
+        # Rows of twice the sequence limit: a pair's two sequences always fit one row, so a
+        # pair is never split between rows (its loss compares them).
+        return pack_pairs(data.pairs, 2 * max_seq_len if pack else None)
+    return pack_unpaired(data.unpaired, max_seq_len if pack else None)
+
+
 def load_preference_data(
     cfg: Config, tokenizer: PreTrainedTokenizerBase, context: int | None, log: Log
 ) -> tuple[PreparedData, PreferenceRun, int]:
@@ -129,13 +138,7 @@ def load_preference_data(
     max_seq_len = longest_sequence(data) if auto else int(d.max_seq_len)
     if auto:
         log(f"data.max_seq_len=auto: {max_seq_len} tokens, the longest prompt and answer")
-    pack = effective_pack(d.pack, cfg.method.name)
-    if data.format == "preference":
-        # Rows of twice the sequence limit: a pair's two sequences always fit one row, so a
-        # pair is never split between rows (its loss compares them).
-        rows = pack_pairs(data.pairs, 2 * max_seq_len if pack else None)
-    else:
-        rows = pack_unpaired(data.unpaired, max_seq_len if pack else None)
+    rows = preference_rows(data, max_seq_len, effective_pack(d.pack, cfg.method.name))
     sequences = [s for p in data.pairs for s in (p.sequence("chosen"), p.sequence("rejected"))]
     sequences += [e.sequence() for e in data.unpaired]
     # A record per sequence, as the SFT data has one per example: the guard's events and the
@@ -187,7 +190,7 @@ def reference_for(
         settings = {
             "precision": cfg.train.precision,
             "device": where,  # other kernels, other bits
-            "batch": REFERENCE_BATCH,  # the padding of each forward
+            "batch": REFERENCE_PASS_ROWS,  # the padding of each forward
             "compile": cfg.train.compile,
         }
         key = reference_key(model_facts, settings, step.rows)

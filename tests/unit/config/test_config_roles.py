@@ -69,3 +69,16 @@ def test_refused_changes_are_the_refused_roles() -> None:
     assert set(reasons) == {k for k, r in field_roles().items() if r is Role.REFUSED}
     assert reasons.items() <= REFUSED.items()
     assert set(REFUSED) - set(reasons) == {"model.architecture"}  # not a config field
+
+
+def test_a_preference_runs_fingerprint_holds_every_preference_setting() -> None:
+    """train.objective and every preference.* field are recorded for a preference run (another
+    beta is another run) and none of them for an sft run."""
+    keys = {"train.objective"} | {k for k in field_docs() if k.startswith("preference.")}
+    assert len(keys) >= 9
+    assert all(field_roles()[k] is Role.OBJECTIVE for k in keys)
+    for objective in ("dpo", "simpo", "orpo", "kto"):
+        cfg = Config()
+        cfg.train.objective = objective  # type: ignore[assignment]
+        assert keys <= set(trajectory_settings(cfg)), objective
+    assert not keys & set(trajectory_settings(Config()))
