@@ -351,3 +351,35 @@ def serving(root: Path) -> Iterator[DashboardServer]:
         server.shutdown()
         server.server_close()
         thread.join()
+
+
+# ---------------------------------------------------------------------------------------------
+# Preference objectives: pairs, unpaired (KTO) examples and a `leantune train` on them
+
+PAIRS = [
+    {"prompt": f"What is {i} plus {i}?", "chosen": f"It is {2 * i}.", "rejected": f"Maybe {i}."}
+    for i in range(8)
+]
+UNPAIRED = [
+    {"prompt": f"What is {i} plus {i}?", "completion": f"It is {2 * i}.", "label": True}
+    for i in range(4)
+] + [
+    {"prompt": f"What is {i} plus {i}?", "completion": f"Maybe {i}.", "label": False}
+    for i in range(4)
+]
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+
+
+def pref_args(model: Path, data: Path, run: Path, objective: str, *extra: str) -> list[str]:
+    """`leantune train` with train.objective: data.format=chat (tiny_train_args's, the
+    default) is read as the objective's format (preference, kto)."""
+    return tiny_train_args(
+        model,
+        data,
+        run,
+        f"train.objective={objective}",
+        "data.max_seq_len=auto",
+        "train.precision=fp32",
+        "method.dropout=0",
+        *extra,
+    )

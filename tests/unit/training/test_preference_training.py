@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from support import make_config, run_cli, tiny_train_args, write_jsonl
+from support import (
+    PAIRS,
+    REWARDS,
+    UNPAIRED,
+    make_config,
+    pref_args,
+    run_cli,
+    write_jsonl,
+)
 
 from leantune.config.parse import ConfigError
 from leantune.core.signals import StopSignals
@@ -37,33 +45,6 @@ from leantune.training.run.fingerprint import trajectory_settings
 from leantune.training.trainer import preference_window
 
 SIGNAL_ENV = "LEANTUNE_SIGNAL_AT_MICRO_BATCH"
-PAIRS = [
-    {"prompt": f"What is {i} plus {i}?", "chosen": f"It is {2 * i}.", "rejected": f"Maybe {i}."}
-    for i in range(8)
-]
-UNPAIRED = [
-    {"prompt": f"What is {i} plus {i}?", "completion": f"It is {2 * i}.", "label": True}
-    for i in range(4)
-] + [
-    {"prompt": f"What is {i} plus {i}?", "completion": f"Maybe {i}.", "label": False}
-    for i in range(4)
-]
-REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
-
-
-def _args(model: Path, data: Path, run: Path, objective: str, *extra: str) -> list[str]:
-    """`leantune train` with train.objective: data.format=chat (tiny_train_args's, the
-    default) is read as the objective's format (preference, kto)."""
-    return tiny_train_args(
-        model,
-        data,
-        run,
-        f"train.objective={objective}",
-        "data.max_seq_len=auto",
-        "train.precision=fp32",
-        "method.dropout=0",
-        *extra,
-    )
 
 
 def test_a_dpo_run_starts_at_log_2_and_logs_the_rewards(
@@ -73,7 +54,7 @@ def test_a_dpo_run_starts_at_log_2_and_logs_the_rewards(
     is 0 and the DPO loss is exactly log 2; the reward metrics reach metrics.jsonl."""
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
     run = tmp_path / "run"
-    done = run_cli(_args(tiny_llama_dir, data, run, "dpo", "train.max_steps=3"))
+    done = run_cli(pref_args(tiny_llama_dir, data, run, "dpo", "train.max_steps=3"))
     assert done.code == 0, done
     steps = read_metrics(run / "metrics.jsonl")
     assert [m["step"] for m in steps] == [1, 2, 3]
@@ -220,7 +201,7 @@ def uninterrupted(
     def run(method: str, reference: str = "auto") -> Path:
         if (method, reference) not in done:
             out = tmp / f"{method}-{reference}"
-            args = _args(tiny_llama_dir, data, out, "dpo", *_resumable(method, 0, reference))
+            args = pref_args(tiny_llama_dir, data, out, "dpo", *_resumable(method, 0, reference))
             assert run_cli(args).code == 0
             done[method, reference] = out
         return done[method, reference]
@@ -250,7 +231,7 @@ def test_a_stopped_dpo_run_resumes_bit_exactly(
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
     straight = uninterrupted(method, reference)
     run = tmp_path / "run"
-    args = _args(tiny_llama_dir, data, run, "dpo", *_resumable(method, 0, reference))
+    args = pref_args(tiny_llama_dir, data, run, "dpo", *_resumable(method, 0, reference))
     monkeypatch.setenv(SIGNAL_ENV, "4:TERM")  # micro-batch 4: the first of step 3
     stopped = run_cli(args)
     monkeypatch.delenv(SIGNAL_ENV)
@@ -292,7 +273,7 @@ def test_a_dpo_run_killed_mid_step_resumes_bit_exactly(
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
     straight = uninterrupted(method)
     run = tmp_path / "run"
-    args = _args(tiny_llama_dir, data, run, "dpo", *_resumable(method, 2))
+    args = pref_args(tiny_llama_dir, data, run, "dpo", *_resumable(method, 2))
     killed = _in_a_process(args, {KILL_ENV: "4"})  # micro-batch 4: the first of step 3
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002"]
@@ -332,11 +313,11 @@ def test_an_oom_in_a_dpo_step_replays_it_with_half_the_micro_batch(
     fixed = ("train.max_steps=3", "data.pack=false", "train.global_batch_size=4")
     small = tmp_path / "small"
     one = ("train.micro_batch_size=1", "train.grad_accum=4")
-    assert run_cli(_args(tiny_llama_dir, data, small, "dpo", *fixed, *one)).code == 0
+    assert run_cli(pref_args(tiny_llama_dir, data, small, "dpo", *fixed, *one)).code == 0
     run = tmp_path / "run"
     monkeypatch.setenv(OOM_STEP_ENV, "2")
     two = ("train.micro_batch_size=2", "train.grad_accum=2")
-    assert run_cli(_args(tiny_llama_dir, data, run, "dpo", *fixed, *two)).code == 0
+    assert run_cli(pref_args(tiny_llama_dir, data, run, "dpo", *fixed, *two)).code == 0
     a, b = read_metrics(small / "metrics.jsonl"), read_metrics(run / "metrics.jsonl")
     assert [m["micro_batch_size"] for m in b] == [2, 1, 1]
     assert [e["kind"] for e in read_events(run / "events.jsonl")].count("oom") == 1
@@ -354,7 +335,7 @@ def test_simpo_orpo_and_kto_train(
     rows = UNPAIRED if objective == "kto" else PAIRS
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     run = tmp_path / "run"
-    done = run_cli(_args(tiny_llama_dir, data, run, objective, "train.max_steps=2"))
+    done = run_cli(pref_args(tiny_llama_dir, data, run, objective, "train.max_steps=2"))
     assert done.code == 0, done
     steps = read_metrics(run / "metrics.jsonl")
     assert len(steps) == 2 and all(math.isfinite(m["loss"]) and metric in m for m in steps)

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from support import make_config, run_cli, write_jsonl
-from test_preference_training import PAIRS, _args
+from support import PAIRS, make_config, pref_args, run_cli, write_jsonl
 
 from leantune.config.parse import ConfigError
 from leantune.data.preference_packing import PreferenceRow, Segment
@@ -27,7 +26,7 @@ LOADED = "reference: log-probs of 16 sequences loaded from"
 
 def _run(model: Path, data: Path, run: Path, *extra: str) -> tuple[str, list[dict], dict]:
     """A 3-step full DPO run: its output, metrics and final weights."""
-    done = run_cli(_args(model, data, run, "dpo", *FULL, *extra))
+    done = run_cli(pref_args(model, data, run, "dpo", *FULL, *extra))
     assert done.code == 0, done
     weights = load_file(run / "final" / "model.safetensors")
     return done.out, read_metrics(run / "metrics.jsonl"), weights
