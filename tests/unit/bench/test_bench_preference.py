@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
 from leantune.bench.preference import aggregate, leantune_command, parser, report, trl_command
 from leantune.bench.preference_pairs import TRAIN_SOURCE, near_miss, write_pairs
@@ -50,6 +51,16 @@ def test_both_commands_get_the_same_beta_lr_and_steps(tmp_path: Path) -> None:
     flags = dict(zip(theirs[3::2], theirs[4::2], strict=False))
     assert (flags["--beta"], flags["--lr"], flags["--max-steps"]) == ("0.25", "0.0003", "7")
     assert flags["--precision"] == "bf16"
+    asked = leantune_command(
+        "m", tmp_path / "p.jsonl", tmp_path / "r", {**ctx, "precision_asked": "fp32"}
+    )
+    assert [a for a in asked if a.startswith("train.precision")] == ["train.precision=fp32"]
+
+
+def test_the_cli_refuses_more_pairs_than_the_demo_data_holds() -> None:
+    result = run_cli(["bench", "preference", "--heldout", "201"])
+    assert result.code == 2 and "support_eval.jsonl has 200 conversations, not 201" in result.err
+    assert run_cli(["bench", "preference", "--help"]).code == 0
 
 
 def test_aggregate_takes_medians_and_judges_the_targets() -> None:
