@@ -363,6 +363,19 @@ COMMANDS: dict[str, Callable[[], st.SearchStrategy[Case]]] = {
         (),
         MODELS,
     ),
+    # Invalid values only: valid ones would train TRL and leantune (the bench's own tests do).
+    "bench preference": lambda: case(
+        args(
+            st.just(["bench", "preference", "--out", "{out}", "--model", "{model}"]),
+            st.sampled_from(
+                [[f, v] for f in ("--pairs", "--heldout", "--steps", "--reps") for v in SMALL[3:]]
+                + [[f, "x"] for f in ("--beta", "--lr", "--trl-batch")]
+                + [["--precision", "fp16"]]
+            ),
+        ),
+        (),
+        MODELS,
+    ),
 }
 """Every command and subcommand of `leantune --help` (a test keeps them in step)."""
 

@@ -142,8 +142,8 @@ def hf_command(
     ]  # fmt: skip
 
 
-def _leantune_result(run_dir: Path) -> dict[str, Any]:
-
+def leantune_result(run_dir: Path) -> dict[str, Any]:
+    """A finished leantune run's time, steps, useful tokens, precision and allocator."""
     paths = RunPaths(run_dir)
     summary = finished_summary(run_dir)
     metrics = read_metrics(paths.metrics)
@@ -181,7 +181,7 @@ def one_run(
             )
         raise RuntimeError(f"{system} {method} rep {rep} failed (exit {code}):\n{tail}{hint}")
     result = (
-        _leantune_result(out)
+        leantune_result(out)
         if system == "leantune"
         else json.loads((out / BASELINE_RESULT).read_text())
     )
@@ -316,7 +316,7 @@ def run_benchmark(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
             "grad_accum": HF_BATCH // args.hf_micro_batch,
         },
         "matmul_peak_gflops": peaks,
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "results": table,
         "runs": runs,
     }
@@ -327,7 +327,8 @@ def _chat_tokens(tokenizer: Any, messages: list[dict[str, str]]) -> int:
     return len(tokenizer(text)["input_ids"])
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """This CPU's model name, from /proc/cpuinfo."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

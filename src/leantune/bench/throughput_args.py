@@ -19,14 +19,14 @@ HF_BATCH = 8
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The benchmark's options (on `leantune bench throughput` and `benchmarks/vs_hf.py`)."""
     p.add_argument("--model", default="smollm2-135m-instruct", help="model both systems train")
-    p.add_argument("--conversations", type=_count, default=128, help="training conversations")
-    p.add_argument("--heldout", type=_count, default=32, help="held-out conversations (the judge)")
-    p.add_argument("--min-tokens", type=_count, default=40, help="shortest conversation (target)")
-    p.add_argument("--max-tokens", type=_count, default=1200, help="longest conversation (target)")
-    p.add_argument("--reps", type=_count, default=3, help="repetitions, alternating who goes first")
+    p.add_argument("--conversations", type=count, default=128, help="training conversations")
+    p.add_argument("--heldout", type=count, default=32, help="held-out conversations (the judge)")
+    p.add_argument("--min-tokens", type=count, default=40, help="shortest conversation (target)")
+    p.add_argument("--max-tokens", type=count, default=1200, help="longest conversation (target)")
+    p.add_argument("--reps", type=count, default=3, help="repetitions, alternating who goes first")
     p.add_argument("--methods", type=_methods, default=list(METHODS), help=",".join(METHODS))
-    p.add_argument("--threads", type=_count, default=os.cpu_count() or 1, help="intra-op threads")
-    p.add_argument("--max-seq-len", type=_count, default=2048, help="longest example kept")
+    p.add_argument("--threads", type=count, default=os.cpu_count() or 1, help="intra-op threads")
+    p.add_argument("--max-seq-len", type=count, default=2048, help="longest example kept")
     p.add_argument("--out", default="runs/bench-throughput", help="working folder")
     p.add_argument(
         "--precision",
@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _count(text: str) -> int:
+def count(text: str) -> int:
     """A whole number >= 1 (0 conversations or repetitions leave nothing to measure)."""
     try:
         n = int(text)
@@ -64,7 +64,7 @@ def _methods(text: str) -> list[str]:
 
 
 def _micro_batch(text: str) -> int:
-    n = _count(text)
+    n = count(text)
     # A divisor: micro-batch x accumulation must make exactly HF_BATCH examples per update.
     if n < 1 or HF_BATCH % n:
         raise argparse.ArgumentTypeError(f"must divide {HF_BATCH} (1, 2, 4 or 8), not {n}")

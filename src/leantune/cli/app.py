@@ -9,6 +9,7 @@ leantune eval --model MODEL_OR_RUN --data FILE [--limit N] [--lm-eval TASKS [--l
 leantune generate --model MODEL_OR_RUN --prompt TEXT [--chat] [sampling options]
 leantune bench methods [CONFIG.yaml] [--methods a,b] [--out DIR] [section.key=value ...]
 leantune bench throughput [--conversations N] [--reps N] [--methods lora,full]
+leantune bench preference [--pairs N] [--steps N] [--reps N] [--model PATH]
 leantune export RUN_OR_MODEL --format hf|adapter|gguf|torchscript|int8 --out DIR
 leantune dashboard [RUNS_DIR] [--port N] [--host 127.0.0.1]
 leantune report RUN_DIR [--out FILE]

@@ -1,19 +1,21 @@
-"""The flags of `leantune bench methods` and `bench throughput` (they run in
-`cli.commands.bench` and `leantune.bench.throughput`)."""
+"""The flags of `leantune bench methods`, `bench throughput` and `bench preference` (they run in
+`cli.commands.bench`, `leantune.bench.throughput` and `leantune.bench.preference`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from leantune.bench.preference_args import add_arguments as preference_arguments
 from leantune.bench.throughput_args import add_arguments as throughput_arguments
 from leantune.cli.args import count, runs
 
 
 def add_parsers(sub: Any) -> None:
-    """`bench methods` and `bench throughput`."""
+    """`bench methods`, `bench throughput` and `bench preference`."""
     b = sub.add_parser(
         "bench",
-        help="benchmarks: `bench methods` (fine-tuning methods), `bench throughput` (vs HF)",
+        help="benchmarks: `bench methods` (fine-tuning methods), `bench throughput` (vs HF), "
+        "`bench preference` (DPO vs TRL)",
     )
     bsub = b.add_subparsers(dest="bench", required=True)
     bm = bsub.add_parser("methods", help="train each method on the same data and compare")
@@ -62,3 +64,6 @@ def add_parsers(sub: Any) -> None:
     bt = bsub.add_parser("throughput", help="leantune against HF Trainer + PEFT on the same work")
     throughput_arguments(bt)
     runs(bt, "leantune.bench.throughput:report")
+    bp = bsub.add_parser("preference", help="leantune's DPO against TRL's DPOTrainer, same pairs")
+    preference_arguments(bp)
+    runs(bp, "leantune.bench.preference:report")
