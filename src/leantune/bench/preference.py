@@ -80,7 +80,7 @@ def one_run(system: str, work: Path, rep: int, ctx: dict[str, Any], log: Log) ->
     out = work / f"{system}-{rep}"
     if system == "leantune":
         cmd = leantune_command(ctx["model"], ctx["train"], out, ctx)
-        base = os.environ
+        base = dict(os.environ)
     else:
         cmd = trl_command(ctx["model"], ctx["train"], out, ctx)
         # The baseline runs with the allocator its user would have: not the tcmalloc that the

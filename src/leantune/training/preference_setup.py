@@ -85,8 +85,11 @@ def longest_sequence(data: PreferenceData) -> int:
 def _loop_row(row: PreferenceRow) -> Row:
     """`row` as the loop's `Row`, naming its sequences by their index in `sequences` above
     (a pair's chosen then rejected answer: 2k and 2k + 1; an unpaired example k: k)."""
-    index = {"chosen": lambda k: 2 * k, "rejected": lambda k: 2 * k + 1, "completion": int}
-    return replace(as_row(row), examples=tuple(index[s.answer](s.example) for s in row.segments))
+    offset = {"chosen": 0, "rejected": 1}
+    names = tuple(
+        2 * s.example + offset[s.answer] if s.answer in offset else s.example for s in row.segments
+    )
+    return replace(as_row(row), examples=names)
 
 
 def preference_rows(data: PreferenceData, max_seq_len: int, pack: bool) -> list[PreferenceRow]:
