@@ -223,6 +223,15 @@ def test_the_loop_reaches_the_strategy_for_each_of_its_duties(
     assert strategy.loaded == 1 and len(strategy.wrapped) == 2
 
 
+def test_test_file_names_are_unique() -> None:
+    """pytest imports a test file outside a package by its base name: two files of one name
+    in different folders stop the whole collection ("import file mismatch")."""
+    tests = Path(__file__).resolve().parents[1]
+    names = [p.name for p in tests.rglob("test_*.py")]
+    assert len(names) > 50
+    assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
 def test_test_files_share_helpers_through_support_modules_only() -> None:
     """Never from another test file, and never `from conftest import`: pytest imports each
     conftest under that one name, so the one a test file got would depend on collection order."""
