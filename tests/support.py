@@ -356,10 +356,16 @@ def serving(root: Path) -> Iterator[DashboardServer]:
 # ---------------------------------------------------------------------------------------------
 # Preference objectives: pairs, unpaired (KTO) examples and a `leantune train` on them
 
-PAIRS = [
-    {"prompt": f"What is {i} plus {i}?", "chosen": f"It is {2 * i}.", "rejected": f"Maybe {i}."}
-    for i in range(8)
-]
+
+def preference_pairs(n: int) -> list[dict[str, str]]:
+    """`n` standard-form pairs: a sum, its right answer (chosen) and a wrong one (rejected)."""
+    return [
+        {"prompt": f"What is {i} plus {i}?", "chosen": f"It is {2 * i}.", "rejected": f"Maybe {i}."}
+        for i in range(n)
+    ]
+
+
+PAIRS = preference_pairs(8)
 UNPAIRED = [
     {"prompt": f"What is {i} plus {i}?", "completion": f"It is {2 * i}.", "label": True}
     for i in range(4)

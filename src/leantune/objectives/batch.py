@@ -301,9 +301,9 @@ def with_reference(
             # memory belongs to training.
             counts = [len(step.rows[i].segments) for i in indices]
             sums += [t.cpu() for t in torch.split(logps.sums[: mb.num_sequences], counts)]
-        kl_reference = _kl_reference(step, model, device, precision, pad_id, batch_size)
     model.train(was_training)
-    return replace(step, reference=tuple(sums), kl_reference=kl_reference)
+    step = replace(step, reference=tuple(sums))
+    return with_kl_reference(step, model, device, precision, pad_id, batch_size)
 
 
 def with_live_reference(step: PreferenceStep, model: nn.Module) -> PreferenceStep:

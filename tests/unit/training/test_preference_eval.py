@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from support import make_config, run_cli, tiny_train_args, write_jsonl
+from support import (
+    UNPAIRED,
+    make_config,
+    preference_pairs,
+    run_cli,
+    tiny_train_args,
+    write_jsonl,
+)
 
 from leantune.config.parse import ConfigError
 from leantune.core.signals import StopSignals
@@ -23,17 +30,7 @@ from leantune.training.recipe import named_run, set_up
 from leantune.training.trainer import preference_window
 
 SIGNAL_ENV = "LEANTUNE_SIGNAL_AT_MICRO_BATCH"
-PAIRS = [
-    {"prompt": f"What is {i} plus {i}?", "chosen": f"It is {2 * i}.", "rejected": f"Maybe {i}."}
-    for i in range(12)
-]
-UNPAIRED = [
-    {"prompt": f"What is {i} plus {i}?", "completion": f"It is {2 * i}.", "label": True}
-    for i in range(4)
-] + [
-    {"prompt": f"What is {i} plus {i}?", "completion": f"Maybe {i}.", "label": False}
-    for i in range(4)
-]
+PAIRS = preference_pairs(12)
 COMMON = ("train.precision=fp32", "method.dropout=0", "data.max_seq_len=auto")
 
 
