@@ -22,9 +22,11 @@ runs; `main` imports that function only when its command runs. Exit codes: `cli.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import os
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,7 +38,7 @@ from leantune.core.allocator import reexec_with_allocator
 from leantune.errors import UserError
 from leantune.models.quiet import quiet_import_noise
 from leantune.testing.faults import install_env_faults
-from leantune.training.parallel.launch import rank_tag
+from leantune.training.parallel.launch import launched_by_torchrun, rank_tag
 
 GROUPS = (train, prepare, inference, bench, monitor)
 """The command groups, in the order `leantune --help` lists them; each has `add_parsers(sub)`."""
@@ -106,6 +108,30 @@ def main(argv: list[str] | None = None) -> int:
     quiet_import_noise()  # before any command imports peft
     install_env_faults()  # LEANTUNE_* test faults: runs started here only, never the library's
     args.own_process = argv is None  # the command line's own process, not a caller's
+    code = _run_reporting(args, argv)
+    if args.own_process and launched_by_torchrun():
+        _leave_rank(code)
+    return code
+
+
+def _leave_rank(code: int) -> None:
+    """End a torchrun rank with `code` once its exit handlers ran, without the interpreter's
+    teardown: FSDP2's DTensor caches and DeepSpeed keep the gloo process group alive to the
+    end (`destroy_process_group` does not stop its threads), and tearing the interpreter
+    down under those threads aborted finished ranks intermittently ("terminate called
+    without an active exception", SIGABRT), failing runs that had written everything."""
+    # In the interpreter's own order: its threads joined, then the exit handlers.
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # the process group, logging, the sinks' own handlers
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run_reporting(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """`run(args)`, its errors turned into the exit code and one line each."""
     try:
         return run(args)
     except UserError as e:

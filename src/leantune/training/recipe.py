@@ -124,11 +124,16 @@ def train(cfg: Config, log: Log = print, config_file: Path | None = None) -> dic
         log(f"warning: {warning}")
     log(f"run directory: {cfg.run_dir}")  # a derived name changes with the settings
     inputs = [config_file] if config_file else []
-    with StopSignals() as stop, _claimed(cfg, strategy, log) as run:
-        try:
-            return _lifecycle(cfg, source, run, stop, inputs, log, started, strategy)
-        except Interrupted as exc:
-            raise _explained(exc, RunPaths(cfg.run_dir).checkpoints) from None
+    try:
+        with StopSignals() as stop, _claimed(cfg, strategy, log) as run:
+            try:
+                return _lifecycle(cfg, source, run, stop, inputs, log, started, strategy)
+            except Interrupted as exc:
+                raise _explained(exc, RunPaths(cfg.run_dir).checkpoints) from None
+    finally:
+        # The session that held the process group is gone with _lifecycle's frame: ended
+        # here, in every rank, rather than by the interpreter's teardown (`end_world`).
+        strategy.close()
 
 
 def _lifecycle(

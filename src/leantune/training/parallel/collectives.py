@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from leantune.training.parallel.world import World
+from leantune.training.parallel.world import World, end_world
 
 
 class OverWorld:
@@ -39,6 +39,15 @@ class OverWorld:
 
     def agree(self, code: int) -> int:
         return max_int(self.world, code, DECISION)
+
+    def close(self) -> None:
+        self.release()
+        if self.world.owns_group:
+            end_world()
+
+    def release(self) -> None:
+        """Drop what the strategy holds of the run (its wrapped model, engine): they hold
+        the process group, which can only end once nothing does."""
 
 
 class CollectiveFailed(RuntimeError):

@@ -95,6 +95,9 @@ class FSDP2Strategy(c.OverWorld):
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
         return clip_whole(params, max_norm)
 
+    def release(self) -> None:
+        self.root = None
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
         # Compute in bf16, but reduce gradients in fp32: a sum over ranks in bf16 would round
         # away the low bits of every gradient.

@@ -93,6 +93,10 @@ class ParallelStrategy(Protocol):
         model again (base + method), for a strategy that holds only shards of it."""
         ...
 
+    def close(self) -> None:
+        """End what the strategy started (its process group), once the run is over."""
+        ...
+
 
 class SingleProcess:
     """One process holds the whole model and the whole window."""
@@ -149,6 +153,9 @@ class SingleProcess:
 
     def final_model(self, model: nn.Module, rebuild: Callable[[], nn.Module]) -> nn.Module | None:
         return model
+
+    def close(self) -> None:
+        pass  # nothing started
 
 
 def clip_whole(params: list[nn.Parameter], max_norm: float) -> float:

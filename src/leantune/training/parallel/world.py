@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 
@@ -37,6 +38,8 @@ class World:
     """The 1-D data-parallel mesh, passed explicitly to DDP and fully_shard (with gloo the
     implicit one can land on the wrong device type: pytorch#132471)."""
     timeout_s: float
+    owns_group: bool = False
+    """The process group was created for this run (not a caller's), so the run ends it."""
 
     @property
     def is_main(self) -> bool:
@@ -61,7 +64,8 @@ def init_world(backend: str, device_type: str, timeout_s: float) -> World:
     # Before the process group: otherwise every rank's NCCL communicator would use cuda:0.
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
+    owns_group = not dist.is_initialized()
+    if owns_group:
         if launched_by_torchrun():
             dist.init_process_group(backend, timeout=timeout)
         else:
@@ -69,7 +73,9 @@ def init_world(backend: str, device_type: str, timeout_s: float) -> World:
             # run can continue at another world size. An in-memory store: no rendezvous.
             store = dist.HashStore()
             dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
-        atexit.register(_destroy)  # only for a group this call created, not a caller's
+        # A run that fails before its strategy is closed still ends the group before the
+        # interpreter goes (`end_world`); a caller's own group is left alone.
+        atexit.register(end_world)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     expected = os.environ.get(EXPECTED_WORLD_ENV)
     if expected is not None and int(expected) != world_size:
@@ -79,9 +85,22 @@ def init_world(backend: str, device_type: str, timeout_s: float) -> World:
         )
     device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
     mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
-    return World(rank, world_size, local_rank, device, mesh, timeout_s)
+    return World(rank, world_size, local_rank, device, mesh, timeout_s, owns_group)
 
 
-def _destroy() -> None:
+def end_world() -> None:
+    """Destroy the process group and free it now, while the interpreter is whole.
+
+    `destroy_process_group` only drops torch's own references: FSDP2's and DeepSpeed's module
+    states hold the group too, in reference cycles. Left to the interpreter's last collection
+    at exit, the gloo group's worker threads were torn down with the interpreter half gone, and
+    a rank that had finished everything aborted ("terminate called without an active
+    exception", SIGABRT) intermittently, failing the torchrun job.
+    """
     if dist.is_initialized():
         dist.destroy_process_group()
+    # The cycles that still hold the group, freed here rather than at exit; freeing one can
+    # release the next (finalizers), so until a pass finds nothing (bounded, to be safe).
+    for _ in range(8):
+        if gc.collect() == 0:
+            break

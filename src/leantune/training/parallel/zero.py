@@ -169,6 +169,9 @@ class ZeroStrategy(c.OverWorld):
         """The trainable parameters as the torch optimizer numbered them (its state dict's)."""
         self.groups: list[list[int]] = []
 
+    def release(self) -> None:
+        self.slot, self.engine, self.order = None, None, []
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
         self.slot = _EngineSlot(LossModule(model), self.world.world_size)
         return WrappedLoss(self.slot, model)
