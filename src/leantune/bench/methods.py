@@ -1,8 +1,11 @@
 """`leantune bench methods`: the same model, data and steps under every method, side by side.
 
 Each method trains in its own `leantune train` subprocess, so its peak RSS is its own and one
-method's failure (say, qlora without a CUDA device) is a row of the table, not the end of the
-benchmark. The numbers come from each run's own summary.json and metrics.jsonl.
+method's failure is a row of the table, not the end of the benchmark. Before the first run, every
+method's config is checked as its run will check it (`refusals`): a method whose optional package
+is missing (qlora without the `lowbit` extra) is skipped with its install line, and one whose
+settings are refused fails at once, not after the methods before it have trained. The numbers
+come from each run's own summary.json and metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from leantune.config.parse import ConfigError, MissingPackage
 from leantune.core.writes import write_file
 from leantune.layout import RunPaths
 from leantune.monitor.metrics import read_metrics
 from leantune.monitor.summary import finished_summary
+from leantune.training.checks import load_config
 
 Log = Callable[[str], None]
 
@@ -36,7 +41,7 @@ class MethodResult:
 
     method: str
     lr: float
-    status: str  # "ok" or "failed"
+    status: str  # "ok", "failed" or "skipped" (an optional package is missing; never ran)
     trainable_params: int | None = None
     total_params: int | None = None
     trainable_pct: float | None = None
@@ -54,6 +59,8 @@ class MethodResult:
     error: str | None = None
     exit_code: int | None = None
     """A failed run's `leantune train` exit code (2: refused, the user's to fix)."""
+    install: str | None = None
+    """A skipped method's install line: what installs the package it needs."""
 
 
 def base_loss_command(
@@ -150,6 +157,37 @@ def read_run(method: str, lr: float, run_dir: Path) -> MethodResult:
     )
 
 
+def refusals(
+    config: str | None,
+    methods: list[str],
+    lrs: dict[str, float],
+    out_dir: Path,
+    overrides: list[str],
+    reuse: bool = False,
+) -> dict[str, MethodResult]:
+    """Each method's run config checked as its `leantune train` checks it, before any run: the
+    rows of the methods that must not start, by name. A missing optional package (the method's
+    own requirement, `MissingPackage`) makes a "skipped" row with its install line; any other
+    refusal a "failed" one with train's exit code 2. With `reuse`, finished runs are not checked
+    (they are read back)."""
+    refused: dict[str, MethodResult] = {}
+    for method in methods:
+        run_dir = out_dir / method
+        if reuse and RunPaths(run_dir).summary.is_file():
+            continue
+        try:
+            load_config(config, run_overrides(method, lrs[method], run_dir, overrides, False))
+        except MissingPackage as e:
+            refused[method] = MethodResult(
+                method, lrs[method], "skipped", error=str(e), install=e.install
+            )
+        except ConfigError as e:
+            refused[method] = MethodResult(
+                method, lrs[method], "failed", error=f"ConfigError: {e}", exit_code=2
+            )
+    return refused
+
+
 def run_methods(
     config: str | None,
     methods: list[str],
@@ -158,36 +196,44 @@ def run_methods(
     overrides: list[str],
     log: Log = print,
     reuse: bool = False,
+    refused: dict[str, MethodResult] | None = None,
 ) -> tuple[list[MethodResult], float | None]:
     """Train each method in turn; returns the rows and the base model's exact match.
 
     With `reuse`, a method whose run under `out_dir` already finished (has summary.json) is read
     back instead of trained again: an interrupted benchmark continues, or one method is re-run
     after deleting its folder. The caller answers for those runs having used the same settings.
+    `refused` (default: `refusals` of `methods`) are rows as they are: those methods never run.
     """
+    if refused is None:
+        refused = refusals(config, methods, lrs, out_dir, overrides, reuse)
     results: list[MethodResult] = []
     base_exact_match: float | None = None
+    # The base model is the same for every method: the first run that starts also evaluates it.
+    first = next((m for m in methods if m not in refused), None)
     for i, method in enumerate(methods):
         run_dir = out_dir / method
+        if method in refused:
+            results.append(refused[method])
+            continue
         if reuse and RunPaths(run_dir).summary.is_file():
             log(f"[{i + 1}/{len(methods)}] {method}: reusing the finished run in {run_dir}")
             results.append(read_run(method, lrs[method], run_dir))
-            if i == 0:
+            if method == first:
                 base_exact_match = finished_summary(run_dir).get("base_exact_match")
             continue
-        # The base model is the same for every method: the first run also evaluates it.
-        cmd = train_command(config, method, lrs[method], run_dir, overrides, base=i == 0)
+        cmd = train_command(config, method, lrs[method], run_dir, overrides, base=method == first)
         log(f"[{i + 1}/{len(methods)}] {method} (lr {lrs[method]:g}) -> {run_dir}")
         t0 = time.perf_counter()
         code, reason = run_logged(cmd, out_dir / f"{method}.log")
-        # A failure is a row of the table, not the end of the benchmark (qlora without CUDA).
+        # A failure is a row of the table, not the end of the benchmark.
         if reason is not None:
             log(f"    failed: {reason}")
             failed = MethodResult(method, lrs[method], "failed", error=reason, exit_code=code)
             results.append(failed)
             continue
         row = read_run(method, lrs[method], run_dir)
-        if i == 0:
+        if method == first:
             base_exact_match = finished_summary(run_dir).get("base_exact_match")
         log(f"    done in {time.perf_counter() - t0:.0f} s")
         results.append(row)
@@ -228,7 +274,7 @@ def markdown_table(
     for r in results:
         if r.status != "ok":
             error = (r.error or "").replace("|", "/")  # a '|' would split the Markdown row
-            lines.append(f"| {r.method} | {r.lr:g} | failed: {error} |" + " |" * 9)
+            lines.append(f"| {r.method} | {r.lr:g} | {r.status}: {error} |" + " |" * 9)
             continue
         lines.append(
             f"| {r.method} | {r.lr:g} | {_fmt(r.trainable_params, ',')} "

@@ -31,6 +31,14 @@ class ConfigError(ValueError, UserError):
     """A config value is missing, unknown or invalid; the message names the field and the fix."""
 
 
+class MissingPackage(ConfigError):
+    """A setting needs an optional package that is not installed: `install` installs it."""
+
+    def __init__(self, message: str, install: str) -> None:
+        super().__init__(message)
+        self.install = install
+
+
 class ParseError(ValueError):
     """A config text or value cannot be used; the message names the file, line or field."""
 

@@ -11,11 +11,14 @@ import importlib.util
 from typing import TYPE_CHECKING
 
 from leantune.config.dist import check_deepspeed
-from leantune.config.parse import ConfigError
+from leantune.config.parse import ConfigError, MissingPackage
 from leantune.methods.registry import METHODS
 
 if TYPE_CHECKING:
     from leantune.config.schema import Config
+
+LOWBIT_INSTALL = "pip install 'leantune[lowbit]'"
+"""What installs bitsandbytes for a 4-bit base (the `lowbit` extra: bitsandbytes>=0.50)."""
 
 
 def effective_pack(pack: bool | str, method: str) -> bool:
@@ -82,9 +85,11 @@ def check_libraries(cfg: Config) -> list[str]:
     # A base quantised while it loads (qlora's 4-bit NF4) is bitsandbytes' work.
     quantized = METHODS[m.name].base_quantization is not None
     if quantized and importlib.util.find_spec("bitsandbytes") is None:
-        raise ConfigError(
-            f"method.name={m.name} needs bitsandbytes for the 4-bit base: pip install "
-            "'bitsandbytes>=0.50' (CUDA and CPU), or use method.name=lora"
+        # MissingPackage: `bench methods` skips the method with this install line.
+        raise MissingPackage(
+            f"method.name={m.name} needs bitsandbytes (>=0.50, CUDA and CPU) for the 4-bit "
+            f"base: {LOWBIT_INSTALL}, or use method.name=lora",
+            LOWBIT_INSTALL,
         )
     if quantized and (cfg.model.gguf_file or cfg.model.path.lower().endswith(".gguf")):
         raise ConfigError(

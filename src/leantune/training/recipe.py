@@ -49,7 +49,6 @@ from leantune.monitor.report import report_at_end
 from leantune.training.build import (
     LoopSettings,
     Session,
-    base_model,
     build_trainer,
     evaluators,
     preference_objective,
@@ -67,6 +66,7 @@ from leantune.training.guard.divergence import WeightsDiverged
 from leantune.training.hooks import StepHooks, new_step_hooks
 from leantune.training.parallel.launch import launched_world_size
 from leantune.training.parallel.strategy import ParallelStrategy
+from leantune.training.quant_cost import load_base
 from leantune.training.resolve import parallel_strategy, resolved
 from leantune.training.run.refused_writes import (
     keep_trained_steps,
@@ -247,7 +247,7 @@ def set_up(
     eval_inputs = EvalInputs(tokenizer, held_out, pad_id, events, hooks) if held_out else None
     # Base model -> its exact match -> the method's wrapping -> the trainer around it.
     quantization = base_quantization(cfg.method, t.precision)
-    model = base_model(cfg, source, quantization, device, run, log)
+    model = load_base(cfg, source, quantization, device, run, pad_id, log)  # + 4-bit's cost
     base_exact_match = _base_exact_match(model, run, eval_inputs, settings, log)
     model, trained, params, coverage = wrap_method(cfg, model, strategy, log)
     # On every rank, as above; a preference objective's reference for data.eval is taken now.

@@ -46,13 +46,13 @@ def test_summary_reports_the_load_peak_apart(
 ) -> None:
     import leantune.training.recipe as recipe
 
-    real = recipe.base_model
+    real = recipe.load_base  # the base model's load (and a 4-bit base's cost)
 
     def loading_with_pages(*args: object, **kwargs: object) -> torch.nn.Module:
         _map_and_read(tmp_path / "weights.bin")
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(recipe, "base_model", loading_with_pages)
+    monkeypatch.setattr(recipe, "load_base", loading_with_pages)
     run_dir = tmp_path / "run"
     cfg = make_config(tiny_llama_dir, chat_files[0], run_dir, "train.max_steps=2")
     summary = recipe.train(cfg, log=lambda _: None)

@@ -120,8 +120,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.sweep:
         return _sweep(args, config, overrides, methods, lrs, out, meta)
     log = lambda m: print(m, flush=True)  # noqa: E731
+    # Before any work: a missing extra is said first, not after minutes of other methods' runs.
+    refused = method_bench.refusals(config, methods, lrs, out, overrides, args.reuse)
+    for r in refused.values():
+        log(f"{r.method}: {'skipped' if r.status == 'skipped' else 'refused'}, not run: {r.error}")
     base_loss = _base_loss(cfg, out, args.reuse) if method_bench.BASELINE in methods else None
-    results, base = method_bench.run_methods(config, methods, lrs, out, overrides, log, args.reuse)
+    results, base = method_bench.run_methods(
+        config, methods, lrs, out, overrides, log, args.reuse, refused
+    )
     method_bench.add_retention(results, base_loss)
     payload = method_bench.write_outputs(results, base, meta, out, base_loss)
     print((out / method_bench.TABLE_FILE).read_text())
@@ -129,8 +135,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"wrote {', '.join(str(out / name) for name in written)}")
     print(json.dumps(payload))
     # A method that failed: its run's exit code (2 when train refused its settings or data).
-    failed = [r.exit_code or 1 for r in results if r.status != "ok"]
-    return failed[0] if failed else 0
+    # A skipped one (its optional package is missing) is not a failure: 0 when every method
+    # that could run ran, and 2 when none could (nothing was measured).
+    failed = [r.exit_code or 1 for r in results if r.status == "failed"]
+    if failed:
+        return failed[0]
+    return 0 if any(r.status == "ok" for r in results) else 2
 
 
 def _sweep(

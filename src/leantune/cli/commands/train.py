@@ -105,5 +105,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except (ValueError, MemoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(result) if args.json else plan_report.format_text(result))
+    # Loads the model (twice, one copy at a time): only a base quantised while it loads has
+    # such a cost, and the line is what a user weighs before choosing the method.
+    # Local: it imports peft, which this module must not import before cmd_train's hold-back.
+    from leantune.training.quant_cost import plan_cost
+
+    cost = plan_cost(cfg)
+    if cost is not None:
+        result["quantization_cost"] = cost
+    text = plan_report.format_text(result)
+    print(json.dumps(result) if args.json else text + (f"\n{cost['line']}" if cost else ""))
     return 0
