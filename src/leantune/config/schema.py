@@ -164,8 +164,8 @@ class MethodConfig:
     )
     """How the LoRA adapters start. default: B = 0 (the model starts as its base); loftq
     (qlora): A and B fit the 4-bit base's error W - NF4(W) (LoftQ), so the model starts closer
-    to the full-precision base; pissa / olora (lora): not yet, they move part of each weight
-    into the adapters (see the methods guide)."""
+    to the full-precision base. pissa and olora are refused: they do not fit a 4-bit base (use
+    loftq) and are not supported yet with lora/dora (the methods guide says why)."""
     loftq_iter: int = field(default=1, metadata=SETTING)
     """method.init=loftq: passes of LoftQ's alternation; 1 (the only value so far) keeps the
     4-bit base that loading made and fits the adapters to its error."""

@@ -8,11 +8,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft import set_peft_model_state_dict
+from safetensors.torch import load_file
+from support import QA_ROWS, run_cli, tiny_train_args, write_jsonl
 
 from leantune.config import ConfigError
+from leantune.config.roles import Role
+from leantune.config.schema import field_roles
+from leantune.methods.artifacts import load_for_inference
 from leantune.methods.registry import apply_method, base_quantization, init_line
 from leantune.methods.spec import INIT_REPORT
 from leantune.models.loading import ModelSource, load_model
+from leantune.monitor.metrics import read_metrics
+from leantune.testing.faults import SIGNAL_ENV
 from leantune.training.checks import load_config
 
 pytestmark = pytest.mark.skipif(
@@ -59,7 +67,6 @@ def test_loftq_fit_counts_lora_scaling(tiny_llama_dir: Path) -> None:
     """scaling x B A is the rank-r SVD of W - NF4(W) whatever alpha / r is (peft's own
     replace_lora_weights_loftq leaves out the scaling): the error left is the residual's tail."""
     import bitsandbytes.functional as bnb_f
-    from safetensors.torch import load_file
 
     fp = load_file(tiny_llama_dir / "model.safetensors")["model.layers.1.mlp.down_proj.weight"]
     for alpha in (8, 64):
@@ -142,3 +149,52 @@ def test_loftq_with_qlora_validates() -> None:
 
 def _nf4():  # the recipe's quantisation for qlora at fp32
     return base_quantization(load_config(None, ["method.name=qlora"]).method, "fp32")
+
+
+def test_loftq_run_resumes_bit_exact_and_its_adapter_reloads(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A LoftQ run stopped by SIGTERM mid-step resumes to the uninterrupted run's losses and
+    weights (the start is recomputed from the same files, then the checkpoint loads), logs its
+    initialisation, and its final/ adapter reloads onto the re-quantised base as trained."""
+    data = write_jsonl(tmp_path / "train.jsonl", QA_ROWS * 3)
+    args = tiny_train_args(
+        tiny_llama_dir, data, None,
+        "method.name=qlora", "method.init=loftq", "method.dropout=0.1",
+        "train.max_steps=4", "train.grad_accum=2", "train.save_every=0", "train.precision=fp32",
+    )  # fmt: skip
+    straight = run_cli([*args, f"run.dir={tmp_path / 'a'}"])
+    assert straight.code == 0, straight
+    assert "LoRA initialisation: loftq (LoftQ start: 14 4-bit layers" in straight.out
+    monkeypatch.setenv(SIGNAL_ENV, "4:TERM")  # the first micro-batch of step 3
+    stopped = run_cli([*args, f"run.dir={tmp_path / 'b'}"])
+    assert stopped.code == 143 and "checkpoint" in stopped.err and "(step 2)" in stopped.err
+    monkeypatch.delenv(SIGNAL_ENV)
+    resumed = run_cli([*args, f"run.dir={tmp_path / 'b'}"])
+    assert resumed.code == 0 and "step-000002 at step 2" in resumed.out, resumed
+    a, b = (
+        read_metrics(tmp_path / "a" / "metrics.jsonl"),
+        read_metrics(tmp_path / "b" / "metrics.jsonl"),
+    )
+    assert [m["step"] for m in b] == [1, 2, 3, 4]
+    for key in ("loss", "lr", "grad_norm"):
+        assert [m[key] for m in a] == [m[key] for m in b], key
+    final = tmp_path / "a" / "final"
+    wa = load_file(final / "adapter_model.safetensors")
+    wb = load_file(tmp_path / "b" / "final" / "adapter_model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    # The base LoftQ started from is the one loading makes: the saved adapter needs nothing
+    # more to be the trained model.
+    reloaded, _ = load_for_inference(str(final))
+    trained = wrapped(tiny_llama_dir, "method.name=qlora", "method.init=loftq")
+    set_peft_model_state_dict(trained, wa)
+    torch.testing.assert_close(logits(reloaded.eval()), logits(trained), rtol=0, atol=1e-6)
+
+
+def test_the_init_fields_are_in_the_fingerprint_and_the_field_help() -> None:
+    roles = field_roles()
+    # Another start is another run: resume refuses the change even when forced.
+    assert roles["method.init"] is Role.REFUSED and roles["method.loftq_iter"] is Role.SETTING
+    listed = run_cli(["validate", "--help-fields"]).out
+    assert '  method.init="default"\n      How the LoRA adapters start.' in listed
+    assert "  method.loftq_iter=1\n      method.init=loftq: passes" in listed
