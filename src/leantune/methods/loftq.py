@@ -80,7 +80,8 @@ def init_loftq(model: nn.Module, adapter: str = "default") -> LoftqReport:
         for name, module in layers:
             weight = _full_precision_weight(tensors, name, model)
             quantised = _dequantised(module)
-            weight = _oriented(weight, quantised, name)
+            # Read on the CPU; fitted where the 4-bit weight lives (one layer's worth on a GPU).
+            weight = _oriented(weight.to(quantised.device), quantised, name)
             scaling = float(module.scaling[adapter])
             a, b = _rank_r_fit(weight - quantised, module.r[adapter], scaling)
             module.lora_A[adapter].weight.data.copy_(a)
