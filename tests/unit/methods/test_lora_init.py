@@ -16,6 +16,7 @@ from leantune.config import ConfigError
 from leantune.config.roles import Role
 from leantune.config.schema import field_roles
 from leantune.methods.artifacts import load_for_inference
+from leantune.methods.lora import quiet_peft
 from leantune.methods.registry import apply_method, base_quantization, init_line
 from leantune.methods.spec import INIT_REPORT
 from leantune.models.loading import ModelSource, load_model
@@ -198,3 +199,25 @@ def test_the_init_fields_are_in_the_fingerprint_and_the_field_help() -> None:
     listed = run_cli(["validate", "--help-fields"]).out
     assert '  method.init="default"\n      How the LoRA adapters start.' in listed
     assert "  method.loftq_iter=1\n      method.init=loftq: passes" in listed
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_peft_pissa_and_olora_on_a_4bit_base_are_why_they_are_refused(
+    init: str, tiny_llama_dir: Path
+) -> None:
+    """The refusals' reasons, pinned to peft's behaviour: PiSSA raises on a 4-bit weight, and
+    OLoRA replaces the 4-bit base with NF4(W - BA), not the NF4(W) a saved adapter reloads on.
+    A peft that changes either fails here, and the refusal should be revisited."""
+    from peft import LoraConfig, get_peft_model
+
+    base = load_model(ModelSource(str(tiny_llama_dir)), quantization=_nf4())
+    before = base.model.layers[0].mlp.up_proj.weight.data.clone()
+    config = LoraConfig(r=4, target_modules=["up_proj"], init_lora_weights=init)
+    if init == "pissa":
+        with quiet_peft(), pytest.raises(TypeError, match="PiSSA"):
+            get_peft_model(base, config)
+        return
+    with quiet_peft():
+        model = get_peft_model(base, config)
+    after = model.get_base_model().model.layers[0].mlp.up_proj.base_layer.weight.data
+    assert after.shape == before.shape and not torch.equal(after, before)
