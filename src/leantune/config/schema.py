@@ -158,6 +158,17 @@ class MethodConfig:
     """LoRA scaling numerator (preset value when unset)."""
     dropout: float | None = field(default=None, metadata=SETTING)
     """LoRA dropout (preset value when unset)."""
+    init: Literal["default", "loftq", "pissa", "olora"] = field(
+        default="default",
+        metadata=refused("the checkpoint's adapters start from another initialisation's base"),
+    )
+    """How the LoRA adapters start. default: B = 0 (the model starts as its base); loftq
+    (qlora): A and B fit the 4-bit base's error W - NF4(W) (LoftQ), so the model starts closer
+    to the full-precision base. pissa and olora are refused: they do not fit a 4-bit base (use
+    loftq) and are not supported yet with lora/dora (the methods guide says why)."""
+    loftq_iter: int = field(default=1, metadata=SETTING)
+    """method.init=loftq: passes of LoftQ's alternation; 1 (the only value so far) keeps the
+    4-bit base that loading made and fits the adapters to its error."""
     last_blocks: int = field(default=2, metadata=SETTING)
     """freeze: how many of the last transformer blocks train."""
     norms: bool = field(default=True, metadata=SETTING)

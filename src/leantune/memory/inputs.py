@@ -94,7 +94,8 @@ def model_facts_for(
     # A method whose trainable parameters equal another's on a meta model is counted as that
     # one (QLoRA trains LoRA's adapters; its base weights are `weight_quant`'s to account for).
     counted_as = METHODS[method.name].planned_as or method.name
-    counted = replace(method, name=counted_as)  # type: ignore[arg-type]
+    # How LoRA adapters start (method.init) changes no count, and LoftQ reads real weights.
+    counted = replace(method, name=counted_as, init="default")  # type: ignore[arg-type]
     try:
         model = build_meta_model(
             config,

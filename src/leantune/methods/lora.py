@@ -35,6 +35,8 @@ class LoraSettings:
     `resolve_targets`): linear layers and fused expert weights, not the MoE routers, not lm_head."""
     use_dora: bool = False
     """DoRA: split each weight into magnitude and direction and adapt the direction with LoRA."""
+    init: str = "default"
+    """How the adapters start: default (B = 0) here; loftq is QLoRA's (`methods.qlora`)."""
 
 
 LORA_PRESETS: dict[str, LoraSettings] = {
@@ -52,6 +54,11 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         MethodError: a target name matches nothing, DoRA on fused expert weights (peft has no
             DoRA for them), or peft adapted other weights than those `resolve_targets` chose.
     """
+    if settings.init != "default":
+        raise MethodError(
+            f"method.init={settings.init} does not work with this method's LoRA: use "
+            "method.init=default (loftq is method.name=qlora's)"
+        )
     modules, parameters = resolve_targets(model, settings.target_modules)
     if settings.use_dora and parameters:
         raise MethodError(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 # Re-exported: the recipe, planner and tests count parameters through the registry.
 from leantune.methods.counting import count_parameters as count_parameters
 from leantune.methods.errors import MethodError
-from leantune.methods.spec import LrAdvice, MethodSpec
+from leantune.methods.spec import INIT_REPORT, LrAdvice, MethodSpec
 
 if TYPE_CHECKING:
     from torch import nn
@@ -42,7 +42,7 @@ def _lora_settings(cfg: MethodConfig) -> LoraSettings:
         s = replace(s, dropout=cfg.dropout)
     if cfg.target_modules is not None:
         s = replace(s, target_modules=tuple(cfg.target_modules))
-    return s
+    return replace(s, init=cfg.init)
 
 
 def _full(model: nn.Module, cfg: MethodConfig) -> nn.Module:
@@ -176,7 +176,51 @@ def _lora_check(cfg: MethodConfig) -> str | None:
             "trains nothing or the opposite way); leave it unset for the preset's 32, or use "
             "2 x method.r"
         )
-    return _targets_check(cfg)
+    return _init_check(cfg) or _targets_check(cfg)
+
+
+# Why each LoRA initialisation other than the default is refused, by (init, 4-bit base).
+_INIT_REFUSALS: dict[tuple[str, bool], str] = {
+    ("loftq", False): "LoftQ fits the adapters to a 4-bit base's quantisation error, and a "
+    "full-precision base has none; use method.name=qlora with it, or method.init=default",
+    ("pissa", True): "PiSSA moves the top singular components of each float weight into the "
+    "adapters, and a 4-bit base has no float weights (peft refuses them); use method.init=loftq, "
+    "which fits the adapters to what the 4-bit base lost, or method.init=default",
+    ("olora", True): "peft's OLoRA re-quantises each weight minus its adapter part, a 4-bit "
+    "base leantune does not save: a saved adapter is reloaded onto the 4-bit form of the "
+    "original weights, so eval and export would see another model than the one trained; use "
+    "method.init=loftq, or method.init=default",
+    ("pissa", False): "not supported yet: PiSSA moves part of each base weight into the "
+    "adapters, so the saved adapter would need peft's conversion to plain LoRA and the base "
+    "that train.kl_coef and preference objectives compare with (the model with its adapters "
+    "off) would not be the base; use method.init=default",
+    ("olora", False): "not supported yet: OLoRA moves part of each base weight into the "
+    "adapters, so the saved adapter would need peft's conversion to plain LoRA and the base "
+    "that train.kl_coef and preference objectives compare with (the model with its adapters "
+    "off) would not be the base; use method.init=default",
+}
+
+
+def _init_check(cfg: MethodConfig) -> str | None:
+    """method.init and method.loftq_iter against the method: what works on its base."""
+    if cfg.loftq_iter < 1:
+        return f"method.loftq_iter: must be >= 1, got {cfg.loftq_iter}"
+    if cfg.loftq_iter != 1 and cfg.init != "loftq":
+        return (
+            f"method.loftq_iter={cfg.loftq_iter} is used only with method.init=loftq: set "
+            "method.init=loftq, or drop method.loftq_iter"
+        )
+    if cfg.loftq_iter > 1:
+        return (
+            f"method.loftq_iter={cfg.loftq_iter}: passes after the first re-quantise the base "
+            "(NF4(W - BA)), which a saved adapter cannot carry (it is reloaded onto NF4(W), so "
+            "eval and export would see another model); use method.loftq_iter=1, which keeps "
+            "the 4-bit base loading made and fits the adapters to its error"
+        )
+    why = _INIT_REFUSALS.get((cfg.init, METHODS_4BIT.get(cfg.name, False)))
+    if why is None:
+        return None
+    return f"method.init={cfg.init} with method.name={cfg.name}: {why}"
 
 
 def _qlora_quantization(cfg: MethodConfig, precision: str) -> Quantization:
@@ -308,6 +352,8 @@ METHODS: dict[str, MethodSpec] = {
     )
 }
 
+METHODS_4BIT = {name: spec.base_quantization is not None for name, spec in METHODS.items()}
+"""Whether each method trains on a quantised base (what a LoRA initialisation can use)."""
 PROMPT_LEARNING_METHODS = tuple(n for n, spec in METHODS.items() if spec.needs_unpacked_data)
 """The methods whose virtual tokens need one example per row."""
 DEFAULT_LR: dict[str, float] = {name: spec.default_lr for name, spec in METHODS.items()}
@@ -354,6 +400,17 @@ def apply_method(model: nn.Module, cfg: MethodConfig) -> nn.Module:
             "adapts), or use another method"
         )
     return wrapped
+
+
+def init_line(model: nn.Module, cfg: MethodConfig) -> str | None:
+    """The run log's line on how a LoRA method's adapters started (None for other methods)."""
+    if not METHODS[cfg.name].lora_settings:
+        return None
+    if cfg.init == "default":
+        return "LoRA initialisation: default (B = 0: the model starts as its base)"
+    report = getattr(model, INIT_REPORT, None)  # set by the method's apply (methods.qlora)
+    detail = report.line() if report is not None else "no report"
+    return f"LoRA initialisation: {cfg.init} ({detail})"
 
 
 def trainable_named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

@@ -18,6 +18,10 @@ if TYPE_CHECKING:
     from leantune.config import MethodConfig
     from leantune.models.quantize import Quantization
 
+INIT_REPORT = "leantune_init_report"
+"""The attribute of a wrapped model that holds what its LoRA initialisation did: an object with
+a `line()` for the run log (`methods.loftq.LoftqReport`); absent for the default start."""
+
 
 @dataclass(frozen=True)
 class LrAdvice:

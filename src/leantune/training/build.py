@@ -31,6 +31,7 @@ from leantune.methods.registry import (
     DEFAULT_LR,
     METHODS,
     apply_method,
+    init_line,
     trainable_named_parameters,
 )
 from leantune.models.loading import (
@@ -174,6 +175,8 @@ def wrap_method(
     # Seeded here: the method's new weights start from the seed, the same on every rank.
     seed_everything(cfg.train.seed)
     model = apply_method(model, cfg.method)
+    if (line := init_line(model, cfg.method)) is not None:
+        log(line)
     if cfg.train.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     coverage = coverage_of(model, cfg.method.name)
