@@ -118,6 +118,33 @@ def tiny_qwen2_config(vocab_size: int = 384) -> Qwen2Config:
     return Qwen2Config(**_tiny_dims(vocab_size), tie_word_embeddings=False)
 
 
+def chain_model(tokenizer: PreTrainedTokenizerFast, chain: dict[int, int]) -> Qwen2ForCausalLM:
+    """A Qwen2 whose next token depends only on the current one, following `chain`.
+
+    Attention and MLP outputs are zeroed, so the final hidden state is the (normalised) input
+    embedding; token `t` in `chain` embeds to its own basis vector, which the lm_head maps to
+    `chain[t]`; every other token embeds to a shared vector mapped to "z".
+    """
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(tiny_qwen2_config())
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed = model.model.embed_tokens.weight
+        head = model.lm_head.weight
+        embed.zero_()
+        head.zero_()
+        embed[:, hidden - 1] = 1.0
+        head[tokenizer.convert_tokens_to_ids("z"), hidden - 1] = 10.0
+        for direction, (token, next_token) in enumerate(chain.items()):
+            embed[token] = 0.0
+            embed[token, direction] = 1.0
+            head[next_token, direction] = 10.0
+    return model.eval()
+
+
 def save_tiny_model(
     out_dir: Path,
     arch: str,

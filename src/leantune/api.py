@@ -84,10 +84,11 @@ def evaluate(
     format: str | None = None,
     limit: int | None = None,
     batch_size: int = 16,
-    max_new_tokens: int = 128,
+    max_new_tokens: int | None = None,
     max_seq_len: int = 4096,
     dtype: str = "fp32",
     attn_implementation: Attention = "auto",
+    progress: bool = True,
 ) -> dict[str, Any]:
     """Loss, perplexity and exact match of a model on a JSONL file, as `leantune eval --data`.
 
@@ -98,11 +99,13 @@ def evaluate(
         format: alpaca, chat or text; None detects it.
         limit: Evaluate the first `limit` examples only.
         batch_size: Examples per forward pass.
-        max_new_tokens: Longest generated answer for exact match.
+        max_new_tokens: Longest generated answer for exact match; None: the longest reference
+            answer's tokens + max(16, 25%).
         max_seq_len: Longest example in tokens.
         dtype: fp32, bf16 or fp16 weights.
         attn_implementation: auto, segments, sdpa or eager (`leantune eval
             --attn-implementation`); auto is one the model supports.
+        progress: Show the exact-match progress line (on stderr, when it is a terminal).
 
     Returns:
         The same object `leantune eval` prints.
@@ -121,6 +124,7 @@ def evaluate(
     # After `_quiet` (peft logs as it imports), and only here: `import leantune` stays light.
     from leantune.eval.run import evaluate_file
     from leantune.methods.artifacts import load_for_inference
+    from leantune.monitor.metrics import GenerationBar
 
     torch.manual_seed(0)
     loaded, tokenizer = load_for_inference(
@@ -128,9 +132,21 @@ def evaluate(
         dtype,
         attn_implementation=attn_implementation,
     )
-    result = evaluate_file(
-        loaded, tokenizer, Path(data), format, limit, batch_size, max_new_tokens, max_seq_len
-    )
+    bar = GenerationBar("eval", enabled=progress)
+    try:
+        result = evaluate_file(
+            loaded,
+            tokenizer,
+            Path(data),
+            format,
+            limit,
+            batch_size,
+            max_new_tokens,
+            max_seq_len,
+            on_progress=bar,
+        )
+    finally:
+        bar.close()
     return {"model": str(model), **result}
 
 

@@ -124,9 +124,9 @@ def test_generate_chat_keeps_the_conversation(
 
     real = generation.generate_texts
 
-    def spy(model, tokenizer, prompts, settings, batch_size=16, seed=None):  # type: ignore[no-untyped-def]
+    def spy(model, tokenizer, prompts, settings, batch_size=16, seed=None, **kw):  # type: ignore[no-untyped-def]
         seen.extend(prompts)
-        return real(model, tokenizer, prompts, settings, batch_size, seed)
+        return real(model, tokenizer, prompts, settings, batch_size, seed, **kw)
 
     monkeypatch.setattr(generation, "generate_texts", spy)
     answers = iter(["second question", "/exit"])

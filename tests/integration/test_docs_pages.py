@@ -261,7 +261,8 @@ def _check(command: str, out: str, workdir: Path) -> None:
         run_dir = re.search(r"run directory: (\S+)", out)
         assert run_dir and (workdir / run_dir.group(1) / "final").is_dir(), out[-2000:]
     elif command == "eval":
-        scores = json.loads(out[out.index("{") :])
+        # The first JSON value: stdout's result, before the notes on stderr.
+        scores, _ = json.JSONDecoder().raw_decode(out[out.index("{") :])
         assert "loss" in scores or "preference_accuracy" in scores, scores
     else:
         assert out.strip(), f"{command} printed nothing"

@@ -91,13 +91,18 @@ def add_eval_parser(sub: Any) -> None:
     )
     e.add_argument("--batch-size", type=count(1), default=16, help="examples per forward pass")
     e.add_argument(
-        "--max-new-tokens", type=count(1), default=128, help="longest answer for exact match"
+        "--max-new-tokens",
+        type=count(1),
+        default=None,
+        help="longest answer for exact match (default: the longest reference answer's tokens "
+        "+ max(16, 25%%))",
     )
     e.add_argument(
         "--max-seq-len", type=count(1, MAX_SEQ_LEN), default=4096, help="longest example, tokens"
     )
     e.add_argument("--dtype", choices=DTYPES, default="fp32", help="dtype of the weights")
     add_attention_argument(e)
+    add_quiet_argument(e)
     e.add_argument(
         "--lm-eval",
         default=None,
@@ -158,7 +163,18 @@ def add_generate_parser(sub: Any) -> None:
     g.add_argument("--seed", type=count(0, 2**63 - 1), default=0, help="seeds sampling")
     g.add_argument("--dtype", choices=DTYPES, default="fp32", help="dtype of the weights")
     add_attention_argument(g)
+    add_quiet_argument(g)
     runs(g, "leantune.cli.commands.inference:cmd_generate", check_generate)
+
+
+def add_quiet_argument(parser: argparse.ArgumentParser) -> None:
+    """--quiet: no progress line (it shows only on a terminal anyway) and no notes on stderr."""
+    parser.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress line or notes on stderr (the line shows only on a terminal)",
+    )
 
 
 def add_export_parser(sub: Any) -> None:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 import re
+from collections.abc import Callable
 from dataclasses import replace
 
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from leantune.eval.generation import GREEDY, generate_texts, render_prompt
+from leantune.eval.progress import ProgressCallback
 
 # Models often wrap a JSON answer in a ```json fence; the fence is no part of the value.
 _FENCE = re.compile(r"\A```(?:json)?[ \t]*\n?(.*?)\n?[ \t]*```\Z", re.DOTALL | re.IGNORECASE)
@@ -89,12 +92,34 @@ def exact_match_score(predictions: list[str], references: list[str]) -> float:
     return hits / len(references)
 
 
+# The margin over the longest reference: a correct answer may take more tokens than its reference
+# (a ```json fence is about 5, other whitespace and key formatting more, and pretty-printed JSON
+# grows with the answer's length: a newline and indent per item). +16 covers the fixed part,
+# +25% the part that grows; an answer longer than that is almost never a match.
+ANSWER_MARGIN_TOKENS = 16
+ANSWER_MARGIN_FRACTION = 0.25
+
+
+def longest_answer_tokens(tokenizer: PreTrainedTokenizerBase, references: list[str]) -> int:
+    """The token length of the longest reference answer (0 without references)."""
+    lengths = tokenizer(references, add_special_tokens=False)["input_ids"] if references else []
+    return max((len(ids) for ids in lengths), default=0)
+
+
+def answer_token_cap(longest: int) -> int:
+    """Most new tokens an exact-match answer needs when the longest reference has `longest`
+    tokens: `longest` plus max(ANSWER_MARGIN_TOKENS, ANSWER_MARGIN_FRACTION of it)."""
+    return longest + max(ANSWER_MARGIN_TOKENS, math.ceil(longest * ANSWER_MARGIN_FRACTION))
+
+
 def evaluate_exact_match(
     model: PreTrainedModel | PeftModel,
     tokenizer: PreTrainedTokenizerBase,
     conversations: list[list[dict[str, str]]],
     batch_size: int = 16,
-    max_new_tokens: int = 256,
+    max_new_tokens: int | None = None,
+    on_progress: ProgressCallback | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> tuple[float, list[str]]:
     """Greedy-decode the last assistant turn of each conversation and score it by exact match.
 
@@ -104,7 +129,10 @@ def evaluate_exact_match(
         conversations: Chat message lists, each ending with the reference assistant message; the
             messages before it form the prompt.
         batch_size: Prompts per `generate` call.
-        max_new_tokens: Most tokens generated per answer.
+        max_new_tokens: Most tokens generated per answer; None: the `answer_token_cap` of the
+            longest reference (a model that never stops costs that many tokens, not hundreds).
+        on_progress: Called as generation goes (see `generate_texts`).
+        log: Told the cap when it comes from the references.
 
     Returns:
         The exact-match score in [0, 1] and the predictions, in the order of `conversations`.
@@ -122,6 +150,17 @@ def evaluate_exact_match(
             )
         prompts.append(render_prompt(tokenizer, messages[:-1]))
         references.append(messages[-1]["content"])
+    if max_new_tokens is None:
+        longest = longest_answer_tokens(tokenizer, references)
+        max_new_tokens = answer_token_cap(longest)
+        if log is not None:
+            log(
+                f"exact match: answers capped at {max_new_tokens} new tokens (longest reference "
+                f"{longest} + {max_new_tokens - longest}); max_new_tokens (--max-new-tokens) "
+                "sets another cap"
+            )
     settings = replace(GREEDY, max_new_tokens=max_new_tokens)
-    predictions = generate_texts(model, tokenizer, prompts, settings, batch_size=batch_size)
+    predictions = generate_texts(
+        model, tokenizer, prompts, settings, batch_size=batch_size, on_progress=on_progress
+    )
     return exact_match_score(predictions, references), predictions

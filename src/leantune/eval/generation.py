@@ -14,7 +14,13 @@ from typing import Any, cast
 
 import torch
 from peft import PeftModel
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from leantune.data.chat_spans import (
     NoChatTemplateError,
@@ -22,6 +28,7 @@ from leantune.data.chat_spans import (
     render_conversation,
     template_facts,
 )
+from leantune.eval.progress import ProgressCallback, ProgressTracker
 from leantune.methods.prompt import prompt_learning_generate_inputs
 
 # End-of-turn markers of the common chat templates (ChatML/Qwen, Llama 3, Gemma, GPT-style).
@@ -262,8 +269,10 @@ def _generate_batch(
     settings: SamplingSettings,
     stop_ids: list[int],
     pad_id: int,
+    watch: StoppingCriteria | None = None,
 ) -> list[list[int]]:
-    """The new token ids of one left-padded batch (prompt-learning methods add their tokens)."""
+    """The new token ids of one left-padded batch (prompt-learning methods add their tokens);
+    `watch` is called after every new token (progress), without stopping anything."""
     # Prompt-learning adapters decode through the base model with their virtual tokens added
     # by hand: peft's own generate gets them wrong under transformers 5.
     runner, inputs = prompt_learning_generate_inputs(model, input_ids, attention_mask) or (
@@ -273,18 +282,31 @@ def _generate_batch(
     # transformers 5 no longer declares `generate` on PreTrainedModel (only on GenerationMixin
     # subclasses), so the type checker sees it through __getattr__.
     generate = cast(Callable[..., torch.Tensor], runner.generate)
+    # Each row stops at its first stop token (transformers pads it from there on and ends the
+    # call when every row has stopped: tests/unit/eval/test_generation_progress.py shows it).
     generated = generate(
         **inputs,
         max_new_tokens=settings.max_new_tokens,
         eos_token_id=stop_ids,
         pad_token_id=pad_id,
         use_cache=True,
+        stopping_criteria=StoppingCriteriaList([watch] if watch is not None else []),
         **_decoding_kwargs(settings),
     )
     # The output starts with input_ids (prompt-learning inputs too), and left padding ends every
     # prompt at the same column, so one slice keeps exactly the new tokens of each row.
     new_tokens: list[list[int]] = generated[:, input_ids.shape[1] :].tolist()
     return new_tokens
+
+
+def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    # Padding with eos is safe: the attention mask hides it, and new tokens are cut at stops.
+    pad_id = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    )
+    if pad_id is None:
+        raise ValueError("the tokenizer has neither a pad token nor an eos token; set one of them")
+    return int(pad_id)
 
 
 def generate_texts(
@@ -294,6 +316,7 @@ def generate_texts(
     settings: SamplingSettings,
     batch_size: int = 16,
     seed: int | None = None,
+    on_progress: ProgressCallback | None = None,
 ) -> list[str]:
     """Generate a completion for every prompt, in batches, and return only the new text.
 
@@ -310,6 +333,8 @@ def generate_texts(
         batch_size: Prompts per `generate` call.
         seed: Seeds sampling, for reproducible outputs with the same prompts and batch_size. The
             caller's global RNG state is left untouched.
+        on_progress: Called after every decoding step and every batch with where the call
+            stands (`GenerationProgress`), e.g. to show a progress bar.
 
     Returns:
         One completion per prompt, in the order of `prompts`, cut at the first stop token,
@@ -324,12 +349,7 @@ def generate_texts(
     if not prompts:
         return []
     stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
-    # Padding with eos is safe: the attention mask hides it, and new tokens are cut at stops.
-    pad_id = (
-        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    )
-    if pad_id is None:
-        raise ValueError("the tokenizer has neither a pad token nor an eos token; set one of them")
+    pad_id = _pad_id(tokenizer)
 
     encoded = _encode_prompts(tokenizer, prompts)
     # Longest first: a batch that does not fit in memory fails at once, not at the end.
@@ -337,6 +357,7 @@ def generate_texts(
     device = next(model.parameters()).device
     outputs: list[str] = [""] * len(prompts)
     stop_set = set(stop_ids)
+    tracker = ProgressTracker(len(prompts), settings.max_new_tokens, stop_ids, on_progress)
 
     was_training = model.training
     model.eval()
@@ -359,7 +380,9 @@ def generate_texts(
                     settings,
                     stop_ids,
                     pad_id,
+                    tracker.batch(len(batch)),
                 )
+                tracker.end_batch(len(batch))
                 for index, ids in zip(batch, new_tokens, strict=True):
                     text = tokenizer.decode(_cut_at_stop(ids, stop_set), skip_special_tokens=True)
                     outputs[index] = cast(str, text).strip()

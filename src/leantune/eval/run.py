@@ -22,6 +22,7 @@ from leantune.data.prepare.records import PrepareSettings
 from leantune.eval.exact_match import evaluate_exact_match
 from leantune.eval.perplexity import evaluate_loss
 from leantune.eval.preference import evaluate_preference
+from leantune.eval.progress import ProgressCallback
 
 
 def evaluate_file(
@@ -31,9 +32,11 @@ def evaluate_file(
     fmt: str | None = None,
     limit: int | None = None,
     batch_size: int = 16,
-    max_new_tokens: int = 128,
+    max_new_tokens: int | None = None,
     max_seq_len: int = 4096,
     on_bad_line: Callable[[str], None] | None = None,
+    on_progress: ProgressCallback | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Evaluate `model` on the JSONL file `path`.
 
@@ -44,9 +47,12 @@ def evaluate_file(
         fmt: Its record format; None detects it.
         limit: Evaluate only the first `limit` examples (None: all).
         batch_size: Examples per forward pass and per generate call.
-        max_new_tokens: Longest generated answer for exact match.
+        max_new_tokens: Longest generated answer for exact match; None: the longest reference
+            answer plus a margin (`exact_match.answer_token_cap`).
         max_seq_len: Longest example in tokens; longer ones count as bad lines.
         on_bad_line: Called with each bad line's description (file, line, reason).
+        on_progress: Called as exact match generates (`generate_texts`), e.g. a progress bar.
+        log: Told the exact-match cap when it comes from the references.
 
     Returns:
         `data`, `format`, the loss and perplexity keys of `evaluate_loss`, `examples`,
@@ -92,6 +98,8 @@ def evaluate_file(
     # Only chat records carry a reference assistant turn to compare a generated answer with.
     conversations = [list(r.messages) for r in data.records if r.messages is not None]
     if conversations:
-        score, _ = evaluate_exact_match(model, tokenizer, conversations, batch_size, max_new_tokens)
+        score, _ = evaluate_exact_match(
+            model, tokenizer, conversations, batch_size, max_new_tokens, on_progress, log
+        )
         result["exact_match"] = score
     return result

@@ -1,17 +1,19 @@
-"""What a run reports: metrics.jsonl (one object per optimizer step), a progress bar, memory."""
+"""What a run reports: metrics.jsonl (one object per optimizer step), a progress bar, memory;
+and the progress line of eval and generate."""
 
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from tqdm import tqdm
 
 from leantune.core.process_memory import current_rss_bytes, peak_rss_bytes, status_bytes
 from leantune.core.writes import append_text, write_file
+from leantune.eval.progress import GenerationProgress
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -99,3 +101,48 @@ def progress_bar(total: int, initial: int, enabled: bool) -> tqdm:
         dynamic_ncols=True,
         file=sys.stderr,
     )
+
+
+class GenerationBar:
+    """The progress line of eval and generate on stderr: prompts answered of all, generated
+    tokens/s, elapsed and ETA (from the decoding work left, so a batch that stops early brings
+    it in). Shown only on a terminal; redrawn at most once a second, at every decoding step
+    after that, so a long batch is never silent. Pass it as `on_progress`, `close()` after."""
+
+    def __init__(
+        self, desc: str, enabled: bool = True, file: TextIO | None = None, leave: bool = True
+    ):
+        self.desc = desc
+        self.file = file if file is not None else sys.stderr
+        # Not on a pipe or a log file: a redrawn line there is a screenful of carriage returns.
+        self.enabled = enabled and self.file.isatty()
+        self.leave = leave
+        self._bar: Any = None
+
+    def __call__(self, progress: GenerationProgress) -> None:
+        if not self.enabled:
+            return
+        elapsed = progress.elapsed_s
+        rate = progress.new_tokens / elapsed if elapsed > 0 else 0.0
+        text = f"{self.desc}: {progress.done}/{progress.total} examples, {rate:.1f} tok/s"
+        if self._bar is None:
+            self._bar = tqdm(
+                total=progress.work_total,
+                desc=text,
+                file=self.file,
+                bar_format="{desc} [{elapsed}, ETA {remaining}]",
+                mininterval=1.0,
+                miniters=1,  # tqdm's adaptive default would skip the clock check on slow steps
+                dynamic_ncols=True,
+                leave=self.leave,
+            )
+            self._bar.start_t -= elapsed  # the clock of the call, which began before this step
+        else:
+            self._bar.set_description_str(text, refresh=False)
+        self._bar.update(progress.work_done - self._bar.n)
+
+    def close(self) -> None:
+        """Draws the final line (or clears it without `leave`); the next call starts anew."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

@@ -28,6 +28,7 @@ from leantune.eval.perplexity import evaluate_loss
 from leantune.eval.preference import evaluate_objective
 from leantune.models.attention import sdpa_attention
 from leantune.monitor.events import EventLog
+from leantune.monitor.metrics import GenerationBar
 from leantune.objectives.batch import PreferenceStep
 from leantune.training.guard.oom import retry_on_oom
 from leantune.training.hooks import StepHooks
@@ -45,6 +46,8 @@ class EvalSettings:
     precision: str
     batch_size: int
     max_new_tokens: int
+    progress: bool = False
+    """Show exact match's progress line (run.progress, on the main process, on a terminal)."""
 
 
 @dataclass(frozen=True)
@@ -93,10 +96,20 @@ def exact_match(
     records = [r for r in records if r.messages is not None]
     convs = [list(r.messages) for r in records if r.messages is not None]
     device = next(model.parameters()).device
+    # Cleared when done: the run's own lines (the eval row, the step bar) say what came of it.
+    bar = GenerationBar("exact match", enabled=settings.progress, leave=False)
     with autocast(device.type, settings.precision):
-        score, preds = evaluate_exact_match(
-            cast(PreTrainedModel, model), tokenizer, convs, batch_size, settings.max_new_tokens
-        )
+        try:
+            score, preds = evaluate_exact_match(
+                cast(PreTrainedModel, model),
+                tokenizer,
+                convs,
+                batch_size,
+                settings.max_new_tokens,
+                on_progress=bar,
+            )
+        finally:
+            bar.close()
     if predictions_file is not None:
         with replacing(predictions_file) as tmp, tmp.open("x", encoding="utf-8") as f:
             for rec, conv, pred in zip(records, convs, preds, strict=True):

@@ -243,7 +243,7 @@ def set_up(
     run = _in_turn(strategy, lambda: set_up_run(cfg, source, tokenizer, device.type, log, world))
     cfg, t = run.cfg, run.cfg.train
     pad_id, held_out = int(tokenizer.pad_token_id), run.eval_data
-    settings = EvalSettings(t.precision, t.eval_batch_size, t.max_new_tokens)
+    settings = _eval_settings(cfg, main)
     eval_inputs = EvalInputs(tokenizer, held_out, pad_id, events, hooks) if held_out else None
     # Base model -> its exact match -> the method's wrapping -> the trainer around it.
     quantization = base_quantization(cfg.method, t.precision)
@@ -290,6 +290,12 @@ def set_up(
         coverage=coverage,
         preference_eval=scored,
     )
+
+
+def _eval_settings(cfg: Config, main: bool) -> EvalSettings:
+    """How evaluation computes; exact match's progress line on the main process only."""
+    t = cfg.train
+    return EvalSettings(t.precision, t.eval_batch_size, t.max_new_tokens, cfg.run.progress and main)
 
 
 def _base_exact_match(

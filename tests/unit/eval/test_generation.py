@@ -16,13 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from support import run_cli, tiny_qwen2_config
+from support import chain_model, run_cli
 from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
-    Qwen2ForCausalLM,
 )
 
 from leantune.eval.exact_match import answers_match, evaluate_exact_match, exact_match_score
@@ -154,33 +153,6 @@ def test_empty_inputs(qwen2: PreTrainedModel, tokenizer: PreTrainedTokenizerFast
 
 # ---------------------------------------------------------------------------------------------
 # stopping
-
-
-def chain_model(tokenizer: PreTrainedTokenizerFast, chain: dict[int, int]) -> Qwen2ForCausalLM:
-    """A Qwen2 whose next token depends only on the current one, following `chain`.
-
-    Attention and MLP outputs are zeroed, so the final hidden state is the (normalised) input
-    embedding; token `t` in `chain` embeds to its own basis vector, which the lm_head maps to
-    `chain[t]`; every other token embeds to a shared vector mapped to "z".
-    """
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(tiny_qwen2_config())
-    hidden = model.config.hidden_size
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        embed = model.model.embed_tokens.weight
-        head = model.lm_head.weight
-        embed.zero_()
-        head.zero_()
-        embed[:, hidden - 1] = 1.0
-        head[tokenizer.convert_tokens_to_ids("z"), hidden - 1] = 10.0
-        for direction, (token, next_token) in enumerate(chain.items()):
-            embed[token] = 0.0
-            embed[token, direction] = 1.0
-            head[next_token, direction] = 10.0
-    return model.eval()
 
 
 @pytest.mark.parametrize("stop", ["<|im_end|>", "<|endoftext|>"])

@@ -18,6 +18,7 @@ from leantune.eval.harness import run_lm_eval, summarize
 from leantune.eval.run import evaluate_file
 from leantune.methods.artifacts import load_for_inference
 from leantune.models.quiet import quiet_libraries
+from leantune.monitor.metrics import GenerationBar
 
 
 def _lm_eval(args: argparse.Namespace, model: Any, tokenizer: Any) -> dict[str, dict[str, float]]:
@@ -48,18 +49,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
     _use_chat_template(tokenizer, args.chat_template)
     result: dict[str, object] = {"model": args.model}
     if path is not None:
-        result |= evaluate_file(
-            model,
-            tokenizer,
-            path,
-            args.format,
-            args.limit,
-            args.batch_size,
-            args.max_new_tokens,
-            args.max_seq_len,
-            # stderr: stdout holds only the JSON result, for a script to parse.
-            on_bad_line=lambda bad: print(f"bad line skipped: {bad}", file=sys.stderr),
-        )
+        bar = GenerationBar("eval", enabled=not args.quiet)
+        try:
+            result |= evaluate_file(
+                model,
+                tokenizer,
+                path,
+                args.format,
+                args.limit,
+                args.batch_size,
+                args.max_new_tokens,
+                args.max_seq_len,
+                # stderr: stdout holds only the JSON result, for a script to parse.
+                on_bad_line=lambda bad: print(f"bad line skipped: {bad}", file=sys.stderr),
+                on_progress=bar,
+                log=None if args.quiet else lambda note: print(note, file=sys.stderr),
+            )
+        finally:
+            bar.close()
     if args.lm_eval:
         result["lm_eval"] = _lm_eval(args, model, tokenizer)
     print(json.dumps(result, indent=2))
@@ -105,6 +112,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.system:
         history.append({"role": "system", "content": args.system})
     prompt = args.prompt
+    # Cleared once the reply is there: in --chat the reply takes its place.
+    bar = GenerationBar("generate", enabled=not args.quiet, leave=False)
     while True:
         if prompt is None:  # --chat: the next turn from stdin
             try:
@@ -121,9 +130,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             text = generation.render_prompt(tokenizer, history, args.chat_template)
         else:
             text = prompt
-        replies = generation.generate_texts(
-            model, tokenizer, [text], settings, batch_size=1, seed=args.seed
-        )
+        try:
+            replies = generation.generate_texts(
+                model, tokenizer, [text], settings, batch_size=1, seed=args.seed, on_progress=bar
+            )
+        finally:
+            bar.close()
         (reply,) = replies
         print(("assistant> " if args.chat else "") + reply, flush=True)
         if not args.chat:
