@@ -67,12 +67,24 @@ def make_grad_scaler(precision: str, device_type: str) -> torch.amp.GradScaler |
     return torch.amp.GradScaler(device_type)
 
 
+class DeviceUnavailable(ValueError, UserError):
+    """train.device names a device this machine does not have."""
+
+
 def pick_device(requested: str) -> torch.device:
-    """'auto' -> CUDA when available, else CPU."""
+    """'auto' -> CUDA when available, else CPU.
+
+    Raises:
+        DeviceUnavailable: train.device=cuda on a machine without a CUDA device.
+    """
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if requested == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device=cuda but no CUDA device is available")
+        raise DeviceUnavailable(
+            "train.device=cuda but torch finds no CUDA device on this machine (torch "
+            f"{torch.__version__}, CUDA {torch.version.cuda or 'not built in'}); use "
+            "train.device=auto to train on the CPU here"
+        )
     return torch.device(requested)
 
 

@@ -139,6 +139,7 @@ def test_a_ddp_run_on_cuda_joins_an_nccl_group_bound_to_its_local_rank(
     [
         (["train.precision=fp16"], "train.precision=fp16"),
         (["dist.strategy=ddp", "dist.backend=nccl"], "dist.backend=nccl"),
+        (["train.device=cuda"], "train.device=cuda"),
     ],
 )
 def test_cuda_only_settings_on_a_machine_without_cuda_exit_2_before_any_work(
@@ -156,5 +157,5 @@ def test_cuda_only_settings_on_a_machine_without_cuda_exit_2_before_any_work(
     result = run_cli(tiny_train_args(tiny_llama_dir, chat_files[0], run, *overrides))
     assert result.code == 2, result
     assert says in result.err and "no CUDA device" in result.err
-    assert "train.device=auto" in result.err
+    assert "train.device=auto" in result.err  # the way on: auto (or cpu) trains here
     assert not (run / "prepared").exists()  # refused before the data was prepared
