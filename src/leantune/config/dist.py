@@ -44,6 +44,10 @@ CPU_OFFLOAD_ON_CPU = (
     "dist.cpu_offload=true needs CUDA: training on the CPU, the shards are in CPU memory "
     "already; leave it false"
 )
+NCCL_ON_CPU = (
+    "dist.backend=nccl needs CUDA and this run trains on the CPU (train.device=cpu, or "
+    "train.device=auto on a machine with no CUDA device); use dist.backend=auto (gloo on CPU)"
+)
 
 
 def check_dist(d: DistConfig, device: str, eval_every: int) -> None:
@@ -51,7 +55,7 @@ def check_dist(d: DistConfig, device: str, eval_every: int) -> None:
     if not d.timeout_s > 0:
         raise ConfigError(f"dist.timeout_s: must be > 0 seconds, got {d.timeout_s}")
     if d.backend == "nccl" and device == "cpu":
-        raise ConfigError("dist.backend=nccl needs CUDA; use gloo (or auto) with train.device=cpu")
+        raise ConfigError(NCCL_ON_CPU)
     # Both are fully_shard options: any other strategy would ignore them without a word.
     if d.strategy != "fsdp2" and (d.cpu_offload or not d.reshard_after_forward):
         raise ConfigError(

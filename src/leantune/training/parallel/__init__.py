@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from leantune.config.dist import CPU_OFFLOAD_ON_CPU
+from leantune.config.dist import CPU_OFFLOAD_ON_CPU, NCCL_ON_CPU
 from leantune.config.parse import ConfigError
 from leantune.training.parallel.launch import launched_by_torchrun
 
@@ -39,9 +39,11 @@ def build_strategy(
     from leantune.training.parallel.world import init_world
 
     # Checked here, after device resolution: train.device=auto may have found no GPU, and
-    # offloading to the CPU from the CPU means nothing.
+    # offloading to the CPU from the CPU means nothing; NCCL has no CPU transport.
     if cpu_offload and device_type == "cpu":
         raise ConfigError(CPU_OFFLOAD_ON_CPU)
+    if backend == "nccl" and device_type == "cpu":
+        raise ConfigError(NCCL_ON_CPU)
     world = init_world(backend, device_type, timeout_s)
     if name == "ddp":
         from leantune.training.parallel.ddp import DDPStrategy  # see build_strategy's top
