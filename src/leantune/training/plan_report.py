@@ -39,6 +39,7 @@ from leantune.training.run_setup import (
 COMPONENTS = (
     ("overhead", "runtime (python, torch; CUDA context)"),
     ("weights", "weights"),
+    ("reference_copy", "reference copy (train.reference=live)"),
     ("optimizer", "optimizer states"),
     ("activations", "activations saved for backward"),
     ("loss", "logits + loss (supervised positions)"),
@@ -196,7 +197,7 @@ def format_text(result: dict[str, Any]) -> str:
     for key, label in COMPONENTS:
         lines.append(f"  {label:40s} {b[key] / GIB:8.3f} GiB")
     lines.append(
-        "  peak = runtime + weights + optimizer"
+        "  peak = runtime + weights + reference copy + optimizer"
         " + max(activations + max(loss, recompute, reference), gradients + step)"
     )
     lines.append(f"  {'predicted peak (live tensors)':40s} {b['peak'] / GIB:8.3f} GiB")
