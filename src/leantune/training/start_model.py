@@ -35,6 +35,7 @@ from leantune.layout import RunPaths
 from leantune.methods.artifacts import config_and_tokenizer_sources
 from leantune.models.loading import ModelSource, resolve_model
 from leantune.models.paths import is_adapter_dir, is_bottleneck_adapter_dir, model_of_run
+from leantune.training.parallel.strategy import ParallelStrategy
 from leantune.training.run.rundir import read_record
 
 Log = Callable[[str], None]
@@ -124,23 +125,51 @@ def start_sources(model_path: str, gguf_file: str | None = None) -> StartSources
     return StartSources(start, final, final, merged=False)
 
 
-def start_model(cfg: Config, world_size: int, log: Log) -> tuple[Config, StartRun | None]:
+def start_model(
+    cfg: Config, strategy: ParallelStrategy, log: Log
+) -> tuple[Config, StartRun | None]:
     """`cfg` with model.path the model a run from another run trains from: that run's `final/`
     model, or its adapter merged into its base in `<run dir>/start_model/`; as is otherwise.
 
+    Under torchrun the main process merges while the others wait (`strategy.agree`), then every
+    process reads the merged model from the run directory, as they read its checkpoints.
+
     Raises:
         ConfigError: the run's adapter cannot be merged (prompt tuning, bottleneck adapters),
-            or it needs merging under torchrun.
+            or the merge failed on the main process.
     """
     start = start_run(cfg.model.path)
     if start is None:
         return cfg, None
-    path = _merged(cfg, start, world_size, log) if needs_merge(start) else start.final
+    path = _merged_once(cfg, start, strategy, log) if needs_merge(start) else start.final
     log(f"model.path={cfg.model.path}: starting from run {start.run.name} ({path})")
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(path))), start
 
 
-def _merged(cfg: Config, start: StartRun, world_size: int, log: Log) -> Path:
+def _merged_once(cfg: Config, start: StartRun, strategy: ParallelStrategy, log: Log) -> Path:
+    """`_merged` on the main process; the others wait for it and fail with it."""
+    if strategy.is_main_process:
+        try:
+            out = _merged(cfg, start, log)
+        except BaseException:
+            strategy.agree(1)  # matches the others' agree below: they stop, not hang
+            raise
+        strategy.agree(0)
+        return out
+    where = f"model.path={cfg.model.path}"
+    if strategy.agree(0):
+        raise ConfigError(f"{where}: rank 0 could not merge {start.final}: see its error")
+    out = RunPaths(cfg.run_dir).start_model
+    if not (out / MADE_FROM).is_file():
+        raise ConfigError(
+            f"{where}: rank 0 merged {start.final} into {out}, which this process cannot see: "
+            "run.dir must be a folder every process shares, or run `leantune export` with "
+            "--format hf on that run and give model.path the exported folder"
+        )
+    return out
+
+
+def _merged(cfg: Config, start: StartRun, log: Log) -> Path:
     """`start`'s adapter merged into its base, in this run's `start_model/` (made once)."""
     out = RunPaths(cfg.run_dir).start_model
     made_from = model_digest(start.final)
@@ -153,12 +182,6 @@ def _merged(cfg: Config, start: StartRun, world_size: int, log: Log) -> Path:
         raise ConfigError(
             f"{where}: {start.final} has changed since the run in {cfg.run_dir} started from "
             f"it (merged into {out}). Give another run.dir, or run.resume=never to start over"
-        )
-    if world_size > 1:
-        raise ConfigError(
-            f"{where}: {start.final} is an adapter, merged into its base before training; not "
-            "yet under torchrun. Run `leantune export` with --format hf on that run and give "
-            "model.path the exported folder"
         )
     if is_bottleneck_adapter_dir(start.final):
         raise ConfigError(

@@ -13,6 +13,7 @@ import pytest
 from support import chat_rows, make_config, run_cli, write_jsonl
 
 from leantune.training import recipe
+from leantune.training.parallel.strategy import SingleProcess
 from leantune.training.start_model import start_model
 
 PAIRS = [
@@ -45,7 +46,7 @@ def _files(root: Path) -> set[Path]:
 def _trained_from(sft: Path, data: Path, tmp_path: Path) -> Path:
     """The model `train` starts from with model.path=`sft` (an adapter merged into its base)."""
     cfg = make_config(sft, data, tmp_path / "dpo", "train.objective=dpo", "data.format=preference")
-    resolved, origin = start_model(cfg, 1, lambda _: None)
+    resolved, origin = start_model(cfg, SingleProcess(), lambda _: None)
     assert origin is not None and origin.run == sft.resolve()
     return Path(resolved.model.path)
 
