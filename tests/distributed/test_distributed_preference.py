@@ -127,11 +127,11 @@ def test_simpo_orpo_and_kto_on_two_processes_update_as_one(
 def test_dpo_from_a_lora_sft_run_on_two_processes_updates_as_one(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    """The two-stage recipe under torchrun (70 s on a loaded 2-core machine): model.path is a LoRA SFT run, whose
-    adapter rank 0 merges into its base in the DPO run's start_model/ while rank 1 waits; both
-    then train from it. The 2-process run makes the updates the one-process run from the same
-    SFT run makes, both start at the SFT model (margin 0: the policy is its reference), and
-    the record names the SFT run."""
+    """The two-stage recipe under torchrun (70 s on a loaded 2-core machine): model.path is a
+    LoRA SFT run, whose adapter rank 0 merges into its base in the DPO run's start_model/ while
+    rank 1 waits; both then train from it. The 2-process run makes the updates the one-process
+    run from the same SFT run makes, both start at the SFT model (margin 0: the policy is its
+    reference), and the record names the SFT run."""
     sft = tmp_path / "sft"
     chats = write_jsonl(tmp_path / "chats.jsonl", chat_rows(8))
     sft_settings = ("method.name=lora", "train.max_steps=2", "train.precision=fp32")

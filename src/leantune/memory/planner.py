@@ -122,8 +122,10 @@ def _fastest_fitting(
         # A preference objective's reference follows the method: the ones that train the base
         # weights compute it before training (or keep a frozen copy: train.reference=live),
         # adapters switch off for a forward per micro-batch (`objectives.registry.reference_kind`).
-        live = "live" if step.reference == "live" else "precomputed"
-        reference = live if METHODS[method].trains_base_weights else "forward"
+        if not METHODS[method].trains_base_weights:
+            reference = "forward"
+        elif reference != "live":
+            reference = "precomputed"
     # Innermost the micro-batch, halved (grad accumulation keeps the global batch); then
     # gradient checkpointing, off before on (sorted: False first), since it costs ~30% step
     # time; outermost the optimizer, whose lighter states change the training itself.
