@@ -11,11 +11,14 @@ one-process references, about 60 s (the other pairings and simpo, orpo, kto are 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import torch
 from dist_support import COMMON, ONE, TWO, _args, _torchrun
-from support import _assert_same_run, _ok, make_config, write_jsonl
+from safetensors.torch import load_file
+from support import _assert_same_run, _ok, chat_rows, make_config, write_jsonl
 
 from leantune.monitor.metrics import read_metrics
 from leantune.training import recipe
@@ -118,3 +121,31 @@ def test_simpo_orpo_and_kto_on_two_processes_update_as_one(
     a, b = _one_and_two(tiny_llama_dir, data, tmp_path, strategy, one, *extra)
     _assert_same_run(a, b)
     _assert_same_metrics(a, b, names)
+
+
+@pytest.mark.slow
+def test_dpo_from_a_lora_sft_run_on_two_processes_updates_as_one(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """The two-stage recipe under torchrun (70 s on a loaded 2-core machine): model.path is a
+    LoRA SFT run, whose adapter rank 0 merges into its base in the DPO run's start_model/ while
+    rank 1 waits; both then train from it. The 2-process run makes the updates the one-process
+    run from the same SFT run makes, both start at the SFT model (margin 0: the policy is its
+    reference), and the record names the SFT run."""
+    sft = tmp_path / "sft"
+    chats = write_jsonl(tmp_path / "chats.jsonl", chat_rows(8))
+    sft_settings = ("method.name=lora", "train.max_steps=2", "train.precision=fp32")
+    recipe.train(make_config(tiny_llama_dir, chats, sft, *sft_settings), log=lambda _: None)
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    extra = ("train.objective=dpo", "method.name=lora")
+    one, two = _one_and_two(sft, data, tmp_path, "ddp", ONE, *extra)
+    _assert_same_run(one, two)
+    _assert_same_metrics(one, two, METRICS)
+    assert read_metrics(two / "metrics.jsonl")[0]["rewards/margins"] == pytest.approx(0, abs=1e-6)
+    for run in (one, two):
+        started = json.loads((run / "leantune_run.json").read_text())["started_from"]
+        assert started["run"] == str(sft.resolve())
+    # The same merged model: the SFT adapter on its base, written once by rank 0.
+    merged = [load_file(run / "start_model" / "model.safetensors") for run in (one, two)]
+    assert merged[0].keys() == merged[1].keys()
+    assert all(torch.equal(merged[0][k], merged[1][k]) for k in merged[0])

@@ -9,7 +9,7 @@ What the loop keeps alive (training/recipe.py, training/token_loss.py):
 - gradients are set to None after every optimizer step, so they never coexist with a full set of
   saved activations: they peak at the end of backward and during `optimizer.step`, whose
   single-tensor AdamW (the CPU default) makes two temporaries the size of the largest parameter.
-So: peak = overhead + weights + optimizer
+So: peak = overhead + weights + reference copy + optimizer
            + max(activations + max(loss, recomputed block, reference),
                  gradients + step temporaries).
 
@@ -17,7 +17,8 @@ A preference objective (objectives/batch.py) adds the reference model's forward,
 with an adapter method it runs on every micro-batch after the policy's forward, whose saved
 activations are alive meanwhile (`reference`); full and freeze run it once over the data before
 training instead, with no optimizer state or gradients yet (`Breakdown.reference_pass`), and
-keep one float per sequence.
+keep one float per sequence; or, with train.reference=live, keep a frozen copy of the weights
+for the whole run (`Breakdown.reference_copy`) and run it on every micro-batch as adapters do.
 
 Those are live tensors; what a run needs is more (`Breakdown.needed`): the allocator's share
 (`FIT_MARGIN`, by allocator), and before training the load phase (`load_bytes`), when the
@@ -133,10 +134,11 @@ class StepSettings:
     GGUF's quantised blocks are)."""
     checkpoint_streamed: bool = False
     """Loading reads the files tensor by tensor (`models.weight_files`), not memory-mapped."""
-    reference: Literal["none", "forward", "precomputed"] = "none"
+    reference: Literal["none", "forward", "precomputed", "live"] = "none"
     """A preference objective's reference (or KTO's KL estimate): "forward", a forward without
     grad on every micro-batch (adapters off); "precomputed", one pass over the data before
-    training (full, freeze), `reference_rows` rows at a time."""
+    training (full, freeze), `reference_rows` rows at a time; "live", a frozen copy of the
+    weights run forward on every micro-batch (full, freeze with train.reference=live)."""
     reference_rows: int = 0
     """Rows per forward of the precomputed reference pass."""
 
@@ -159,6 +161,8 @@ class Breakdown:
     """Transient of the reference's forward without grad on every micro-batch (0: none)."""
     reference_pass: int = 0
     """Peak of the reference pass before training, runtime and weights included (0: none)."""
+    reference_copy: int = 0
+    """The frozen copy of the weights train.reference=live keeps for the whole run (0: none)."""
     margin: float = 1.0
     """`FIT_MARGIN` of the device: how far above `peak` the process was measured to go."""
 
@@ -187,7 +191,8 @@ class Breakdown:
         """Peak of the run's own tensors, above the process baseline."""
         # max, not a sum: gradients are set to None after every optimizer step, so they never
         # coexist with a full set of saved activations.
-        return self.weights + self.optimizer + max(self.backward_phase, self.update_phase)
+        weights = self.weights + self.reference_copy
+        return weights + self.optimizer + max(self.backward_phase, self.update_phase)
 
     @property
     def peak(self) -> int:
@@ -387,11 +392,13 @@ def estimate(facts: ModelFacts, st: StepSettings, weight_itemsize: int = 4) -> B
         step_temporaries=step_temporaries(facts, st.device),
         load=load_bytes(facts, st, weight_itemsize, weights),
         reference=no_grad_forward_bytes(facts, st, st.micro_batch)
-        if st.reference == "forward"
+        if st.reference in ("forward", "live")
         else 0,
         reference_pass=(
             overhead + weights + no_grad_forward_bytes(facts, st, rows) if precomputed else 0
         ),
+        # `objectives.batch.with_live_reference` deep-copies the model: every weight again.
+        reference_copy=weights if st.reference == "live" else 0,
         margin=fit_margin(st.device, st.allocator, st.weight_quant is not None),
     )
 

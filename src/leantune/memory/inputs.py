@@ -61,6 +61,8 @@ class PlanInputs:
     objective: str = "sft"
     """train.objective: a paired one's rows hold two sequences of up to max_seq_len each, and
     one with a reference adds its forward (`objectives.registry.reference_kind`)."""
+    reference: str = "auto"
+    """train.reference: live keeps a frozen copy of the weights (full, freeze)."""
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,7 @@ def plan_basis(
         checkpoint_bytes=files,
         checkpoint_itemsize=file_itemsize,
         checkpoint_streamed=streamed,
-        reference="none" if spec is None else reference_kind(spec, trains_base),
+        reference="none" if spec is None else reference_kind(spec, trains_base, inputs.reference),
         reference_rows=REFERENCE_PASS_ROWS,
     )
     return PlanBasis(facts, step, global_batch, DTYPE_BYTES[inputs.model_dtype], hf_config)

@@ -120,9 +120,12 @@ def _fastest_fitting(
     reference = step.reference
     if reference != "none":
         # A preference objective's reference follows the method: the ones that train the base
-        # weights compute it before training, adapters switch off for a forward per micro-batch
-        # (`objectives.registry.reference_kind`).
-        reference = "precomputed" if METHODS[method].trains_base_weights else "forward"
+        # weights compute it before training (or keep a frozen copy: train.reference=live),
+        # adapters switch off for a forward per micro-batch (`objectives.registry.reference_kind`).
+        if not METHODS[method].trains_base_weights:
+            reference = "forward"
+        elif reference != "live":
+            reference = "precomputed"
     # Innermost the micro-batch, halved (grad accumulation keeps the global batch); then
     # gradient checkpointing, off before on (sorted: False first), since it costs ~30% step
     # time; outermost the optimizer, whose lighter states change the training itself.

@@ -132,6 +132,11 @@ def describe(b: Breakdown) -> str:
         f"optimizer {b.optimizer / GIB:.2f}, activations {b.activations / GIB:.2f}, "
         f"loss {b.loss / GIB:.2f}, gradients {b.gradients / GIB:.2f}"
         + (f", reference forward {b.reference / GIB:.2f}" if b.reference else "")
+        + (
+            f", the reference's frozen copy {b.reference_copy / GIB:.2f} (train.reference=live)"
+            if b.reference_copy
+            else ""
+        )
         + ")"
     )
     if b.margin != 1:

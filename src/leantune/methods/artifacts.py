@@ -197,7 +197,9 @@ def _adapter_tokenizer(adapter_dir: Path, base: ModelSource) -> ModelSource:
     return ModelSource(str(adapter_dir)) if own else base
 
 
-def _config_and_tokenizer_sources(path: str) -> tuple[ModelSource, ModelSource]:
+def config_and_tokenizer_sources(path: str) -> tuple[ModelSource, ModelSource]:
+    """Where `load_for_inference(path)` reads the model's config and weights (an adapter's
+    base) and its tokenizer (an adapter's own when saved with one), without reading them."""
     path = model_of_run(path)
     p = Path(path).expanduser()
     if p.is_dir() and (is_adapter_dir(p) or is_bottleneck_adapter_dir(p)):
@@ -218,7 +220,7 @@ def model_config_and_tokenizer(
         ModelPathError: `path` is not a model or its config or tokenizer cannot be read.
     """
     with loading(path):
-        source, tok_source = _config_and_tokenizer_sources(path)
+        source, tok_source = config_and_tokenizer_sources(path)
         config = AutoConfig.from_pretrained(
             source.location, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code
         )

@@ -15,7 +15,7 @@ SFT = "sft"
 REFERENCE_PASS_ROWS = 8
 """Rows per forward of the reference pass before training (`objectives.batch.with_reference`)."""
 
-ReferenceKind = Literal["none", "forward", "precomputed"]
+ReferenceKind = Literal["none", "forward", "precomputed", "live"]
 
 
 # Each loss is a thin wrapper that imports objectives.preference (torch) only when called:
@@ -106,11 +106,14 @@ def settings_for(spec: ObjectiveSpec, cfg: PreferenceConfig) -> ObjectiveSetting
     )
 
 
-def reference_kind(spec: ObjectiveSpec, trains_base_weights: bool) -> ReferenceKind:
+def reference_kind(
+    spec: ObjectiveSpec, trains_base_weights: bool, reference: str = "auto"
+) -> ReferenceKind:
     """How a run gets the log-probs its loss compares against: "precomputed" once before
     training (full and freeze: their reference is the model before its first update, and no
-    adapter can be switched off), "forward" on every micro-batch without grad (adapters off;
-    KTO's KL estimate too), or "none"."""
+    adapter can be switched off), "live" with `reference` (train.reference) live there, a frozen
+    copy of the model run on every micro-batch, "forward" on every micro-batch without grad
+    (adapters off; KTO's KL estimate too), or "none"."""
     if spec.needs_reference and trains_base_weights:
-        return "precomputed"
+        return "live" if reference == "live" else "precomputed"
     return "forward" if spec.needs_reference or spec.needs_kl_pairs else "none"

@@ -341,7 +341,8 @@ def preference_objective(
     assert run.preference is not None
     trainer.objective = run.preference.step(cfg)
     spec = trainer.objective.spec
-    if reference_kind(spec, METHODS[cfg.method.name].trains_base_weights) == "precomputed":
+    kind = reference_kind(spec, METHODS[cfg.method.name].trains_base_weights, cfg.train.reference)
+    if kind in ("precomputed", "live"):
         # Before start_state: a resume's restore has not yet put the trained weights in.
         fingerprint = run.plan.fingerprint.fields
         trainer.objective = reference_for(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from leantune.memory.planner import (
     recommend,
 )
 from leantune.methods.checks import effective_pack
-from leantune.models.loading import load_tokenizer, resolve_model
+from leantune.models.loading import load_tokenizer
 from leantune.objectives.registry import SFT
 from leantune.training.planning import plan_inputs
 from leantune.training.preference_setup import longest_sequence, preference_rows
@@ -35,10 +36,12 @@ from leantune.training.run_setup import (
     resolved_global_batch,
     with_objective_format,
 )
+from leantune.training.start_model import start_sources
 
 COMPONENTS = (
     ("overhead", "runtime (python, torch; CUDA context)"),
     ("weights", "weights"),
+    ("reference_copy", "reference copy (train.reference=live)"),
     ("optimizer", "optimizer states"),
     ("activations", "activations saved for backward"),
     ("loss", "logits + loss (supervised positions)"),
@@ -67,8 +70,10 @@ def row_stats_from_data(cfg: Config) -> RowStats:
     if d.train is None:
         return None, None, 0, 0
     try:
-        source = resolve_model(cfg.model.path, cfg.model.gguf_file)
-        tok = load_tokenizer(source)
+        # A run directory as model.path: the model and tokenizer train would start from.
+        sources = start_sources(cfg.model.path, cfg.model.gguf_file)
+        source = sources.model
+        tok = load_tokenizer(sources.tokenizer)
         apply_chat_template(tok, d.chat_template)  # the template's tokens are in every row
         auto = d.max_seq_len == "auto"
         limit = (
@@ -145,7 +150,8 @@ def plan(
     supervised, longest, rows, examples = row_stats or row_stats_from_data(cfg)
     # The batch `train` takes: never more than the data's rows (`_batch_and_steps`).
     batch = min(resolved_global_batch(cfg.train, rows, examples), rows) if rows else None
-    inputs = plan_inputs(cfg)
+    model = start_sources(cfg.model.path, cfg.model.gguf_file).model  # a run: as train reads it
+    inputs = replace(plan_inputs(cfg), model_path=model.location, gguf_file=model.gguf_file)
     basis = plan_basis(inputs, device, supervised, longest, batch, allocator)
     limit = budget_for(inputs.memory_budget, device, budget)
     configured = estimate(basis.facts, basis.step, basis.weight_itemsize)
@@ -196,7 +202,7 @@ def format_text(result: dict[str, Any]) -> str:
     for key, label in COMPONENTS:
         lines.append(f"  {label:40s} {b[key] / GIB:8.3f} GiB")
     lines.append(
-        "  peak = runtime + weights + optimizer"
+        "  peak = runtime + weights + reference copy + optimizer"
         " + max(activations + max(loss, recompute, reference), gradients + step)"
     )
     lines.append(f"  {'predicted peak (live tensors)':40s} {b['peak'] / GIB:8.3f} GiB")

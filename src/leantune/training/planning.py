@@ -32,4 +32,5 @@ def plan_inputs(cfg: Config) -> PlanInputs:
         kl=t.kl_coef > 0,
         memory_budget=t.memory_budget,
         objective=t.objective,
+        reference=t.reference,
     )

@@ -150,7 +150,7 @@ def _lifecycle(
     hooks = new_step_hooks()  # a test's faults, read once for this run
     hooks.at_start()
     # Once the run directory is claimed: an adapter run's merge is written into it.
-    cfg, origin = start_model(cfg, launched_world_size(), log)
+    cfg, origin = start_model(cfg, strategy, log)
     if origin is not None:
         source = resolve_model(cfg.model.path, cfg.model.gguf_file)
     try:

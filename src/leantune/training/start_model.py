@@ -8,6 +8,11 @@ a run with, then peft's merge) and written once into the new run's `start_model/
 then the run's model: its fingerprint hashes it, the planner reads it, and a LoRA run's
 `final/` names it as its base, so `eval` of the new run needs no chain of adapters. The run
 records the run it started from (`started_from` in `leantune_run.json` and `summary.json`).
+
+`start_sources` says what that model is without loading or writing anything, for the commands
+that only read it (`leantune plan`, `leantune inspect`): the config and weights (a full run's
+`final/`, an adapter's base) and the tokenizer (an adapter's own when saved with one), as the
+merge's loader reads them.
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ from leantune.core.writes import replacing_dir
 from leantune.export.hf import write_hf
 from leantune.export.source import ExportError, load_source, merge_into_base
 from leantune.layout import RunPaths
+from leantune.methods.artifacts import config_and_tokenizer_sources
+from leantune.models.loading import ModelSource, resolve_model
 from leantune.models.paths import is_adapter_dir, is_bottleneck_adapter_dir, model_of_run
+from leantune.training.parallel.strategy import ParallelStrategy
 from leantune.training.run.rundir import read_record
 
 Log = Callable[[str], None]
@@ -79,25 +87,89 @@ def start_run(model_path: str) -> StartRun | None:
     return StartRun(run.resolve(), final.resolve(), fingerprint_digest(record.fingerprint))
 
 
-def start_model(cfg: Config, world_size: int, log: Log) -> tuple[Config, StartRun | None]:
+@dataclass(frozen=True)
+class StartSources:
+    """What a run with a given `model.path` trains from, found without loading anything."""
+
+    run: StartRun | None
+    """The leantune run model.path names (None: a model that is no run's)."""
+    model: ModelSource
+    """Its config and weights: the model, a full run's `final/`, an adapter run's base."""
+    tokenizer: ModelSource
+    """Its tokenizer: an adapter's own when saved with one (what `start_model/` gets)."""
+    merged: bool
+    """`train` merges the run's adapter into `model`, in its run directory's `start_model/`."""
+
+
+def needs_merge(start: StartRun) -> bool:
+    """Whether `start`'s `final/` is an adapter, merged into its base before training."""
+    return is_adapter_dir(start.final) or is_bottleneck_adapter_dir(start.final)
+
+
+def start_sources(model_path: str, gguf_file: str | None = None) -> StartSources:
+    """What `start_model` would train from for `model_path`, read-only (`leantune plan`,
+    `leantune inspect`): the sources the merge's loader (`export.load_source`) reads.
+
+    Raises:
+        ModelNotFoundError: model_path is no model.
+        ModelPathError: an adapter run whose base cannot be found.
+    """
+    start = start_run(model_path)
+    if start is None:
+        source = resolve_model(model_path, gguf_file)
+        return StartSources(None, source, source, merged=False)
+    if needs_merge(start):
+        model, tokenizer = config_and_tokenizer_sources(str(start.final))
+        return StartSources(start, model, tokenizer, merged=True)
+    final = ModelSource(str(start.final))
+    return StartSources(start, final, final, merged=False)
+
+
+def start_model(
+    cfg: Config, strategy: ParallelStrategy, log: Log
+) -> tuple[Config, StartRun | None]:
     """`cfg` with model.path the model a run from another run trains from: that run's `final/`
     model, or its adapter merged into its base in `<run dir>/start_model/`; as is otherwise.
 
+    Under torchrun the main process merges while the others wait (`strategy.agree`), then every
+    process reads the merged model from the run directory, as they read its checkpoints.
+
     Raises:
         ConfigError: the run's adapter cannot be merged (prompt tuning, bottleneck adapters),
-            or it needs merging under torchrun.
+            or the merge failed on the main process.
     """
     start = start_run(cfg.model.path)
     if start is None:
         return cfg, None
-    path = start.final
-    if is_adapter_dir(path) or is_bottleneck_adapter_dir(path):
-        path = _merged(cfg, start, world_size, log)
+    path = _merged_once(cfg, start, strategy, log) if needs_merge(start) else start.final
     log(f"model.path={cfg.model.path}: starting from run {start.run.name} ({path})")
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(path))), start
 
 
-def _merged(cfg: Config, start: StartRun, world_size: int, log: Log) -> Path:
+def _merged_once(cfg: Config, start: StartRun, strategy: ParallelStrategy, log: Log) -> Path:
+    """`_merged` on the main process; the others wait for it and fail with it."""
+    if strategy.is_main_process:
+        try:
+            out = _merged(cfg, start, log)
+        except BaseException:
+            strategy.agree(1)  # matches the others' agree below: they stop, not hang
+            raise
+        strategy.agree(0)
+        return out
+    where = f"model.path={cfg.model.path}"
+    if strategy.agree(0):
+        raise ConfigError(f"{where}: rank 0 could not merge {start.final}: see its error")
+    out = RunPaths(cfg.run_dir).start_model
+    if not (out / MADE_FROM).is_file():
+        raise ConfigError(
+            f"{where}: rank 0 merged {start.final} into {out}, which this process cannot see: "
+            "run.dir must be a folder every process shares, or run `leantune export` with "
+            "--format hf on that run and give model.path the exported folder"
+        )
+    return out
+
+
+def _merged(cfg: Config, start: StartRun, log: Log) -> Path:
     """`start`'s adapter merged into its base, in this run's `start_model/` (made once)."""
     out = RunPaths(cfg.run_dir).start_model
     made_from = model_digest(start.final)
@@ -110,12 +182,6 @@ def _merged(cfg: Config, start: StartRun, world_size: int, log: Log) -> Path:
         raise ConfigError(
             f"{where}: {start.final} has changed since the run in {cfg.run_dir} started from "
             f"it (merged into {out}). Give another run.dir, or run.resume=never to start over"
-        )
-    if world_size > 1:
-        raise ConfigError(
-            f"{where}: {start.final} is an adapter, merged into its base before training; not "
-            "yet under torchrun. Run `leantune export` with --format hf on that run and give "
-            "model.path the exported folder"
         )
     if is_bottleneck_adapter_dir(start.final):
         raise ConfigError(

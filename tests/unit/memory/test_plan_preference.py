@@ -29,7 +29,7 @@ from leantune.methods.registry import apply_method
 from leantune.models.attention import transformers_name
 from leantune.models.loading import load_tokenizer, resolve_model
 from leantune.models.loss import token_loss_sum
-from leantune.objectives.batch import MODEL_INPUTS, with_reference
+from leantune.objectives.batch import MODEL_INPUTS, with_live_reference, with_reference
 from leantune.training.checks import load_config
 from leantune.training.planning import plan_inputs
 from leantune.training.preference_setup import load_preference_data
@@ -157,23 +157,32 @@ def _counted_peak(model: torch.nn.Module, precision: str, work: Callable[[], tor
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize(("method", "reference"), [("lora", "auto"), ("full", "auto"),
+                                                   ("full", "live")])  # fmt: skip
 def test_a_dpo_steps_live_tensors_are_the_plans(
-    tmp_path: Path, tiny_llama_dir: Path, method: str, precision: str
+    tmp_path: Path, tiny_llama_dir: Path, method: str, reference: str, precision: str
 ) -> None:
     """One micro-batch of every packed pair: the policy's forward, the reference's (LoRA: the
     same model with its adapters off; full: precomputed before training, its peak counted
-    apart), the DPO loss and its backward. The live tensors above the weights peak where the
-    plan says (activations plus the larger of the loss and the reference forward, or the
-    gradients), as close as an SFT step on the same rows is to its plan: the loss term is an
-    upper bound (+10% to +26% here), never 5% under."""
-    cfg = _config(tmp_path, tiny_llama_dir, method, f"train.precision={precision}")
+    apart; full with train.reference=live: a frozen copy of the model, whose bytes the plan
+    counts exactly), the DPO loss and its backward. The live tensors above the weights peak
+    where the plan says (activations plus the larger of the loss and the reference forward, or
+    the gradients), as close as an SFT step on the same rows is to its plan: the loss term is
+    an upper bound (+10% to +26% here), never 5% under."""
+    extra = (f"train.precision={precision}", f"train.reference={reference}")
+    cfg = _config(tmp_path, tiny_llama_dir, method, *extra)
     basis, step, _ = _setup(cfg)
     rows = list(range(len(step.rows)))
     st = replace(basis.step, micro_batch=len(rows), reference_rows=len(rows))
     b = estimate(basis.facts, st, basis.weight_itemsize)
     model = _model(cfg, st.attn_implementation, method)
-    if method == "full":
+    if reference == "live":
+        step = with_live_reference(step, model)
+        assert step.reference_model is not None
+        frozen = [*step.reference_model.parameters(), *step.reference_model.buffers()]
+        assert b.reference_copy == sum(t.numel() * t.element_size() for t in frozen)
+        assert b.reference > 0 and b.reference_pass == 0
+    elif method == "full":
         counted = LiveTensors(model)
         with counted, torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
             step = with_reference(step, model, torch.device("cpu"), precision, pad_id=0)
@@ -219,6 +228,13 @@ def test_plan_shows_a_dpo_runs_rows_and_reference(
     assert main(["plan", str(config), "--budget", "64GiB", "method.name=full"]) == 0
     text = capsys.readouterr().out
     assert "reference pass before training" in text
+    assert "reference copy (train.reference=live)       0.000 GiB" in text
+    live = ["method.name=full", "train.reference=live"]
+    assert main(["plan", str(config), "--budget", "64GiB", *live]) == 0
+    assert "reference pass before training" not in capsys.readouterr().out
+    assert main(["plan", str(config), "--budget", "64GiB", "--json", *live]) == 0
+    b = json.loads(capsys.readouterr().out)["configured"]["breakdown"]
+    assert b["reference_copy"] == b["weights"] > 0 and b["reference_pass"] == 0
 
 
 def test_a_recommended_method_brings_its_own_reference() -> None:
@@ -236,3 +252,32 @@ def test_a_recommended_method_brings_its_own_reference() -> None:
     assert plan.breakdown.reference > 0 and plan.breakdown.reference_pass == 0
     kept = recommend({"full": full}, "full", step, 4, 10 * budget)
     assert kept is not None and kept.breakdown.reference_pass > 0 == kept.breakdown.reference
+
+
+def test_train_reference_live_plans_the_frozen_copy_of_the_weights(
+    tmp_path: Path, tiny_llama_dir: Path
+) -> None:
+    """train.reference=live keeps a frozen copy of the model beside it (full, freeze): the plan
+    grows by that copy's bytes (the weights) and runs the reference forward per micro-batch, with
+    no pass before training. cached (auto there) and adapter methods keep no copy."""
+    plans = {}
+    for method, reference in [("full", "auto"), ("full", "cached"), ("full", "live"),
+                              ("freeze", "live"), ("freeze", "auto"),
+                              ("lora", "auto"), ("lora", "live")]:  # fmt: skip
+        cfg = _config(tmp_path, tiny_llama_dir, method, f"train.reference={reference}")
+        fixed = replace(cfg, data=replace(cfg.data, max_seq_len=64))
+        basis = plan_basis(plan_inputs(fixed), "cpu")
+        plans[method, reference] = estimate(basis.facts, basis.step, basis.weight_itemsize)
+    cached, live = plans["full", "cached"], plans["full", "live"]
+    assert plans["full", "auto"] == cached and cached.reference_copy == 0
+    assert live.reference_copy == live.weights > 0
+    assert live.reference > 0 and live.reference_pass == 0 < cached.reference_pass
+    # The copy, and the forward's transient where it exceeds the loss's.
+    grown = live.peak - cached.peak
+    assert live.weights <= grown <= live.weights + live.reference, (grown, live)
+    assert live.needed > cached.needed
+    frozen = plans["freeze", "live"]
+    assert frozen.reference_copy == frozen.weights
+    assert frozen.peak - plans["freeze", "auto"].peak >= frozen.weights
+    assert plans["lora", "live"] == plans["lora", "auto"]
+    assert plans["lora", "live"].reference_copy == 0

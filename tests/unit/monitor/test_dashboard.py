@@ -636,3 +636,59 @@ def test_a_point_appended_to_metrics_jsonl_appears_without_a_reload(
         assert chart(page, "loss")["series"]["train loss"] == {"n": 4, "last": [4, 0.5]}
         assert page.evaluate("window.sameDocument") == 42
         assert page.errors() == []
+
+
+# Pixels of one colour on a chart's canvas: its line was drawn there.
+COLOUR_PIXELS = """((id, r, g, b) => {
+  const c = document.querySelector('#' + id + ' canvas');
+  const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+  let n = 0;
+  for (let i = 0; i < d.length; i += 4) if (d[i] === r && d[i+1] === g && d[i+2] === b) n++;
+  return n;
+})"""
+REWARD_CHARTS = {
+    "rewards": {"chosen": "rewards/chosen", "rejected": "rewards/rejected",
+                "margin": "rewards/margins"},
+    "accuracy": {"accuracy": "rewards/accuracies"},
+}  # fmt: skip
+"""The reward charts' series, by the metric (metrics.jsonl's name, TRL's) each draws."""
+
+
+def test_a_dpo_runs_page_draws_its_reward_charts(
+    page: Page, tmp_path: Path, tiny_llama_dir: Path
+) -> None:
+    """A real 4-step DPO run: the rewards chart draws chosen, rejected and margin, the accuracy
+    chart the reward accuracy, each point the step's logged value; an SFT run hides both."""
+    pairs = [
+        {"prompt": f"What is {i} plus {i}?", "chosen": f"It is {2 * i}.", "rejected": f"{i}?"}
+        for i in range(8)
+    ]
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    runs = tmp_path / "runs"
+    dpo = ("train.objective=dpo", "data.format=preference", "data.max_seq_len=auto",
+           "train.lr=5e-3", "data.pack=false")  # fmt: skip
+    train(make_config(tiny_llama_dir, data, runs / "dpo", *dpo), log=lambda _: None)
+    synthetic_run(runs, "sft", 3)
+    metrics = read_metrics(runs / "dpo" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert metrics[-1]["rewards/margins"] != 0  # it trained: the reward lines are not flat zero
+    with serving(runs) as server:
+        page.navigate(server.url + "run/dpo?poll=250")
+        page.wait_for("document.body && document.body.dataset.ready === '1'")
+        for name, series in REWARD_CHARTS.items():
+            assert page.evaluate(f"document.getElementById('chart-{name}').hidden") is False
+            drawn = chart(page, name)["series"]
+            assert set(drawn) == set(series), name
+            for label, key in series.items():
+                want = [m[key] for m in metrics]
+                assert drawn[label] == {"n": 4, "last": [4, want[-1]]}, (name, label)
+        # The margin's line (#1f77b4) and the chosen rewards' (#2ca02c) are on the canvas.
+        assert page.evaluate(f"{COLOUR_PIXELS}('chart-rewards', 31, 119, 180)") > 50
+        assert page.evaluate(f"{COLOUR_PIXELS}('chart-rewards', 44, 160, 44)") > 50
+        assert page.evaluate(f"{COLOUR_PIXELS}('chart-accuracy', 31, 119, 180)") > 50
+        assert page.errors() == []
+        page.navigate(server.url + "run/sft?poll=250")
+        page.wait_for("document.body && document.body.dataset.ready === '1'")
+        for name in REWARD_CHARTS:
+            assert page.evaluate(f"document.getElementById('chart-{name}').hidden") is True
+        assert page.errors() == []

@@ -22,6 +22,7 @@ from leantune.objectives.batch import PreferenceStep, with_reference
 from leantune.testing.faults import LOSS_SCALE_ENV
 from leantune.training import recipe
 from leantune.training.guard import actions as guard_actions
+from leantune.training.parallel.strategy import SingleProcess
 from leantune.training.start_model import MADE_FROM, fingerprint_digest, start_model
 from leantune.training.state.checkpoint import latest_checkpoint, load_checkpoint
 
@@ -180,5 +181,47 @@ def test_a_changed_sft_adapter_is_not_merged_over_a_run_that_started_from_it(
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
     cfg = make_config(sft, data, dpo, *DPO)
     with pytest.raises(ConfigError, match=r"has changed since .* run\.resume=never"):
-        start_model(cfg, 1, lambda _: None)
+        start_model(cfg, SingleProcess(), lambda _: None)
     assert json.loads((dpo / "start_model" / MADE_FROM).read_text())["adapter"] == "an older one"
+
+
+class _Rank:
+    """A process of a torchrun world as `start_model` sees it: its rank, and the decision
+    the world agrees on (the largest code any process gave)."""
+
+    def __init__(self, main: bool, others: int = 0) -> None:
+        self.is_main_process = main
+        self.others = others
+        self.given: list[int] = []
+
+    def agree(self, code: int) -> int:
+        self.given.append(code)
+        return max(code, self.others)
+
+
+def test_under_torchrun_rank_0_merges_and_a_failure_stops_every_rank(tmp_path: Path) -> None:
+    """Rank 0 merges an SFT run's adapter while the others wait (one agree each); a merge
+    that fails there tells the others (code 1), which stop naming rank 0 rather than hang, and
+    a merged folder another process cannot see is said as such."""
+    record = {"fingerprint": {}, "sources": {}, "split": [0, 0]}
+    sft, dpo = tmp_path / "sft", tmp_path / "dpo"
+    (sft / "final").mkdir(parents=True)
+    (sft / "final" / "adapter_config.json").write_text("{}")
+    (sft / "leantune_run.json").write_text(json.dumps(record))
+    cfg = make_config(sft, write_jsonl(tmp_path / "pairs.jsonl", PAIRS), dpo, *DPO)
+    rank1 = _Rank(main=False)
+    with pytest.raises(ConfigError, match=r"rank 0 merged .* cannot see: run\.dir must be"):
+        start_model(cfg, rank1, lambda _: None)  # type: ignore[arg-type]
+    assert rank1.given == [0]  # it waited for rank 0, and read nothing it had not written
+    # A run that started from an older adapter: rank 0 refuses to merge over it.
+    (dpo / "start_model").mkdir(parents=True)
+    (dpo / "start_model" / MADE_FROM).write_text(json.dumps({"adapter": "an older one"}))
+    (dpo / "leantune_run.json").write_text(json.dumps(record))
+    rank0 = _Rank(main=True)
+    with pytest.raises(ConfigError, match="has changed since"):
+        start_model(cfg, rank0, lambda _: None)  # type: ignore[arg-type]
+    assert rank0.given == [1]
+    rank1 = _Rank(main=False, others=1)
+    with pytest.raises(ConfigError, match=r"rank 0 could not merge .*sft/final: see its error"):
+        start_model(cfg, rank1, lambda _: None)  # type: ignore[arg-type]
+    assert rank1.given == [0]

@@ -27,13 +27,14 @@ from leantune.data.prepare.settings import settings_from_config
 from leantune.data.templates import apply_chat_template
 from leantune.errors import UserError
 from leantune.methods.checks import effective_pack
-from leantune.models.loading import load_tokenizer, resolve_model
+from leantune.models.loading import load_tokenizer
 from leantune.models.quiet import quiet_libraries
 from leantune.objectives.registry import SFT
 from leantune.training import plan_report
 from leantune.training.checks import load_config
 from leantune.training.preference_setup import longest_sequence, preference_rows
 from leantune.training.run_setup import auto_context, tokenise_limit, with_objective_format
+from leantune.training.start_model import start_sources
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -48,8 +49,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise UserError(
             f"data.train {d.train}: a prepared directory; inspect the file(s) it was prepared from"
         )
-    source = resolve_model(cfg.model.path, cfg.model.gguf_file)
-    tokenizer = load_tokenizer(source, cfg.model.trust_remote_code)
+    # A run directory as model.path: the model and tokenizer train would start from.
+    sources = start_sources(cfg.model.path, cfg.model.gguf_file)
+    source = sources.model
+    tokenizer = load_tokenizer(sources.tokenizer, cfg.model.trust_remote_code)
     print(
         f"leantune inspect: {d.train} as data.format={d.format}, the tokenizer of {cfg.model.path}"
     )
