@@ -84,15 +84,16 @@ def build_model(shape: str, out: Path, tokenizer_dir: Path, real_vocab: bool = T
         return out
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    dims: dict[str, Any] = dimensions(shape)  # Any: the config's keywords are typed apart
     config = Qwen2Config(
-        **dimensions(shape),
+        **dims,
         vocab_size=shape_vocab(shape, len(tokenizer), real_vocab),
         max_position_embeddings=32768,
         tie_word_embeddings=bool(SHAPES[shape]["tie_word_embeddings"]),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="bfloat16",
+        dtype="bfloat16",
     )
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
