@@ -16,23 +16,21 @@ Prints a markdown table and ends with one JSON line.
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from transformers import Qwen2Config
 
+from leantune.bench.model_shapes import SHAPES, dimensions
 from leantune.memory.budget import SAFETY
 from leantune.memory.estimate import GIB
 from leantune.training.checks import load_config
 from leantune.training.plan_report import plan
 
-sys.path.insert(0, str(Path(__file__).parent))
-from scale import SHAPES
-
 SHAPES_ALL = {
-    **SHAPES,
+    # The dimensions only: this table's configs set their own vocabulary and tying below.
+    **{shape: dimensions(shape) for shape in SHAPES},
     "3b": {  # Qwen2.5-3B's config.json
         "hidden_size": 2048,
         "intermediate_size": 11008,

@@ -30,37 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
+from leantune.bench import model_shapes
 from leantune.layout import RunPaths
 from leantune.models.demo_model import ensure_demo_model
 from leantune.monitor.summary import read_summary
-
-SHAPES: dict[str, dict[str, int]] = {
-    "0.5b": {
-        "hidden_size": 896,
-        "intermediate_size": 4864,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 14,
-        "num_key_value_heads": 2,
-    },
-    "1.5b": {
-        "hidden_size": 1536,
-        "intermediate_size": 8960,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 12,
-        "num_key_value_heads": 2,
-    },
-    "7b": {
-        "hidden_size": 3584,
-        "intermediate_size": 18944,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 28,
-        "num_key_value_heads": 4,
-    },
-}
-"""Qwen2.5-{0.5B,1.5B,7B}'s published config.json shapes (tie_word_embeddings for 0.5B/1.5B)."""
 
 # name: (shape, method, extra overrides, export)
 CASES: dict[str, tuple[str, str, tuple[str, ...], bool]] = {
@@ -75,76 +49,12 @@ CASES: dict[str, tuple[str, str, tuple[str, ...], bool]] = {
 }
 CPU_CASES = ("0.5b-full", "0.5b-lora", "1.5b-lora", "7b-qlora")
 CUDA_CASES = ("0.5b-full", "1.5b-full", "1.5b-lora", "7b-lora-bf16", "7b-qlora")
-SHARD_BYTES = 2 << 30
 
 
 def build_model(shape: str, out: Path, tokenizer_dir: Path) -> Path:
-    """Random bf16 weights of `shape` as sharded safetensors, one tensor in memory at a time."""
-    if (out / "COMPLETE").is_file():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    dims = SHAPES[shape]
-    config = Qwen2Config(
-        **dims,
-        vocab_size=len(tokenizer),
-        max_position_embeddings=32768,
-        tie_word_embeddings=shape != "7b",
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="bfloat16",
-    )
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    gen = torch.Generator().manual_seed(0)
-    for name, p in skeleton.state_dict().items():
-        if config.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        t = torch.empty(p.shape, dtype=torch.bfloat16)
-        if name.endswith("norm.weight"):
-            t.fill_(1.0)
-        elif p.dim() == 1:
-            t.zero_()
-        else:
-            t.normal_(0.0, config.initializer_range, generator=gen)
-        if size + t.numel() * 2 > SHARD_BYTES and shards[-1]:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += t.numel() * 2
-        if size >= SHARD_BYTES:
-            _flush(shards, out)
-    _flush(shards, out, last=True)
-    config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    (out / "COMPLETE").write_text("")
-    return out
-
-
-_WRITTEN: list[str] = []
-
-
-def _flush(shards: list[dict[str, torch.Tensor]], out: Path, last: bool = False) -> None:
-    """Write the full shards (and, at the end, the last one) and the safetensors index."""
-    keep = [] if last else shards[-1:]
-    for shard in shards[: len(shards) - len(keep)]:
-        if shard:
-            name = f"model-{len(_WRITTEN) + 1:05d}.safetensors"
-            save_file(shard, out / name, metadata={"format": "pt"})
-            _WRITTEN.append(name)
-            _INDEX.update(dict.fromkeys(shard, name))
-    shards[:] = keep or [{}]
-    if last:
-        index = {"metadata": {}, "weight_map": dict(_INDEX)}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-        _WRITTEN.clear()
-        _INDEX.clear()
-
-
-_INDEX: dict[str, str] = {}
+    """The random-weight model of `shape` with the tokenizer's own vocabulary (this benchmark's
+    recorded rows used the demo tokenizer's 49k, not the published 151,936)."""
+    return model_shapes.build_model(shape, out, tokenizer_dir, real_vocab=False)
 
 
 def chat_file(path: Path, n: int = 64) -> Path:

@@ -7,7 +7,10 @@ this machine runs fastest (leantune's measured `train.precision=auto`, applied t
 too), or both in the one that `--precision` names. The baseline is configured as a user would
 (its padding collator, `use_cpu=True`, batch 8; where that runs out of memory,
 `--hf-micro-batch` accumulates the same batch of 8 from smaller micro-batches); leantune runs
-with its defaults.
+with its defaults and, by default (`--updates both`), once more with the baseline's updates (8
+examples per update, one per row: as many updates), so that each comparison has its own table
+against the same baseline runs. `--model-shape 0.5b|1.5b` trains random weights of Qwen2.5's
+published shapes, built from config (`bench.model_shapes`), instead of `--model`.
 
 Reported per system and method: useful (non-pad) tokens/s, step time, peak RSS of the process,
 held-out loss of the final model (the same function, fp32, for both, judged after each run),
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from leantune.bench.chat_corpus import write_corpus
+from leantune.bench.model_shapes import build_model, parameter_count
 from leantune.bench.throughput_args import BASELINE_RESULT, HF_BATCH, add_arguments
 from leantune.core.allocator import without_leantune_preload
 from leantune.core.precision import resolve_precision
@@ -38,12 +42,15 @@ from leantune.data.prepare.records import PrepareSettings
 from leantune.eval.perplexity import evaluate_loss
 from leantune.layout import RunPaths
 from leantune.methods.artifacts import load_for_inference
+from leantune.models.demo_model import ensure_demo_model
 from leantune.models.loading import load_tokenizer, resolve_model
 from leantune.monitor.metrics import read_metrics
 from leantune.monitor.summary import finished_summary
 
 Log = Callable[[str], None]
 SYSTEMS = ("hf_trainer_peft", "leantune")
+LEANTUNE_SAME = "leantune/same"
+"""leantune with the baseline's updates (`--updates same`): a run's name in the log and order."""
 RUNS_LOG = "runs.jsonl"
 """One line per judged run, appended as each finishes."""
 
@@ -112,13 +119,24 @@ def run_child(
 
 
 def leantune_command(
-    model: str, train: Path, method: str, run_dir: Path, precision: str = "auto"
+    model: str,
+    train: Path,
+    method: str,
+    run_dir: Path,
+    precision: str = "auto",
+    same_updates: bool = False,
 ) -> list[str]:
     """leantune's command: its defaults, and `train.precision` only when the benchmark was
-    asked for one precision (`--precision`) rather than what each system runs fastest."""
+    asked for one precision (`--precision`) rather than what each system runs fastest. With
+    `same_updates`, the baseline's updates: HF_BATCH examples each, one per row."""
     # The baseline's LoraConfig, given explicitly so that the two cannot drift apart.
     lora = ["method.r=16", "method.alpha=32"] if method == "lora" else []
     chosen = [] if precision == "auto" else [f"train.precision={precision}"]
+    if same_updates:
+        # Unpacked rows make "examples per update" exact (a packed row holds a varying
+        # number), and micro-batch 1 keeps them unpadded: HF_BATCH rows per update, so
+        # ceil(examples / HF_BATCH) updates, as the baseline's.
+        chosen += ["data.pack=false", "train.micro_batch_size=1", f"train.grad_accum={HF_BATCH}"]
     # No evaluation, report or progress bar during the run: work the baseline does not do (both
     # are judged afterwards, by the same function, outside the timed training).
     return [
@@ -161,10 +179,14 @@ def leantune_result(run_dir: Path) -> dict[str, Any]:
 def one_run(
     system: str, method: str, work: Path, rep: int, ctx: dict[str, Any], log: Log
 ) -> dict[str, Any]:
-    """Train once with `system`; its result with the child's peak RSS."""
-    out = work / f"{system}-{method}-{rep}"
+    """Train once with `system` ("leantune", "leantune/same" for the baseline's updates, or the
+    baseline's name); its result with the child's peak RSS."""
+    same = system == LEANTUNE_SAME
+    system = "leantune" if same else system
+    out = work / f"{system}-{method}-{rep}{'-same' if same else ''}"
     if system == "leantune":
-        cmd = leantune_command(ctx["model"], ctx["train"], method, out, ctx["precision_asked"])
+        asked = ctx["precision_asked"]
+        cmd = leantune_command(ctx["model"], ctx["train"], method, out, asked, same)
     else:
         precision, threads, micro = ctx["precision"], ctx["threads"], ctx["hf_micro_batch"]
         cmd = hf_command(ctx["model"], ctx["train"], method, out, precision, threads, micro)
@@ -186,11 +208,14 @@ def one_run(
         else json.loads((out / BASELINE_RESULT).read_text())
     )
     result.update(system=system, method=method, rep=rep, peak_rss_bytes=rss, wall_s=wall)
+    # Which comparison a leantune run belongs to; the baseline's runs belong to both.
+    result["updates"] = ("same" if same else "defaults") if system == "leantune" else "baseline"
     result["useful_tokens_per_s"] = result["useful_tokens"] / result["train_time_s"]
     result["step_time_s"] = result["train_time_s"] / max(1, result["steps"])
     result["model_dir"] = str(RunPaths(out).final if system == "leantune" else out / "model")
+    name = LEANTUNE_SAME if same else system
     log(
-        f"{system:16s} {method:4s} rep {rep}: {result['useful_tokens_per_s']:.1f} useful tok/s, "
+        f"{name:16s} {method:4s} rep {rep}: {result['useful_tokens_per_s']:.1f} useful tok/s, "
         f"{result['steps']} steps, peak RSS {rss / 2**30:.2f} GiB"
     )
     return result
@@ -205,13 +230,20 @@ def heldout_loss(model_dir: str, eval_file: Path, max_seq_len: int) -> float:
     return float(evaluate_loss(model, data.rows, int(tokenizer.pad_token_id), 8, "fp32")["loss"])
 
 
-def _aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians per (system, method) and leantune's ratios to the baseline."""
+def _aggregate(runs: list[dict[str, Any]], updates: str = "defaults") -> dict[str, Any]:
+    """Medians per (system, method) and leantune's ratios to the baseline, for leantune's runs
+    of one comparison (`updates`: "defaults" or "same"; the baseline's runs serve both)."""
     table: dict[str, Any] = {}
     for method in sorted({r["method"] for r in runs}):
         row: dict[str, Any] = {}
         for system in SYSTEMS:
-            mine = [r for r in runs if r["system"] == system and r["method"] == method]
+            mine = [
+                r
+                for r in runs
+                if r["system"] == system
+                and r["method"] == method
+                and r.get("updates", updates) in (updates, "baseline")
+            ]
             row[system] = {
                 "useful_tokens_per_s": statistics.median(r["useful_tokens_per_s"] for r in mine),
                 "step_time_s": statistics.median(r["step_time_s"] for r in mine),
@@ -228,6 +260,8 @@ def _aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "useful_tokens_per_s": ours["useful_tokens_per_s"] / base["useful_tokens_per_s"],
             "peak_rss": ours["peak_rss_bytes"] / base["peak_rss_bytes"],
             "heldout_loss": ours["heldout_loss"] / base["heldout_loss"],
+            # 1.0 in the same-updates comparison; below 1 where leantune took fewer updates.
+            "updates": ours["steps"] / base["steps"],
         }
         table[method] = row
     return table
@@ -236,20 +270,22 @@ def _aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def markdown(table: dict[str, Any]) -> str:
     """The README's table."""
     lines = [
-        "| method | system | useful tok/s | step time (s) | peak RSS (GiB) | held-out loss | MFU |",
-        "|---|---|---|---|---|---|---|",
+        "| method | system | useful tok/s | step time (s) | updates | peak RSS (GiB) "
+        "| held-out loss | MFU |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for method, row in table.items():
         for system in SYSTEMS:
             r = row[system]
             lines.append(
                 f"| {method} | {system} | {r['useful_tokens_per_s']:.1f} | {r['step_time_s']:.2f} "
-                f"| {r['peak_rss_bytes'] / 2**30:.2f} | {r['heldout_loss']:.4f} | {r['mfu']:.1%} |"
+                f"| {r['steps']} | {r['peak_rss_bytes'] / 2**30:.2f} | {r['heldout_loss']:.4f} "
+                f"| {r['mfu']:.1%} |"
             )
         q = row["ratios"]
         lines.append(
-            f"| {method} | ratio | {q['useful_tokens_per_s']:.2f}x | | {q['peak_rss']:.2f}x "
-            f"| {q['heldout_loss']:.3f}x | |"
+            f"| {method} | ratio | {q['useful_tokens_per_s']:.2f}x | | {q['updates']:.2f}x "
+            f"| {q['peak_rss']:.2f}x | {q['heldout_loss']:.3f}x | |"
         )
     return "\n".join(lines)
 
@@ -260,9 +296,8 @@ def run_benchmark(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
     work = Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     (work / RUNS_LOG).write_text("")  # one line per finished run, as it finishes
-    source = resolve_model(args.model)
-    model = source.location
-    tokenizer = load_tokenizer(source, False)
+    model, shape_facts = _model_to_train(args, work, log)
+    tokenizer = load_tokenizer(resolve_model(model), False)
     lo, hi = args.min_tokens, args.max_tokens
     # Different seeds: the held-out conversations are not copies of the training ones.
     train = write_corpus(work / "train.jsonl", tokenizer, args.conversations, 0, lo, hi)
@@ -279,33 +314,23 @@ def run_benchmark(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
     ctx = {
         "model": model,
         "train": train,
+        "heldout": heldout,
         "precision": precision,
         "precision_asked": asked,
         "threads": args.threads,
         "hf_micro_batch": args.hf_micro_batch,
+        "peaks": peaks,
     }
     # With the chat template's markup, as the model sees them: attention FLOPs grow with it.
     lengths = [_chat_tokens(tokenizer, json.loads(x)["messages"])
                for x in train.read_text().splitlines()]  # fmt: skip
-    mean_len = sum(lengths) / len(lengths)
-    runs: list[dict[str, Any]] = []
-    for rep in range(args.reps):
-        for method in args.methods:
-            order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]  # alternate who goes first
-            for system in order:
-                r = one_run(system, method, work, rep, ctx, log)
-                per_token = flops_per_token(model, method, mean_len)
-                r["mfu"] = r["useful_tokens_per_s"] * per_token / (peaks[r["precision"]] * 1e9)
-                # Judged at once (between runs, outside what is timed): a stopped benchmark
-                # leaves every finished run whole in runs.jsonl, its held-out loss included.
-                r["heldout_loss"] = heldout_loss(r["model_dir"], heldout, args.max_seq_len)
-                runs.append(r)
-                with (work / RUNS_LOG).open("a") as f:
-                    f.write(json.dumps(r) + "\n")
-    table = _aggregate(runs)
-    return {
+    ctx["mean_len"] = mean_len = sum(lengths) / len(lengths)
+    modes = ("defaults", "same") if args.updates == "both" else (args.updates,)
+    runs = _alternate(args, modes, ctx, work, log)
+    result: dict[str, Any] = {
         "benchmark": "throughput_vs_hf",
-        "model": args.model,
+        "model": args.model if args.model_shape is None else f"{args.model_shape} shape",
+        **shape_facts,
         "conversations": args.conversations,
         "mean_tokens": mean_len,
         "threads": args.threads,
@@ -315,11 +340,61 @@ def run_benchmark(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
             "micro_batch_size": args.hf_micro_batch,
             "grad_accum": HF_BATCH // args.hf_micro_batch,
         },
+        "updates": args.updates,
         "matmul_peak_gflops": peaks,
         "cpu": cpu_name(),
-        "results": table,
-        "runs": runs,
     }
+    for mode in modes:
+        result[COMPARISONS[mode]] = _aggregate(runs, mode)
+    result["runs"] = runs
+    return result
+
+
+COMPARISONS = {"defaults": "results", "same": "same_updates"}
+"""Each `--updates` comparison's key in the result (`results`: defaults against defaults)."""
+
+
+def _model_to_train(args: argparse.Namespace, work: Path, log: Log) -> tuple[str, dict[str, Any]]:
+    """The model folder both systems train, and what the result says of a built one."""
+    if args.model_shape is None:
+        return resolve_model(args.model).location, {}
+    shape = args.model_shape
+    tokenizer_dir = Path(args.tokenizer) if args.tokenizer else ensure_demo_model()
+    # Per tokenizer: a folder built with another one would hold another vocabulary.
+    model_dir = build_model(shape, work / f"model-{shape}-{tokenizer_dir.name}", tokenizer_dir)
+    n = parameter_count(model_dir)
+    log(
+        f"model: random weights of the {shape} shape ({n / 1e9:.2f}B parameters, the tokenizer "
+        f"of {tokenizer_dir}), built from config, nothing downloaded: the held-out loss checks "
+        "that both systems train alike (parity), it is not a quality figure"
+    )
+    facts = {"model_shape": shape, "weights": "random", "parameters": n}
+    return str(model_dir), {**facts, "tokenizer": str(tokenizer_dir)}
+
+
+def _alternate(
+    args: argparse.Namespace, modes: Sequence[str], ctx: dict[str, Any], work: Path, log: Log
+) -> list[dict[str, Any]]:
+    """Every run, `args.reps` times per method, who goes first alternating; each judged (MFU
+    and held-out loss) and appended to runs.jsonl as it finishes."""
+    systems = [SYSTEMS[0]]
+    systems += ["leantune"] if "defaults" in modes else []
+    systems += [LEANTUNE_SAME] if "same" in modes else []
+    runs: list[dict[str, Any]] = []
+    for rep in range(args.reps):
+        for method in args.methods:
+            for system in systems if rep % 2 == 0 else systems[::-1]:
+                r = one_run(system, method, work, rep, ctx, log)
+                per_token = flops_per_token(ctx["model"], method, ctx["mean_len"])
+                peak = ctx["peaks"][r["precision"]]
+                r["mfu"] = r["useful_tokens_per_s"] * per_token / (peak * 1e9)
+                # Judged at once (between runs, outside what is timed): a stopped benchmark
+                # leaves every finished run whole in runs.jsonl, its held-out loss included.
+                r["heldout_loss"] = heldout_loss(r["model_dir"], ctx["heldout"], args.max_seq_len)
+                runs.append(r)
+                with (work / RUNS_LOG).open("a") as f:
+                    f.write(json.dumps(r) + "\n")
+    return runs
 
 
 def _chat_tokens(tokenizer: Any, messages: list[dict[str, str]]) -> int:
@@ -349,9 +424,19 @@ def parser() -> argparse.ArgumentParser:
 
 
 def report(args: argparse.Namespace) -> int:
-    """Run the benchmark; the table on stderr, one JSON line on stdout."""
+    """Run the benchmark; the tables on stderr, one JSON line on stdout."""
     result = run_benchmark(args, log=lambda m: print(m, file=sys.stderr))
-    print(markdown(result["results"]), file=sys.stderr)
+    titles = {
+        "results": "leantune's defaults against the baseline's",
+        "same_updates": f"the same updates: {HF_BATCH} examples per update for both",
+    }
+    for key, title in titles.items():
+        if key in result:
+            print(f"\n{title}\n\n{markdown(result[key])}", file=sys.stderr)
+    if result.get("weights") == "random":
+        print(
+            f"\nweights: random ({result['model']}); held-out loss = parity check", file=sys.stderr
+        )
     print(json.dumps(result))
     return 0
 

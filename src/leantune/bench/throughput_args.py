@@ -14,11 +14,38 @@ BASELINE_RESULT = "result.json"
 """What `bench.hf_baseline` writes into its --out folder (the baseline's summary)."""
 HF_BATCH = 8
 """The baseline's batch per optimizer update (Trainer's usual per-device batch)."""
+BENCH_SHAPES = ("tiny", "0.5b", "1.5b")
+"""`--model-shape` choices: `bench.model_shapes.SHAPES` that both systems train in LoRA and full
+(7B is QLoRA's, which the baseline does not run: benchmarks/qlora_step.py times its step)."""
+UPDATES = ("both", "defaults", "same")
+"""`--updates`: leantune with its defaults (packed rows, about HF_BATCH examples per update on
+average), with the baseline's updates (HF_BATCH examples each, so as many updates), or both."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The benchmark's options (on `leantune bench throughput` and `benchmarks/vs_hf.py`)."""
     p.add_argument("--model", default="smollm2-135m-instruct", help="model both systems train")
+    p.add_argument(
+        "--model-shape",
+        choices=BENCH_SHAPES,
+        default=None,
+        help="train a model of Qwen2.5-0.5B's or 1.5B's published shape with random weights "
+        "instead of --model (built from config in the --out folder, nothing downloaded)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="with --model-shape: a tokenizer folder (default: the demo model's)",
+    )
+    p.add_argument(
+        "--updates",
+        choices=UPDATES,
+        default="both",
+        help=f"defaults: leantune's own batch (packed rows holding about {HF_BATCH} examples "
+        f"per update, so its own number of updates); same: {HF_BATCH} examples per update, one "
+        "per row (no packing, no padding), as many updates as the baseline; both: the two "
+        "comparisons against the same baseline runs",
+    )
     p.add_argument("--conversations", type=count, default=128, help="training conversations")
     p.add_argument("--heldout", type=count, default=32, help="held-out conversations (the judge)")
     p.add_argument("--min-tokens", type=count, default=40, help="shortest conversation (target)")

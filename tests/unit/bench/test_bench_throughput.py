@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+import yaml
 from support import run_cli
 
 from leantune.bench.chat_corpus import write_corpus
@@ -19,6 +20,7 @@ from leantune.bench.throughput import (
     run_benchmark,
 )
 from leantune.core.allocator import find_tcmalloc, library_dirs, preloaded_environment
+from leantune.layout import RunPaths
 from leantune.models.loading import load_tokenizer, resolve_model
 
 
@@ -76,22 +78,29 @@ def test_the_baseline_trains_on_the_targets_leantune_trains_on(
 
 
 def test_both_systems_train_the_same_examples(
-    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """On the tiny shape with random weights (`--model-shape`, as at 0.5B and 1.5B), both
+    comparisons: leantune's defaults, and the same updates as the baseline."""
     # As under `leantune bench throughput`, which runs with the tcmalloc it preloaded.
     tcmalloc = find_tcmalloc(library_dirs(os.environ))
     assert tcmalloc, "tcmalloc is not installed: apt-get install libtcmalloc-minimal4"
     for k, v in preloaded_environment({}, tcmalloc).items():
         monkeypatch.setenv(k, v)
     args = parser().parse_args(
-        ["--model", str(tiny_llama_dir), "--conversations", "16", "--heldout", "4", "--reps",
-         "1", "--methods", "lora", "--threads", "1", "--min-tokens", "20", "--max-tokens", "200",
+        ["--model-shape", "tiny", "--tokenizer", str(tokenizer_dir), "--conversations", "16",
+         "--heldout", "4", "--reps", "1", "--methods", "lora", "--threads", "1",
+         "--min-tokens", "20", "--max-tokens", "60",
          "--max-seq-len", "512", "--out", str(tmp_path / "bench"), "--hf-micro-batch", "4",
          "--precision", "fp32"]
     )  # fmt: skip
-    result = run_benchmark(args, log=lambda _: None)
-    runs = {r["system"]: r for r in result["runs"]}
-    hf, ours = runs["hf_trainer_peft"], runs["leantune"]
+    logged: list[str] = []
+    result = run_benchmark(args, log=logged.append)
+    assert (result["model_shape"], result["weights"]) == ("tiny", "random")
+    assert "random weights" in logged[0] and "not a quality figure" in logged[0]
+    runs = {r["updates"]: r for r in result["runs"]}
+    hf, ours = runs["baseline"], runs["defaults"]
+    assert (hf["system"], ours["system"]) == ("hf_trainer_peft", "leantune")
     # leantune preloads tcmalloc for itself; the baseline keeps the allocator its user has.
     assert (ours["allocator"], hf["allocator"]) == ("tcmalloc", "glibc")
     # --precision fp32: both in fp32, on any CPU (what auto picks where bf16 matmul is slow).
@@ -116,6 +125,27 @@ def test_both_systems_train_the_same_examples(
     assert ratio == (
         row["leantune"]["useful_tokens_per_s"] / row["hf_trainer_peft"]["useful_tokens_per_s"]
     )
+    # --updates both (the default): leantune once more with the baseline's updates, judged
+    # against the same baseline run; 16 examples in batches of 8 make 2 updates for both.
+    same = [r for r in result["runs"] if r["updates"] == "same"]
+    assert [(r["system"], r["steps"]) for r in same] == [("leantune", 2)]
+    assert same[0]["useful_tokens"] == hf["useful_tokens"]
+    # Its updates are the baseline's by construction, not by the rounding of packed rows that
+    # gives the defaults their count: one example per row, 8 rows per update, unpadded.
+    saved = yaml.safe_load(RunPaths(tmp_path / "bench" / "leantune-lora-0-same").config.read_text())
+    assert saved["data"]["pack"] is False
+    assert (saved["train"]["micro_batch_size"], saved["train"]["grad_accum"]) == (1, 8)
+    assert (
+        yaml.safe_load(RunPaths(tmp_path / "bench" / "leantune-lora-0").config.read_text())["data"][
+            "pack"
+        ]
+        is not False
+    )
+    both = result["same_updates"]["lora"]
+    assert both["hf_trainer_peft"] == row["hf_trainer_peft"]  # one baseline, two comparisons
+    assert both["leantune"]["steps"] == both["hf_trainer_peft"]["steps"] == 2
+    assert both["ratios"]["updates"] == 1.0
+    assert both["leantune"]["useful_tokens_per_s"] == same[0]["useful_tokens_per_s"]
 
 
 def test_leantune_gets_a_precision_only_when_the_benchmark_names_one(tmp_path: Path) -> None:
