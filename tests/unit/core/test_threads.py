@@ -139,7 +139,9 @@ def test_the_governor_follows_the_load_during_the_run(monkeypatch) -> None:
     _two_cores(monkeypatch)
     machine = _FakeMachine()
     torch.set_num_threads(2)
-    gov = threads.ThreadGovernor(2, threads.cpu_budget(), read=machine.read, clock=lambda: machine.now)
+    gov = threads.ThreadGovernor(
+        2, threads.cpu_budget(), read=machine.read, clock=lambda: machine.now
+    )
     machine.run(5, others=0.0, own=2.0)
     assert gov.check() is None  # not due: nothing read
     machine.run(6, others=0.0, own=2.0)
