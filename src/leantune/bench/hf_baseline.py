@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         lr_scheduler_type="cosine",
         warmup_steps=0.1,  # a ratio below 1 (transformers 5)
         num_train_epochs=1,
+        max_steps=args.max_steps,  # -1: the epoch; a short benchmark run caps it
         bf16=args.precision == "bf16",
         use_cpu=True,
         logging_steps=1,
@@ -148,6 +149,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=int, default=-1, help="updates at most (-1: one epoch)")
     print(json.dumps(run(p.parse_args(argv))))
 
 

@@ -36,6 +36,7 @@ from leantune.bench.chat_corpus import write_corpus
 from leantune.bench.model_shapes import build_model, parameter_count
 from leantune.bench.throughput_args import BASELINE_RESULT, HF_BATCH, add_arguments
 from leantune.core.allocator import without_leantune_preload
+from leantune.core.openmp import without_leantune_wait_policy
 from leantune.core.precision import resolve_precision
 from leantune.data.dataset import prepared_data
 from leantune.data.prepare.records import PrepareSettings
@@ -94,16 +95,19 @@ def flops_per_token(model_dir: str, method: str, mean_len: float) -> float:
 
 def run_child(
     cmd: list[str],
-    threads: int,
+    threads: int | None,
     extra_env: dict[str, str] | None = None,
     base_env: Mapping[str, str] | None = None,
 ) -> tuple[int, int, float, str]:
-    """Run `cmd` (`base_env`, this environment by default, `extra_env` over it); its exit code,
-    its own peak RSS in bytes, wall seconds, its output's tail."""
+    """Run `cmd` (`base_env`, this environment by default, `extra_env` over it) with
+    OMP_NUM_THREADS=`threads` (None: unset, the child chooses); its exit code, its own peak
+    RSS in bytes, wall seconds, its output's tail."""
     base = os.environ if base_env is None else base_env
     # Both systems get the same thread count; the tokenizers' own pool is off so that it does
     # not compete with torch's threads.
     env = {**base, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    if threads is None:
+        del env["OMP_NUM_THREADS"]
     env.update(extra_env or {})
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
@@ -160,6 +164,12 @@ def hf_command(
     ]  # fmt: skip
 
 
+def baseline_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` without what the leantune command set in it for itself (`core.allocator`'s
+    preload, `core.openmp`'s wait policy): what a baseline's user would run with."""
+    return without_leantune_wait_policy(without_leantune_preload(environ))
+
+
 def leantune_result(run_dir: Path) -> dict[str, Any]:
     """A finished leantune run's time, steps, useful tokens, precision and allocator."""
     paths = RunPaths(run_dir)
@@ -190,9 +200,9 @@ def one_run(
     else:
         precision, threads, micro = ctx["precision"], ctx["threads"], ctx["hf_micro_batch"]
         cmd = hf_command(ctx["model"], ctx["train"], method, out, precision, threads, micro)
-    # The baseline runs with the allocator its user would have: not the tcmalloc that the
-    # leantune command preloaded into this process (a preload of the user's own stays).
-    base = os.environ if system == "leantune" else without_leantune_preload(os.environ)
+    # The baseline runs with the allocator and OpenMP wait policy its user would have: not the
+    # ones the leantune command set in this process (a user's own stay).
+    base = os.environ if system == "leantune" else baseline_environment(os.environ)
     code, rss, wall, tail = run_child(cmd, ctx["threads"], base_env=base)
     if code != 0:
         hint = ""

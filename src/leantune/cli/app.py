@@ -35,6 +35,7 @@ from leantune.cli import bench, inference, monitor, prepare, train
 from leantune.cli.args import Parser
 from leantune.cli.crash import report_internal_error
 from leantune.core.allocator import reexec_with_allocator
+from leantune.core.openmp import set_wait_policy
 from leantune.errors import UserError
 from leantune.models.quiet import quiet_import_noise
 from leantune.testing.faults import install_env_faults
@@ -45,7 +46,8 @@ GROUPS = (train, prepare, inference, bench, monitor)
 
 ALLOCATOR_COMMANDS = frozenset({"train", "eval", "generate", "export", "bench"})
 """The commands that run a model: their own process re-executes itself with tcmalloc when it is
-installed (`leantune.core.allocator`; LEANTUNE_ALLOCATOR=system keeps glibc's)."""
+installed (`leantune.core.allocator`; LEANTUNE_ALLOCATOR=system keeps glibc's), and its OpenMP
+threads wait passively (`leantune.core.openmp`; OMP_WAIT_POLICY=ACTIVE spins)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,6 +92,9 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
 def run(args: argparse.Namespace) -> int:
     """Run the parsed command: its checks, then the function it names."""
     if args.own_process and args.command in ALLOCATOR_COMMANDS:
+        # Here, before any command imports torch: libgomp reads its wait policy once, when torch
+        # loads it. In os.environ, so the re-execution below (execve) carries it too.
+        set_wait_policy(os.environ)
         reexec_with_allocator()  # tcmalloc preloaded: returns only if already so, or not
     # The checks that need no model run before the command's module imports torch, so a wrong
     # flag fails in a fraction of a second.

@@ -68,7 +68,7 @@ class EventLog:
 
         Args:
             kind: What happened (``nonfinite``, ``loss_spike``, ``grad_norm``, ``oom``,
-                ``oom_eval``, ``rollback``, ``pause``, ``stop``, ``resume``).
+                ``oom_eval``, ``rollback``, ``pause``, ``stop``, ``resume``, ``threads``).
             step: The optimizer step it concerns (1-based; the step being computed).
             message: One sentence for the console.
             **fields: JSON-serialisable details.

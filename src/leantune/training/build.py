@@ -22,6 +22,7 @@ from leantune.config.parse import ConfigError
 from leantune.core.optim import build_optimizer, build_scheduler, default_schedule, use_schedule
 from leantune.core.precision import make_grad_scaler
 from leantune.core.signals import StopSignals
+from leantune.core.threads import ThreadGovernor
 from leantune.data.dataset import PreparedData
 from leantune.data.loader import SampleStream
 from leantune.data.templates import apply_chat_template
@@ -321,6 +322,7 @@ def build_trainer(
         ),
         stop=stop,
         stats=stats if stats is not None else StepStats(),
+        threads=ThreadGovernor.for_process() if device.type == "cpu" else None,
     )
 
 

@@ -344,6 +344,7 @@ def run_loop(tr: Trainer, loop: LoopSettings, evaluator: Evaluator | None = None
         with tr.stop.deferred():
             while tr.state.step < loop.max_steps:
                 result = _step(tr)
+                _recheck_threads(tr)
                 # tr.progress, not a local alias: a rollback replaces it.
                 tr.progress.train_time_s += result.record["step_time_s"]
                 if result.decision.action != "step" and act_on_guard(tr, result):
@@ -369,6 +370,13 @@ def _step(tr: Trainer) -> StepResult:
         path = tr.save()
         tr.events.emit("oom", tr.state.step + 1, f"{exc} Checkpoint {path}.")
         raise
+
+
+def _recheck_threads(tr: Trainer) -> None:
+    """The CPU's load re-measured when due; a change of thread count is one event line."""
+    note = tr.threads.check() if tr.threads is not None else None
+    if note is not None:
+        tr.events.emit("threads", tr.state.step, note)
 
 
 def _after_update(

@@ -33,6 +33,7 @@ from torch import nn
 
 from leantune.core.precision import autocast
 from leantune.core.signals import Interrupted, StopSignals
+from leantune.core.threads import ThreadGovernor
 from leantune.data.dataset import PreparedData
 from leantune.data.loader import SampleStream, collate, split_window
 from leantune.models.loss import IGNORE_INDEX, count_supervised, token_loss_sum
@@ -127,6 +128,9 @@ class Trainer:
     objective: PreferenceStep | None = None
     """train.objective other than sft: the preference objective and its packed rows (the
     window's loss is `preference_window`); None: the token loss (`backward_window`)."""
+    threads: ThreadGovernor | None = None
+    """CPU: moves the intra-op thread count with the machine's load (`core.threads`); None
+    where the count is the user's (OMP_NUM_THREADS) or the device is not the CPU."""
 
     @property
     def grad_accum(self) -> int:

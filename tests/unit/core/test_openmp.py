@@ -1,0 +1,72 @@
+"""The OpenMP wait policy: passive unless the user chose one, set before torch loads and carried
+by the re-execution that preloads tcmalloc, never given to a benchmark's baseline."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import pytest
+
+from leantune.bench.throughput import baseline_environment
+from leantune.cli import app
+from leantune.core import allocator
+from leantune.core.openmp import (
+    MARK,
+    POLICY,
+    SPINCOUNT,
+    set_wait_policy,
+    wait_policy_note,
+    without_leantune_wait_policy,
+)
+
+
+def test_passive_unless_the_user_chose() -> None:
+    env: dict[str, str] = {}
+    assert set_wait_policy(env) and env == {POLICY: "PASSIVE", MARK: "PASSIVE"}
+    assert wait_policy_note(env).startswith("waits passive (set by leantune")
+    assert set_wait_policy(env) and env[POLICY] == "PASSIVE"  # the re-executed process
+    for name, value in ((POLICY, "ACTIVE"), (SPINCOUNT, "10000")):
+        env = {name: value}
+        assert not set_wait_policy(env) and env == {name: value}
+        assert wait_policy_note(env) == f"waits as you set ({name}={value})"
+
+
+def test_the_baseline_runs_with_the_policy_its_user_has() -> None:
+    ours = {POLICY: "PASSIVE", MARK: "PASSIVE", "PATH": "/bin"}
+    assert without_leantune_wait_policy(ours) == {"PATH": "/bin"}
+    assert without_leantune_wait_policy({POLICY: "PASSIVE"}) == {POLICY: "PASSIVE"}
+    preloaded = allocator.preloaded_environment(ours, Path("/lib/libtcmalloc.so.4"))
+    base = baseline_environment(preloaded)
+    assert base["PATH"] == "/bin" and not {POLICY, MARK, "LD_PRELOAD"} & set(base)
+
+
+class _Executed(Exception):
+    pass
+
+
+def test_the_reexecuted_command_carries_the_wait_policy(monkeypatch) -> None:
+    for name in (POLICY, SPINCOUNT, MARK, allocator.MARK, "LD_PRELOAD"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test
+    monkeypatch.setattr(allocator, "preload_for", lambda environ: Path("/lib/libtcmalloc.so.4"))
+    seen: dict[str, str] = {}
+
+    def execve(path: str, argv: list[str], env: dict[str, str]) -> None:
+        seen.update(env)
+        raise _Executed
+
+    monkeypatch.setattr(allocator.os, "execve", execve)
+    args = argparse.Namespace(own_process=True, command="train", check=None, run="x:y")
+    with pytest.raises(_Executed):
+        app.run(args)
+    assert seen[POLICY] == "PASSIVE" and seen[MARK] == "PASSIVE"
+    assert seen["LD_PRELOAD"] == "/lib/libtcmalloc.so.4"
+    assert os.environ[POLICY] == "PASSIVE"  # this process too, where the exec fails
+
+
+def test_a_caller_of_main_keeps_its_own_environment(monkeypatch) -> None:
+    monkeypatch.delenv(POLICY, raising=False)
+    args = argparse.Namespace(own_process=False, command="train", check=None, run="x:y")
+    monkeypatch.setattr(app, "command_function", lambda target: lambda a: 0)
+    assert app.run(args) == 0 and POLICY not in os.environ
