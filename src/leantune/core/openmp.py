@@ -38,6 +38,12 @@ def set_wait_policy(environ: MutableMapping[str, str]) -> bool:
     return True
 
 
+def waits_passive(environ: Mapping[str, str]) -> bool:
+    """Whether this process's OpenMP threads sleep at a barrier (OMP_WAIT_POLICY=PASSIVE, set
+    before torch loaded: leantune's command sets it, a user may)."""
+    return environ.get(POLICY, "").upper() == PASSIVE
+
+
 def wait_policy_note(environ: Mapping[str, str]) -> str:
     """How this process's OpenMP threads wait at a barrier, for the log."""
     if environ.get(MARK) and environ.get(POLICY) == PASSIVE:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from leantune.core.cpu_load import CpuSample, measure_others, others_busy, sample
-from leantune.core.openmp import wait_policy_note
+from leantune.core.openmp import wait_policy_note, waits_passive
 
 START_WINDOW_S = 0.25
 """How long the start measures other processes' CPU use (25 ticks a CPU at USER_HZ 100)."""
@@ -120,9 +120,23 @@ def configure_threads(
     budget = cpu_budget()
     cores = usable_physical_cores()
     others = measure(START_WINDOW_S) if cores > 1 else None  # one core: nothing to choose
-    chosen = cores if others is None else choose_threads(cores, budget.physical_cores(others))
+    passive = waits_passive(env)
+    # Passive waits: a thread whose core is taken sleeps at the barrier instead of holding the
+    # others up, and what it does get adds up; measured beside busy cores, 2 passive threads
+    # beat 1 by 1.4-2.2x (benchmarks/results/wait-policy-loaded-cpu.json). Spinning threads
+    # stall every operator when one is descheduled: fewer of them, then.
+    if others is None or passive:
+        chosen = cores
+    else:
+        chosen = choose_threads(cores, budget.physical_cores(others))
     if torch.get_num_threads() != chosen:
         torch.set_num_threads(chosen)
+    if _contended(others, budget, cores) and passive:
+        return (
+            f"threads: {chosen}, one per physical core: the machine is contended (other "
+            f"processes use {others:.1f} of {budget.logical} CPUs), and OpenMP {waits}, so a "
+            "thread whose core is taken yields it rather than stalling the others"
+        )
     if _contended(others, budget, cores):
         return (
             f"threads: {chosen} of {cores} physical cores: the machine is contended (other "
@@ -151,10 +165,12 @@ class ThreadGovernor:
     @classmethod
     def for_process(cls, environ: dict[str, str] | None = None) -> ThreadGovernor | None:
         """A governor for this process's CPU run; None when the count is not leantune's to
-        change (OMP_NUM_THREADS set, torchrun included) or there is one core."""
+        change (OMP_NUM_THREADS set, torchrun included), there is one core, or the threads
+        wait passively (their count then stays one per core)."""
         env = os.environ if environ is None else environ
         cores = usable_physical_cores()
-        if env.get("OMP_NUM_THREADS") or cores < 2:
+        # Passive waits keep one thread per core whatever the load (`configure_threads`).
+        if env.get("OMP_NUM_THREADS") or cores < 2 or waits_passive(env):
             return None
         return cls(cores, cpu_budget())
 

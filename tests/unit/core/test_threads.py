@@ -117,6 +117,23 @@ def test_a_contended_start_takes_fewer_threads_and_says_so(monkeypatch) -> None:
     assert torch.get_num_threads() == 2 and "contended" not in line
 
 
+def test_passive_waits_keep_one_thread_per_core_when_contended(monkeypatch) -> None:
+    """Measured beside busy cores, 2 passive threads beat 1 by 1.4-2.2x: a thread whose core is
+    taken sleeps at the barrier instead of stalling the others, so the count is not lowered."""
+    _two_cores(monkeypatch)
+    torch.set_num_threads(1)
+    passive = {"OMP_WAIT_POLICY": "PASSIVE"}
+    line = threads.configure_threads(passive, measure=lambda s: 1.0)
+    assert torch.get_num_threads() == 2
+    assert line.startswith(
+        "threads: 2, one per physical core: the machine is contended (other processes use 1.0 "
+        "of 2 CPUs), and OpenMP waits as you set (OMP_WAIT_POLICY=PASSIVE)"
+    )
+    assert threads.ThreadGovernor.for_process(passive) is None  # nothing to move with the load
+    line = threads.configure_threads({"OMP_WAIT_POLICY": "ACTIVE"}, measure=lambda s: 1.0)
+    assert torch.get_num_threads() == 1 and "1 of 2 physical cores" in line  # spinning: fewer
+
+
 class _FakeMachine:
     """/proc/stat and the clock of a 2-CPU machine: `run(seconds, others, own)` advances them
     as if other processes kept `others` CPUs busy and this one used `own` CPUs."""
