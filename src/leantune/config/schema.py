@@ -201,6 +201,10 @@ class MethodConfig:
     compute_dtype: Literal["auto", "fp32", "bf16", "fp16"] = field(default="auto", metadata=SETTING)
     """qlora: dtype of the 4-bit layers' matmuls; auto = train.precision as resolved (fp32
     unless autocast)."""
+    measure_quant_cost: bool = field(default=True, metadata=FREE)
+    """qlora: on a fresh run and in `leantune plan`, measure what the 4-bit base costs (the base
+    model's held-out loss in model.dtype and in 4-bit, on the first 8 data.eval examples). It
+    loads the base twice, which takes minutes for a 7B model; false skips it."""
 
 
 @dataclass
