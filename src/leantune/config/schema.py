@@ -295,8 +295,10 @@ class TrainConfig:
     """Use only the first N eval examples (loss, perplexity and exact match)."""
     eval_batch_size: int = field(default=16, metadata=FREE)
     """Batch size for evaluation and generation."""
-    max_new_tokens: int = field(default=128, metadata=FREE)
-    """Generation length limit for exact match."""
+    max_new_tokens: int | Literal["auto"] = field(default="auto", metadata=FREE)
+    """Most new tokens per exact-match answer during training; auto = the longest data.eval
+    reference answer's tokens plus max(16, 25%), the cap `leantune eval` uses (the run log
+    says it)."""
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=FREE)
     """Where to train."""
 
