@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from leantune.bench.methods import Log, run_overrides
+from leantune.bench.methods import Log, MethodResult, refusals, run_overrides
 from leantune.core.writes import write_file
 from leantune.layout import RunPaths
 from leantune.monitor.metrics import read_metrics
@@ -52,6 +52,11 @@ class MethodSweep:
     default_lr: float
     points: list[SweepPoint] = field(default_factory=list)
     chosen_lr: float | None = None
+    status: str = "ok"  # "skipped" (an optional package is missing) or "refused": never ran
+    error: str | None = None
+    """Why a skipped or refused method never ran."""
+    install: str | None = None
+    """A skipped method's install line: what installs the package it needs."""
 
     def choose(self) -> None:
         """The rate of the lowest finite held-out loss among the runs that finished."""
@@ -136,6 +141,20 @@ def run_dir_for(out_dir: Path, method: str, lr: float) -> Path:
     return out_dir / method / f"lr-{lr:g}"
 
 
+def sweep_refusals(
+    config: str | None,
+    grids: dict[str, list[float]],
+    default_lrs: dict[str, float],
+    out_dir: Path,
+    overrides: list[str],
+) -> dict[str, MethodResult]:
+    """`bench.methods.refusals` of each method's sweep runs, with the sweep's own settings: the
+    methods that must not start (a missing optional package, a refused setting), by name."""
+    # One check per method, at its default rate: a rate in (0, 1) is never what a check refuses.
+    lrs = {m: default_lrs[m] for m in grids}
+    return refusals(config, list(grids), lrs, out_dir, [*overrides, *SWEEP_OVERRIDES])
+
+
 def run_sweep(
     config: str | None,
     grids: dict[str, list[float]],
@@ -145,19 +164,30 @@ def run_sweep(
     log: Log = print,
     reuse: bool = False,
     runner: Runner | None = None,
+    refused: dict[str, MethodResult] | None = None,
 ) -> list[MethodSweep]:
     """Train every (method, rate) of `grids` in turn and choose each method's rate.
 
     With `reuse`, a run whose folder already holds summary.json is read back, not trained again
     (the caller answers for its settings being the same). `runner` trains one run
-    (default: `train_in_process`).
+    (default: `train_in_process`). `refused` (default: `sweep_refusals`) are the methods that
+    never run: their sweeps say why, with no points.
     """
     run = runner or train_in_process
+    if refused is None:
+        refused = sweep_refusals(config, grids, default_lrs, out_dir, overrides)
     sweeps = []
     total = sum(len(g) for g in grids.values())
     done = 0
     for method, grid in grids.items():
         sweep = MethodSweep(method, default_lrs[method])
+        if method in refused:
+            r = refused[method]
+            sweep.status = "skipped" if r.status == "skipped" else "refused"
+            sweep.error, sweep.install = r.error, r.install
+            done += len(grid)
+            sweeps.append(sweep)
+            continue
         for lr in grid:
             done += 1
             run_dir = run_dir_for(out_dir, method, lr)
@@ -188,6 +218,9 @@ def sweep_table(sweeps: list[MethodSweep]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for s in sweeps:
+        if s.status != "ok":
+            error = (s.error or "").replace("|", "/")
+            lines.append(f"| {s.method} | {s.default_lr:g} | | {s.status}: {error} | | | |")
         for p in s.points:
             if p.status != "ok":
                 error = (p.error or "").replace("|", "/")

@@ -201,6 +201,10 @@ class MethodConfig:
     compute_dtype: Literal["auto", "fp32", "bf16", "fp16"] = field(default="auto", metadata=SETTING)
     """qlora: dtype of the 4-bit layers' matmuls; auto = train.precision as resolved (fp32
     unless autocast)."""
+    measure_quant_cost: bool = field(default=True, metadata=FREE)
+    """qlora: on a fresh run and in `leantune plan`, measure what the 4-bit base costs (the base
+    model's held-out loss in model.dtype and in 4-bit, on the first 8 data.eval examples). It
+    loads the base twice, which takes minutes for a 7B model; false skips it."""
 
 
 @dataclass
@@ -291,8 +295,10 @@ class TrainConfig:
     """Use only the first N eval examples (loss, perplexity and exact match)."""
     eval_batch_size: int = field(default=16, metadata=FREE)
     """Batch size for evaluation and generation."""
-    max_new_tokens: int = field(default=128, metadata=FREE)
-    """Generation length limit for exact match."""
+    max_new_tokens: int | Literal["auto"] = field(default="auto", metadata=FREE)
+    """Most new tokens per exact-match answer during training; auto = the longest data.eval
+    reference answer's tokens plus max(16, 25%), the cap `leantune eval` uses (the run log
+    says it)."""
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=FREE)
     """Where to train."""
 

@@ -45,7 +45,7 @@ def validate(cfg: Config) -> list[str]:
         "train.grad_accum": t.grad_accum,
         "train.keep_last": t.keep_last,
         "train.eval_batch_size": t.eval_batch_size,
-        "train.max_new_tokens": t.max_new_tokens,
+        "train.max_new_tokens": None if t.max_new_tokens == "auto" else t.max_new_tokens,
         "data.max_seq_len": None if d.max_seq_len == "auto" else d.max_seq_len,
     }
     for key, value in positive.items():

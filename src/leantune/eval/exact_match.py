@@ -112,6 +112,19 @@ def answer_token_cap(longest: int) -> int:
     return longest + max(ANSWER_MARGIN_TOKENS, math.ceil(longest * ANSWER_MARGIN_FRACTION))
 
 
+def reference_answer_cap(
+    tokenizer: PreTrainedTokenizerBase, references: list[str], setting: str
+) -> tuple[int, str]:
+    """The `answer_token_cap` of the longest of `references`, and the line that says it
+    (`setting`: what sets another cap)."""
+    longest = longest_answer_tokens(tokenizer, references)
+    cap = answer_token_cap(longest)
+    return cap, (
+        f"exact match: answers capped at {cap} new tokens (longest reference {longest} + "
+        f"{cap - longest}); {setting} sets another cap"
+    )
+
+
 def evaluate_exact_match(
     model: PreTrainedModel | PeftModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -151,14 +164,10 @@ def evaluate_exact_match(
         prompts.append(render_prompt(tokenizer, messages[:-1]))
         references.append(messages[-1]["content"])
     if max_new_tokens is None:
-        longest = longest_answer_tokens(tokenizer, references)
-        max_new_tokens = answer_token_cap(longest)
+        setting = "max_new_tokens (--max-new-tokens)"
+        max_new_tokens, line = reference_answer_cap(tokenizer, references, setting)
         if log is not None:
-            log(
-                f"exact match: answers capped at {max_new_tokens} new tokens (longest reference "
-                f"{longest} + {max_new_tokens - longest}); max_new_tokens (--max-new-tokens) "
-                "sets another cap"
-            )
+            log(line)
     settings = replace(GREEDY, max_new_tokens=max_new_tokens)
     predictions = generate_texts(
         model, tokenizer, prompts, settings, batch_size=batch_size, on_progress=on_progress

@@ -23,7 +23,7 @@ from leantune.core.precision import autocast
 from leantune.core.writes import replacing
 from leantune.data.dataset import PreparedData
 from leantune.data.formats import Record
-from leantune.eval.exact_match import answers_match, evaluate_exact_match
+from leantune.eval.exact_match import answers_match, evaluate_exact_match, reference_answer_cap
 from leantune.eval.perplexity import evaluate_loss
 from leantune.eval.preference import evaluate_objective
 from leantune.models.attention import sdpa_attention
@@ -60,6 +60,25 @@ class EvalInputs:
     events: EventLog
     hooks: StepHooks
     """The run's fault hooks: `before_eval` runs before each evaluation attempt."""
+
+
+def answer_cap(
+    setting: int | str,
+    tokenizer: PreTrainedTokenizerBase,
+    data: PreparedData | None,
+    log: Callable[[str], None] | None,
+) -> int:
+    """train.max_new_tokens as exact match uses it: an integer as it is; auto the cap
+    `leantune eval` gives `data`'s reference answers (`reference_answer_cap`), told to `log`."""
+    if setting != "auto":
+        return int(setting)
+    # The last turn of each conversation is the reference, as exact match reads it.
+    records = data.records if data is not None else []
+    references = [r.messages[-1]["content"] for r in records if r.messages is not None]
+    cap, line = reference_answer_cap(tokenizer, references, "train.max_new_tokens")
+    if references and log is not None:
+        log(line)
+    return cap
 
 
 def evaluate_retrying(

@@ -60,7 +60,7 @@ class QuantCost:
             f"{self.examples} held-out examples: {self.own_loss:.4f} in {self.own_dtype} "
             f"(model.dtype), {self.quantized_loss:.4f} in 4-bit {self.quant_type.upper()} "
             f"({diff:+.4f}{share}; both with train.precision={self.precision}): what the 4-bit "
-            "base costs before any training"
+            f"base costs before any training. {TURN_OFF}"
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -73,6 +73,10 @@ NO_EVAL = (
     f"model.dtype before training, on its first {COST_EXAMPLES} examples)"
 )
 NO_ROOM = "the base in model.dtype does not fit in device memory (the 4-bit base is what trains)"
+TURN_OFF = "method.measure_quant_cost=false skips this measurement (it loads the base twice)"
+"""Said with every measured cost: for a large model the measurement takes minutes."""
+TURNED_OFF = "method.measure_quant_cost=false"
+"""Why the cost is not measured when the config turned it off."""
 
 
 def not_measured(method: str, why: str) -> str:
@@ -125,6 +129,9 @@ def load_base(
     it is not measured."""
     if quantization is None or run.plan.action != "fresh":
         return base_model(cfg, source, quantization, device, run, log)
+    if not cfg.method.measure_quant_cost:
+        log(not_measured(cfg.method.name, TURNED_OFF))
+        return base_model(cfg, source, quantization, device, run, log)
     if run.eval_data is None or not run.eval_data.examples:
         log(not_measured(cfg.method.name, NO_EVAL))
         return base_model(cfg, source, quantization, device, run, log)
@@ -149,6 +156,8 @@ def plan_cost(cfg: Config) -> dict[str, Any] | None:
     if METHODS[cfg.method.name].base_quantization is None:
         return None
     d, method = cfg.data, cfg.method.name
+    if not cfg.method.measure_quant_cost:
+        return {"measured": False, "line": not_measured(method, TURNED_OFF)}
     if d.eval is None:
         return {"measured": False, "line": not_measured(method, NO_EVAL)}
     source = resolve_model(cfg.model.path, cfg.model.gguf_file)

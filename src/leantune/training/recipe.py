@@ -37,9 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
+from transformers import PreTrainedTokenizerBase
 
 from leantune.config import Config
 from leantune.core.signals import Interrupted, StopSignals
+from leantune.data.dataset import PreparedData
 from leantune.layout import RunPaths
 from leantune.methods.registry import base_quantization
 from leantune.models.loading import ModelSource, resolve_model
@@ -59,7 +61,13 @@ from leantune.training.build import (
     wrap_method,
 )
 from leantune.training.checks import check_config
-from leantune.training.evaluation import EvalInputs, EvalSettings, Evaluator, exact_match_before
+from leantune.training.evaluation import (
+    EvalInputs,
+    EvalSettings,
+    Evaluator,
+    answer_cap,
+    exact_match_before,
+)
 from leantune.training.finish import finish
 from leantune.training.guard.actions import act_on_guard
 from leantune.training.guard.divergence import WeightsDiverged
@@ -243,7 +251,7 @@ def set_up(
     run = _in_turn(strategy, lambda: set_up_run(cfg, source, tokenizer, device.type, log, world))
     cfg, t = run.cfg, run.cfg.train
     pad_id, held_out = int(tokenizer.pad_token_id), run.eval_data
-    settings = _eval_settings(cfg, main)
+    settings = _eval_settings(cfg, main, tokenizer, held_out, log)
     eval_inputs = EvalInputs(tokenizer, held_out, pad_id, events, hooks) if held_out else None
     # Base model -> its exact match -> the method's wrapping -> the trainer around it.
     quantization = base_quantization(cfg.method, t.precision)
@@ -292,10 +300,19 @@ def set_up(
     )
 
 
-def _eval_settings(cfg: Config, main: bool) -> EvalSettings:
+def _eval_settings(
+    cfg: Config,
+    main: bool,
+    tokenizer: PreTrainedTokenizerBase,
+    held_out: PreparedData | None,
+    log: Log,
+) -> EvalSettings:
     """How evaluation computes; exact match's progress line on the main process only."""
     t = cfg.train
-    return EvalSettings(t.precision, t.eval_batch_size, t.max_new_tokens, cfg.run.progress and main)
+    exact = t.eval_exact_match or (t.eval_every > 0 and t.eval_every_sample > 0)
+    # One cap for every exact match of the run (base, periodic, final), said once when used.
+    cap = answer_cap(t.max_new_tokens, tokenizer, held_out, log if exact else None)
+    return EvalSettings(t.precision, t.eval_batch_size, cap, cfg.run.progress and main)
 
 
 def _base_exact_match(

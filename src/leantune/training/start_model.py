@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from peft import PEFT_TYPE_TO_CONFIG_MAPPING, PeftType, PromptLearningConfig
+
 from leantune.config import Config
 from leantune.config.parse import ConfigError
 from leantune.core.digests import model_digest
@@ -34,7 +36,12 @@ from leantune.export.source import ExportError, load_source, merge_into_base
 from leantune.layout import RunPaths
 from leantune.methods.artifacts import config_and_tokenizer_sources
 from leantune.models.loading import ModelSource, resolve_model
-from leantune.models.paths import is_adapter_dir, is_bottleneck_adapter_dir, model_of_run
+from leantune.models.paths import (
+    ModelPaths,
+    is_adapter_dir,
+    is_bottleneck_adapter_dir,
+    model_of_run,
+)
 from leantune.training.parallel.strategy import ParallelStrategy
 from leantune.training.run.rundir import read_record
 
@@ -106,6 +113,36 @@ def needs_merge(start: StartRun) -> bool:
     return is_adapter_dir(start.final) or is_bottleneck_adapter_dir(start.final)
 
 
+STARTABLE = "a run can start from a LoRA, DoRA, IA3 or QLoRA run, or a full fine-tune"
+"""What a refused start says a run can start from."""
+
+
+def check_mergeable(start: StartRun, model_path: str) -> None:
+    """Refuse, without loading anything, a run whose adapter cannot be merged into its base:
+    `train` (before merging), `leantune plan` and `leantune inspect` say the same.
+
+    Raises:
+        ConfigError: `start`'s `final/` is a bottleneck adapter or a prompt-learning one.
+    """
+    where = f"model.path={model_path}"
+    if is_bottleneck_adapter_dir(start.final):
+        raise ConfigError(
+            f"{where}: {start.final} is a bottleneck adapter, which cannot be merged into its "
+            f"base; {STARTABLE}"
+        )
+    if not is_adapter_dir(start.final):
+        return
+    config = json.loads(ModelPaths(start.final).adapter_config.read_text())
+    kind = config.get("peft_type")
+    # Prompt tuning, prefix tuning, p-tuning: virtual tokens, not weight deltas to fold in.
+    config_class = PEFT_TYPE_TO_CONFIG_MAPPING.get(kind) if kind in PeftType.__members__ else None
+    if config_class is not None and issubclass(config_class, PromptLearningConfig):
+        raise ConfigError(
+            f"{where}: {start.final} is a prompt-learning adapter (peft {kind}), which cannot be "
+            f"merged into its base; {STARTABLE}"
+        )
+
+
 def start_sources(model_path: str, gguf_file: str | None = None) -> StartSources:
     """What `start_model` would train from for `model_path`, read-only (`leantune plan`,
     `leantune inspect`): the sources the merge's loader (`export.load_source`) reads.
@@ -113,12 +150,14 @@ def start_sources(model_path: str, gguf_file: str | None = None) -> StartSources
     Raises:
         ModelNotFoundError: model_path is no model.
         ModelPathError: an adapter run whose base cannot be found.
+        ConfigError: a run whose adapter `train` cannot merge (`check_mergeable`).
     """
     start = start_run(model_path)
     if start is None:
         source = resolve_model(model_path, gguf_file)
         return StartSources(None, source, source, merged=False)
     if needs_merge(start):
+        check_mergeable(start, model_path)
         model, tokenizer = config_and_tokenizer_sources(str(start.final))
         return StartSources(start, model, tokenizer, merged=True)
     final = ModelSource(str(start.final))
@@ -183,19 +222,14 @@ def _merged(cfg: Config, start: StartRun, log: Log) -> Path:
             f"{where}: {start.final} has changed since the run in {cfg.run_dir} started from "
             f"it (merged into {out}). Give another run.dir, or run.resume=never to start over"
         )
-    if is_bottleneck_adapter_dir(start.final):
-        raise ConfigError(
-            f"{where}: {start.final} is a bottleneck adapter, which cannot be merged into its "
-            "base; a run can start from a LoRA, DoRA, IA3 or QLoRA run, or a full fine-tune"
-        )
+    check_mergeable(start, cfg.model.path)  # before loading: plan and inspect refuse the same
     log(f"{where}: merging {start.final} into its base, into {out}")
     source = load_source(str(start.final))
     try:
         merged, _ = merge_into_base(source.model, source.adapter_dir)
     except ExportError as exc:
         raise ConfigError(
-            f"{where}: {start.final}: {exc.args[0].split(';')[0]}; a run can start from a "
-            "LoRA, DoRA, IA3 or QLoRA run, or a full fine-tune"
+            f"{where}: {start.final}: {exc.args[0].split(';')[0]}; {STARTABLE}"
         ) from None
     with replacing_dir(out) as tmp:
         write_hf(merged, source.tokenizer, tmp)

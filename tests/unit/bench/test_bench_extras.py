@@ -100,3 +100,37 @@ def test_a_method_that_fails_while_running_still_exits_1(
     statuses = [(r["method"], r["status"], r["error"]) for r in payload["results"]]
     assert statuses[1] == ("lora", "failed", "Killed")
     assert statuses[0][:2] == ("qlora", "skipped")
+
+
+def test_sweep_skips_a_method_whose_extra_is_missing_and_exits_0(
+    tmp_path: Path,
+    tiny_llama_dir: Path,
+    no_lowbit: None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import leantune.bench.sweep as sweep
+
+    ran: list[list[str]] = []
+
+    def recorded(config: str | None, overrides: list[str], log_file: Path) -> str | None:
+        ran.append(overrides)
+        return train_in_process(config, overrides, log_file)
+
+    monkeypatch.setattr(sweep, "train_in_process", recorded)
+    held_out = write_jsonl(tmp_path / "eval.jsonl", ROWS[:2])
+    args = [*_args(tmp_path, tiny_llama_dir), f"data.eval={held_out}"]
+    code = main(["bench", "methods", *args, "--sweep", "--grid", "qlora=1e-4:1e-3,lora=1e-3"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = out.splitlines()
+    assert lines[0].startswith("qlora: skipped") and INSTALL in lines[0], lines[:3]
+    assert len(ran) == 1 and "method.name=lora" in ran[0]  # qlora's two rates never started
+    payload = json.loads(lines[-1])
+    qlora, lora = payload["sweeps"]
+    assert (qlora["status"], qlora["install"], qlora["points"]) == ("skipped", INSTALL, [])
+    assert INSTALL in qlora["error"] and qlora["chosen_lr"] is None
+    assert (lora["status"], lora["chosen_lr"]) == ("ok", 1e-3)
+    table = (tmp_path / "bench" / "sweep.md").read_text()
+    row = next(x for x in table.splitlines() if x.startswith("| qlora |"))
+    assert "skipped: " in row and INSTALL in row

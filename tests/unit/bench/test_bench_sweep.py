@@ -220,8 +220,9 @@ def test_a_failed_run_is_a_row_and_the_runs_get_the_sweep_settings(tmp_path: Pat
         return None
 
     grids = {"ia3": [1e-2, 3e-2, 1e-1]}
+    # refused={}: no pre-check, since this config (x.y=1) only exists for the fake runner.
     (sweep,) = run_sweep(
-        None, grids, {"ia3": 3e-3}, tmp_path, ["x.y=1"], lambda _: None, runner=runner
+        None, grids, {"ia3": 3e-3}, tmp_path, ["x.y=1"], lambda _: None, runner=runner, refused={}
     )
     assert [p.status for p in sweep.points] == ["ok", "ok", "failed"]
     assert sweep.points[2].error == "TrainingHalted: the guard stopped the run"

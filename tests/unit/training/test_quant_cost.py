@@ -78,6 +78,9 @@ def test_run_log_and_plan_give_both_losses(
     assert cost["own_loss"] == pytest.approx(own, rel=1e-5)
     assert cost["quantized_loss"] == pytest.approx(four_bit, rel=1e-5)
     assert LINE.search(cost["line"]) is not None  # the line the text plan ends with
+    # How to skip the measurement, where it is made: it loads the base twice.
+    assert "method.measure_quant_cost=false skips this measurement" in cost["line"]
+    assert "method.measure_quant_cost=false skips" in found[0].string
 
 
 def test_without_held_out_data_the_line_says_why(tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -108,3 +111,30 @@ def test_no_room_for_the_unquantised_base_is_said_and_the_run_goes_on(
     train(make_config(tiny_llama_dir, train_file, tmp_path / "run", *extra), log=lines.append)
     assert sum(quant_cost.NO_ROOM in x for x in lines) == 1, lines
     assert (tmp_path / "run" / "summary.json").is_file()
+
+
+def test_measure_quant_cost_false_loads_the_base_once_and_says_so(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import leantune.training.quant_cost as quant_cost
+
+    loads: list[object] = []
+    real = quant_cost.base_model
+
+    def counted(*args: object, **kwargs: object) -> torch.nn.Module:
+        loads.append(args[2])  # the quantization: None for the model.dtype copy
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(quant_cost, "base_model", counted)
+    train_file = write_jsonl(tmp_path / "train.jsonl", chat_rows(8))
+    eval_file = write_jsonl(tmp_path / "eval.jsonl", chat_rows(2, offset=50))
+    off = (*FP32, f"data.eval={eval_file}", "method.measure_quant_cost=false")
+    lines: list[str] = []
+    cfg = make_config(tiny_llama_dir, train_file, tmp_path / "run", *off, "train.max_steps=1")
+    train(cfg, log=lines.append)
+    why = "the 4-bit base's cost is not measured: method.measure_quant_cost=false"
+    assert sum(why in x for x in lines) == 1 and not any(LINE.search(x) for x in lines), lines
+    assert len(loads) == 1 and loads[0] is not None  # the 4-bit base only
+    plan = run_cli(["plan", f"model.path={tiny_llama_dir}", f"data.train={train_file}", *off])
+    assert plan.code == 0 and why in plan.out, plan
+    assert len(loads) == 1  # plan loaded nothing to measure

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from support import chat_rows, make_config, run_cli, write_jsonl
 
+from leantune.config.parse import ConfigError
 from leantune.training import recipe
 from leantune.training.parallel.strategy import SingleProcess
 from leantune.training.start_model import start_model
@@ -86,3 +87,25 @@ def test_plan_and_inspect_read_an_sft_run_as_train_starts_from_it(
     # The SFT run's tokenizer (its chat template), not its base model's, read the pairs.
     assert got["base"][1] != got["run"][1]
     assert _files(sft) | _files(tmp_path) == before  # plan and inspect wrote nothing
+
+
+@pytest.mark.parametrize(
+    ("method", "kind"), [("adapter", "bottleneck"), ("prompt", "PROMPT_TUNING")]
+)
+def test_plan_and_inspect_refuse_an_unmergeable_run_as_train_does(
+    tiny_llama_dir: Path, tmp_path: Path, method: str, kind: str
+) -> None:
+    chat = write_jsonl(tmp_path / "chat.jsonl", chat_rows(4))
+    sft = tmp_path / method
+    settings = (f"method.name={method}", "train.max_steps=1", "data.pack=false")
+    recipe.train(make_config(tiny_llama_dir, chat, sft, *settings), log=lambda _: None)
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    cfg = make_config(sft, data, tmp_path / "dpo", "train.objective=dpo", "data.format=preference")
+    with pytest.raises(ConfigError) as refused:
+        start_model(cfg, SingleProcess(), lambda _: None)
+    message = str(refused.value)
+    assert kind in message and "cannot be merged" in message
+    common = [f"model.path={sft}", f"data.train={data}", "train.objective=dpo"]
+    for command in (["plan", "--json"], ["inspect"]):
+        result = run_cli([*command, *common])
+        assert result.code == 2 and message in result.err, (command, result)

@@ -11,7 +11,15 @@ from typing import Any
 
 from leantune.bench import methods as method_bench
 from leantune.bench.instructions import write_task
-from leantune.bench.sweep import JSON_FILE, TABLE_FILE, lr_grid, parse_grids, run_sweep, write_sweep
+from leantune.bench.sweep import (
+    JSON_FILE,
+    TABLE_FILE,
+    lr_grid,
+    parse_grids,
+    run_sweep,
+    sweep_refusals,
+    write_sweep,
+)
 from leantune.cli.args import split_config_args
 from leantune.config import DEMO_CONFIG, Config, ConfigError
 from leantune.core.writes import write_file
@@ -161,10 +169,20 @@ def _sweep(
         raise ConfigError(str(e)) from None
     grids = {m: given.get(m) or lr_grid(centers[m], args.points, args.factor) for m in methods}
     log = lambda m: print(m, flush=True)  # noqa: E731
-    sweeps = run_sweep(config, grids, DEFAULT_LR, out, overrides, log, args.reuse)
+    # Before any run, as `bench methods` does: a missing extra is said first, with its install
+    # line, not as one failed run per rate.
+    refused = sweep_refusals(config, grids, DEFAULT_LR, out, overrides)
+    for r in refused.values():
+        log(f"{r.method}: {'skipped' if r.status == 'skipped' else 'refused'}, not run: {r.error}")
+    sweeps = run_sweep(config, grids, DEFAULT_LR, out, overrides, log, args.reuse, refused=refused)
     payload = write_sweep(sweeps, meta, out)
     print((out / TABLE_FILE).read_text())
     print(f"wrote {out / TABLE_FILE}, {out / JSON_FILE}")
     print(json.dumps(payload))
+    ran = [s for s in sweeps if s.status == "ok"]
+    # 2: a refused setting is the user's to fix, or nothing could run (nothing was measured).
+    if not ran or any(s.status == "refused" for s in sweeps):
+        return 2
     # 1 when no run of some method gave a finite held-out loss: no rate to recommend for it.
-    return 0 if all(s.chosen_lr is not None for s in sweeps) else 1
+    # A skipped method (its optional package is missing) is not a failure.
+    return 0 if all(s.chosen_lr is not None for s in ran) else 1
