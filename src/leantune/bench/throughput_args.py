@@ -30,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=BENCH_SHAPES,
         default=None,
         help="train a model of Qwen2.5-0.5B's or 1.5B's published shape with random weights "
-        "instead of --model (built from config in the --out folder, nothing downloaded)",
+        "instead of --model (built from config in the --out folder, nothing downloaded; "
+        "default: none, --model's weights)",
     )
     p.add_argument(
         "--tokenizer",
