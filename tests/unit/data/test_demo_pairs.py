@@ -10,6 +10,7 @@ from typing import Any
 
 from leantune.demo import support_desk as sd
 from leantune.demo import support_pairs as sp
+from leantune.demo.preference import wrong_fields
 
 
 def _user(pair: dict[str, Any]) -> str:
@@ -54,3 +55,16 @@ def test_near_miss_is_seeded() -> None:
     draws = [sp.near_miss(answer, random.Random(s)) for s in range(20)]
     assert draws == [sp.near_miss(answer, random.Random(s)) for s in range(20)]
     assert len(set(draws)) > 1 and answer not in draws
+
+
+def test_wrong_fields_names_each_wrong_value_or_the_format() -> None:
+    ticket = dict.fromkeys(("order_id", "email", "product"), None)
+    ticket = {"intent": "refund", **ticket, "priority": "low"}
+    ref = json.dumps(ticket)
+    assert wrong_fields(ref, ref) == []
+    assert wrong_fields(ref.replace('"low"', '"normal"'), ref) == ["priority"]
+    both = ref.replace('"low"', '"high"').replace("refund", "cancel_order")
+    assert wrong_fields(both, ref) == ["intent", "priority"]
+    assert wrong_fields('{"intent": "refund"}', ref) == ["format"]
+    assert wrong_fields("not json", ref) == ["format"]
+    assert wrong_fields("[1]", ref) == ["format"]
