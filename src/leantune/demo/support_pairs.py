@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from leantune.demo.support_desk import INTENTS, PRIORITIES, generate, user_message, write_jsonl
+from leantune.eval.exact_match import answers_match
 
 DATA = Path(__file__).parent / "data"
 # Priority errors are the demo model's commonest (a "not urgent" message read as urgent or
@@ -54,6 +55,27 @@ def make_pairs(records: Sequence[dict[str, Any]], seed: int, split: str) -> list
     # A string seed is hashed with SHA-512: the same stream on every run and platform.
     rng = random.Random(f"support_pairs/{split}/{seed}")
     return [pair_of(r, rng) for r in records]
+
+
+def on_policy_pairs(
+    records: Sequence[dict[str, Any]], predictions: Sequence[str]
+) -> list[dict[str, Any]]:
+    """Pairs from a model's own mistakes: for each record whose `predictions` entry (the model's
+    greedy answer) is not its answer, the correct ticket chosen over that answer as the model
+    wrote it; records it answered right give no pair.
+
+    The rejected answers are then the mistakes the model makes (on the demo's SFT model: a
+    low-priority message answered ``normal``, a product named where the message has none), not
+    drawn ones it may never make (on-policy pairs, as in TRL's online DPO, generated once).
+    """
+    pairs = []
+    for record, prediction in zip(records, predictions, strict=True):
+        *prompt, answer = record["messages"]
+        # Scored as the held-out set is: a ticket equal as JSON is no mistake.
+        if prediction.strip() and not answers_match(prediction, answer["content"]):
+            rejected = {"role": "assistant", "content": prediction.strip()}
+            pairs.append({"prompt": prompt, "chosen": [answer], "rejected": [rejected]})
+    return pairs
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
