@@ -57,24 +57,40 @@ def make_pairs(records: Sequence[dict[str, Any]], seed: int, split: str) -> list
     return [pair_of(r, rng) for r in records]
 
 
+def overcorrection(answer: str) -> str:
+    """`answer` with the mistake that unlearning the SFT model's usual ones leads to: a product
+    it names dropped (null), else a normal priority read as low, else the priority read as
+    normal. The two answers' texts differ in that one value only."""
+    ticket = json.loads(answer)
+    if ticket["product"] is not None:
+        ticket["product"] = None
+    else:
+        ticket["priority"] = "low" if ticket["priority"] == "normal" else "normal"
+    return json.dumps(ticket, ensure_ascii=False)
+
+
 def on_policy_pairs(
     records: Sequence[dict[str, Any]], predictions: Sequence[str]
 ) -> list[dict[str, Any]]:
-    """Pairs from a model's own mistakes: for each record whose `predictions` entry (the model's
-    greedy answer) is not its answer, the correct ticket chosen over that answer as the model
-    wrote it; records it answered right give no pair.
+    """Pairs from a model's own answers (`predictions`: its greedy answer to each record).
 
-    The rejected answers are then the mistakes the model makes (on the demo's SFT model: a
-    low-priority message answered ``normal``, a product named where the message has none), not
-    drawn ones it may never make (on-policy pairs, as in TRL's online DPO, generated once).
+    A wrong answer is rejected, as the model wrote it, against the correct ticket: the mistakes
+    the model makes (on the demo's SFT model: a low-priority message answered ``normal``, a
+    product named where the message has none), not drawn ones it may never make (on-policy
+    pairs, as in TRL's online DPO, generated once). Those pairs alone all push one way
+    (``null`` and ``low`` up everywhere: measured in docs/guides/preference.md), so a right
+    answer gives a pair too, its `overcorrection` rejected.
     """
     pairs = []
     for record, prediction in zip(records, predictions, strict=True):
         *prompt, answer = record["messages"]
         # Scored as the held-out set is: a ticket equal as JSON is no mistake.
         if prediction.strip() and not answers_match(prediction, answer["content"]):
-            rejected = {"role": "assistant", "content": prediction.strip()}
-            pairs.append({"prompt": prompt, "chosen": [answer], "rejected": [rejected]})
+            rejected = prediction.strip()
+        else:
+            rejected = overcorrection(answer["content"])
+        reject = {"role": "assistant", "content": rejected}
+        pairs.append({"prompt": prompt, "chosen": [answer], "rejected": [reject]})
     return pairs
 
 

@@ -70,22 +70,36 @@ def test_wrong_fields_names_each_wrong_value_or_the_format() -> None:
     assert wrong_fields("[1]", ref) == ["format"]
 
 
-def test_on_policy_pairs_reject_the_models_own_wrong_answers_only() -> None:
+def test_on_policy_pairs_reject_wrong_answers_as_written_and_overcorrect_right_ones() -> None:
     held_out = sp.read_jsonl(sp.DATA / "support_eval.jsonl")
     low_one = next(r for r in held_out if '"priority": "low"' in r["messages"][-1]["content"])
     records = [held_out[0], low_one, held_out[2], held_out[3]]
     answers = [r["messages"][-1]["content"] for r in records]
     low = json.loads(answers[1]) | {"priority": "normal"}
     predictions = [
-        answers[0],  # right: no pair
+        answers[0],  # right: its overcorrection is rejected
         json.dumps(low),  # the SFT model's usual miss, kept as it wrote it
-        " " + json.dumps(json.loads(answers[2]), indent=1) + "\n",  # right as JSON: no pair
+        " " + json.dumps(json.loads(answers[2]), indent=1) + "\n",  # right as JSON
         "not a ticket ",
     ]
     pairs = sp.on_policy_pairs(records, predictions)
-    assert [p["rejected"][0]["content"] for p in pairs] == [json.dumps(low), "not a ticket"]
-    for pair, record in zip(pairs, (records[1], records[3]), strict=True):
+    rejected = [p["rejected"][0]["content"] for p in pairs]
+    assert rejected[1:4:2] == [json.dumps(low), "not a ticket"]
+    for k in (0, 2):
+        assert rejected[k] == sp.overcorrection(answers[k]) != answers[k]
+    for pair, record in zip(pairs, records, strict=True):
         assert pair["prompt"] == record["messages"][:2]
         assert pair["chosen"] == record["messages"][2:]
         assert pair["rejected"][0]["role"] == "assistant"
-    assert sp.on_policy_pairs(records[:1], [""]) == []  # an empty answer is no pair
+
+
+def test_overcorrection_changes_one_value_the_way_unlearning_the_sft_misses_goes() -> None:
+    base = {"intent": "refund", "order_id": None, "email": None}
+    cases = [
+        ({"product": "webcam", "priority": "low"}, {"product": None, "priority": "low"}),
+        ({"product": None, "priority": "normal"}, {"product": None, "priority": "low"}),
+        ({"product": None, "priority": "high"}, {"product": None, "priority": "normal"}),
+        ({"product": None, "priority": "low"}, {"product": None, "priority": "normal"}),
+    ]
+    for given, expected in cases:
+        assert sp.overcorrection(json.dumps(base | given)) == json.dumps(base | expected)
