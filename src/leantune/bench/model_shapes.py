@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from leantune.layout import ModelPaths
+
 SHAPES: dict[str, dict[str, int]] = {
     # A test fixture's size: seconds to build and train, the same code path as the real ones.
     "tiny": {
@@ -151,7 +153,7 @@ class _ShardWriter:
     def close(self) -> None:
         self._flush()
         index = {"metadata": {}, "weight_map": self.index}
-        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        ModelPaths(self.out).weights_index.write_text(json.dumps(index, indent=1))
 
     def _flush(self) -> None:
         from safetensors.torch import save_file

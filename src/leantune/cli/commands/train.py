@@ -24,7 +24,6 @@ from leantune.methods.registry import METHODS
 from leantune.models import bnb_import
 from leantune.models.quiet import quiet_libraries
 from leantune.monitor.events import TrainingHalted
-from leantune.training import plan_report
 from leantune.training.checks import check_config, load_config
 from leantune.training.parallel.launch import exec_torchrun, rank_tag
 
@@ -94,6 +93,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    # Imported here, not at the top: it reaches peft, which imports bitsandbytes, and this
+    # module's `cmd_train` must hold bitsandbytes back before anything imports peft.
+    from leantune.training import plan_report
+
     if args.budget is not None:
         parse_memory_size(args.budget, "--budget")  # names the flag; plan() parses it again
     config, overrides = split_config_args(args.args)

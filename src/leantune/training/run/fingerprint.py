@@ -200,6 +200,9 @@ ADDED_FIELDS: dict[str, Any] = {
     # what auto does wherever the template writes them (a template that refused one made
     # that record a bad line; folding it now changes those records only).
     "data.system_message": "auto",
+    # Adapters started as LoRA's own init before method.init existed.
+    "method.init": "default",
+    "method.loftq_iter": 1,
 }
 """Fields added to the fingerprint after runs were recorded, with the value that reads such a
 record as what it ran."""
