@@ -72,6 +72,16 @@ def matmul_flops(name: str, shapes: Sequence[Sequence[int]]) -> tuple[int, tuple
     return 2 * batch * m * k * n, (m, k, n)
 
 
+def attention_flops(name: str, shapes: Sequence[Sequence[int]]) -> int:
+    """A causal SDPA kernel's useful FLOPs from q's (batch, heads, len, dim): QK^T and AV, half
+    the square each, 2*b*h*n*n*d forward; its backward, twice that (no recompute counted)."""
+    if not shapes or len(shapes[0]) != 4:
+        return 0
+    b, h, n, d = shapes[0]
+    forward = 2 * b * h * n * n * d
+    return 2 * forward if "backward" in name else forward
+
+
 def matmul_bucket(dims: tuple[int, ...], rank: int | None) -> str:
     """LoRA's when one dimension is the adapters' rank; otherwise a base weight's."""
     if rank is not None and rank in dims:
@@ -129,10 +139,12 @@ def bucket_events(events: Sequence[Any], rank: int | None) -> dict[str, Any]:
     forward_scope: dict[int, str] = {}  # sequence_nr of a forward op -> its scope's bucket
     totals = dict.fromkeys(BUCKETS, 0.0)
     flops = {"all": 0, "base matmuls": 0, "LoRA matmuls": 0, "other matmuls": 0, "loss": 0}
+    flops["attention"] = 0  # the flash kernels' own, not in "all" (no mm events)
     mm_us = 0.0
     casts = 0
     steps: list[float] = []
     scoped = 0.0
+    ops: dict[tuple[str, str, str], list[float]] = {}  # (bucket, op, shapes) -> [us, calls]
     # In start order, so that a forward op is seen before its backward node.
     for ev in sorted(events, key=lambda e: e.time_range.start):
         chain = [ev]
@@ -155,9 +167,15 @@ def bucket_events(events: Sequence[Any], rank: int | None) -> dict[str, Any]:
             mm_us += self_us
             key = "loss" if bucket == "chunked loss" else matmul_bucket(dims, rank)
             flops[key] += f
+        if ev.name.startswith("aten::_scaled_dot_product_flash_attention"):
+            flops["attention"] += attention_flops(ev.name, ev.input_shapes)
         casts += ev.name == "aten::_to_copy"
         totals[bucket] += self_us
+        op = ops.setdefault((bucket, ev.name, str(ev.input_shapes)), [0.0, 0])
+        op[0] += self_us
+        op[1] += 1
     return {
+        "ops": ops,
         "totals_us": totals,
         "scoped_self_us": scoped,
         "step_us": steps,
@@ -227,12 +245,9 @@ def profile_run(overrides: list[str], warmup: int, steps: int, rank: int | None)
         if i == warmup:
             norms.enter_context(labelled_norms(tr.model))
             prof.start()
-        if warmup <= i:
-            with record_function(STEP_SCOPE):
-                start = time.perf_counter()
-                result = original(tr)
-                walls.append(time.perf_counter() - start)
-        else:
+        # The scope marks a profiled update's events (and its wall time, as the profiler saw it).
+        scope = record_function(STEP_SCOPE) if warmup <= i else contextlib.nullcontext()
+        with scope:
             start = time.perf_counter()
             result = original(tr)
             walls.append(time.perf_counter() - start)
@@ -256,7 +271,9 @@ def profile_run(overrides: list[str], warmup: int, steps: int, rank: int | None)
     return out
 
 
-def summarise(raw: dict[str, Any], warmup: int, peak_gflops: float) -> dict[str, Any]:
+def summarise(
+    raw: dict[str, Any], warmup: int, peak_gflops: float, top: int = 15
+) -> dict[str, Any]:
     """Per-update milliseconds and shares of each bucket, FLOPs, rates; the JSON's fields."""
     steps = len(raw["step_us"])
     walls = raw["walls_s"]
@@ -270,6 +287,7 @@ def summarise(raw: dict[str, Any], warmup: int, peak_gflops: float) -> dict[str,
     step_flops_rate = mm_flops / (wall_ms / 1e3) / 1e9
     return {
         "step_ms": round(wall_ms, 2),
+        # The warm-up updates after the first (which pays for first-time allocations).
         "unprofiled_step_ms": round(1e3 * statistics.median(walls[1:warmup]), 2)
         if warmup > 1
         else None,
@@ -285,16 +303,35 @@ def summarise(raw: dict[str, Any], warmup: int, peak_gflops: float) -> dict[str,
         "step_mfu": round(step_flops_rate / peak_gflops, 3) if peak_gflops else None,
         "losses": raw["losses"],
         "tokens": raw["tokens"],
+        # The ops (by bucket, name and input shapes) that took the most time, per update.
+        "top_ops": [
+            {
+                "bucket": b,
+                "op": n,
+                "shapes": sh,
+                "ms": round(us / 1e3 / steps, 2),
+                "calls": c / steps,
+            }
+            for (b, n, sh), (us, c) in sorted(raw["ops"].items(), key=lambda kv: -kv[1][0])[:top]
+        ],
     }
 
 
 def print_table(s: dict[str, Any]) -> None:
     print(f"\n{'bucket':20} {'ms/step':>9} {'%':>6}")
+    by = s["matmul_gflop_by_bucket"]
     for k in BUCKETS:
-        print(f"{k:20} {s['buckets_ms'][k]:9.1f} {s['buckets_pct'][k]:6.1f}")
+        ms = s["buckets_ms"][k]
+        gflop = by.get({"chunked loss": "loss"}.get(k, k), 0.0)
+        rate = f"{gflop:8.1f} GFLOP {gflop / ms * 1e3:6.1f} GFLOP/s" if gflop and ms else ""
+        print(f"{k:20} {ms:9.1f} {s['buckets_pct'][k]:6.1f} {rate}")
     print(f"{'step (profiled)':20} {s['step_ms']:9.1f} {100.0:6.1f}")
     if s["unprofiled_step_ms"] is not None:
         print(f"{'step (unprofiled)':20} {s['unprofiled_step_ms']:9.1f}")
+    print(f"\n{'top ops':60} {'ms/step':>9} {'calls':>6}")
+    for op in s["top_ops"]:
+        what = f"{op['bucket']}: {op['op']} {op['shapes']}"[:60]
+        print(f"{what:60} {op['ms']:9.1f} {op['calls']:6.0f}")
     print(
         f"casts per step {s['casts_per_step']:.0f}; matmuls {s['matmul_gflop_per_step']:.1f} "
         f"GFLOP in {s['matmul_ms']:.0f} ms = {s['matmul_gflops']:.0f} GFLOP/s against a peak of "
@@ -343,6 +380,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--warmup", type=int, default=2, help="unprofiled updates first")
     ap.add_argument("--steps", type=int, default=3, help="profiled updates")
     ap.add_argument("--peak-seconds", type=float, default=1.0)
+    ap.add_argument("--top", type=int, default=15, help="ops listed, the slowest first")
     ap.add_argument("override", nargs="*", help="more section.key=value overrides")
     args = ap.parse_args(argv)
 
@@ -358,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         raw = profile_run(run_overrides(args, Path(tmp)), args.warmup, args.steps, rank)
     peaks.append(matmul_peak(peak_dtype, args.threads, seconds=args.peak_seconds))
-    s = summarise(raw, args.warmup, max(peaks))
+    s = summarise(raw, args.warmup, max(peaks), args.top)
     print_table(s)
     line = {
         "benchmark": "step_profile",
