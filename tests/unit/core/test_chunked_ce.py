@@ -107,3 +107,59 @@ def test_output_transforms_equal_autograd_through_them(
     got.backward(torch.tensor(0.37))
     torch.testing.assert_close(h.grad, ref_h, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(w.grad, ref_w, rtol=1e-5, atol=1e-6)
+
+
+def _frozen_head_under_autocast(chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A LoRA-like head: hidden states that train, a frozen fp32 weight, bf16 autocast."""
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(70, 32, generator=g, requires_grad=True)
+    w = torch.randn(300, 32, generator=g)
+    t = torch.randint(0, 300, (70,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy_sum(h, w, t, chunk=chunk)
+    loss.backward()
+    assert h.grad is not None
+    return loss, h.grad, w
+
+
+def test_a_frozen_head_under_autocast_equals_autocasting_every_chunk_bit_for_bit() -> None:
+    # What autocast computes when each chunk's products cast the fp32 weight themselves: the
+    # weight cast once for all chunks must give the same bits.
+    loss, grad_h, w = _frozen_head_under_autocast(chunk=16)
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(70, 32, generator=g)
+    t = torch.randint(0, 300, (70,), generator=_after(torch.Generator().manual_seed(2)))
+    total, rows = torch.zeros(()), []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for s in range(0, 70, 16):
+            logits = F.linear(h[s : s + 16], w).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            at = torch.arange(logits.shape[0])
+            total += (lse - logits[at, t[s : s + 16]]).sum()
+            grad = (logits - lse.unsqueeze(1)).exp()
+            grad[at, t[s : s + 16]] -= 1
+            rows.append((grad @ w).to(h.dtype))
+    assert torch.equal(loss, total)
+    assert torch.equal(grad_h, torch.cat(rows))
+
+
+def _after(g: torch.Generator) -> torch.Generator:
+    """`g` after drawing the hidden states and the weight of `_frozen_head_under_autocast`."""
+    torch.randn(70, 32, generator=g)
+    torch.randn(300, 32, generator=g)
+    return g
+
+
+def test_a_frozen_head_is_cast_once_and_gets_no_weight_sized_gradient_buffer() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        _frozen_head_under_autocast(chunk=16)
+    weight_sized = [
+        e.name
+        for e in prof.events()
+        if e.name in ("aten::_to_copy", "aten::zeros") and e.input_shapes[:1] == [[300, 32]]
+    ]
+    # Five chunks: one cast of the weight (not one per product of every chunk), and no fp32
+    # accumulator for a gradient the frozen weight does not have.
+    assert weight_sized == ["aten::_to_copy"]
