@@ -35,6 +35,7 @@ from leantune.cli import bench, inference, monitor, prepare, train
 from leantune.cli.args import Parser
 from leantune.cli.crash import report_internal_error
 from leantune.core.allocator import reexec_with_allocator
+from leantune.core.cpu_load import machine_contended
 from leantune.core.openmp import set_wait_policy
 from leantune.errors import UserError
 from leantune.models.quiet import quiet_import_noise
@@ -47,7 +48,7 @@ GROUPS = (train, prepare, inference, bench, monitor)
 ALLOCATOR_COMMANDS = frozenset({"train", "eval", "generate", "export", "bench"})
 """The commands that run a model: their own process re-executes itself with tcmalloc when it is
 installed (`leantune.core.allocator`; LEANTUNE_ALLOCATOR=system keeps glibc's), and its OpenMP
-threads wait passively (`leantune.core.openmp`; OMP_WAIT_POLICY=ACTIVE spins)."""
+threads wait passively when the machine is busy at the start (`leantune.core.openmp`)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     if args.own_process and args.command in ALLOCATOR_COMMANDS:
         # Here, before any command imports torch: libgomp reads its wait policy once, when torch
         # loads it. In os.environ, so the re-execution below (execve) carries it too.
-        set_wait_policy(os.environ)
+        set_wait_policy(os.environ, machine_contended)
         reexec_with_allocator()  # tcmalloc preloaded: returns only if already so, or not
     # The checks that need no model run before the command's module imports torch, so a wrong
     # flag fails in a fraction of a second.

@@ -83,3 +83,17 @@ def measure_others(window_s: float, stat: Path = STAT) -> float | None:
     time.sleep(window_s)
     after = sample(stat)
     return None if after is None else others_busy(before, after)
+
+
+CONTENDED_CPUS = 0.5
+"""Other processes' CPU use from which a start counts as contended (half a CPU or more)."""
+
+
+def machine_contended(window_s: float = 0.25) -> bool:
+    """Whether other processes use `CONTENDED_CPUS` or more of this process's CPUs now
+    (measured over `window_s`; a single CPU, OMP_NUM_THREADS=1 or no /proc/stat: not)."""
+    # One CPU, or one thread asked for: no thread waits for another at a barrier.
+    if len(os.sched_getaffinity(0)) < 2 or os.environ.get("OMP_NUM_THREADS") == "1":
+        return False
+    others = measure_others(window_s)
+    return others is not None and others >= CONTENDED_CPUS

@@ -77,6 +77,9 @@ def test_the_baseline_trains_on_the_targets_leantune_trains_on(
         assert torch.allclose(hf_loss, want, atol=1e-5), (hf_loss, want)
 
 
+# Slow: three training children (the baseline, leantune's defaults, the same updates), ~28 s on
+# an idle 2-core machine, over the default suite's budget; run with `pytest -m slow`.
+@pytest.mark.slow
 def test_both_systems_train_the_same_examples(
     tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,5 +1,6 @@
-"""The OpenMP wait policy: passive unless the user chose one, set before torch loads and carried
-by the re-execution that preloads tcmalloc, never given to a benchmark's baseline."""
+"""The OpenMP wait policy: passive when the start finds the machine busy, libgomp's own when idle,
+unless the user chose one; set before torch loads, carried by the re-execution that preloads
+tcmalloc, never given to a benchmark's baseline."""
 
 from __future__ import annotations
 
@@ -22,15 +23,25 @@ from leantune.core.openmp import (
 )
 
 
-def test_passive_unless_the_user_chose() -> None:
+def test_passive_when_the_start_finds_the_machine_busy_unless_the_user_chose() -> None:
     env: dict[str, str] = {}
-    assert set_wait_policy(env) and env == {POLICY: "PASSIVE", MARK: "PASSIVE"}
+    assert set_wait_policy(env, lambda: True) and env == {POLICY: "PASSIVE", MARK: "PASSIVE"}
     assert wait_policy_note(env).startswith("waits passive (set by leantune")
-    assert set_wait_policy(env) and env[POLICY] == "PASSIVE"  # the re-executed process
+    # The re-executed process keeps the decision without measuring again.
+    assert set_wait_policy(env, _not_measured) and env[POLICY] == "PASSIVE"
+    # Idle: libgomp's spinning, measured faster there; marked, so the child does not re-measure.
+    env = {}
+    assert not set_wait_policy(env, lambda: False) and env == {MARK: "SPIN"}
+    assert wait_policy_note(env).startswith("waits spinning (libgomp's default: the machine was")
+    assert not set_wait_policy(env, _not_measured) and POLICY not in env
     for name, value in ((POLICY, "ACTIVE"), (SPINCOUNT, "10000")):
         env = {name: value}
-        assert not set_wait_policy(env) and env == {name: value}
+        assert not set_wait_policy(env, _not_measured) and env == {name: value}
         assert wait_policy_note(env) == f"waits as you set ({name}={value})"
+
+
+def _not_measured() -> bool:
+    raise AssertionError("the load is measured once, where nothing decided the policy yet")
 
 
 def test_the_baseline_runs_with_the_policy_its_user_has() -> None:
@@ -57,6 +68,7 @@ def test_the_reexecuted_command_carries_the_wait_policy(monkeypatch) -> None:
         raise _Executed
 
     monkeypatch.setattr(allocator.os, "execve", execve)
+    monkeypatch.setattr(app, "machine_contended", lambda: True)
     args = argparse.Namespace(own_process=True, command="train", check=None, run="x:y")
     with pytest.raises(_Executed):
         app.run(args)

@@ -216,6 +216,7 @@ def compare(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
     missing from an older record, as its `ADDED_FIELDS` value; an `ADDED_DIGESTS` field missing
     from it is not compared)."""
     old = {**{k: v for k, v in ADDED_FIELDS.items() if k not in old}, **old}
+    new = {**{k: v for k, v in ADDED_FIELDS.items() if k not in new}, **new}  # a partial one
     # An added digest missing from the old record is unknown, not null: comparing it would
     # refuse every resume of a run recorded before the digest existed.
     keys = sorted((set(old) | set(new)) - (ADDED_DIGESTS - set(old)))
