@@ -78,6 +78,7 @@ def test_two_processes_update_as_one_with_twice_the_micro_batch(
     _assert_loads_in_plain_transformers(run_dir / "final", tiny_llama_dir, method)
 
 
+@pytest.mark.slow  # 23 s: FSDP2's ignored-params path; the 2-process fsdp2 LoRA test stays
 def test_qlora_on_two_fsdp2_processes_updates_as_one_keeping_the_4bit_base_whole(
     tiny_llama_dir: Path, dist_train_file: Path, tmp_path: Path
 ) -> None:
@@ -206,6 +207,9 @@ def test_a_run_continues_at_another_world_size(
     _assert_same_run(dist_reference["lora"], run_dir)
 
 
+# 37 s, four launches; a sharded checkpoint resumed under fsdp2 stays in the default suite
+# (test_a_killed_rank_is_restarted_...), the whole<->sharded conversion is in slow.
+@pytest.mark.slow
 def test_checkpoints_continue_across_single_process_and_fsdp2(
     tiny_llama_dir: Path, dist_train_file: Path, dist_reference: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -257,6 +261,9 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_the_run_resumes(
     _assert_same_run(dist_reference["lora"], run_dir)
 
 
+# 19 s; a damaged file in a whole checkpoint is refused in the default suite
+# (tests/unit/training/test_checkpoint_integrity.py); the shard's refusal by every rank in slow.
+@pytest.mark.slow
 def test_a_damaged_shard_is_refused(
     tiny_llama_dir: Path, dist_train_file: Path, tmp_path: Path
 ) -> None:
