@@ -68,6 +68,14 @@ def dimensions(shape: str) -> dict[str, int]:
     }
 
 
+def config_kwargs(shape: str, vocab_size: int | None = None) -> dict[str, Any]:
+    """`shape`'s `Qwen2Config` keywords: its dimensions, its vocabulary (or `vocab_size`) and its
+    tying as the bool a config takes."""
+    vocab = SHAPES[shape]["vocab_size"] if vocab_size is None else vocab_size
+    tied = bool(SHAPES[shape]["tie_word_embeddings"])
+    return {**dimensions(shape), "vocab_size": vocab, "tie_word_embeddings": tied}
+
+
 def shape_vocab(shape: str, tokenizer_size: int, real_vocab: bool = True) -> int:
     """The vocabulary the built model has: the shape's published one (its embedding and output
     rows beyond the tokenizer's are never looked up, as Qwen2.5's 151,936 rows hold a 151,665
@@ -86,12 +94,9 @@ def build_model(shape: str, out: Path, tokenizer_dir: Path, real_vocab: bool = T
         return out
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    dims: dict[str, Any] = dimensions(shape)  # Any: the config's keywords are typed apart
     config = Qwen2Config(
-        **dims,
-        vocab_size=shape_vocab(shape, len(tokenizer), real_vocab),
+        **config_kwargs(shape, shape_vocab(shape, len(tokenizer), real_vocab)),
         max_position_embeddings=32768,
-        tie_word_embeddings=bool(SHAPES[shape]["tie_word_embeddings"]),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -13,6 +13,7 @@ from support import plan_config_file, tiny_llama_config
 from transformers import LlamaForCausalLM, Qwen2Config
 
 import leantune.memory.budget as memory_budget
+from leantune.bench.model_shapes import config_kwargs
 from leantune.cli.app import main
 from leantune.config import MethodConfig
 from leantune.core.allocator import train_allocator
@@ -175,21 +176,10 @@ def test_a_fixed_micro_batch_that_cannot_fit_is_refused_before_loading(
     assert not plan_for_run(plan_inputs(cfg), "cpu", labels)[1].note.startswith("warning:")
 
 
-QWEN25_7B = {
-    "hidden_size": 3584,
-    "intermediate_size": 18944,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 28,
-    "num_key_value_heads": 4,
-    "vocab_size": 152064,
-    "tie_word_embeddings": False,
-}
-
-
 def test_lora_on_a_7b_is_offered_bf16_weights_before_qlora() -> None:
     """LoRA with fp32 weights on a 7B does not fit 28 GiB, but with model.dtype=bf16 and
     checkpointing it does: that comes before jumping to QLoRA (config shapes only, no weights)."""
-    config = Qwen2Config(**QWEN25_7B)
+    config = Qwen2Config(**config_kwargs("7b"))  # Qwen2.5-7B's published shape
     lora = MethodConfig(name="lora")
     fp32 = model_facts_for(config, "fp32", "sdpa", lora)
     bf16 = model_facts_for(config, "bf16", "sdpa", lora)
