@@ -275,8 +275,11 @@ def autocast_weight_casts(facts: ModelFacts, st: StepSettings, flowing_blocks: i
     if st.precision == "fp32" or st.weight_quant is not None or st.gradient_checkpointing:
         return 0
     s = facts.shape
+    # Frozen weights stored in the autocast dtype (`methods.frozen`) are kept as they are.
+    cast_linear = facts.linear_params - facts.frozen_linear_params
+    head = 0 if facts.frozen_head_params else s.vocab * s.hidden
     # 2 bytes per weight (bf16/fp16): the blocks' linears pro rata, and the output head.
-    return 2 * (facts.linear_params * flowing_blocks // s.layers + s.vocab * s.hidden)
+    return 2 * (cast_linear * flowing_blocks // s.layers + head)
 
 
 def recompute_bytes(facts: ModelFacts, st: StepSettings) -> int:
@@ -310,7 +313,15 @@ def loss_bytes(facts: ModelFacts, st: StepSettings) -> int:
 
 
 def weight_bytes(facts: ModelFacts, st: StepSettings, weight_itemsize: int) -> int:
-    """Weights at their dtype; with 4-bit quantisation the blocks' linears shrink."""
+    """Weights at their dtype while training: under autocast the frozen linears are stored in
+    its 2-byte dtype (`methods.frozen`); with 4-bit quantisation the blocks' linears shrink."""
+    low = 0 if st.precision == "fp32" else max(weight_itemsize - 2, 0)
+    stored = (0 if st.weight_quant else facts.frozen_linear_params) + facts.frozen_head_params
+    return loaded_weight_bytes(facts, st, weight_itemsize) - low * stored
+
+
+def loaded_weight_bytes(facts: ModelFacts, st: StepSettings, weight_itemsize: int) -> int:
+    """Weights as loaded (model.dtype; 4-bit blocks' linears with quantisation)."""
     if st.weight_quant is None:
         return facts.weight_bytes
     if st.weight_quant not in QUANT_BYTES:
@@ -378,6 +389,7 @@ def no_grad_forward_bytes(facts: ModelFacts, st: StepSettings, rows: int) -> int
 def estimate(facts: ModelFacts, st: StepSettings, weight_itemsize: int = 4) -> Breakdown:
     """Predict the peak memory of a training step with settings `st`, and of loading."""
     weights = weight_bytes(facts, st, weight_itemsize)
+    loaded = loaded_weight_bytes(facts, st, weight_itemsize)  # before the frozen ones are cast
     overhead = RUNTIME_OVERHEAD.get(st.device, RUNTIME_OVERHEAD["cpu"])
     precomputed = st.reference == "precomputed"
     rows = st.reference_rows
@@ -390,7 +402,7 @@ def estimate(facts: ModelFacts, st: StepSettings, weight_itemsize: int = 4) -> B
         loss=loss_bytes(facts, st),
         recompute=recompute_bytes(facts, st),
         step_temporaries=step_temporaries(facts, st.device),
-        load=load_bytes(facts, st, weight_itemsize, weights),
+        load=load_bytes(facts, st, weight_itemsize, loaded),
         reference=no_grad_forward_bytes(facts, st, st.micro_batch)
         if st.reference in ("forward", "live")
         else 0,

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from leantune.methods.freeze import decoder_layers
+from leantune.methods.frozen import frozen_linears
 
 # Linear layers of a Llama/Qwen2/Mistral-style block, grouped by where their input comes from.
 ATTN_INPUT = ("q_proj", "k_proj", "v_proj")
@@ -74,6 +75,12 @@ class ModelFacts:
     layers: list[LayerTraining] = field(default_factory=list)
     largest_tensor: int = 0
     """Elements of the largest parameter (loading converts one tensor at a time)."""
+    frozen_linear_params: int = 0
+    """Elements of the blocks' linear weights that a bf16/fp16 run stores in that dtype
+    (`methods.frozen`: frozen, unshared fp32 weights), as `linear_params` counts them."""
+    frozen_head_params: int = 0
+    """Elements of the output head when a bf16/fp16 run stores it in that dtype (0: trained or
+    tied to the embedding)."""
 
 
 def model_shape(config: object) -> ModelShape:
@@ -191,6 +198,13 @@ def model_facts(model: nn.Module, config: object) -> ModelFacts:
     )
     emb = cast(nn.Module, model.get_input_embeddings())  # type: ignore[operator]
     head = model.get_output_embeddings()  # type: ignore[operator]
+    low = {id(m) for m in frozen_linears(model)}
+    frozen_linear = sum(
+        m.weight.numel()
+        for layer in layers
+        for n, m in layer.named_modules()
+        if id(m) in low and _linear_kind(n) in LINEAR_KINDS
+    )
     return ModelFacts(
         shape=model_shape(config),
         weight_bytes=sum(t.numel() * t.element_size() for t in tensors),
@@ -203,4 +217,6 @@ def model_facts(model: nn.Module, config: object) -> ModelFacts:
         head_trains=isinstance(head, nn.Module) and any(p.requires_grad for p in head.parameters()),
         layers=[_layer_training(layer) for layer in layers],
         largest_tensor=max((p.numel() for p in params.values()), default=0),
+        frozen_linear_params=frozen_linear,
+        frozen_head_params=int(head.weight.numel()) if id(head) in low else 0,
     )

@@ -18,6 +18,7 @@ from leantune.memory.budget import parse_size
 from leantune.memory.estimate import GIB, StepSettings, estimate
 from leantune.memory.inputs import PlanBasis, max_supervised_per_row, model_facts_for, plan_basis
 from leantune.memory.planner import recommend, resolve_micro_batch
+from leantune.methods.frozen import store_frozen_linears
 from leantune.methods.registry import apply_method, count_parameters
 from leantune.models.loss import token_loss_sum
 from leantune.training.checks import load_config
@@ -108,7 +109,8 @@ def test_activations_match_what_autograd_saves(
     """Per-block prediction vs the real model's saved tensors: the difference between a 4-block
     and a 2-block model isolates two blocks, whatever is outside them. bf16 (autocast, what
     train.precision=auto picks on CPUs with AMX and on GPUs) keeps each linear's own bf16 copy
-    of its input and of its weight: the planner missed both (-18% for full and lora)."""
+    of its input and of its weight (a frozen weight is stored in bf16 instead): the planner
+    missed both (-18% for full and lora)."""
     seq, mb = 128, 2
     pos = torch.cat([torch.arange(64), torch.arange(64)]).repeat(mb, 1)  # packed: 2 per row
     ids = torch.randint(3, 384, (mb, seq), generator=torch.Generator().manual_seed(0))
@@ -120,6 +122,8 @@ def test_activations_match_what_autograd_saves(
         torch.manual_seed(0)
         model = apply_method(AutoModelForCausalLM.from_config(config), MethodConfig(method))  # type: ignore[arg-type]
         model.train()
+        if precision == "bf16":  # as training stores them (`training.build.wrap_method`)
+            store_frozen_linears(model, torch.bfloat16)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             saved.append(_saved_activation_bytes(model, batch))
         facts = model_facts_for(config, "fp32", "sdpa", MethodConfig(name=method))  # type: ignore[arg-type]
@@ -217,7 +221,11 @@ def test_cli_plan_json_and_text(tmp_path: Path, tiny_llama_dir: Path, capsys) ->
     result = json.loads(capsys.readouterr().out)
     facts = model_facts_for(tiny_llama_config(), "fp32", "sdpa", MethodConfig(name="lora"))
     b = result["configured"]["breakdown"]
-    assert b["weights"] == facts.weight_bytes
+    # Under autocast (auto: bf16 where this CPU runs it fastest) the frozen linears are stored
+    # in bf16: the tied head stays fp32 with the embedding, the blocks' weights halve.
+    low = result["configured"]["precision"] != "fp32"
+    assert b["weights"] == facts.weight_bytes - (2 * facts.frozen_linear_params if low else 0)
+    assert facts.frozen_linear_params == facts.linear_params > 0 and facts.frozen_head_params == 0
     assert result["fits"] is True and result["budget"] == 64 * GIB
     rec = result["recommended"]
     assert (rec["micro_batch"], rec["grad_accum"], rec["gradient_checkpointing"]) == (4, 2, False)

@@ -57,6 +57,8 @@ _sum_hook.__annotations__ = {
 class DDPStrategy(c.OverWorld):
     """DistributedDataParallel over the world's mesh."""
 
+    shards_parameters = False
+
     def __init__(self, world: World) -> None:
         self.world = world
 

@@ -75,6 +75,8 @@ def odd_dtype_leaves(block: nn.Module) -> list[nn.Module]:
 class FSDP2Strategy(c.OverWorld):
     """`fully_shard` over the world's mesh."""
 
+    shards_parameters = True
+
     def __init__(
         self,
         world: World,

@@ -30,6 +30,10 @@ from leantune.training.state.checkpoint import (
 class ParallelStrategy(Protocol):
     """What the loop needs from a way of running it."""
 
+    shards_parameters: bool
+    """Each process holds shards of the parameters (FSDP2, ZeRO-3): flattened per unit into
+    buffers of one dtype, so the frozen weights keep the model's dtype."""
+
     @property
     def is_main_process(self) -> bool:
         """Whether this process writes the run's files (metrics, checkpoints, final/)."""
@@ -100,6 +104,8 @@ class ParallelStrategy(Protocol):
 
 class SingleProcess:
     """One process holds the whole model and the whole window."""
+
+    shards_parameters = False
 
     @property
     def is_main_process(self) -> bool:

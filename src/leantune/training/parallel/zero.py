@@ -159,6 +159,8 @@ def discard_gradients(zero: Any) -> None:
 class ZeroStrategy(c.OverWorld):
     """DeepSpeed ZeRO-1/2/3 over the world's process group."""
 
+    shards_parameters = True  # its engine flattens parameters by group; one rule for every stage
+
     def __init__(self, world: World, *, zero_stage: int, max_grad_norm: float) -> None:
         self.world = world
         self.zero_stage = zero_stage
