@@ -9,7 +9,8 @@ torch.profiler (CPU, record_shapes). Each profiled update's events are bucketed 
 - base matmuls: mm/addmm/bmm whose shape is a frozen (or, full, trained) weight's;
 - LoRA matmuls: mm/addmm/bmm with a rank-r dimension (the adapters' skinny products);
 - other matmuls: any other mm/addmm/bmm outside the buckets below;
-- attention: the scaled-dot-product kernels and their backward;
+- attention: the scaled-dot-product kernels (torch's and `models.short_attention`'s) and their
+  backward;
 - chunked loss: `core.chunked_ce` (its lm_head matmuls included; their FLOPs are counted);
 - casts: dtype conversions (aten::_to_copy, under autocast mostly fp32 <-> bf16), counted;
 - norms/rotary: RMSNorm modules and transformers' `apply_rotary_pos_emb`, forward and backward;
@@ -139,7 +140,8 @@ def bucket_events(events: Sequence[Any], rank: int | None) -> dict[str, Any]:
     forward_scope: dict[int, str] = {}  # sequence_nr of a forward op -> its scope's bucket
     totals = dict.fromkeys(BUCKETS, 0.0)
     flops = {"all": 0, "base matmuls": 0, "LoRA matmuls": 0, "other matmuls": 0, "loss": 0}
-    flops["attention"] = 0  # the flash kernels' own, not in "all" (no mm events)
+    # The flash kernels' own (not in "all": no mm events) and the short kernel's bmm (in "all").
+    flops["attention"] = 0
     mm_us = 0.0
     casts = 0
     steps: list[float] = []
@@ -165,7 +167,8 @@ def bucket_events(events: Sequence[Any], rank: int | None) -> dict[str, Any]:
             f, dims = matmul_flops(ev.name, ev.input_shapes)
             flops["all"] += f
             mm_us += self_us
-            key = "loss" if bucket == "chunked loss" else matmul_bucket(dims, rank)
+            key = {"chunked loss": "loss", "attention": "attention"}.get(bucket)
+            key = key or matmul_bucket(dims, rank)
             flops[key] += f
         if ev.name.startswith("aten::_scaled_dot_product_flash_attention"):
             flops["attention"] += attention_flops(ev.name, ev.input_shapes)
@@ -188,7 +191,8 @@ def bucket_events(events: Sequence[Any], rank: int | None) -> dict[str, Any]:
 @contextlib.contextmanager
 def labelled_norms(model: Any) -> Iterator[None]:
     """Every RMSNorm module's forward and transformers' `apply_rotary_pos_emb` inside
-    `NORM_SCOPE`, so that their ops (and, by sequence number, their backward) are found."""
+    `NORM_SCOPE`, so that their ops (and, by sequence number, their backward) are found; the
+    short-segment attention kernel's forward inside an attention scope."""
     from torch.autograd.profiler import record_function
 
     handles = []
@@ -205,6 +209,18 @@ def labelled_norms(model: Any) -> Iterator[None]:
 
             handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     patched = []
+    # The short-segment attention kernel (`models.short_attention`): its forward as attention;
+    # its backward node's name (`_ShortScaledDotProductBackward`) says so already.
+    from leantune.models import attention
+
+    short = attention.short_causal
+
+    def labelled_short(*a: Any, _fn: Callable[..., Any] = short) -> Any:
+        with record_function("short_scaled_dot_product"):
+            return _fn(*a)
+
+    attention.short_causal = labelled_short
+    patched.append((attention, "short_causal", short))
     for mod in list(sys.modules.values()):
         name = getattr(mod, "__name__", "")
         fn = getattr(mod, "apply_rotary_pos_emb", None)
@@ -214,15 +230,15 @@ def labelled_norms(model: Any) -> Iterator[None]:
                 with record_function(NORM_SCOPE):
                     return _fn(*a, **k)
 
-            patched.append((mod, fn))
+            patched.append((mod, "apply_rotary_pos_emb", fn))
             mod.apply_rotary_pos_emb = labelled
     try:
         yield
     finally:
         for h in handles:
             h.remove()
-        for mod, fn in patched:
-            mod.apply_rotary_pos_emb = fn
+        for mod, name, fn in patched:
+            setattr(mod, name, fn)
 
 
 def profile_run(overrides: list[str], warmup: int, steps: int, rank: int | None) -> dict[str, Any]:

@@ -45,8 +45,20 @@ def _quiet_torchao_import() -> Iterator[None]:
             lg.setLevel(level)
 
 
+_FUSED_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def _torch_adamw(groups: ParamGroups, lr: float, betas: tuple[float, float], eps: float) -> Any:
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+    params = [p for g in groups for p in g["params"]]
+    # On CPU torch's default is its per-tensor loop (foreach is CUDA's default, and slower than
+    # the loop on CPU); its fused CPU kernel updates each tensor in one pass: 4x faster on the
+    # demo's full step, equal to the loop to fp32 rounding (not bit-identical). Plain CPU
+    # tensors only: sharded (DTensor) parameters keep the loop.
+    fused = bool(params) and all(
+        type(p) is nn.Parameter and p.device.type == "cpu" and p.dtype in _FUSED_CPU_DTYPES
+        for p in params
+    )
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
 
 
 def _bnb(cls_name: str) -> Callable[..., Any]:

@@ -12,7 +12,10 @@ caller can forget to pass them. The matching mask function builds no mask for th
 Anything else (a padding mask, a KV cache with a prefix, one-token decoding) goes to
 transformers' own sdpa mask and attention unchanged, so prefix methods and generation compute
 exactly what sdpa computes. FlexAttention has no backward on CPU (torch 2.13) and torch's varlen
-attention is CUDA-only, so one SDPA call per example is what runs on both.
+attention is CUDA-only, so one SDPA call per example is what runs on both; on CPU under bf16
+autocast, examples of up to `SHORT_SEGMENT` tokens run as whole-segment matmuls instead
+(`models.short_attention`: the flash kernel's bf16 backward is slow for them), and q, k and v
+are cast to bf16 once per layer rather than at every example's call.
 
 Segments compute only what sdpa computes. `resolve_attention` decides from the model's config
 and class, before any weights load, whether they can: a model that soft-caps its attention
@@ -44,6 +47,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from leantune.errors import UserError
+from leantune.models.short_attention import SHORT_SEGMENT, short_causal
 
 
 class UnsupportedAttention(ValueError, UserError):
@@ -343,6 +347,7 @@ def segment_attention_forward(
     # One SDPA call per example: FlexAttention has no backward on CPU (torch 2.13) and torch's
     # varlen attention is CUDA-only, so this is what runs on both.
     lengths = segment_lengths(position_ids, query.shape[0], q_len)
+    query, key, value = _autocast_once(query, key, value)
     groups = int(getattr(module, "num_key_value_groups", 1))
     window = kwargs.get("sliding_window")
     attend = _segment_kernel(groups, dropout, scaling, window)
@@ -350,6 +355,19 @@ def segment_attention_forward(
     rows = [_row_attention(q, k, v, row, attend) for q, k, v, row in per_row]
     out = torch.stack(rows, dim=0) if len(rows) > 1 else rows[0].unsqueeze(0)
     return out.contiguous(), None  # a no-op unless the batch is one row of one example
+
+
+def _autocast_once(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under CPU autocast, q, k and v in its dtype, as autocast would cast them at every
+    segment's SDPA call: cast once per layer instead (rotary leaves q and k in fp32; the same
+    values, and backward's casts of the gradients become one per tensor too)."""
+    if tensors[0].device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
+        return tensors
+    dtype = torch.get_autocast_dtype("cpu")
+    # The tensors autocast casts: floating point, not fp64.
+    return tuple(
+        t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors
+    )
 
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -368,6 +386,13 @@ def _row_attention(
     return torch.cat([attend(qs, ks, vs).transpose(0, 1) for qs, ks, vs in parts], dim=0)
 
 
+def _short(q: torch.Tensor, n: int, dropout: float) -> bool:
+    """Whether a segment runs as whole-segment matmuls (`models.short_attention`): short, bf16,
+    on CPU (where the flash kernel's bf16 backward is slow for it), without dropout."""
+    cpu_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
+    return cpu_bf16 and n <= SHORT_SEGMENT and not dropout
+
+
 def _segment_kernel(
     groups: int, dropout: float, scaling: float | None, window: int | None
 ) -> Kernel:
@@ -375,10 +400,12 @@ def _segment_kernel(
     sliding window (a segment no longer than the window is plain causal)."""
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n = q.shape[1]
+        if _short(q, n, dropout) and (window is None or n <= window):
+            return short_causal(q, k, v, q.shape[-1] ** -0.5 if scaling is None else scaling)
         # (1, heads, len, dim): the CPU flash kernel takes 4-D inputs only (3-D ones fall
         # back to the math kernel, which materialises the attention weights).
         q, k, v = q[None], k[None], v[None]
-        n = q.shape[2]
         if window is None or n <= window:
             # Grouped KV heads go to the kernel as they are (enable_gqa), as sdpa does
             # without a mask: no repeated copy of K and V.

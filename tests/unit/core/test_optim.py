@@ -300,3 +300,38 @@ def test_recipe_runs_a_torchao_optimizer(tiny_llama_dir: Path, tmp_path: Path) -
     assert all(type(m["lr"]) is float for m in metrics)
     # Cosine over 2 steps without warmup: 1.0, then 0.1 + 0.9 * 0.5; float32 tensors underneath.
     assert [m["lr"] for m in metrics] == [pytest.approx(1e-3), pytest.approx(5.5e-4)]
+
+
+def test_cpu_adamw_is_fused_and_follows_the_loop() -> None:
+    """adamw on CPU runs torch's fused kernel; on a tiny Llama's own forward and backward, 5
+    updates of it stay within fp32 rounding of the per-tensor loop (torch's CPU default)."""
+    from support import tiny_llama_config
+    from transformers import LlamaForCausalLM
+
+    def run(fused: bool) -> tuple[list[float], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(tiny_llama_config()).train()
+        params = dict(model.named_parameters())
+        if fused:
+            opt = build_optimizer(params, lr=1e-3, weight_decay=0.01)
+            assert opt.param_groups[0]["fused"] is True
+        else:
+            groups = [{"params": [p for p in params.values() if p.ndim > 1], "weight_decay": 0.01}]
+            groups.append({"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0})
+            opt = torch.optim.AdamW(groups, lr=1e-3, foreach=False)
+        ids = torch.randint(3, 384, (2, 24), generator=torch.Generator().manual_seed(1))
+        losses = []
+        for _ in range(5):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss))
+        return losses, [p.detach().clone() for p in params.values()]
+
+    fused_losses, fused_params = run(True)
+    loop_losses, loop_params = run(False)
+    assert fused_losses == pytest.approx(loop_losses, rel=1e-5)
+    assert fused_losses[-1] < fused_losses[0]  # it trains
+    for a, b in zip(fused_params, loop_params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
