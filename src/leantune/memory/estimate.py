@@ -42,6 +42,7 @@ from typing import Literal
 
 from leantune.core.chunked_ce import CHUNK
 from leantune.memory.facts import ATTN_INPUT, MLP_INPUT, LayerTraining, ModelFacts, ModelShape
+from leantune.models.short_attention import SHORT_SEGMENT
 
 GIB = 1024**3
 
@@ -361,6 +362,16 @@ def load_bytes(facts: ModelFacts, st: StepSettings, weight_itemsize: int, weight
     return overhead + weights + st.checkpoint_bytes
 
 
+def short_attention_scores(s: ModelShape, st: StepSettings, longest: int) -> int:
+    """The forward transient of a short bf16 segment on CPU (`models.short_attention`): its
+    scores in fp32 and the probabilities in bf16, one segment at a time, of at most `longest`
+    (and `SHORT_SEGMENT`) tokens."""
+    if st.attn_implementation != "segments" or st.precision != "bf16" or st.device != "cpu":
+        return 0
+    n = min(longest, SHORT_SEGMENT)
+    return s.heads * n * n * (4 + 2)
+
+
 def no_grad_forward_bytes(facts: ModelFacts, st: StepSettings, rows: int) -> int:
     """Peak transient of one forward without grad over `rows` rows (the reference's log-probs,
     `models.loss.reference_token_logps`): the larger of a block's and the output projection's.
@@ -375,15 +386,25 @@ def no_grad_forward_bytes(facts: ModelFacts, st: StepSettings, rows: int) -> int
     s = facts.shape
     act = 4 if st.precision == "fp32" else 2
     tokens = rows * st.seq_len
-    per_token = 4 * s.hidden * 4 + 3 * s.intermediate * act + 2 * s.head_dim * 4  # + RoPE
+    per_token = 4 * s.hidden * 4 + 2 * s.head_dim * 4  # + RoPE
     per_token += 0 if st.precision == "fp32" else s.hidden * act  # the input cast for a linear
+    mlp = tokens * 3 * s.intermediate * act
     # sdpa's boolean mask and the float copy it makes of it; segments build none.
     mask = 0 if st.attn_implementation == "segments" else rows * st.seq_len**2 * (1 + act)
+    # The short segments' scores live during attention, the MLP's tensors after it. Only a
+    # preference objective's reference runs this forward: its rows hold two sequences of up to
+    # half the row each (`memory.inputs` doubles the row for paired data).
+    # Under autocast, attention holds q, k and v cast once per layer (`models.attention`) and
+    # the kernel's output and inputs beside them (counted on a tiny Llama: 2q + 4kv elements
+    # per token at the peak of a short segment's scores).
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    attn = tokens * (q + 2 * kv) * 4 if st.precision == "fp32" else tokens * (2 * q + 4 * kv) * act
+    phase = max(mlp, attn + short_attention_scores(s, st, st.seq_len // 2))
     per_row = st.supervised_per_row if st.supervised_per_row is not None else st.seq_len
     n = rows * min(per_row, st.seq_len)
     chunk = min(n, CHUNK)  # the output projection runs this many positions at a time
     head = chunk * s.vocab * (8 if st.precision == "fp32" else 10) + n * s.hidden * 4
-    return int(max(tokens * per_token + mask, head))
+    return int(max(tokens * per_token + phase + mask, head))
 
 
 def estimate(facts: ModelFacts, st: StepSettings, weight_itemsize: int = 4) -> Breakdown:
