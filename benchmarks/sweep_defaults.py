@@ -30,6 +30,11 @@ def best_rate(losses: dict[float, float], tie: float) -> float:
     return max(lr for lr, loss in losses.items() if loss <= lowest * (1 + tie))
 
 
+def default_rate(a: dict[float, float], b: dict[float, float], tie: float) -> float:
+    """The rule: the lower of the two tasks' best rates."""
+    return min(best_rate(a, tie), best_rate(b, tie))
+
+
 def _cell(losses: dict[float, float], best: float) -> str:
     return ", ".join(
         f"**{lr:g}: {loss:.3f}**" if lr == best else f"{lr:g}: {loss:.3f}"
@@ -55,7 +60,7 @@ def main() -> int:
     for method in [m for m in by_task[0] if m in by_task[1]]:
         a, b = by_task[0][method], by_task[1][method]
         best_a, best_b = best_rate(a, args.tie), best_rate(b, args.tie)
-        chosen[method] = min(best_a, best_b)
+        chosen[method] = default_rate(a, b, args.tie)
         lines.append(
             f"| {method} | {_cell(a, best_a)} | {_cell(b, best_b)} | {chosen[method]:g} "
             f"| {DEFAULT_LR[method]:g} |"

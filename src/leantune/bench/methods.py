@@ -209,8 +209,11 @@ def run_methods(
         refused = refusals(config, methods, lrs, out_dir, overrides, reuse)
     results: list[MethodResult] = []
     base_exact_match: float | None = None
-    # The base model is the same for every method: the first run that starts also evaluates it.
+    # The base model is the same for every method: the first run that starts also evaluates it,
+    # unless the caller already has that number (train.eval_base=false among the overrides).
     first = next((m for m in methods if m not in refused), None)
+    if "train.eval_base=false" in overrides:
+        first = None
     for i, method in enumerate(methods):
         run_dir = out_dir / method
         if method in refused:

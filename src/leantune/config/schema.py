@@ -158,11 +158,12 @@ class MethodConfig:
     """LoRA scaling numerator (preset value when unset)."""
     dropout: float | None = field(default=None, metadata=SETTING)
     """LoRA dropout (preset value when unset)."""
-    init: Literal["default", "loftq", "pissa", "olora"] = field(
-        default="default",
+    init: Literal["auto", "default", "loftq", "pissa", "olora"] = field(
+        default="auto",
         metadata=refused("the checkpoint's adapters start from another initialisation's base"),
     )
-    """How the LoRA adapters start. default: B = 0 (the model starts as its base); loftq
+    """How the LoRA adapters start. auto: each method's own (loftq for qlora, measured better on
+    two tasks; default for lora and dora). default: B = 0 (the model starts as its base); loftq
     (qlora): A and B fit the 4-bit base's error W - NF4(W) (LoftQ), so the model starts closer
     to the full-precision base. pissa and olora are refused: they do not fit a 4-bit base (use
     loftq) and are not supported yet with lora/dora (the methods guide says why)."""

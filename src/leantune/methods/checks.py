@@ -44,7 +44,7 @@ def check_method(cfg: Config) -> list[str]:
             f"train.kl_coef needs an adapter method ({adapters}), not method.name={m.name}: "
             "the base is the same model with its adapters disabled"
         )
-    if not spec.lora_settings and (m.init != "default" or m.loftq_iter != 1):
+    if not spec.lora_settings and (m.init not in ("auto", "default") or m.loftq_iter != 1):
         lora = ", ".join(name for name, s in METHODS.items() if s.lora_settings)
         raise ConfigError(
             f"method.init and method.loftq_iter set how LoRA adapters start ({lora}); "

@@ -42,7 +42,12 @@ def _lora_settings(cfg: MethodConfig) -> LoraSettings:
         s = replace(s, dropout=cfg.dropout)
     if cfg.target_modules is not None:
         s = replace(s, target_modules=tuple(cfg.target_modules))
-    return replace(s, init=cfg.init)
+    return replace(s, init=resolved_init(cfg))
+
+
+def resolved_init(cfg: MethodConfig) -> str:
+    """method.init as the run uses it: auto is the method's `default_init`."""
+    return METHODS[cfg.name].default_init if cfg.init == "auto" else cfg.init
 
 
 def _full(model: nn.Module, cfg: MethodConfig) -> nn.Module:
@@ -205,7 +210,8 @@ def _init_check(cfg: MethodConfig) -> str | None:
     """method.init and method.loftq_iter against the method: what works on its base."""
     if cfg.loftq_iter < 1:
         return f"method.loftq_iter: must be >= 1, got {cfg.loftq_iter}"
-    if cfg.loftq_iter != 1 and cfg.init != "loftq":
+    init = resolved_init(cfg)
+    if cfg.loftq_iter != 1 and init != "loftq":
         return (
             f"method.loftq_iter={cfg.loftq_iter} is used only with method.init=loftq: set "
             "method.init=loftq, or drop method.loftq_iter"
@@ -217,10 +223,10 @@ def _init_check(cfg: MethodConfig) -> str | None:
             "eval and export would see another model); use method.loftq_iter=1, which keeps "
             "the 4-bit base loading made and fits the adapters to its error"
         )
-    why = _INIT_REFUSALS.get((cfg.init, METHODS_4BIT.get(cfg.name, False)))
+    why = _INIT_REFUSALS.get((init, METHODS_4BIT.get(cfg.name, False)))
     if why is None:
         return None
-    return f"method.init={cfg.init} with method.name={cfg.name}: {why}"
+    return f"method.init={init} with method.name={cfg.name}: {why}"
 
 
 def _qlora_quantization(cfg: MethodConfig, precision: str) -> Quantization:
@@ -290,6 +296,8 @@ METHODS: dict[str, MethodSpec] = {
             base_quantization=_qlora_quantization,
             mergeable=True,  # into the dequantised base (export/source.py)
             lora_settings=True,
+            # Better than B = 0 on both tasks at 40 steps (docs/guides/methods.md).
+            default_init="loftq",
             check=_lora_check,
             # The same adapters as LoRA: the meta model cannot be quantised, `weight_quant` is.
             planned_as="lora",
@@ -406,11 +414,14 @@ def init_line(model: nn.Module, cfg: MethodConfig) -> str | None:
     """The run log's line on how a LoRA method's adapters started (None for other methods)."""
     if not METHODS[cfg.name].lora_settings:
         return None
-    if cfg.init == "default":
-        return "LoRA initialisation: default (B = 0: the model starts as its base)"
+    init = resolved_init(cfg)
+    # Which start auto picked is said, since it differs by method.
+    how = f"method.init=auto, {cfg.name}'s default; " if cfg.init == "auto" else ""
+    if init == "default":
+        return f"LoRA initialisation: default ({how}B = 0: the model starts as its base)"
     report = getattr(model, INIT_REPORT, None)  # set by the method's apply (methods.qlora)
     detail = report.line() if report is not None else "no report"
-    return f"LoRA initialisation: {cfg.init} ({detail})"
+    return f"LoRA initialisation: {init} ({how}{detail})"
 
 
 def trainable_named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

@@ -64,6 +64,8 @@ class MethodSpec:
     """The trained weights fold into the base (export writes one plain model)."""
     lora_settings: bool = False
     """`method.preset`, `r`, `alpha`, `dropout` and `target_modules` configure it as LoRA."""
+    default_init: str = "default"
+    """What `method.init=auto` (the default) starts a LoRA method's adapters with."""
     check: Callable[[MethodConfig], str | None] | None = None
     """A check of the method's own fields before anything loads: the error message, or None."""
     lr_advice: LrAdvice | None = None

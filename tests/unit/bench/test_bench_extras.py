@@ -134,3 +134,18 @@ def test_sweep_skips_a_method_whose_extra_is_missing_and_exits_0(
     table = (tmp_path / "bench" / "sweep.md").read_text()
     row = next(x for x in table.splitlines() if x.startswith("| qlora |"))
     assert "skipped: " in row and INSTALL in row
+
+
+@pytest.mark.parametrize(
+    ("given", "measured"), [([], [True, False]), (["train.eval_base=false"], [False, False])]
+)
+def test_the_first_run_measures_the_base_unless_the_caller_says_it_has_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given: list[str], measured: list[bool]
+) -> None:
+    """benchmarks/lora_inits.py runs one bench per initialisation: only its first needs the
+    base model's exact match (minutes of generation on the demo)."""
+    ran: list[list[str]] = []
+    monkeypatch.setattr(bench, "run_logged", lambda cmd, log_file: (ran.append(cmd), (1, "x"))[1])
+    lrs = {"lora": 2e-3, "full": 1e-4}
+    bench.run_methods(None, ["lora", "full"], lrs, tmp_path, given, log=lambda s: None, refused={})
+    assert [c[-1] == "train.eval_base=true" for c in ran] == measured, ran

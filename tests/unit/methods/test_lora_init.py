@@ -17,12 +17,19 @@ from leantune.config.roles import Role
 from leantune.config.schema import field_roles
 from leantune.methods.artifacts import load_for_inference
 from leantune.methods.lora import quiet_peft
-from leantune.methods.registry import apply_method, base_quantization, init_line
+from leantune.methods.registry import (
+    METHODS,
+    apply_method,
+    base_quantization,
+    init_line,
+    resolved_init,
+)
 from leantune.methods.spec import INIT_REPORT
 from leantune.models.loading import ModelSource, load_model
 from leantune.monitor.metrics import read_metrics
 from leantune.testing.faults import SIGNAL_ENV
 from leantune.training.checks import load_config
+from leantune.training.run.fingerprint import trajectory_settings
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed"
@@ -50,7 +57,7 @@ def test_loftq_starts_closer_to_the_full_precision_base_than_default(
 ) -> None:
     full = logits(load_model(ModelSource(str(tiny_llama_dir))).eval())
     four_bit = logits(load_model(ModelSource(str(tiny_llama_dir)), quantization=_nf4()).eval())
-    default = logits(wrapped(tiny_llama_dir, "method.name=qlora"))
+    default = logits(wrapped(tiny_llama_dir, "method.name=qlora", "method.init=default"))
     loftq = wrapped(tiny_llama_dir, "method.name=qlora", "method.init=loftq")
     # The default start (B = 0) is the 4-bit base itself.
     assert torch.equal(default, four_bit)
@@ -85,7 +92,7 @@ def test_loftq_fit_counts_lora_scaling(tiny_llama_dir: Path) -> None:
 
 
 def test_default_init_is_logged_for_lora_methods_only(tiny_llama_dir: Path) -> None:
-    cfg = load_config(None, ["method.name=lora"])
+    cfg = load_config(None, ["method.name=lora", "method.init=default"])
     model = torch.nn.Linear(2, 2)
     assert init_line(model, cfg.method) == (
         "LoRA initialisation: default (B = 0: the model starts as its base)"
@@ -126,7 +133,7 @@ def test_default_init_is_logged_for_lora_methods_only(tiny_llama_dir: Path) -> N
             r"method\.loftq_iter: must be >= 1, got 0",
         ),
         (
-            ["method.name=qlora", "method.loftq_iter=2"],
+            ["method.name=qlora", "method.init=default", "method.loftq_iter=2"],
             r"method\.loftq_iter=2 is used only with method\.init=loftq",
         ),
         (
@@ -197,7 +204,7 @@ def test_the_init_fields_are_in_the_fingerprint_and_the_field_help() -> None:
     # Another start is another run: resume refuses the change even when forced.
     assert roles["method.init"] is Role.REFUSED and roles["method.loftq_iter"] is Role.SETTING
     listed = run_cli(["validate", "--help-fields"]).out
-    assert '  method.init="default"\n      How the LoRA adapters start.' in listed
+    assert '  method.init="auto"\n      How the LoRA adapters start.' in listed
     assert "  method.loftq_iter=1\n      method.init=loftq: passes" in listed
 
 
@@ -221,3 +228,30 @@ def test_peft_pissa_and_olora_on_a_4bit_base_are_why_they_are_refused(
         model = get_peft_model(base, config)
     after = model.get_base_model().model.layers[0].mlp.up_proj.base_layer.weight.data
     assert after.shape == before.shape and not torch.equal(after, before)
+
+
+def test_init_auto_is_loftq_for_qlora_and_b0_for_the_others() -> None:
+    """auto, the default: LoftQ beat B = 0 for qlora on both benchmark tasks (docs/guides/
+    methods.md); the fingerprint records what auto resolved to, so a LoRA run recorded with
+    init=default before auto existed resumes."""
+    for name, spec in METHODS.items():
+        cfg = load_config(None, [f"method.name={name}"])
+        expected = "loftq" if name == "qlora" else "default"
+        assert (cfg.method.init, resolved_init(cfg.method)) == ("auto", expected), name
+        assert trajectory_settings(cfg)["method.init"] == expected, name
+        assert spec.default_init == expected, name
+
+
+def test_init_auto_wraps_qlora_as_loftq_and_logs_it(tiny_llama_dir: Path) -> None:
+    auto = wrapped(tiny_llama_dir, "method.name=qlora")
+    loftq = wrapped(tiny_llama_dir, "method.name=qlora", "method.init=loftq")
+    assert torch.equal(logits(auto), logits(loftq))
+    line = init_line(auto, load_config(None, ["method.name=qlora"]).method)
+    assert line is not None and line.startswith(
+        "LoRA initialisation: loftq (method.init=auto, qlora's default; LoftQ start: 14"
+    ), line
+    lora = load_config(None, ["method.name=lora"]).method
+    assert init_line(torch.nn.Linear(2, 2), lora) == (
+        "LoRA initialisation: default (method.init=auto, lora's default; B = 0: the model "
+        "starts as its base)"
+    )

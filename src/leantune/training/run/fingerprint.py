@@ -3,10 +3,11 @@
 Two runs with the same fingerprint compute the same steps. Which config fields are in it is each
 field's `config.roles.Role`, declared on the field (`config.schema.field_roles`): the
 ``setting``, ``refused`` and (for a preference objective) ``objective`` fields are recorded
-under their own keys, as the run resolved them (``train.lr`` unset is the method's default;
-``data.max_seq_len``, ``data.pack`` and ``train.max_steps`` come from the data and method,
-``training.run_setup``; ``train.precision`` is the one the run trains in); the ``batch`` fields
-as the ``train.global_batch`` they make; the ``content`` fields by the digests of what they name.
+under their own keys, as the run resolved them (``train.lr`` unset is the method's default,
+``method.init=auto`` the method's start; ``data.max_seq_len``, ``data.pack`` and
+``train.max_steps`` come from the data and method, ``training.run_setup``; ``train.precision``
+is the one the run trains in); the ``batch`` fields as the ``train.global_batch`` they make;
+the ``content`` fields by the digests of what they name.
 ``free`` fields are not in it.
 
 Every input the run reads is in it by content: the model directory's files (weights, config,
@@ -39,7 +40,7 @@ from leantune.core.digests import content_digest, local_model_dir, model_digest
 from leantune.data.prepare.pipeline import read_report
 from leantune.data.templates import is_builtin, template_text
 from leantune.layout import ModelPaths
-from leantune.methods.registry import DEFAULT_LR
+from leantune.methods.registry import DEFAULT_LR, resolved_init
 
 CONTENT_KEYS = {
     "model.path": "model.files",
@@ -51,6 +52,8 @@ BATCH_KEY = "train.global_batch"
 """The fingerprint key of the global batch the `Role.BATCH` fields make."""
 RESOLVED_LR = "train.lr"
 """Recorded as the method's default LR when unset."""
+RESOLVED_INIT = "method.init"
+"""Recorded as what it resolves to: auto as the method's own start (`resolved_init`)."""
 
 
 class RecordedSections(Protocol):
@@ -144,6 +147,8 @@ def trajectory_settings(cfg: RecordedSections) -> dict[str, Any]:
     # The LR the run uses: an unset lr and the same value set explicitly are the same run.
     if fields[RESOLVED_LR] is None:
         fields[RESOLVED_LR] = DEFAULT_LR[cfg.method.name]
+    # Likewise the start: auto and what it resolves to are the same run.
+    fields[RESOLVED_INIT] = resolved_init(cfg.method)
     # Only the global batch: its split into micro-batches changes the result by float rounding
     # only, and an OOM recovery changes the split itself, which must not block a resume.
     fields[BATCH_KEY] = configured_global_batch(t)
