@@ -32,6 +32,9 @@ from leantune.methods.errors import MethodError
 from leantune.models.quantize import canonical_4bit
 from leantune.models.weight_files import checkpoint_shards, pread_state_dict
 
+EXACT_SVD_SIDE = 2048
+"""Layers whose smaller side is at most this get the exact SVD (the demo's and up to 1.5B's
+attention weights: seconds); larger ones the randomized SVD (`_rank_r_fit`)."""
 PEFT_PREFIX = "base_model.model."
 """What peft puts before the wrapped model's own module names."""
 
@@ -46,9 +49,13 @@ class LoftqReport:
     """||W - NF4(W)|| / ||W||, averaged over the layers: QLoRA's default start."""
     error_after: float
     """||W - (NF4(W) + scaling x B A)|| / ||W||, averaged: LoftQ's start."""
+    skipped: str | None = None
+    """Why the adapters kept QLoRA's default start (method.init=auto only), or None."""
 
     def line(self) -> str:
         """One line for the run log."""
+        if self.skipped is not None:
+            return f"LoftQ skipped, B = 0 (the default start): {self.skipped}"
         return (
             f"LoftQ start: {self.layers} 4-bit layers, weight error of the 4-bit base "
             f"{self.error_before:.4f} -> {self.error_after:.4f} with the adapters "
@@ -57,7 +64,7 @@ class LoftqReport:
 
 
 @torch.no_grad()
-def init_loftq(model: nn.Module, adapter: str = "default") -> LoftqReport:
+def init_loftq(model: nn.Module, adapter: str = "default", required: bool = True) -> LoftqReport:
     """Set the LoRA weights of every 4-bit layer of a peft `model` to LoftQ's one-pass start.
 
     The full-precision weights are read from the safetensors files of the base (the directory
@@ -73,7 +80,13 @@ def init_loftq(model: nn.Module, adapter: str = "default") -> LoftqReport:
             "method.init=loftq: no 4-bit layer carries a LoRA adapter (check "
             "method.target_modules); use method.init=default"
         )
-    shards = _base_shards(model)
+    try:
+        shards = _base_shards(model)
+    except MethodError as e:
+        if required:
+            raise
+        # method.init=auto: QLoRA's usual start where LoftQ cannot read the base, said in the log.
+        return LoftqReport(0, 0.0, 0.0, skipped=str(e).split(": ", 1)[-1])
     before: list[float] = []
     after: list[float] = []
     with pread_state_dict(shards) as tensors:
@@ -155,7 +168,14 @@ def _rank_r_fit(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(A, B) with scaling x B A the best rank-r approximation of `residual` (its top r
     singular components, split evenly between the two factors)."""
-    u, s, vh = torch.linalg.svd(residual, full_matrices=False)
+    if min(residual.shape) <= EXACT_SVD_SIDE:
+        u, s, vh = torch.linalg.svd(residual, full_matrices=False)
+    else:
+        # A full SVD costs ~m^2 n: over a minute per 3584 x 18944 weight on 2 cores, hours for
+        # a 7B's 196 layers. The randomized one finds the top r with power iterations in
+        # O(m n r) (tests: its fit within 1% of the exact one's error).
+        u, s, v = torch.svd_lowrank(residual, q=min(2 * r + 8, min(residual.shape)), niter=6)
+        vh = v.T
     k = min(r, s.numel())  # a rank above the layer's smaller side: the rest stays 0
     root = torch.sqrt(s[:k] / scaling)
     a = residual.new_zeros(r, residual.shape[1])

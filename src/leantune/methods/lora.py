@@ -37,6 +37,9 @@ class LoraSettings:
     """DoRA: split each weight into magnitude and direction and adapt the direction with LoRA."""
     init: str = "default"
     """How the adapters start: default (B = 0) here; loftq is QLoRA's (`methods.qlora`)."""
+    init_required: bool = True
+    """The start was asked for by name: one that cannot run fails the run. False where
+    method.init=auto chose it: QLoRA then keeps its default start and says why."""
 
 
 LORA_PRESETS: dict[str, LoraSettings] = {

@@ -38,5 +38,6 @@ def apply_qlora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     wrapped = apply_lora(model, replace(settings, init="default"))
     if settings.init == "loftq":
         # After peft's default start, which drew A from the seed: LoftQ overwrites A and B.
-        setattr(wrapped, INIT_REPORT, init_loftq(wrapped))
+        report = init_loftq(wrapped, required=settings.init_required)
+        setattr(wrapped, INIT_REPORT, report)
     return wrapped

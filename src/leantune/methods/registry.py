@@ -42,7 +42,7 @@ def _lora_settings(cfg: MethodConfig) -> LoraSettings:
         s = replace(s, dropout=cfg.dropout)
     if cfg.target_modules is not None:
         s = replace(s, target_modules=tuple(cfg.target_modules))
-    return replace(s, init=resolved_init(cfg))
+    return replace(s, init=resolved_init(cfg), init_required=cfg.init != "auto")
 
 
 def resolved_init(cfg: MethodConfig) -> str:
@@ -421,6 +421,8 @@ def init_line(model: nn.Module, cfg: MethodConfig) -> str | None:
         return f"LoRA initialisation: default ({how}B = 0: the model starts as its base)"
     report = getattr(model, INIT_REPORT, None)  # set by the method's apply (methods.qlora)
     detail = report.line() if report is not None else "no report"
+    if getattr(report, "skipped", None) is not None:
+        init = "default"
     return f"LoRA initialisation: {init} ({how}{detail})"
 
 

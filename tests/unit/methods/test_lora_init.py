@@ -15,6 +15,7 @@ from support import QA_ROWS, run_cli, tiny_train_args, write_jsonl
 from leantune.config import ConfigError
 from leantune.config.roles import Role
 from leantune.config.schema import field_roles
+from leantune.methods import loftq
 from leantune.methods.artifacts import load_for_inference
 from leantune.methods.lora import quiet_peft
 from leantune.methods.registry import (
@@ -255,3 +256,46 @@ def test_init_auto_wraps_qlora_as_loftq_and_logs_it(tiny_llama_dir: Path) -> Non
         "LoRA initialisation: default (method.init=auto, lora's default; B = 0: the model "
         "starts as its base)"
     )
+
+
+def test_auto_keeps_the_default_start_where_loftq_cannot_read_the_base(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A base without safetensors (a GGUF file): auto trains with B = 0 and says why; LoftQ
+    asked for by name still stops the run."""
+
+    def no_files(model: torch.nn.Module) -> list[Path]:
+        raise loftq.MethodError("method.init=loftq reads ...: found none for model.gguf")
+
+    monkeypatch.setattr(loftq, "_base_shards", no_files)
+    model = wrapped(tiny_llama_dir, "method.name=qlora")  # method.init=auto
+    assert all(
+        torch.equal(p, torch.zeros_like(p)) for n, p in model.named_parameters() if "lora_B" in n
+    )
+    line = init_line(model, load_config(None, ["method.name=qlora"]).method)
+    assert line == (
+        "LoRA initialisation: default (method.init=auto, qlora's default; LoftQ skipped, B = 0 "
+        "(the default start): found none for model.gguf)"
+    )
+    with pytest.raises(loftq.MethodError, match=r"found none for model\.gguf"):
+        wrapped(tiny_llama_dir, "method.name=qlora", "method.init=loftq")
+
+
+@pytest.mark.parametrize("spectrum", ["decaying", "flat"])
+def test_the_randomized_fit_of_a_large_layer_is_within_1pct_of_the_exact_one(
+    monkeypatch: pytest.MonkeyPatch, spectrum: str
+) -> None:
+    """Layers wider than EXACT_SVD_SIDE get the randomized SVD (a 7B's full SVDs take hours on
+    a CPU); its rank-r fit leaves at most 1% more error than the exact SVD's, on a residual
+    with a decaying spectrum and on a noise-like one (a quantisation error's)."""
+    g = torch.Generator().manual_seed(0)
+    residual = torch.randn(96, 400, generator=g)
+    if spectrum == "decaying":
+        residual = residual * torch.logspace(0, -2, 400)[None, :]
+    exact_a, exact_b = loftq._rank_r_fit(residual, 8, 2.0)
+    monkeypatch.setattr(loftq, "EXACT_SVD_SIDE", 32)
+    fast_a, fast_b = loftq._rank_r_fit(residual, 8, 2.0)
+    exact = (residual - 2.0 * exact_b @ exact_a).norm().item()
+    fast = (residual - 2.0 * fast_b @ fast_a).norm().item()
+    assert exact <= fast <= 1.01 * exact, (exact, fast)
+    assert not torch.equal(fast_a, exact_a)  # the other path ran
