@@ -1,14 +1,16 @@
-"""The preference demo: a short SFT run, then DPO on pairs made of that model's own mistakes;
-held-out exact match of both models, with the wrong fields counted.
+"""The preference demo: a short SFT run, then DPO on near-miss pairs; held-out exact match of
+both models, with the wrong fields counted.
 
-    python -m leantune.demo.preference [--out runs/demo-preference] [--sft-steps N] [DPO overrides]
+    python -m leantune.demo.preference [--out runs/demo-preference] [--sft-steps N]
+        [--pairs contrast|balanced|on-policy] [--pair-messages N] [DPO overrides]
 
 1. SFT: the built-in demo (configs/demo.yaml) cut to `--sft-steps` updates, so the model knows
    the JSON format but still gets fields wrong (low priorities read as normal, products named
    where the message has none).
-2. Pairs: the SFT model answers `--pair-messages` messages that neither its data nor the
-   held-out set contains (greedy, as it would answer a user); each wrong answer is the rejected
-   answer of a pair whose chosen one is the correct ticket (`support_pairs.on_policy_pairs`).
+2. Pairs from `--pair-messages` messages that neither its data nor the held-out set contains
+   (`PAIR_SOURCES`): ``contrast`` (the default) pairs each correct ticket with it at each other
+   priority (`support_pairs.priority_contrast_pairs`); ``balanced`` and ``on-policy`` reject the
+   SFT model's own greedy answers (`support_pairs.balanced_on_policy_pairs`, `on_policy_pairs`).
 3. DPO: configs/demo_dpo.yaml on those pairs, `model.path` the SFT run: its LoRA is merged into
    the DPO run's start model, and the reference is that model with the DPO adapter off.
 4. Exact match of the SFT model and of the DPO model on the same held-out messages (greedy,
@@ -21,16 +23,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from leantune.api import train
 from leantune.core.writes import write_file
 from leantune.demo.support_desk import ANSWER_KEYS, write_jsonl
-from leantune.demo.support_pairs import DATA, on_policy_pairs, read_jsonl
+from leantune.demo.support_pairs import (
+    DATA,
+    balanced_on_policy_pairs,
+    on_policy_pairs,
+    priority_contrast_pairs,
+    read_jsonl,
+)
 from leantune.eval.exact_match import answers_match, evaluate_exact_match
 from leantune.layout import RunPaths
 from leantune.methods.artifacts import load_for_inference
@@ -83,15 +93,41 @@ def held_out_score(
     return {"exact_match": score, "examples": len(conversations), "wrong": dict(errors)}
 
 
-def write_on_policy_pairs(sft: Path, messages: int, batch_size: int, pairs_file: Path) -> int:
-    """The SFT model's greedy answers to the first `messages` messages of the pair stream
-    (`support_pairs_train.jsonl`: in neither the SFT data nor the held-out set), and a pair
-    for each wrong one (`on_policy_pairs`) into `pairs_file`; returns the number of pairs."""
+Records = list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class PairSource:
+    """How the demo makes its DPO pairs from the pair messages (`--pairs`)."""
+
+    build: Callable[[Records, list[str]], Records]
+    """(records, the SFT model's greedy answers to them) -> pairs."""
+    needs_answers: bool
+    """Whether `build` reads the answers (they cost a generation pass over the messages)."""
+
+
+PAIR_SOURCES = {
+    "contrast": PairSource(lambda records, _: priority_contrast_pairs(records), False),
+    "balanced": PairSource(balanced_on_policy_pairs, True),
+    "on-policy": PairSource(on_policy_pairs, True),
+}
+
+
+def write_pairs(
+    sft: Path, source: PairSource, messages: int, batch_size: int, pairs_file: Path
+) -> int:
+    """Pairs from the first `messages` messages of the pair stream (`support_pairs_train.jsonl`:
+    in neither the SFT data nor the held-out set) into `pairs_file`, with the SFT model's greedy
+    answers where `source` needs them; returns the number of pairs."""
     records = [
         {"messages": [*p["prompt"], *p["chosen"]]} for p in read_jsonl(PAIR_MESSAGES)[:messages]
     ]
-    _, predictions = greedy_answers(sft, [r["messages"] for r in records], batch_size)
-    pairs = on_policy_pairs(records, predictions)
+    answers = [""] * len(records)
+    if source.needs_answers:
+        _, answers = greedy_answers(sft, [r["messages"] for r in records], batch_size)
+    pairs = source.build(records, answers)
+    # The file's order is the packing order: shuffled, a row mixes messages and priorities.
+    random.Random(0).shuffle(pairs)
     write_jsonl(pairs, pairs_file)
     return len(pairs)
 
@@ -103,17 +139,20 @@ def run_demo(
     limit: int,
     batch_size: int,
     pair_messages: int,
+    pair_source: str = "contrast",
 ) -> dict[str, Any]:
     """Run the stages into `out` (see the module docstring); returns the results."""
     started = time.perf_counter()
-    sft, dpo, pairs = out / "sft", out / "dpo", out / "pairs_on_policy.jsonl"
+    sft, pairs = out / "sft", out / f"pairs_{pair_source}.jsonl"
+    dpo = out / f"dpo-{pair_source}"
     if not RunPaths(sft).final.is_dir():
         # No exact match inside the run: both models are scored below, the same way.
         sft_overrides = [f"train.max_steps={sft_steps}", f"run.dir={sft}", "data.eval=null"]
         train(None, [*sft_overrides, "train.eval_exact_match=false", "run.progress=false"])
     if not pairs.is_file():
-        written = write_on_policy_pairs(sft, pair_messages, batch_size, pairs)
-        print(f"{written} on-policy pairs from {pair_messages} messages: {pairs}")
+        source = PAIR_SOURCES[pair_source]
+        written = write_pairs(sft, source, pair_messages, batch_size, pairs)
+        print(f"{written} {pair_source} pairs from {pair_messages} messages: {pairs}")
     before = held_out_score(sft, limit, batch_size, out / "predictions_sft.jsonl")
     print(
         f"SFT ({sft_steps} steps): exact match {before['exact_match']:.1%}, wrong {before['wrong']}"
@@ -125,6 +164,7 @@ def run_demo(
     dpo_summary = json.loads(RunPaths(dpo).summary.read_text(encoding="utf-8"))
     return {
         "sft_steps": sft_steps,
+        "pair_source": pair_source,
         "pairs": len(read_jsonl(pairs)),
         "dpo_steps": dpo_summary.get("steps"),
         "before_dpo": before,
@@ -145,12 +185,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--limit", type=int, default=50, help="held-out messages scored")
     parser.add_argument("--batch-size", type=int, default=50, help="prompts per generate call")
     parser.add_argument(
-        "--pair-messages", type=int, default=100, help="messages the SFT model answers for pairs"
+        "--pair-messages", type=int, default=100, help="messages the pairs are made from"
+    )
+    parser.add_argument(
+        "--pairs", choices=sorted(PAIR_SOURCES), default="contrast", help="how pairs are made"
     )
     parser.add_argument("overrides", nargs="*", help="section.key=value for the DPO stage")
     args = parser.parse_args(argv)
     result = run_demo(
-        args.out, args.sft_steps, args.overrides, args.limit, args.batch_size, args.pair_messages
+        args.out,
+        args.sft_steps,
+        args.overrides,
+        args.limit,
+        args.batch_size,
+        args.pair_messages,
+        args.pairs,
     )
     before, after = result["before_dpo"], result["after_dpo"]
     print(f"\nexact match on {after['examples']} held-out messages")

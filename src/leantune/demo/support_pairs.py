@@ -94,6 +94,82 @@ def on_policy_pairs(
     return pairs
 
 
+def priority_contrast_pairs(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Two pairs per support-desk conversation: its correct ticket against the same ticket with
+    each other priority. Every priority is rejected where another is right as often as the
+    data holds it, so the pairs agree on the cue in the message ("no rush", "urgent") and on no
+    value by itself."""
+    pairs = []
+    for record in records:
+        *prompt, answer = record["messages"]
+        ticket = json.loads(answer["content"])
+        for priority in PRIORITIES:
+            if priority != ticket["priority"]:
+                wrong = json.dumps(ticket | {"priority": priority}, ensure_ascii=False)
+                pairs.append(_pair(prompt, answer, wrong))
+    return pairs
+
+
+def _value_class(field: str, value: Any) -> Any:
+    """What a counter-pair matches on: a product's presence (named or null), else the value."""
+    return (value is None) if field == "product" else value
+
+
+def balanced_on_policy_pairs(
+    records: Sequence[dict[str, Any]], predictions: Sequence[str]
+) -> list[dict[str, Any]]:
+    """Pairs from a model's own answers, its mistakes balanced by counter-pairs.
+
+    Each wrong answer is rejected as the model wrote it against the correct ticket (as in
+    `on_policy_pairs`). Each wrong value then gets a counter-pair from a message the model
+    answered right whose correct value is of the kind the model wrote (for a ``low`` message
+    answered ``normal``: a ``normal`` message; for an invented product: a message that names
+    one), its rejected answer that ticket with the first message's correct value (``low``;
+    ``null``). Every direction the mistakes push in is pushed back on as often, so what the
+    pairs agree on is the cue in the message, not the value (the demo's measured failure with
+    one-way pairs: docs/guides/preference.md). Right answers beyond those needed give no pair;
+    a mistake with no such message left keeps its pair alone.
+    """
+    mistakes: list[dict[str, Any]] = []
+    wanted: list[tuple[str, Any, Any]] = []  # (field, correct value, written value's class)
+    right: list[tuple[list[dict[str, str]], dict[str, str]]] = []
+    for record, prediction in zip(records, predictions, strict=True):
+        *prompt, answer = record["messages"]
+        written = prediction.strip()
+        if written and answers_match(written, answer["content"]):
+            right.append((prompt, answer))
+            continue
+        mistakes.append(_pair(prompt, answer, written or overcorrection(answer["content"])))
+        try:
+            ticket = json.loads(written)
+        except ValueError:
+            continue  # not a ticket: no value to push back on
+        expected = json.loads(answer["content"])
+        if not isinstance(ticket, dict) or ticket.keys() != expected.keys():
+            continue
+        for field, value in expected.items():
+            if ticket[field] != value:
+                wanted.append((field, value, _value_class(field, ticket[field])))
+    counters = []
+    for prompt, answer in right:
+        ticket = json.loads(answer["content"])
+        for k, (field, value, kind) in enumerate(wanted):
+            if _value_class(field, ticket[field]) == kind and ticket[field] != value:
+                rejected = json.dumps(ticket | {field: value}, ensure_ascii=False)
+                counters.append(_pair(prompt, answer, rejected))
+                del wanted[k]
+                break
+    return mistakes + counters
+
+
+def _pair(prompt: list[dict[str, str]], answer: dict[str, str], rejected: str) -> dict[str, Any]:
+    return {
+        "prompt": prompt,
+        "chosen": [answer],
+        "rejected": [{"role": "assistant", "content": rejected}],
+    }
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The JSON object of each line of `path`."""
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]

@@ -10,7 +10,7 @@ from typing import Any
 
 from leantune.demo import support_desk as sd
 from leantune.demo import support_pairs as sp
-from leantune.demo.preference import wrong_fields
+from leantune.demo.preference import PAIR_MESSAGES, PAIR_SOURCES, write_pairs, wrong_fields
 
 
 def _user(pair: dict[str, Any]) -> str:
@@ -103,3 +103,63 @@ def test_overcorrection_changes_one_value_the_way_unlearning_the_sft_misses_goes
     ]
     for given, expected in cases:
         assert sp.overcorrection(json.dumps(base | given)) == json.dumps(base | expected)
+
+
+def test_priority_contrast_pairs_reject_each_other_priority_once() -> None:
+    records = sp.read_jsonl(sp.DATA / "support_eval.jsonl")[:30]
+    pairs = sp.priority_contrast_pairs(records)
+    assert len(pairs) == 2 * len(records)
+    rejected_values = []
+    for k, pair in enumerate(pairs):
+        record = records[k // 2]
+        assert pair["prompt"] == record["messages"][:2]
+        assert pair["chosen"] == record["messages"][2:]
+        chosen = json.loads(pair["chosen"][0]["content"])
+        rejected = json.loads(pair["rejected"][0]["content"])
+        assert wrong_fields(pair["rejected"][0]["content"], pair["chosen"][0]["content"]) == [
+            "priority"
+        ]
+        assert pair["rejected"][0]["content"] == json.dumps(rejected, ensure_ascii=False)
+        rejected_values.append((k // 2, rejected["priority"]))
+        assert rejected["priority"] != chosen["priority"]
+    # Both other priorities of each message, each once.
+    assert len(set(rejected_values)) == len(rejected_values)
+
+
+def test_balanced_pairs_push_back_on_each_mistake_from_a_right_answer() -> None:
+    held_out = sp.read_jsonl(sp.DATA / "support_eval.jsonl")
+
+    def answer(r: dict[str, Any]) -> dict[str, Any]:
+        return json.loads(r["messages"][-1]["content"])
+
+    low = next(r for r in held_out if answer(r)["priority"] == "low")
+    no_product = next(r for r in held_out if answer(r)["product"] is None)
+    normals = [r for r in held_out if answer(r)["priority"] == "normal" and answer(r)["product"]]
+    records = [low, no_product, *normals[:3]]
+    predictions = [
+        json.dumps(answer(low) | {"priority": "normal"}),  # a low message answered normal
+        json.dumps(answer(no_product) | {"product": "device"}),  # an invented product
+        *(json.dumps(answer(r)) for r in normals[:3]),  # right
+    ]
+    pairs = sp.balanced_on_policy_pairs(records, predictions)
+    rejected = [p["rejected"][0]["content"] for p in pairs]
+    # The two mistakes as written, then one counter-pair each, from the first right answers:
+    # a normal message with `low` rejected, then a named product with `null` rejected.
+    assert rejected[:2] == predictions[:2]
+    assert rejected[2] == json.dumps(answer(normals[0]) | {"priority": "low"})
+    assert rejected[3] == json.dumps(answer(normals[1]) | {"product": None})
+    assert [p["chosen"] for p in pairs] == [r["messages"][2:] for r in records[:4]]
+
+
+def test_the_demo_writes_contrast_pairs_shuffled_without_loading_a_model(tmp_path: Path) -> None:
+    source = PAIR_SOURCES["contrast"]
+    assert not source.needs_answers
+    files = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    # No SFT run at that path: the contrast pairs need no answers from it.
+    assert [write_pairs(tmp_path / "absent", source, 7, 50, f) for f in files] == [14, 14]
+    assert files[0].read_bytes() == files[1].read_bytes()  # the shuffle is seeded
+    pairs = sp.read_jsonl(files[0])
+    records = [{"messages": [*p["prompt"], *p["chosen"]]} for p in sp.read_jsonl(PAIR_MESSAGES)]
+    expected = sp.priority_contrast_pairs(records[:7])
+    assert pairs != expected
+    assert sorted(map(json.dumps, pairs)) == sorted(map(json.dumps, expected))
