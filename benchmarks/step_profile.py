@@ -142,6 +142,7 @@ def bucket_events(events: Sequence[Any], rank: int | None) -> dict[str, Any]:
     flops = {"all": 0, "base matmuls": 0, "LoRA matmuls": 0, "other matmuls": 0, "loss": 0}
     # The flash kernels' own (not in "all": no mm events) and the short kernel's bmm (in "all").
     flops["attention"] = 0
+    flops["attention matmuls"] = 0  # the short kernel's share of "attention", also in "all"
     mm_us = 0.0
     casts = 0
     steps: list[float] = []
@@ -170,6 +171,7 @@ def bucket_events(events: Sequence[Any], rank: int | None) -> dict[str, Any]:
             key = {"chunked loss": "loss", "attention": "attention"}.get(bucket)
             key = key or matmul_bucket(dims, rank)
             flops[key] += f
+            flops["attention matmuls"] += f if key == "attention" else 0
         if ev.name.startswith("aten::_scaled_dot_product_flash_attention"):
             flops["attention"] += attention_flops(ev.name, ev.input_shapes)
         casts += ev.name == "aten::_to_copy"

@@ -58,9 +58,11 @@ def test_the_buckets_of_a_profiled_lora_update_add_up_to_its_wall_time(
         assert buckets[name] > 0.0, name
     by = line["matmul_gflop_by_bucket"]
     assert by["LoRA matmuls"] > 0 and by["base matmuls"] > by["LoRA matmuls"]
-    assert by["all"] == pytest.approx(
-        by["base matmuls"] + by["LoRA matmuls"] + by["other matmuls"] + by["loss"], abs=0.002
-    )
+    # "all" is every mm/bmm: the short-segment attention kernel's too (bf16 on CPU), not the
+    # flash kernels' (no mm events; their FLOPs are counted from shapes into "attention").
+    parts = ("base matmuls", "LoRA matmuls", "other matmuls", "loss", "attention matmuls")
+    assert by["all"] == pytest.approx(sum(by[k] for k in parts), abs=0.002)
+    assert by["attention"] >= by["attention matmuls"]
     assert line["casts_per_step"] > 0
     assert line["peak_gflops"] > 0 and line["matmul_gflops"] > 0
     assert len(line["losses"]) == 3
