@@ -1,5 +1,6 @@
 """What set-up resolves before anything is written: the device and train.precision=auto, the
-model's attention implementation, and the parallel strategy (`dist:`).
+model's attention implementation, method.init=auto on resume, and the parallel strategy
+(`dist:`).
 
 Each returns the config with its `auto` replaced (the run's fingerprint records the choice) and
 the line that says what was chosen and why, for the recipe to print once the run directory is
@@ -13,11 +14,13 @@ from dataclasses import replace
 import torch
 
 from leantune.config import Config
+from leantune.config.parse import ParseError, check_value, field_types
+from leantune.config.schema import MethodConfig
 from leantune.core.allocator import allocator_note
 from leantune.core.precision import pick_device, resolve_precision
 from leantune.core.threads import configure_threads
 from leantune.methods.checks import effective_pack
-from leantune.methods.registry import compute_dtype
+from leantune.methods.registry import compute_dtype, resolved_init
 from leantune.models.attention import resolve_attention
 from leantune.models.loading import ModelSource, check_tokenizer_files, load_model_config
 from leantune.training.parallel import build_strategy, launched_by_torchrun
@@ -52,7 +55,29 @@ def resolved(cfg: Config, source: ModelSource) -> tuple[torch.device, Config, li
     `attention_implementation`), with the lines that say what auto chose and why."""
     device, cfg, notes = device_and_precision(cfg)
     cfg, attention_note = attention_implementation(cfg, source)
-    return device, cfg, notes + ([attention_note] if attention_note else [])
+    cfg, start_note = adapter_start(cfg)
+    return device, cfg, notes + [n for n in (attention_note, start_note) if n]
+
+
+def adapter_start(cfg: Config) -> tuple[Config, str | None]:
+    """`cfg` with method.init=auto set to the start a resumed run recorded, where auto now picks
+    another (a QLoRA run started with B = 0 before LoftQ became its default), and the line that
+    says so; otherwise `cfg` unchanged (auto resolves when the method wraps the model)."""
+    m = cfg.method
+    recorded = recorded_setting(cfg.run_dir, "method.init")
+    now = resolved_init(m)
+    # Only auto follows the record: an explicit start that differs is another run (refused).
+    if m.init != "auto" or recorded is None or recorded == now:
+        return cfg, None
+    try:
+        start = check_value("method.init", recorded, field_types(MethodConfig)["init"])
+    except ParseError:  # an edited record: the fingerprint check says what differs
+        return cfg, None
+    note = (
+        f"method.init=auto: the resumed run keeps the start it recorded ({recorded}; auto picks "
+        f"{now} for a new {m.name} run)"
+    )
+    return replace(cfg, method=replace(m, init=start)), note
 
 
 def device_and_precision(cfg: Config) -> tuple[torch.device, Config, list[str]]:

@@ -299,3 +299,34 @@ def test_the_randomized_fit_of_a_large_layer_is_within_1pct_of_the_exact_one(
     fast = (residual - 2.0 * fast_b @ fast_a).norm().item()
     assert exact <= fast <= 1.01 * exact, (exact, fast)
     assert not torch.equal(fast_a, exact_a)  # the other path ran
+
+
+def test_init_auto_resumes_the_start_a_run_recorded(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A QLoRA run started with B = 0 (the default before auto) and stopped resumes with
+    method.init=auto: auto keeps the recorded start, as train.precision=auto keeps the
+    recorded precision, and says so; the losses are the uninterrupted B = 0 run's."""
+    data = write_jsonl(tmp_path / "train.jsonl", QA_ROWS * 3)
+    args = tiny_train_args(
+        tiny_llama_dir, data, None,
+        "method.name=qlora", "train.max_steps=4", "train.grad_accum=2", "train.save_every=0",
+        "train.precision=fp32",
+    )  # fmt: skip
+    straight = run_cli([*args, "method.init=default", f"run.dir={tmp_path / 'a'}"])
+    assert straight.code == 0, straight
+    monkeypatch.setenv(SIGNAL_ENV, "4:TERM")  # the first micro-batch of step 3
+    stopped = run_cli([*args, "method.init=default", f"run.dir={tmp_path / 'b'}"])
+    assert stopped.code == 143 and "(step 2)" in stopped.err, stopped
+    monkeypatch.delenv(SIGNAL_ENV)
+    resumed = run_cli([*args, f"run.dir={tmp_path / 'b'}"])  # method.init=auto
+    assert resumed.code == 0 and "step-000002 at step 2" in resumed.out, resumed
+    assert (
+        "method.init=auto: the resumed run keeps the start it recorded (default; auto picks "
+        "loftq for a new qlora run)" in resumed.out
+    ), resumed.out
+    a, b = (
+        read_metrics(tmp_path / "a" / "metrics.jsonl"),
+        read_metrics(tmp_path / "b" / "metrics.jsonl"),
+    )
+    assert [m["loss"] for m in a] == [m["loss"] for m in b]
