@@ -27,7 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from step_profile import run_overrides  # benchmarks/step_profile.py, beside this script
+# benchmarks/step_profile.py, beside this script
+from step_profile import run_overrides, train_wrapped
 
 
 def _short_attention(_tr: Any, on: bool) -> None:
@@ -80,27 +81,21 @@ def side_of(i: int) -> bool:
 
 def timed_run(overrides: list[str], steps: int, cut: str) -> list[dict[str, Any]]:
     """Train `steps` updates, the cut switched per `side_of`; each update's side, time, loss."""
-    from leantune import api
-    from leantune.training import recipe
-
-    original = recipe.train_step
     out: list[dict[str, Any]] = []
 
-    def step(tr: Any) -> Any:
+    def step(train_step: Callable[[Any], Any], tr: Any) -> Any:
         on = side_of(len(out))
         CUTS[cut](tr, on)
         start = time.perf_counter()
-        result = original(tr)
+        result = train_step(tr)
         ms = 1e3 * (time.perf_counter() - start)
         out.append({"with": on, "ms": round(ms, 1), "loss": float(result.record["loss"])})
         print(f"update {len(out):3} {'with' if on else 'without':8} {ms:9.1f} ms", flush=True)
         return result
 
-    recipe.train_step = step  # the loop calls it by this module's name
     try:
-        api.train(None, [*overrides, f"train.max_steps={steps}"], log=None)
+        train_wrapped(overrides, steps, step)
     finally:
-        recipe.train_step = original
         if cut != "fused_adamw":  # the patched modules back as they were
             CUTS[cut](None, True)
     return out

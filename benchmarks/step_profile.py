@@ -243,22 +243,34 @@ def labelled_norms(model: Any) -> Iterator[None]:
             setattr(mod, name, fn)
 
 
+def train_wrapped(
+    overrides: list[str], steps: int, wrap: Callable[[Callable[[Any], Any], Any], Any]
+) -> None:
+    """`leantune train` in this process for `steps` updates, each one run as
+    `wrap(train_step, trainer)` (timing, profiling, switching a cut around the real step)."""
+    from leantune import api
+    from leantune.training import recipe
+
+    original = recipe.train_step
+    recipe.train_step = lambda tr: wrap(original, tr)  # the loop calls it by this module's name
+    try:
+        api.train(None, [*overrides, f"train.max_steps={steps}"], log=None)
+    finally:
+        recipe.train_step = original
+
+
 def profile_run(overrides: list[str], warmup: int, steps: int, rank: int | None) -> dict[str, Any]:
     """Train `warmup + steps` updates with `overrides`; the profiled updates' buckets."""
     import torch
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
-    from leantune import api
-    from leantune.training import recipe
-
-    original = recipe.train_step
     walls: list[float] = []
     records: list[dict[str, Any]] = []
     prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
     norms: contextlib.ExitStack = contextlib.ExitStack()
 
-    def step(tr: Any) -> Any:
+    def step(train_step: Callable[[Any], Any], tr: Any) -> Any:
         i = len(walls)
         if i == warmup:
             norms.enter_context(labelled_norms(tr.model))
@@ -267,7 +279,7 @@ def profile_run(overrides: list[str], warmup: int, steps: int, rank: int | None)
         scope = record_function(STEP_SCOPE) if warmup <= i else contextlib.nullcontext()
         with scope:
             start = time.perf_counter()
-            result = original(tr)
+            result = train_step(tr)
             walls.append(time.perf_counter() - start)
         records.append(result.record)
         if len(walls) == warmup + steps:
@@ -275,11 +287,9 @@ def profile_run(overrides: list[str], warmup: int, steps: int, rank: int | None)
             norms.close()
         return result
 
-    recipe.train_step = step  # the loop calls it by this module's name
     try:
-        api.train(None, [*overrides, f"train.max_steps={warmup + steps}"], log=None)
+        train_wrapped(overrides, warmup + steps, step)
     finally:
-        recipe.train_step = original
         norms.close()
     out = bucket_events(prof.events(), rank)
     out["walls_s"] = walls
