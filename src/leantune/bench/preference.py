@@ -3,8 +3,9 @@
 Both train the same model on the same preference pairs (`bench.preference_pairs`: support-desk
 tickets, the rejected answer a near miss), with the same LoRA (r16/alpha32 on all linear
 layers), the same beta, learning rate and schedule, each in its own process, alternating, `reps`
-times. Both run in the precision this machine runs fastest (leantune's measured
-`train.precision=auto`, applied to the baseline too), or both in the one `--precision` names.
+times, repetition k with seed 42 + k for both (`rep_seed`). Both run in the precision this
+machine runs fastest (leantune's measured `train.precision=auto`, applied to the baseline too),
+or both in the one `--precision` names.
 The baseline is configured as a user would (`bench.trl_baseline`: a `peft_config`, so TRL's own
 reference for PEFT, the adapter disabled; its padding collator; `use_cpu=True`); leantune runs
 with its defaults.
@@ -43,8 +44,17 @@ Log = Callable[[str], None]
 SYSTEMS = ("trl_dpo", "leantune")
 RUNS_LOG = "runs.jsonl"
 """One line per judged run, appended as each finishes."""
+SEED = 42
+"""Repetition k's seed, both systems: SEED + k (`rep_seed`)."""
 TARGETS = {"useful_tokens_per_s": 2.0, "peak_rss": 0.6, "accuracy_points": 2.0}
 """Issue 34's: >= 2x TRL's tokens/s, <= 0.6x its peak RSS, accuracy within 2 points."""
+
+
+def rep_seed(rep: int) -> int:
+    """The seed of repetition `rep`, given to both systems. Each is deterministic for a seed
+    (its LoRA start and its pair order), and the held-out accuracy of one seed is one sample of
+    a wide spread (docs/benchmarks.md, "DPO against TRL"), so each repetition draws another."""
+    return SEED + rep
 
 
 def leantune_command(model: str, train: Path, run_dir: Path, ctx: dict[str, Any]) -> list[str]:
@@ -57,7 +67,8 @@ def leantune_command(model: str, train: Path, run_dir: Path, ctx: dict[str, Any]
     # are judged afterwards, by the same function, outside the timed training).
     return [
         sys.executable, "-m", "leantune", "train", f"model.path={model}", f"data.train={train}",
-        "train.objective=dpo", f"preference.beta={ctx['beta']}", "method.name=lora",
+        "train.objective=dpo", f"preference.beta={ctx['beta']}", f"train.seed={ctx['seed']}",
+        "method.name=lora",
         "method.r=16", "method.alpha=32", f"train.lr={ctx['lr']}", "train.epochs=1", *steps,
         "data.eval=null", "train.eval_exact_match=false", f"run.dir={run_dir}",
         "run.resume=never", "run.progress=false", "monitor.report=false", *chosen,
@@ -71,7 +82,7 @@ def trl_command(model: str, train: Path, out: Path, ctx: dict[str, Any]) -> list
         sys.executable, "-m", "leantune.bench.trl_baseline", "--model", model, "--train",
         str(train), "--out", str(out), "--precision", ctx["precision"], "--beta",
         str(ctx["beta"]), "--lr", str(ctx["lr"]), "--batch-size", str(ctx["trl_batch"]),
-        "--threads", str(ctx["threads"]), "--seed", "42", *steps,
+        "--threads", str(ctx["threads"]), "--seed", str(ctx["seed"]), *steps,
     ]  # fmt: skip
 
 
@@ -94,7 +105,7 @@ def one_run(system: str, work: Path, rep: int, ctx: dict[str, Any], log: Log) ->
         if system == "leantune"
         else json.loads((out / BASELINE_RESULT).read_text())
     )
-    result.update(system=system, rep=rep, peak_rss_bytes=rss, wall_s=wall)
+    result.update(system=system, rep=rep, seed=ctx["seed"], peak_rss_bytes=rss, wall_s=wall)
     result["useful_tokens_per_s"] = result["useful_tokens"] / result["train_time_s"]
     result["step_time_s"] = result["train_time_s"] / max(1, result["steps"])
     result["model_dir"] = str(RunPaths(out).final if system == "leantune" else out / "model")
@@ -122,7 +133,10 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
             for key in ("useful_tokens_per_s", "step_time_s", "peak_rss_bytes",
                         "preference_accuracy", "mean_margin", "useful_tokens")
         }  # fmt: skip
+        accuracies = [r["preference_accuracy"] for r in mine]
         row[system].update(
+            # Over the repetitions' seeds: the spread the medians compare within.
+            preference_accuracy_range=[min(accuracies), max(accuracies)],
             steps=mine[0]["steps"],
             padding_ratio=mine[0].get("padding_ratio"),
             precision=mine[0]["precision"],
@@ -147,14 +161,17 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def markdown(table: dict[str, Any]) -> str:
     """The README's table."""
     lines = [
-        "| system | useful tok/s | step time (s) | peak RSS (GiB) | held-out pref. accuracy |",
+        "| system | useful tok/s | step time (s) | peak RSS (GiB) "
+        "| held-out pref. accuracy (seeds' range) |",
         "|---|---|---|---|---|",
     ]
     for system in SYSTEMS:
         r = table[system]
+        low, high = r["preference_accuracy_range"]
         lines.append(
             f"| {system} | {r['useful_tokens_per_s']:.1f} | {r['step_time_s']:.2f} "
-            f"| {r['peak_rss_bytes'] / 2**30:.2f} | {r['preference_accuracy']:.1%} |"
+            f"| {r['peak_rss_bytes'] / 2**30:.2f} | {r['preference_accuracy']:.1%} "
+            f"({low:.0%}-{high:.0%}) |"
         )
     q = table["ratios"]
     lines.append(
@@ -196,7 +213,7 @@ def run_benchmark(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
     for rep in range(args.reps):
         order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]  # alternate who goes first
         for system in order:
-            r = one_run(system, work, rep, ctx, log)
+            r = one_run(system, work, rep, {**ctx, "seed": rep_seed(rep)}, log)
             # Judged at once (between runs, outside what is timed): a stopped benchmark leaves
             # every finished run whole in runs.jsonl, its accuracy included.
             r.update(heldout_accuracy(r["model_dir"], heldout))

@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 from support import run_cli
 
-from leantune.bench.preference import aggregate, leantune_command, parser, report, trl_command
+from leantune.bench.preference import (
+    aggregate,
+    leantune_command,
+    parser,
+    rep_seed,
+    report,
+    trl_command,
+)
 from leantune.bench.preference_pairs import TRAIN_SOURCE, near_miss, write_pairs
 from leantune.demo.support_desk import INTENTS, PRIORITIES
 
@@ -41,7 +48,7 @@ def test_pairs_are_seeded_and_refuse_more_than_the_source_holds(tmp_path: Path) 
 
 def test_both_commands_get_the_same_beta_lr_and_steps(tmp_path: Path) -> None:
     ctx = {"precision": "bf16", "precision_asked": "auto", "threads": 2, "steps": 7,
-           "beta": 0.25, "lr": 3e-4, "trl_batch": 4}  # fmt: skip
+           "beta": 0.25, "lr": 3e-4, "trl_batch": 4, "seed": 42}  # fmt: skip
     ours = leantune_command("m", tmp_path / "p.jsonl", tmp_path / "r", ctx)
     theirs = trl_command("m", tmp_path / "p.jsonl", tmp_path / "t", ctx)
     assert {"preference.beta=0.25", "train.lr=0.0003", "train.max_steps=7",
@@ -55,6 +62,20 @@ def test_both_commands_get_the_same_beta_lr_and_steps(tmp_path: Path) -> None:
         "m", tmp_path / "p.jsonl", tmp_path / "r", {**ctx, "precision_asked": "fp32"}
     )
     assert [a for a in asked if a.startswith("train.precision")] == ["train.precision=fp32"]
+
+
+def test_each_repetition_trains_both_systems_with_its_own_seed(tmp_path: Path) -> None:
+    """Each system is deterministic for a seed, so repetitions with one seed repeat one sample:
+    rep k gives both systems seed 42 + k (their LoRA start and pair order), and the medians and
+    ranges are over seeds."""
+    ctx = {"precision": "bf16", "precision_asked": "auto", "threads": 2, "steps": None,
+           "beta": 0.1, "lr": 2e-3, "trl_batch": 4}  # fmt: skip
+    for rep in (0, 2):
+        seeded = {**ctx, "seed": rep_seed(rep)}
+        ours = leantune_command("m", tmp_path / "p.jsonl", tmp_path / "r", seeded)
+        theirs = trl_command("m", tmp_path / "p.jsonl", tmp_path / "t", seeded)
+        flags = dict(zip(theirs[3::2], theirs[4::2], strict=False))
+        assert f"train.seed={42 + rep}" in ours and flags["--seed"] == str(42 + rep)
 
 
 def test_the_cli_refuses_more_pairs_than_the_demo_data_holds() -> None:
@@ -76,6 +97,7 @@ def test_aggregate_takes_medians_and_judges_the_targets() -> None:
     assert table["ratios"]["useful_tokens_per_s"] == 210.0 / 100.0  # medians, not means
     assert table["ratios"]["peak_rss"] == 0.5
     assert table["ratios"]["accuracy_points"] == pytest.approx(0.0)
+    assert table["leantune"]["preference_accuracy_range"] == [0.88, 0.91]  # the seeds' spread
     assert table["targets_met"] == dict.fromkeys(
         ("useful_tokens_per_s", "peak_rss", "accuracy_points"), True
     )
@@ -97,6 +119,7 @@ def test_the_benchmark_runs_both_systems_and_ends_with_one_json_line(
     runs = {r["system"]: r for r in result["runs"]}
     trl, ours = runs["trl_dpo"], runs["leantune"]
     assert (trl["steps"], ours["steps"]) == (2, 2)
+    assert (trl["seed"], ours["seed"]) == (42, 42)  # rep 0's seed, both systems
     assert (trl["pairs"], trl["batch_pairs"]) == (8, 4)
     assert (trl["precision"], ours["precision"], result["precision"]) == ("fp32",) * 3
     # The same 8 pairs, each answer after its prompt, in both: the useful tokens agree but for
