@@ -1,12 +1,13 @@
 """oneDNN's kernel caches, bounded: without it a run's RSS grows with every new row length.
 
-torch runs bf16 matmuls (and bmm) on CPU through oneDNN, which compiles a kernel for each shape
-and keeps it in two caches keyed by the shape: oneDNN's primitive cache and ideep's LRU cache
-of its matmul objects, 1024 entries each by default. Packed rows and micro-batches change
-length at every step, so every step adds entries: on a 2-core EPYC (avx512_bf16, no AMX), the
-demo model's linears in bf16 grew RSS by ~6 MB per new length (~0.5 MiB per shape cached, the
-two caches about half each, whatever the shape's size), up to ~0.6 GiB at ~100 lengths where
-the caches fill; a LoRA DPO run grew from 1.90 to 2.38 GiB in 16 steps. fp32 matmuls (MKL) cache nothing. With both caches at
+torch runs bf16 matmuls, bmm and the flash attention's kernels on CPU through oneDNN, which
+compiles a kernel for each shape and keeps it in two caches keyed by the shape: oneDNN's
+primitive cache and ideep's LRU cache of its matmul objects, 1024 entries each by default.
+Packed rows, micro-batches and their examples change length at every step, so every step adds
+entries: on a 2-core EPYC (avx512_bf16, no AMX), the demo model's linears in bf16 grew RSS by
+~6 MB per new length (~0.5 MiB per shape cached, the two caches about half each, whatever the
+shape's size), up to ~0.6 GiB at ~100 lengths where the caches fill; a LoRA DPO run grew from
+1.90 to 2.38 GiB in 16 steps. fp32 matmuls (MKL) cache nothing. With both caches at
 `CAPACITY` entries, which still hold the kernels one micro-batch reuses across the layers and
 from forward to backward, the same run stayed at 2.17-2.20 GiB at the same step time
 (docs/benchmarks.md#kernel-caches). Both libraries read the capacities once, at their first
