@@ -33,6 +33,7 @@ from leantune.bench.preference_pairs import HELDOUT_SOURCE, TRAIN_SOURCE, write_
 from leantune.bench.throughput import cpu_name, leantune_result, run_child
 from leantune.bench.throughput_args import BASELINE_RESULT
 from leantune.core.allocator import without_leantune_preload
+from leantune.core.kernel_caches import without_leantune_kernel_caches
 from leantune.core.precision import resolve_precision
 from leantune.eval.preference import evaluate_preference
 from leantune.layout import RunPaths
@@ -95,8 +96,9 @@ def one_run(system: str, work: Path, rep: int, ctx: dict[str, Any], log: Log) ->
     else:
         cmd = trl_command(ctx["model"], ctx["train"], out, ctx)
         # The baseline runs with the allocator its user would have: not the tcmalloc that the
-        # leantune command preloaded into this process (a preload of the user's own stays).
-        base = without_leantune_preload(os.environ)
+        # leantune command preloaded into this process (a preload of the user's own stays),
+        # and oneDNN's own cache capacities.
+        base = without_leantune_kernel_caches(without_leantune_preload(os.environ))
     code, rss, wall, tail = run_child(cmd, ctx["threads"], base_env=base)
     if code != 0:
         raise RuntimeError(f"{system} rep {rep} failed (exit {code}):\n{tail}")

@@ -36,6 +36,7 @@ from leantune.bench.chat_corpus import write_corpus
 from leantune.bench.model_shapes import build_model, parameter_count
 from leantune.bench.throughput_args import BASELINE_RESULT, HF_BATCH, add_arguments
 from leantune.core.allocator import without_leantune_preload
+from leantune.core.kernel_caches import without_leantune_kernel_caches
 from leantune.core.openmp import without_leantune_wait_policy
 from leantune.core.precision import resolve_precision
 from leantune.data.dataset import prepared_data
@@ -166,8 +167,11 @@ def hf_command(
 
 def baseline_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """`environ` without what the leantune command set in it for itself (`core.allocator`'s
-    preload, `core.openmp`'s wait policy): what a baseline's user would run with."""
-    return without_leantune_wait_policy(without_leantune_preload(environ))
+    preload, `core.openmp`'s wait policy, `core.kernel_caches`' capacities): what a
+    baseline's user would run with."""
+    return without_leantune_kernel_caches(
+        without_leantune_wait_policy(without_leantune_preload(environ))
+    )
 
 
 def leantune_result(run_dir: Path) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from leantune.cli.args import Parser
 from leantune.cli.crash import report_internal_error
 from leantune.core.allocator import reexec_with_allocator
 from leantune.core.cpu_load import machine_contended
+from leantune.core.kernel_caches import bound_kernel_caches
 from leantune.core.openmp import set_wait_policy
 from leantune.errors import UserError
 from leantune.models.quiet import quiet_import_noise
@@ -96,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
         # Here, before any command imports torch: libgomp reads its wait policy once, when torch
         # loads it. In os.environ, so the re-execution below (execve) carries it too.
         set_wait_policy(os.environ, machine_contended)
+        # Also before torch: oneDNN and ideep read their cache capacities once (first matmul).
+        bound_kernel_caches(os.environ)
         reexec_with_allocator()  # tcmalloc preloaded: returns only if already so, or not
     # The checks that need no model run before the command's module imports torch, so a wrong
     # flag fails in a fraction of a second.

@@ -9,6 +9,7 @@ known to be this run's.
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import torch
@@ -17,6 +18,7 @@ from leantune.config import Config
 from leantune.config.parse import ParseError, check_value, field_types
 from leantune.config.schema import MethodConfig
 from leantune.core.allocator import allocator_note
+from leantune.core.kernel_caches import bound_kernel_caches
 from leantune.core.precision import pick_device, resolve_precision
 from leantune.core.threads import configure_threads
 from leantune.methods.checks import effective_pack
@@ -85,6 +87,10 @@ def device_and_precision(cfg: Config) -> tuple[torch.device, Config, list[str]]:
     precision it started with), and the lines that say how many CPU threads run and what auto
     chose for the precision and why."""
     device = pick_device(cfg.train.device)
+    if device.type == "cpu":
+        # Before the precision probe's bf16 matmul, where oneDNN reads the capacities; the
+        # `leantune` command set them already, this is for the Python API.
+        bound_kernel_caches(os.environ)
     # Threads before the precision probe: it measures (and caches by) the thread count.
     notes: list[str | None] = (
         [configure_threads(), allocator_note()] if device.type == "cpu" else []
