@@ -23,6 +23,11 @@ def peak_memory_bytes(device: torch.device) -> int:
     return peak_rss_bytes()
 
 
+_reported = {"peak": 0}
+"""The highest CPU peak `memory_stats` reported since `start_training_memory`: a peak never falls,
+though the kernel's VmHWM can trail an RSS reported before it."""
+
+
 def start_training_memory() -> int | None:
     """At the start of training on CPU: the process's peak so far (the load phase), with the
     kernel's high-water mark (VmHWM) then reset, so that the peaks `memory_stats` reports from
@@ -30,6 +35,7 @@ def start_training_memory() -> int | None:
     # The load phase's RSS counts the checkpoint's file pages while they are mapped, a peak
     # training never reaches again; without the reset it would stand for training's.
     peak = status_bytes("VmHWM")
+    _reported["peak"] = 0
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current RSS (Linux 4.0+, proc(5))
@@ -53,8 +59,10 @@ def memory_stats(device: torch.device) -> dict[str, int]:
     rss = current_rss_bytes()
     hwm = status_bytes("VmHWM")
     peak = hwm if hwm is not None else peak_memory_bytes(device)  # ru_maxrss is never reset
-    # The kernel updates its high-water mark lazily, so it can trail the current RSS.
-    out = {"rss_bytes": rss, "peak_mem_bytes": max(rss, peak)}
+    # The kernel updates its high-water mark lazily, so it can trail the current RSS, and after
+    # RSS falls again, trail an RSS reported earlier: the peak is the highest seen.
+    _reported["peak"] = max(_reported["peak"], rss, peak)
+    out = {"rss_bytes": rss, "peak_mem_bytes": _reported["peak"]}
     # The anonymous part is the run's tensors and heap; the rest of RSS is file pages (a mapped
     # checkpoint) that the kernel can drop, so it is the better measure of what training holds.
     anon = status_bytes("RssAnon")

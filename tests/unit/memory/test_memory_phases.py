@@ -66,3 +66,22 @@ def test_summary_reports_the_load_peak_apart(
         [(r["peak_mem_bytes"], r["rss_bytes"], r["rss_anon_bytes"]) for r in steps],
     )
     assert summary["train_peak_mem_bytes"] >= max(r["peak_mem_bytes"] for r in steps)
+
+
+def test_the_cpu_peak_never_falls_below_an_rss_already_reported(monkeypatch) -> None:
+    """The kernel updates VmHWM lazily: a row may report RSS above it as the peak; a later
+    reading, with RSS down and VmHWM not yet caught up, must not report a lower peak (the
+    summary's training peak read at the end fell 8 KiB below a step's in one CI run)."""
+    import leantune.monitor.metrics as metrics
+
+    readings = iter([(200, 100), (150, 180), (120, 190)])  # (RSS, VmHWM) per reading
+    now = {"rss": 0, "hwm": 0}
+
+    def step() -> dict[str, int]:
+        now["rss"], now["hwm"] = next(readings)
+        return memory_stats(torch.device("cpu"))
+
+    monkeypatch.setattr(metrics, "current_rss_bytes", lambda: now["rss"])
+    monkeypatch.setattr(metrics, "status_bytes", lambda key: now["hwm"] if key == "VmHWM" else None)
+    start_training_memory()  # training's peak starts here (the readings above are training's)
+    assert [step()["peak_mem_bytes"] for _ in range(3)] == [200, 200, 200]
