@@ -210,6 +210,9 @@ def test_the_first_signal_is_deferred_and_a_second_one_stops_at_once() -> None:
 def test_sighup_stops_like_sigterm_with_129_and_nohup_keeps_it_ignored() -> None:
     before = signal.getsignal(signal.SIGHUP)
     try:
+        # A suite started under nohup inherits SIGHUP ignored, which StopSignals keeps (the
+        # second half): the first half is about a terminal's SIGHUP, so it starts from the default.
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
         with StopSignals() as stop, stop.deferred():
             # Checked first: with SIGHUP's default action the kill below would end pytest.
             assert signal.getsignal(signal.SIGHUP) not in (signal.SIG_DFL, signal.SIG_IGN)
