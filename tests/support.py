@@ -10,6 +10,7 @@ tests/conftest.py in a `from conftest import`.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -34,7 +35,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from leantune.cli import app
 from leantune.config import Config
+from leantune.core import allocator
 from leantune.data.dataset import PreparedData, prepared_data
 from leantune.data.prepare.records import PrepareSettings
 from leantune.monitor.dashboard import make_server
@@ -416,3 +419,28 @@ def pref_args(model: Path, data: Path, run: Path, objective: str, *extra: str) -
         "method.dropout=0",
         *extra,
     )
+
+
+class _Executed(Exception):
+    """Raised by the fake execve of `reexecuted_environment`: the command stops there."""
+
+
+def reexecuted_environment(
+    monkeypatch: pytest.MonkeyPatch, cleared: tuple[str, ...], contended: bool
+) -> dict[str, str]:
+    """The environment the `leantune` command re-executes itself with (the tcmalloc preload's
+    execve, faked), with the variables `cleared` unset first and the machine `contended` or not."""
+    for name in (*cleared, allocator.MARK, "LD_PRELOAD"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test
+    monkeypatch.setattr(allocator, "preload_for", lambda environ: Path("/lib/libtcmalloc.so.4"))
+    seen: dict[str, str] = {}
+
+    def execve(path: str, argv: list[str], env: dict[str, str]) -> None:
+        seen.update(env)
+        raise _Executed
+
+    monkeypatch.setattr(allocator.os, "execve", execve)
+    monkeypatch.setattr(app, "machine_contended", lambda: contended)
+    with pytest.raises(_Executed):
+        app.run(argparse.Namespace(own_process=True, command="train", check=None, run="x:y"))
+    return seen

@@ -4,17 +4,14 @@ bounding what a process keeps for the row lengths it has seen."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from support import reexecuted_environment
 
 from leantune.bench.throughput import baseline_environment
-from leantune.cli import app
-from leantune.core import allocator
 from leantune.core.kernel_caches import (
     CAPACITY,
     LRU,
@@ -57,24 +54,8 @@ def test_a_capacity_that_crashes_torch_is_refused_naming_the_fix() -> None:
         bound_kernel_caches({LRU: "0"})
 
 
-class _Executed(Exception):
-    pass
-
-
 def test_the_reexecuted_command_carries_the_capacities(monkeypatch) -> None:
-    for name in (*VARIABLES, allocator.MARK, "LD_PRELOAD"):
-        monkeypatch.delenv(name, raising=False)  # restored after the test
-    monkeypatch.setattr(allocator, "preload_for", lambda environ: Path("/lib/libtcmalloc.so.4"))
-    seen: dict[str, str] = {}
-
-    def execve(path: str, argv: list[str], env: dict[str, str]) -> None:
-        seen.update(env)
-        raise _Executed
-
-    monkeypatch.setattr(allocator.os, "execve", execve)
-    monkeypatch.setattr(app, "machine_contended", lambda: False)
-    with pytest.raises(_Executed):
-        app.run(argparse.Namespace(own_process=True, command="train", check=None, run="x:y"))
+    seen = reexecuted_environment(monkeypatch, VARIABLES, contended=False)
     assert seen[PRIMITIVES] == seen[LRU] == str(CAPACITY)
 
 

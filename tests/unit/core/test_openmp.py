@@ -8,7 +8,7 @@ import argparse
 import os
 from pathlib import Path
 
-import pytest
+from support import reexecuted_environment
 
 from leantune.bench.throughput import baseline_environment
 from leantune.cli import app
@@ -53,25 +53,8 @@ def test_the_baseline_runs_with_the_policy_its_user_has() -> None:
     assert base["PATH"] == "/bin" and not {POLICY, MARK, "LD_PRELOAD"} & set(base)
 
 
-class _Executed(Exception):
-    pass
-
-
 def test_the_reexecuted_command_carries_the_wait_policy(monkeypatch) -> None:
-    for name in (POLICY, SPINCOUNT, MARK, allocator.MARK, "LD_PRELOAD"):
-        monkeypatch.delenv(name, raising=False)  # restored after the test
-    monkeypatch.setattr(allocator, "preload_for", lambda environ: Path("/lib/libtcmalloc.so.4"))
-    seen: dict[str, str] = {}
-
-    def execve(path: str, argv: list[str], env: dict[str, str]) -> None:
-        seen.update(env)
-        raise _Executed
-
-    monkeypatch.setattr(allocator.os, "execve", execve)
-    monkeypatch.setattr(app, "machine_contended", lambda: True)
-    args = argparse.Namespace(own_process=True, command="train", check=None, run="x:y")
-    with pytest.raises(_Executed):
-        app.run(args)
+    seen = reexecuted_environment(monkeypatch, (POLICY, SPINCOUNT, MARK), contended=True)
     assert seen[POLICY] == "PASSIVE" and seen[MARK] == "PASSIVE"
     assert seen["LD_PRELOAD"] == "/lib/libtcmalloc.so.4"
     assert os.environ[POLICY] == "PASSIVE"  # this process too, where the exec fails
