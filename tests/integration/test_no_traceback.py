@@ -11,11 +11,13 @@ import errno
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from model_zoo import save_family_model
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from support import run_cli, tiny_train_args, write_jsonl
 
@@ -124,6 +126,60 @@ def test_a_rank_of_a_distributed_train_names_itself_and_logs_apart(
     log = Path(found["log"])
     assert log.parent == run and "rank1" in log.name
     assert "RuntimeError: boom" in log.read_text()
+
+
+def _library_write_refused(code: int, kind: str) -> Callable[..., None]:
+    """A stand-in for a library's own writer (transformers' save_pretrained, safetensors'
+    save_file) meeting a full or read-only disk, as each reports it."""
+
+    def fail(*_args: object, **_kwargs: object) -> None:
+        if kind == "safetensors":  # Rust's text: no errno attribute, no file name
+            raise SafetensorError(
+                f"Error while serializing: I/O error: {os.strerror(code)} (os error {code})"
+            )
+        raise OSError(code, os.strerror(code), "/elsewhere/shard-1.safetensors")
+
+    return fail
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "oserror"])
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EROFS])
+def test_a_library_write_refused_by_the_disk_is_exit_2_not_an_internal_error(
+    code: int, kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_qwen2_dir: Path
+) -> None:
+    """A write leantune's own helpers did not make (a library's) still meets the promise: a
+    full, over-quota or read-only disk is the user's to fix, exit 2, the file named where the
+    error names one, else the command's output, and no crash log."""
+    monkeypatch.setenv("LEANTUNE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(
+        "leantune.bench.throughput.run_benchmark", _library_write_refused(code, kind)
+    )
+    out = tmp_path / "bench"
+    done = run_cli(["bench", "throughput", "--model", str(tiny_qwen2_dir), "--out", str(out)])
+    assert done.code == 2, done
+    lines = done.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.err
+    assert (
+        f"[{errno.errorcode[code]}]" in lines[0] and "then run the same command again" in lines[0]
+    )
+    named = "/elsewhere/shard-1.safetensors" if kind == "oserror" else str(out)
+    assert named in lines[0], lines[0]
+    assert not (tmp_path / "home" / "crashes").exists()
+
+
+def test_an_error_of_another_errno_in_a_library_write_is_still_internal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_qwen2_dir: Path
+) -> None:
+    """Only the refusals a read never meets are the user's without a named file: an I/O error
+    or a permission error of a library's unnamed write stays leantune's to explain (exit 70)."""
+    monkeypatch.setenv("LEANTUNE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(
+        "leantune.bench.throughput.run_benchmark",
+        _library_write_refused(errno.EIO, "safetensors"),
+    )
+    done = run_cli(["bench", "throughput", "--model", str(tiny_qwen2_dir), "--out", str(tmp_path)])
+    assert done.code == 70, done
+    assert "internal error: SafetensorError" in done.err
 
 
 # --- chat templates that refuse a conversation ------------------------------------------------

@@ -30,7 +30,7 @@ from typing import Any
 
 from leantune.bench.preference_args import add_arguments
 from leantune.bench.preference_pairs import HELDOUT_SOURCE, TRAIN_SOURCE, write_pairs
-from leantune.bench.throughput import cpu_name, leantune_result, run_child
+from leantune.bench.throughput import child_failure, cpu_name, leantune_result, run_child
 from leantune.bench.throughput_args import BASELINE_RESULT
 from leantune.core.allocator import without_leantune_preload
 from leantune.core.kernel_caches import without_leantune_kernel_caches
@@ -101,7 +101,7 @@ def one_run(system: str, work: Path, rep: int, ctx: dict[str, Any], log: Log) ->
         base = without_leantune_kernel_caches(without_leantune_preload(os.environ))
     code, rss, wall, tail = run_child(cmd, ctx["threads"], base_env=base)
     if code != 0:
-        raise RuntimeError(f"{system} rep {rep} failed (exit {code}):\n{tail}")
+        raise child_failure(f"{system} rep {rep}", code, tail, out)
     result = (
         leantune_result(out)
         if system == "leantune"

@@ -35,6 +35,7 @@ from typing import Any
 from leantune.bench.chat_corpus import write_corpus
 from leantune.bench.model_shapes import build_model, parameter_count
 from leantune.bench.throughput_args import BASELINE_RESULT, HF_BATCH, add_arguments
+from leantune.core import writes
 from leantune.core.allocator import without_leantune_preload
 from leantune.core.kernel_caches import without_leantune_kernel_caches
 from leantune.core.openmp import without_leantune_wait_policy
@@ -121,6 +122,17 @@ def run_child(
     # Popen did not reap it: set its code, so that it does not wait again or warn on delete.
     proc.returncode = os.waitstatus_to_exitcode(status)
     return proc.returncode, usage.ru_maxrss * 1024, time.perf_counter() - started, output[-3000:]
+
+
+def child_failure(label: str, code: int, output: str, out: Path) -> Exception:
+    """What a benchmarked process that exited with `code` is raised as: the user's error when
+    its output reports a full or read-only disk (named by the run's folder `out`), else an
+    error whose first line is the process's own last line (its exception), then its output."""
+    refused = writes.write_refusal_in_text(output)
+    if refused is not None:
+        return writes.library_refusal(out, refused)
+    last = next((line.strip() for line in reversed(output.splitlines()) if line.strip()), "")
+    return RuntimeError(f"{label} failed (exit {code}): {last}\n{output}")
 
 
 def leantune_command(
@@ -215,7 +227,7 @@ def one_run(
                 f"\n(killed, most likely for memory at peak RSS {rss / 2**30:.1f} GiB: a user "
                 f"would lower the micro-batch, e.g. --hf-micro-batch {max(1, micro // 2)})"
             )
-        raise RuntimeError(f"{system} {method} rep {rep} failed (exit {code}):\n{tail}{hint}")
+        raise child_failure(f"{system} {method} rep {rep}", code, tail + hint, out)
     result = (
         leantune_result(out)
         if system == "leantune"

@@ -34,6 +34,7 @@ from leantune import __version__
 from leantune.cli import bench, inference, monitor, prepare, train
 from leantune.cli.args import Parser
 from leantune.cli.crash import report_internal_error
+from leantune.core import writes
 from leantune.core.allocator import reexec_with_allocator
 from leantune.core.cpu_load import machine_contended
 from leantune.core.kernel_caches import bound_kernel_caches
@@ -160,6 +161,13 @@ def _run_reporting(args: argparse.Namespace, argv: list[str] | None) -> int:
     except Exception as e:  # leantune's bug: one labelled line, the traceback in a log file
         run_dir = getattr(args, "run_dir", None)  # set by the commands that have one (train)
         where = Path(run_dir) if run_dir else None
+        # Unless a full or read-only disk refused a library's own write (a model's shards):
+        # the user's to fix, like every refusal leantune's write helpers meet.
+        output = where or (Path(args.out) if getattr(args, "out", None) else None)
+        refused = writes.library_write_refused(e, output)
+        if refused is not None:
+            print(f"error: {rank_tag()}{refused}", file=sys.stderr)
+            return refused.exit_code
         return report_internal_error(e, sys.argv[1:] if argv is None else argv, where, rank_tag())
 
 

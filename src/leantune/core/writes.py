@@ -21,6 +21,10 @@ Two rules hold for every one of them:
   A permission or I/O error counts only when it names the file being written (reading an input
   can meet those too, and is not this module's to explain).
 
+A writer that does not go through here (a library's own: transformers' `save_pretrained`)
+meets the same rule at the CLI's top-level handler, :func:`library_write_refused`: a full,
+over-quota or read-only disk behind any exception is exit 2, not an internal error.
+
 Checkpoints keep their own protocol (`leantune.training.state.checkpoint`: a marker, checksums, the
 old one put back), with the same two rules; their refusal is `CheckpointWriteError`, an
 :class:`OutputError` too.
@@ -58,6 +62,8 @@ WRITE_ONLY = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
 
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 """How safetensors (Rust) reports the OSError behind a failed write."""
+_TEXT_ERRNO = re.compile(r"\(os error (\d+)\)|\[Errno (\d+)\]")
+"""An errno in a process's printed error: Rust's ``(os error N)``, Python's ``[Errno N]``."""
 _LINK_ERRORS = (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENOTDIR)
 """What an open with O_NOFOLLOW | O_NONBLOCK answers on a link, a FIFO, a folder."""
 
@@ -256,6 +262,58 @@ def as_write_refused(
             return refused(where, code, target=path)
         current = current.__cause__ or current.__context__
     return None
+
+
+def library_write_refused(exc: BaseException, output: Path | None) -> WriteRefused | None:
+    """`exc` as the user's error when a full, over-quota or read-only disk refused a write that
+    did not go through this module (a library's own writer: transformers' `save_pretrained`,
+    safetensors' `save_file`), else None: the top-level handler's last look before calling an
+    exception leantune's bug.
+
+    Only the refusals a read never meets count (`WRITE_ONLY`). Named by the file the error
+    names, else by `output` (the command's output: its run directory or --out), else by the
+    refusal alone; nothing is claimed about that output's earlier content (a library's writer
+    need not be atomic).
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        code = _errno_of(current)
+        if code in WRITE_ONLY:
+            named = getattr(current, "filename", None)
+            where = Path(named) if isinstance(named, str) else output
+            return library_refusal(where, code)
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def write_refusal_in_text(text: str) -> int | None:
+    """The errno of the last refused write (`WRITE_ONLY`) a process printed (its traceback's
+    ``[Errno N]`` or ``(os error N)``); None when it printed none."""
+    codes = [int(a or b) for a, b in _TEXT_ERRNO.findall(text)]
+    found = [c for c in codes if c in WRITE_ONLY]
+    return found[-1] if found else None
+
+
+def library_refusal(where: Path | None, code: int) -> WriteRefused:
+    """The refused write (`code`) of a writer other than this module's, named by `where`."""
+    reason = f"{os.strerror(code)} [{errno.errorcode.get(code, code)}]"
+    fix = FIXES[code]
+    if where is None:
+        free = _free_space(Path.cwd()) if code == errno.ENOSPC else ""
+        return WriteRefused(
+            f"a write was refused: {reason}{free}. Fix: {fix}, then run the same command again.",
+            Path.cwd(),
+            code,
+        )
+    free = _free_space(where) if code == errno.ENOSPC else ""  # statvfs takes a file too
+    return WriteRefused(
+        f"cannot write {where}: {reason}{free}; the command stopped at that write. Fix: {fix}, "
+        "then run the same command again.",
+        where,
+        code,
+    )
 
 
 def _within(path: Path, folder: Path) -> bool:

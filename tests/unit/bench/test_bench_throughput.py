@@ -13,13 +13,16 @@ from support import run_cli
 
 from leantune.bench.chat_corpus import write_corpus
 from leantune.bench.throughput import (
+    child_failure,
     flops_per_token,
     hf_command,
     leantune_command,
     parser,
     run_benchmark,
 )
+from leantune.cli.crash import one_line
 from leantune.core.allocator import find_tcmalloc, library_dirs, preloaded_environment
+from leantune.core.writes import WriteRefused
 from leantune.layout import RunPaths
 from leantune.models.loading import load_tokenizer, resolve_model
 
@@ -172,3 +175,30 @@ def test_the_baseline_micro_batch_must_divide_its_batch() -> None:
 def test_the_cli_shows_the_benchmark_help() -> None:
     result = run_cli(["bench", "throughput", "--help"])
     assert result.code == 0 and "--conversations" in result.out
+
+
+def test_a_child_that_met_a_full_disk_is_the_users_error_naming_its_folder(
+    tmp_path: Path,
+) -> None:
+    """The baseline saving its model onto a full disk (what its process printed, 2026-12-06):
+    exit 2 naming the run's folder, not leantune's internal error."""
+    out = tmp_path / "hf_trainer_peft-lora-1"
+    printed = (
+        "Writing model shards:   0%|          | 0/1\nTraceback (most recent call last):\n"
+        '  File "hf_baseline.py", line 116, in run\n'
+        "safetensors._safetensors_rust.SafetensorError: Error while serializing: I/O error: "
+        "No space left on device (os error 28)\n"
+    )
+    found = child_failure("hf_trainer_peft lora rep 1", 1, printed, out)
+    assert isinstance(found, WriteRefused) and found.exit_code == 2
+    assert str(out) in str(found) and "No space left on device [ENOSPC]" in str(found)
+
+
+def test_a_failed_child_is_reported_by_its_own_last_line_first() -> None:
+    """The one line an internal error prints holds the start of its message: the child's
+    exception, not the warnings that lead its output."""
+    printed = "W1206 a torch warning " * 60 + "\nTraceback ...\nValueError: bad shape (3, 4)\n\n"
+    found = child_failure("leantune lora rep 0", 1, printed, Path("runs/x"))
+    assert not isinstance(found, WriteRefused)
+    assert one_line(found).startswith("leantune lora rep 0 failed (exit 1): ValueError: bad shape")
+    assert printed in str(found)  # the whole output still goes to the crash log
