@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -247,6 +248,17 @@ def one_run(
     return result
 
 
+WEIGHT_FOLDERS = ("checkpoints", "final", "model", "trainer")
+"""What a run's folder holds of weights: leantune's checkpoints and final model, the
+baseline's saved model and its Trainer's output."""
+
+
+def drop_weights(run: Path) -> None:
+    """Remove a judged run's weights (`WEIGHT_FOLDERS`); its config, metrics and summary stay."""
+    for name in WEIGHT_FOLDERS:
+        shutil.rmtree(run / name, ignore_errors=True)
+
+
 def heldout_loss(model_dir: str, eval_file: Path, max_seq_len: int) -> float:
     """Mean loss per supervised token on the held-out conversations (fp32, unpacked)."""
 
@@ -417,6 +429,8 @@ def _alternate(
                 # Judged at once (between runs, outside what is timed): a stopped benchmark
                 # leaves every finished run whole in runs.jsonl, its held-out loss included.
                 r["heldout_loss"] = heldout_loss(r["model_dir"], ctx["heldout"], args.max_seq_len)
+                if not args.keep_models:
+                    drop_weights(Path(r["model_dir"]).parent)
                 runs.append(r)
                 with (work / RUNS_LOG).open("a") as f:
                     f.write(json.dumps(r) + "\n")

@@ -147,6 +147,10 @@ def test_both_systems_train_the_same_examples(
         ]
         is not False
     )
+    # Judged runs keep their record, not their weights (--keep-models keeps them).
+    for run in ("hf_trainer_peft-lora-0", "leantune-lora-0", "leantune-lora-0-same"):
+        assert not list((tmp_path / "bench" / run).rglob("*.safetensors")), run
+    assert RunPaths(tmp_path / "bench" / "leantune-lora-0").summary.is_file()
     both = result["same_updates"]["lora"]
     assert both["hf_trainer_peft"] == row["hf_trainer_peft"]  # one baseline, two comparisons
     assert both["leantune"]["steps"] == both["hf_trainer_peft"]["steps"] == 2
