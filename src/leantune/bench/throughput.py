@@ -43,6 +43,7 @@ from leantune.core.openmp import without_leantune_wait_policy
 from leantune.core.precision import resolve_precision
 from leantune.data.dataset import prepared_data
 from leantune.data.prepare.records import PrepareSettings
+from leantune.errors import UserError
 from leantune.eval.perplexity import evaluate_loss
 from leantune.layout import RunPaths
 from leantune.methods.artifacts import load_for_inference
@@ -221,14 +222,15 @@ def one_run(
     # ones the leantune command set in this process (a user's own stay).
     base = os.environ if system == "leantune" else baseline_environment(os.environ)
     code, rss, wall, tail = run_child(cmd, ctx["threads"], base_env=base)
+    if code == -9 and system != "leantune":  # SIGKILL: the kernel's OOM killer, mostly
+        # The baseline's batch of 8 not fitting this machine is the user's to choose around.
+        raise UserError(
+            f"the baseline ({system} {method} rep {rep}) was killed, most likely for memory at "
+            f"peak RSS {rss / 2**30:.1f} GiB: lower its micro-batch (the same 8 examples per "
+            f"update by accumulation), e.g. --hf-micro-batch {max(1, micro // 2)}"
+        )
     if code != 0:
-        hint = ""
-        if code == -9 and system != "leantune":  # SIGKILL: the kernel's OOM killer, mostly
-            hint = (
-                f"\n(killed, most likely for memory at peak RSS {rss / 2**30:.1f} GiB: a user "
-                f"would lower the micro-batch, e.g. --hf-micro-batch {max(1, micro // 2)})"
-            )
-        raise child_failure(f"{system} {method} rep {rep}", code, tail + hint, out)
+        raise child_failure(f"{system} {method} rep {rep}", code, tail, out)
     result = (
         leantune_result(out)
         if system == "leantune"

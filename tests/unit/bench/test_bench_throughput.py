@@ -17,12 +17,14 @@ from leantune.bench.throughput import (
     flops_per_token,
     hf_command,
     leantune_command,
+    one_run,
     parser,
     run_benchmark,
 )
 from leantune.cli.crash import one_line
 from leantune.core.allocator import find_tcmalloc, library_dirs, preloaded_environment
 from leantune.core.writes import WriteRefused
+from leantune.errors import UserError
 from leantune.layout import RunPaths
 from leantune.models.loading import load_tokenizer, resolve_model
 
@@ -216,3 +218,15 @@ def test_a_failed_child_is_reported_by_its_own_last_line_first() -> None:
     assert not isinstance(found, WriteRefused)
     assert one_line(found).startswith("leantune lora rep 0 failed (exit 1): ValueError: bad shape")
     assert printed in str(found)  # the whole output still goes to the crash log
+
+
+def test_a_baseline_killed_for_memory_is_the_users_to_choose_around(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 1.5B baseline at batch 8 was killed at 20.8 GiB on a 24 GiB machine (2026-12-06):
+    not leantune's bug (exit 70) but the user's choice of micro-batch, with the flag to use."""
+    killed = (-9, int(20.8 * 2**30), 60.0, "Loading weights: 100%")
+    monkeypatch.setattr("leantune.bench.throughput.run_child", lambda *a, **k: killed)
+    ctx = {"model": "m", "train": tmp_path / "t.jsonl", "precision": "bf16", "threads": 2}
+    with pytest.raises(UserError, match=r"20\.8 GiB: lower its micro-batch .* --hf-micro-batch 4"):
+        one_run("hf_trainer_peft", "lora", tmp_path, 0, {**ctx, "hf_micro_batch": 8}, print)
