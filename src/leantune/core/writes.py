@@ -244,13 +244,7 @@ def as_write_refused(
         return exc
     if isinstance(exc, UserError) and not isinstance(exc, OSError):
         return None  # already the user's message (a data error, a refused link, ...)
-    seen: set[int] = set()  # an exception's chain can loop back on itself
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        code = _errno_of(current)
-        named = getattr(current, "filename", None)
-        where = Path(named) if isinstance(named, str) else None
+    for code, where in _errnos(exc):
         # A full, over-quota or read-only disk only ever refuses writes; a permission or I/O
         # error is this write's only when it names the file written.
         ours = where is None or _within(where, path) or (tmp is not None and _within(where, tmp))
@@ -260,8 +254,19 @@ def as_write_refused(
             elif tmp is not None and _within(where, tmp):
                 where = path / where.relative_to(tmp) if where != tmp else path
             return refused(where, code, target=path)
-        current = current.__cause__ or current.__context__
     return None
+
+
+def _errnos(exc: BaseException) -> Iterator[tuple[int | None, Path | None]]:
+    """Each exception of `exc`'s chain (torch reports an OSError as the context of its own
+    error) as its errno and the file it names, `exc` first."""
+    seen: set[int] = set()  # an exception's chain can loop back on itself
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        named = getattr(current, "filename", None)
+        yield _errno_of(current), Path(named) if isinstance(named, str) else None
+        current = current.__cause__ or current.__context__
 
 
 def library_write_refused(exc: BaseException, output: Path | None) -> WriteRefused | None:
@@ -275,16 +280,9 @@ def library_write_refused(exc: BaseException, output: Path | None) -> WriteRefus
     refusal alone; nothing is claimed about that output's earlier content (a library's writer
     need not be atomic).
     """
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        code = _errno_of(current)
-        if code in WRITE_ONLY:
-            named = getattr(current, "filename", None)
-            where = Path(named) if isinstance(named, str) else output
-            return library_refusal(where, code)
-        current = current.__cause__ or current.__context__
+    for code, named in _errnos(exc):
+        if code is not None and code in WRITE_ONLY:
+            return library_refusal(named or output, code)
     return None
 
 
@@ -298,8 +296,7 @@ def write_refusal_in_text(text: str) -> int | None:
 
 def library_refusal(where: Path | None, code: int) -> WriteRefused:
     """The refused write (`code`) of a writer other than this module's, named by `where`."""
-    reason = f"{os.strerror(code)} [{errno.errorcode.get(code, code)}]"
-    fix = FIXES[code]
+    reason, fix = _reason(code), FIXES[code]
     if where is None:
         free = _free_space(Path.cwd()) if code == errno.ENOSPC else ""
         return WriteRefused(
@@ -316,6 +313,11 @@ def library_refusal(where: Path | None, code: int) -> WriteRefused:
     )
 
 
+def _reason(code: int) -> str:
+    """The refusal as the system says it, with its symbolic name (what a user searches for)."""
+    return f"{os.strerror(code)} [{errno.errorcode.get(code, code)}]"
+
+
 def _within(path: Path, folder: Path) -> bool:
     return path == folder or path.is_relative_to(folder)
 
@@ -323,7 +325,7 @@ def _within(path: Path, folder: Path) -> bool:
 def refused(where: Path, code: int, target: Path | None = None) -> WriteRefused:
     """The message for a write to `where` (a part of writing `target`) refused with `code`."""
     target = target if target is not None else where
-    reason = f"{os.strerror(code)} [{errno.errorcode.get(code, code)}]"
+    reason = _reason(code)
     folder = target.parent if target.name else target
     fix = FIXES.get(code, "write somewhere else").format(folder=folder)
     free = _free_space(folder) if code == errno.ENOSPC else ""
